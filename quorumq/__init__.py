@@ -1,0 +1,3 @@
+"""quorumq: a Raft-replicated, ordered message queue for Python."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,194 @@
+"""Commands: the only inputs of the queue machine.
+
+Every command is a frozen, keyword-only value that carries everything the machine
+needs to decide. Failure and time enter here too (`Down`, `NodeDown`, `Tick`): the
+machine reads no clock and watches no socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal, TypeAlias
+
+import attrs
+
+Overflow: TypeAlias = Literal["drop-head", "reject-publish"]
+
+DEFAULT_RETENTION_BYTES = 64 * 1024 * 1024
+"""Stream-view retention by body bytes when a queue does not say (64 MiB)."""
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute[int | None], value: int | None) -> None:
+    if value is not None and value < 0:
+        raise ValueError(f"{attr.name} must be >= 0, got {value}")
+
+
+def _headers(value: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    if value is None or not value:
+        return None
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"headers must map str to str, got {k!r}: {v!r}")
+    return dict(value)
+
+
+def _offsets(value: object) -> tuple[int, ...]:
+    offsets = tuple(value)  # type: ignore[call-overload]
+    for o in offsets:
+        if not isinstance(o, int) or o < 0:
+            raise ValueError(f"offsets must be non-negative ints, got {o!r}")
+    return offsets
+
+
+_str = attrs.validators.instance_of(str)
+_opt_str = attrs.validators.optional(_str)
+
+
+@attrs.frozen(kw_only=True)
+class QueueOptions:
+    """How one queue behaves. Fixed at declare time; a re-declare must match."""
+
+    max_length: int | None = attrs.field(default=None, validator=_non_negative)
+    """Most ready messages the queue holds; unacked ones do not count."""
+    overflow: Overflow = attrs.field(
+        default="drop-head", validator=attrs.validators.in_(("drop-head", "reject-publish"))
+    )
+    delivery_limit: int | None = attrs.field(default=None, validator=_non_negative)
+    """Returns (nack or consumer down) a message survives; one more dead-letters it."""
+    dead_letter_queue: str | None = attrs.field(default=None, validator=_opt_str)
+    single_active_consumer: bool = False
+    retention_messages: int | None = attrs.field(default=None, validator=_non_negative)
+    """Stream view: keep at most this many most recent messages (None: no count limit)."""
+    retention_bytes: int | None = attrs.field(
+        default=DEFAULT_RETENTION_BYTES, validator=_non_negative
+    )
+    """Stream view: keep at most this many body bytes (None: no byte limit)."""
+    message_ttl_ms: int | None = attrs.field(default=None)
+    """Ready messages older than this are dead-lettered or dropped."""
+
+    @message_ttl_ms.validator
+    def _check_ttl(self, _attr: object, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise ValueError(f"message_ttl_ms must be >= 1, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class Message:
+    """One message of an `EnqueueBatch`."""
+
+    body: bytes = attrs.field(validator=attrs.validators.instance_of(bytes))
+    key: str | None = attrs.field(default=None, validator=_opt_str)
+    headers: Mapping[str, str] | None = attrs.field(default=None, converter=_headers)
+
+
+@attrs.frozen(kw_only=True)
+class Declare:
+    queue: str = attrs.field(validator=_str)
+    options: QueueOptions = attrs.field(factory=QueueOptions)
+
+
+@attrs.frozen(kw_only=True)
+class Enqueue:
+    """Append one message. With `producer` and `seq` the enqueue is idempotent."""
+
+    queue: str = attrs.field(validator=_str)
+    body: bytes = attrs.field(validator=attrs.validators.instance_of(bytes))
+    key: str | None = attrs.field(default=None, validator=_opt_str)
+    headers: Mapping[str, str] | None = attrs.field(default=None, converter=_headers)
+    producer: str | None = attrs.field(default=None, validator=_opt_str)
+    seq: int | None = attrs.field(default=None, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class EnqueueBatch:
+    """Append many messages as one log entry: all land, in order, or none do."""
+
+    queue: str = attrs.field(validator=_str)
+    messages: tuple[Message, ...] = attrs.field(converter=tuple)
+    producer: str | None = attrs.field(default=None, validator=_opt_str)
+    first_seq: int | None = attrs.field(default=None, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class Subscribe:
+    """Add `consumer`, whose connection lives on `node`, to the service queue."""
+
+    queue: str = attrs.field(validator=_str)
+    consumer: str = attrs.field(validator=_str)
+    node: str = attrs.field(validator=_str)
+    prefetch: int = attrs.field(default=0, validator=_non_negative)
+    """Most unacked messages the consumer holds; 0 means no limit."""
+
+
+@attrs.frozen(kw_only=True)
+class Cancel:
+    """Stop new deliveries to `consumer`; what it holds stays until acked or down."""
+
+    queue: str = attrs.field(validator=_str)
+    consumer: str = attrs.field(validator=_str)
+
+
+@attrs.frozen(kw_only=True)
+class Ack:
+    queue: str = attrs.field(validator=_str)
+    consumer: str = attrs.field(validator=_str)
+    offsets: tuple[int, ...] = attrs.field(converter=_offsets)
+
+
+@attrs.frozen(kw_only=True)
+class Nack:
+    """Return (`requeue=True`) or reject (dead-letter or drop) held messages."""
+
+    queue: str = attrs.field(validator=_str)
+    consumer: str = attrs.field(validator=_str)
+    offsets: tuple[int, ...] = attrs.field(converter=_offsets)
+    requeue: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class Down:
+    """The consumer's connection is gone: on every queue it is on, return what it holds."""
+
+    consumer: str = attrs.field(validator=_str)
+
+
+@attrs.frozen(kw_only=True)
+class NodeDown:
+    """Every consumer on `node` is down; subscribes from it are refused until `NodeUp`."""
+
+    node: str = attrs.field(validator=_str)
+
+
+@attrs.frozen(kw_only=True)
+class NodeUp:
+    node: str = attrs.field(validator=_str)
+
+
+@attrs.frozen(kw_only=True)
+class CommitOffset:
+    """A stream reader's progress (`group`, e.g. a Spark query), kept in the log."""
+
+    queue: str = attrs.field(validator=_str)
+    group: str = attrs.field(validator=_str)
+    offset: int = attrs.field(validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class Tick:
+    """Moves time (message TTL, producer expiry) when nothing else does."""
+
+
+Command: TypeAlias = (
+    Declare
+    | Enqueue
+    | EnqueueBatch
+    | Subscribe
+    | Cancel
+    | Ack
+    | Nack
+    | Down
+    | NodeDown
+    | NodeUp
+    | CommitOffset
+    | Tick
+)

@@ -1,0 +1,65 @@
+"""Effects: what the machine asks the world to do, as plain values.
+
+The machine emits every effect on every replica. Which replica executes which effect
+is the replica's business: a `Deliver` is sent by the replica on `node` (or by the
+leader when `node` hosts no replica); the others only record it. Effects may run twice
+or not at all after a crash, so executors and clients must tolerate a redelivery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeAlias
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class Deliver:
+    """Send message `offset` of `queue` to `consumer`, whose connection is on `node`."""
+
+    queue: str
+    consumer: str
+    node: str
+    offset: int
+    key: str | None
+    body: bytes
+    headers: Mapping[str, str] | None
+    redelivered: bool
+    """True when the message was delivered before (to anyone) and returned."""
+    delivery_count: int
+    """How many earlier deliveries failed (nack with requeue, or consumer down)."""
+
+
+@attrs.frozen(kw_only=True)
+class ConsumerDown:
+    """`consumer` was removed from `queue` (`reason`: "down" or "node_down")."""
+
+    queue: str
+    consumer: str
+    node: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Dropped:
+    """Message `offset` left `queue` undelivered (max_length, expired, delivery_limit,
+    rejected, dead_letter_full)."""
+
+    queue: str
+    offset: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class DeadLettered:
+    """Message `offset` left `queue` and was enqueued at `target_offset` of `target_queue`."""
+
+    queue: str
+    offset: int
+    reason: str
+    target_queue: str
+    target_offset: int
+
+
+Effect: TypeAlias = Deliver | ConsumerDown | Dropped | DeadLettered

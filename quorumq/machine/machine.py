@@ -1,0 +1,610 @@
+"""The queue machine: `apply(meta, command) -> Applied(reply, effects)`.
+
+Deterministic and pure: the same commands in the same order give the same state,
+replies and effects on every replica. No clock (time is `meta.ts_ms`, clamped so it
+never runs back), no randomness, no I/O. A refused command gets an `Error` reply and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from . import encoding
+from .commands import (
+    Ack,
+    Cancel,
+    Command,
+    CommitOffset,
+    Declare,
+    Down,
+    Enqueue,
+    EnqueueBatch,
+    Message,
+    Nack,
+    NodeDown,
+    NodeUp,
+    QueueOptions,
+    Subscribe,
+    Tick,
+)
+from .effects import ConsumerDown, DeadLettered, Dropped, Effect
+from .queue import ConsumerState, ProducerState, QueueState
+from .replies import OK, Declared, Enqueued, Error, ErrorCode, Reply
+from .views import QueueStats, StreamMessage, bucket_of
+
+PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
+"""An idempotent producer silent this long is forgotten (its next seq starts afresh)."""
+
+_SNAPSHOT_FORMAT = "quorumq-machine"
+_SNAPSHOT_VERSION = 1
+_OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
+
+
+@attrs.frozen
+class Meta:
+    """Where a command sits in the log: its index, and the proposer's clock."""
+
+    index: int
+    ts_ms: int
+
+
+@attrs.frozen
+class Applied:
+    reply: Reply
+    effects: tuple[Effect, ...]
+
+
+class UnknownQueueError(LookupError):
+    """A query named a queue that was never declared."""
+
+
+def _error(code: ErrorCode, message: str, expected_seq: int | None = None) -> Error:
+    return Error(code=code, message=message, expected_seq=expected_seq)
+
+
+class Machine:
+    """The replicated state of every queue, changed only by `apply`."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, QueueState] = {}
+        self._now = 0
+        self._last_index = 0
+        self._down_nodes: set[str] = set()
+        self._consumer_queues: dict[str, dict[str, None]] = {}
+        """Consumer id -> the queues it is on (derived, for `Down`)."""
+
+    @property
+    def last_index(self) -> int:
+        """Log index of the last command applied."""
+        return self._last_index
+
+    @property
+    def now_ms(self) -> int:
+        """The machine's clock: the largest `ts_ms` seen."""
+        return self._now
+
+    # ------------------------------------------------------------------ apply
+
+    def apply(self, meta: Meta, command: Command) -> Applied:
+        if meta.index <= self._last_index:
+            return Applied(
+                _error(
+                    ErrorCode.STALE_INDEX,
+                    f"index {meta.index} is not after {self._last_index}: already applied",
+                ),
+                (),
+            )
+        self._last_index = meta.index
+        if meta.ts_ms > self._now:
+            self._now = meta.ts_ms
+        effects: list[Any] = []
+        handler = _HANDLERS[type(command)]
+        reply = handler(self, command, effects)
+        return Applied(reply, tuple(effects))
+
+    def _queue(self, name: str) -> QueueState | Error:
+        q = self._queues.get(name)
+        if q is None:
+            return _error(ErrorCode.UNKNOWN_QUEUE, f"no queue named {name!r}")
+        return q
+
+    def _consumer(self, q: QueueState, consumer: str) -> ConsumerState | Error:
+        c = q.consumers.get(consumer)
+        if c is None:
+            return _error(
+                ErrorCode.UNKNOWN_CONSUMER, f"no consumer {consumer!r} on queue {q.name!r}"
+            )
+        return c
+
+    def _run(self, queues: list[QueueState], effects: list[Any]) -> None:
+        """Deliver what can be delivered, then dead-letter or drop what left undelivered.
+
+        Dead-lettering adds to another queue, which then runs too. It terminates: a
+        dead-lettered message arrives fresh (TTL >= 1 ms) and drop-head only drops.
+        """
+        work = list(queues)
+        now = self._now
+        while work:
+            q = work.pop(0)
+            q.expire(now)
+            q.dispatch(now, effects)
+            q.enforce_max_length()
+            for msg, reason, dead_letter in q.take_outbox():
+                target = self._dead_letter(q, msg, reason, dead_letter, effects)
+                if target is not None and target not in work:
+                    work.append(target)
+
+    def _dead_letter(
+        self, q: QueueState, msg: StreamMessage, reason: str, dead_letter: bool, effects: list[Any]
+    ) -> QueueState | None:
+        name = q.options.dead_letter_queue
+        target = self._queues.get(name) if (dead_letter and name is not None) else None
+        if target is None:
+            effects.append(Dropped(queue=q.name, offset=msg.offset, reason=reason))
+            return None
+        opts = target.options
+        if (
+            opts.overflow == "reject-publish"
+            and opts.max_length is not None
+            and target.ready_count >= opts.max_length
+        ):
+            effects.append(Dropped(queue=q.name, offset=msg.offset, reason="dead_letter_full"))
+            return None
+        headers = dict(msg.headers or {})
+        headers["x-death-reason"] = reason
+        headers["x-death-queue"] = q.name
+        headers["x-death-offset"] = str(msg.offset)
+        offset = target.append(msg.body, msg.key, headers, self._now)
+        target.trim_stream()
+        effects.append(
+            DeadLettered(
+                queue=q.name,
+                offset=msg.offset,
+                reason=reason,
+                target_queue=target.name,
+                target_offset=offset,
+            )
+        )
+        return target
+
+    # --------------------------------------------------------------- handlers
+
+    def _declare(self, cmd: Declare, effects: list[Any]) -> Reply:
+        existing = self._queues.get(cmd.queue)
+        if existing is not None:
+            if existing.options == cmd.options:
+                return Declared(created=False)
+            return _error(
+                ErrorCode.OPTIONS_MISMATCH,
+                f"queue {cmd.queue!r} exists with other options: {existing.options}",
+            )
+        if cmd.options.dead_letter_queue == cmd.queue:
+            return _error(ErrorCode.INVALID, "a queue cannot be its own dead_letter_queue")
+        self._queues[cmd.queue] = QueueState(cmd.queue, cmd.options)
+        return Declared(created=True)
+
+    def _check_producer(
+        self, q: QueueState, producer: str | None, seq: int | None, count: int
+    ) -> Reply | None:
+        """None to go ahead; else the reply for a duplicate or out-of-order enqueue."""
+        if producer is None and seq is None:
+            return None
+        if producer is None or seq is None:
+            return _error(ErrorCode.INVALID, "producer and seq go together")
+        state = q.producers.get(producer)
+        if state is None or seq == state.last_seq + 1:
+            return None
+        last = state.last_seq
+        if seq + count - 1 <= last:
+            return Enqueued(offset=state.offset_of(seq), count=count, duplicate=True)
+        expected = last + 1
+        if seq <= last:
+            return _error(
+                ErrorCode.OUT_OF_ORDER,
+                f"producer {producer!r}: seqs {seq}..{seq + count - 1} overlap the last "
+                f"accepted {last}; expected {expected}",
+                expected,
+            )
+        return _error(
+            ErrorCode.OUT_OF_ORDER,
+            f"producer {producer!r}: seq {seq} skips ahead; expected {expected}",
+            expected,
+        )
+
+    def _enqueue_many(
+        self,
+        q: QueueState,
+        messages: list[tuple[bytes, str | None, Any]],
+        producer: str | None,
+        seq: int | None,
+        effects: list[Any],
+    ) -> Reply:
+        refusal = self._check_producer(q, producer, seq, len(messages))
+        if refusal is not None:
+            return refusal
+        now = self._now
+        q.expire(now)
+        opts = q.options
+        if (
+            opts.overflow == "reject-publish"
+            and opts.max_length is not None
+            and q.ready_count + len(messages) > opts.max_length
+        ):
+            return _error(
+                ErrorCode.QUEUE_FULL,
+                f"queue {q.name!r} is full: {q.ready_count} ready, max_length {opts.max_length}",
+            )
+        append = q.append
+        first = q.next_offset
+        for body, key, headers in messages:
+            append(body, key, headers, now)
+        q.trim_stream()
+        if producer is not None and seq is not None:
+            state = q.producers.get(producer)
+            if state is None:
+                state = q.producers[producer] = ProducerState(seq - 1, now)
+            state.record(seq, first, len(messages), now)
+        self._run([q], effects)
+        return Enqueued(offset=first, count=len(messages))
+
+    def _enqueue(self, cmd: Enqueue, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        return self._enqueue_many(
+            q, [(cmd.body, cmd.key, cmd.headers)], cmd.producer, cmd.seq, effects
+        )
+
+    def _enqueue_batch(self, cmd: EnqueueBatch, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        if not cmd.messages:
+            return _error(ErrorCode.INVALID, "an enqueue batch needs at least one message")
+        messages = [(m.body, m.key, m.headers) for m in cmd.messages]
+        return self._enqueue_many(q, messages, cmd.producer, cmd.first_seq, effects)
+
+    def _subscribe(self, cmd: Subscribe, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        if cmd.node in self._down_nodes:
+            return _error(
+                ErrorCode.NODE_DOWN, f"node {cmd.node!r} is marked down; subscribe after it is up"
+            )
+        if cmd.consumer in q.consumers:
+            return _error(
+                ErrorCode.CONSUMER_EXISTS,
+                f"consumer {cmd.consumer!r} is already on queue {cmd.queue!r}",
+            )
+        q.add_consumer(cmd.consumer, cmd.node, cmd.prefetch)
+        self._consumer_queues.setdefault(cmd.consumer, {})[cmd.queue] = None
+        self._run([q], effects)
+        return OK
+
+    def _forget_if_gone(self, q: QueueState, consumer: str) -> None:
+        if consumer not in q.consumers:
+            queues = self._consumer_queues.get(consumer)
+            if queues is not None:
+                queues.pop(q.name, None)
+                if not queues:
+                    del self._consumer_queues[consumer]
+
+    def _cancel(self, cmd: Cancel, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        c = self._consumer(q, cmd.consumer)
+        if isinstance(c, Error):
+            return c
+        if not c.cancelled:
+            q.cancel(c)
+            self._forget_if_gone(q, cmd.consumer)
+            self._run([q], effects)
+        return OK
+
+    def _held(self, q: QueueState, c: ConsumerState, offsets: tuple[int, ...]) -> Error | None:
+        missing = [o for o in offsets if o not in c.unacked]
+        if missing:
+            return _error(
+                ErrorCode.NOT_HELD,
+                f"consumer {c.id!r} does not hold offsets {missing[:10]} of queue {q.name!r}",
+            )
+        return None
+
+    def _ack(self, cmd: Ack, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        c = self._consumer(q, cmd.consumer)
+        if isinstance(c, Error):
+            return c
+        refusal = self._held(q, c, cmd.offsets)
+        if refusal is not None:
+            return refusal
+        q.settle(c, cmd.offsets)
+        self._forget_if_gone(q, cmd.consumer)
+        self._run([q], effects)
+        return OK
+
+    def _nack(self, cmd: Nack, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        c = self._consumer(q, cmd.consumer)
+        if isinstance(c, Error):
+            return c
+        refusal = self._held(q, c, cmd.offsets)
+        if refusal is not None:
+            return refusal
+        if cmd.requeue:
+            q.requeue(c, cmd.offsets)
+        else:
+            q.reject(c, cmd.offsets)
+        self._forget_if_gone(q, cmd.consumer)
+        self._run([q], effects)
+        return OK
+
+    def _remove(self, q: QueueState, c: ConsumerState, reason: str, effects: list[Any]) -> None:
+        q.remove_consumer(c)
+        self._forget_if_gone(q, c.id)
+        effects.append(ConsumerDown(queue=q.name, consumer=c.id, node=c.node, reason=reason))
+
+    def _down(self, cmd: Down, effects: list[Any]) -> Reply:
+        touched = []
+        for name in list(self._consumer_queues.get(cmd.consumer, ())):
+            q = self._queues[name]
+            self._remove(q, q.consumers[cmd.consumer], "down", effects)
+            touched.append(q)
+        self._run(touched, effects)
+        return OK
+
+    def _node_down(self, cmd: NodeDown, effects: list[Any]) -> Reply:
+        self._down_nodes.add(cmd.node)
+        touched = []
+        for q in self._queues.values():
+            gone = [c for c in q.consumers.values() if c.node == cmd.node]
+            for c in gone:
+                self._remove(q, c, "node_down", effects)
+            if gone:
+                touched.append(q)
+        self._run(touched, effects)
+        return OK
+
+    def _node_up(self, cmd: NodeUp, effects: list[Any]) -> Reply:
+        self._down_nodes.discard(cmd.node)
+        return OK
+
+    def _commit_offset(self, cmd: CommitOffset, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        if cmd.offset > q.next_offset:
+            return _error(
+                ErrorCode.INVALID,
+                f"offset {cmd.offset} is past the end of queue {cmd.queue!r} ({q.next_offset})",
+            )
+        q.commits[cmd.group] = cmd.offset
+        return OK
+
+    def _tick(self, cmd: Tick, effects: list[Any]) -> Reply:
+        now = self._now
+        for q in self._queues.values():
+            if q.options.message_ttl_ms is not None:
+                q.expire(now, returned_too=True)
+            if q.producers:
+                for producer in [
+                    p for p, s in q.producers.items() if now - s.last_ts > PRODUCER_EXPIRY_MS
+                ]:
+                    del q.producers[producer]
+        self._run([q for q in self._queues.values() if q.outbox], effects)
+        return OK
+
+    # ---------------------------------------------------------------- queries
+
+    def _get(self, queue: str) -> QueueState:
+        q = self._queues.get(queue)
+        if q is None:
+            raise UnknownQueueError(f"no queue named {queue!r}")
+        return q
+
+    def queues(self) -> tuple[str, ...]:
+        return tuple(self._queues)
+
+    def options(self, queue: str) -> QueueOptions:
+        return self._get(queue).options
+
+    def ready(self, queue: str) -> tuple[int, ...]:
+        """Offsets of the ready messages, in the order they will be offered."""
+        q = self._get(queue)
+        return tuple(sorted(o for o in q.msgs if o not in q.held))
+
+    def unacked(self, queue: str, consumer: str) -> tuple[int, ...]:
+        """Offsets `consumer` holds on `queue` (empty if it holds none or is not there)."""
+        c = self._get(queue).consumers.get(consumer)
+        return tuple(sorted(c.unacked)) if c is not None else ()
+
+    def consumers(self, queue: str) -> tuple[str, ...]:
+        """Consumers on `queue`, in subscription order (cancelled ones that still hold too)."""
+        return tuple(self._get(queue).consumers)
+
+    def service_queue(self, queue: str) -> tuple[str, ...]:
+        """Consumers that may receive now, in round-robin order."""
+        return tuple(c.id for c in self._get(queue).sq)
+
+    def stats(self, queue: str) -> QueueStats:
+        q = self._get(queue)
+        return QueueStats(
+            ready=q.ready_count,
+            unacked=len(q.held),
+            consumers=len(q.consumers),
+            next_offset=q.next_offset,
+            first_retained=q.first_retained,
+        )
+
+    def committed_offset(self, queue: str, group: str) -> int | None:
+        return self._get(queue).commits.get(group)
+
+    def committed_offsets(self, queue: str) -> dict[str, int]:
+        return dict(self._get(queue).commits)
+
+    def down_nodes(self) -> frozenset[str]:
+        return frozenset(self._down_nodes)
+
+    def read(
+        self,
+        queue: str,
+        start: int,
+        end: int,
+        bucket: int | None = None,
+        buckets: int | None = None,
+    ) -> tuple[StreamMessage, ...]:
+        """Stream view: retained messages with offsets in [start, end), in offset order.
+
+        With `bucket` of `buckets`, only messages whose `bucket_of(key, offset, buckets)`
+        is `bucket`. Offsets below `stats(queue).first_retained` were trimmed by retention.
+        """
+        if (bucket is None) != (buckets is None):
+            raise ValueError("bucket and buckets go together")
+        if buckets is not None and bucket is not None and not 0 <= bucket < buckets:
+            raise ValueError(f"bucket must be in [0, {buckets}), got {bucket}")
+        msgs = self._get(queue).read(start, end)
+        if buckets is None:
+            return tuple(msgs)
+        return tuple(m for m in msgs if bucket_of(m.key, m.offset, buckets) == bucket)
+
+    # ------------------------------------------------------ snapshot / digest
+
+    def snapshot(self) -> bytes:
+        """The whole state in a canonical, versioned encoding (no pickle)."""
+        return encoding.encode(
+            [
+                _SNAPSHOT_FORMAT,
+                _SNAPSHOT_VERSION,
+                self._last_index,
+                self._now,
+                sorted(self._down_nodes),
+                [_encode_queue(q) for q in self._queues.values()],
+            ]
+        )
+
+    def digest(self) -> str:
+        """A stable hash of the whole state: equal states give equal digests everywhere."""
+        return hashlib.sha256(self.snapshot()).hexdigest()
+
+    @classmethod
+    def restore(cls, data: bytes) -> Machine:
+        value = encoding.decode(data)
+        if not (isinstance(value, list) and len(value) == 6 and value[0] == _SNAPSHOT_FORMAT):
+            raise encoding.DecodeError("not a quorumq machine snapshot")
+        if value[1] != _SNAPSHOT_VERSION:
+            raise encoding.DecodeError(f"unsupported snapshot version {value[1]}")
+        m = cls()
+        m._last_index, m._now = value[2], value[3]
+        m._down_nodes = set(value[4])
+        for raw in value[5]:
+            q = _decode_queue(raw)
+            m._queues[q.name] = q
+            for consumer in q.consumers:
+                m._consumer_queues.setdefault(consumer, {})[q.name] = None
+        return m
+
+
+def _encode_message(m: StreamMessage) -> list[Any]:
+    return [m.offset, m.key, m.body, m.headers, m.ts_ms]
+
+
+def _encode_queue(q: QueueState) -> list[Any]:
+    first = q.first_retained
+    early = sorted(o for o in q.msgs if o < first)
+    messages = [_encode_message(q.msgs[o]) for o in early]
+    messages += [_encode_message(m) for m in q.read(first, q.next_offset)]
+    return [
+        q.name,
+        [getattr(q.options, f) for f in _OPTION_FIELDS],
+        q.next_offset,
+        first,
+        q.stream_bytes,
+        messages,
+        sorted(q.msgs),
+        sorted([o, n] for o, n in q.returns.items()),
+        [[c.id, c.node, c.prefetch, c.cancelled, sorted(c.unacked)] for c in q.consumers.values()],
+        [c.id for c in q.sq],
+        sorted([p, s.last_seq, s.last_ts, [list(r) for r in s.runs]] for p, s in q.producers.items()),
+        sorted([g, o] for g, o in q.commits.items()),
+        q.expiry_cursor,
+    ]
+
+
+def _decode_queue(raw: list[Any]) -> QueueState:
+    (
+        name,
+        options,
+        next_offset,
+        first,
+        stream_bytes,
+        messages,
+        in_queue,
+        returns,
+        consumers,
+        sq,
+        producers,
+        commits,
+        expiry_cursor,
+    ) = raw
+    q = QueueState(name, QueueOptions(**dict(zip(_OPTION_FIELDS, options, strict=True))))
+    q.next_offset = next_offset
+    by_offset = {
+        o: StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t) for o, k, b, h, t in messages
+    }
+    q.stream_items = [by_offset[o] for o in range(first, next_offset)]
+    q.stream_base = first
+    q.stream_bytes = stream_bytes
+    q.msgs = {o: by_offset[o] for o in in_queue}
+    q.returns = {o: n for o, n in returns}
+    for cid, node, prefetch, cancelled, unacked in consumers:
+        c = ConsumerState(cid, node, prefetch)
+        c.cancelled = cancelled
+        q.consumers[cid] = c
+        for off in unacked:
+            c.unacked[off] = None
+            q.held[off] = c
+            key = q.msgs[off].key
+            if key is not None:
+                q.key_owner[key] = c
+                c.keys[key] = c.keys.get(key, 0) + 1
+    q.restore_ready(sorted(o for o in q.msgs if o not in q.held))
+    for cid in sq:
+        c = q.consumers[cid]
+        c.in_sq = True
+        q.sq.append(c)
+    for producer, last_seq, last_ts, runs in producers:
+        state = ProducerState(last_seq, last_ts)
+        state.runs.extend(runs)
+        q.producers[producer] = state
+    q.commits = {g: o for g, o in commits}
+    q.expiry_cursor = expiry_cursor
+    return q
+
+
+_HANDLERS: dict[type, Callable[[Machine, Any, list[Any]], Reply]] = {
+    Declare: Machine._declare,
+    Enqueue: Machine._enqueue,
+    EnqueueBatch: Machine._enqueue_batch,
+    Subscribe: Machine._subscribe,
+    Cancel: Machine._cancel,
+    Ack: Machine._ack,
+    Nack: Machine._nack,
+    Down: Machine._down,
+    NodeDown: Machine._node_down,
+    NodeUp: Machine._node_up,
+    CommitOffset: Machine._commit_offset,
+    Tick: Machine._tick,
+}
+
+__all__ = ["Applied", "Machine", "Message", "Meta", "UnknownQueueError"]

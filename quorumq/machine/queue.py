@@ -1,0 +1,601 @@
+"""One queue: its messages, its service queue and the index of what is ready.
+
+Theory of operation
+-------------------
+A queue has two views of the same immutable `StreamMessage` values:
+
+* the stream view: every enqueued message by offset, acked or not, trimmed from the
+  front by retention (count and bytes). Stream readers (Spark) read it by offset.
+* the queue view (`msgs`): the messages not yet settled. A message in it is either
+  held by one consumer (`held`) or ready.
+
+Ready messages are indexed so that a consumer finds "the lowest-offset ready message
+it may take" without scanning:
+
+* messages without key sit in `fresh` (a deque in offset order: enqueue appends, the
+  head is taken) and `returned` (a heap of offsets given back by nack or consumer
+  down, so they are delivered again before any later message);
+* messages with an ordering key sit in a `_Lane` per key, in offset order. A key with
+  held messages is owned by their holder: only the owner may take the key's next
+  message. Each lane has exactly one live heap entry `(head offset, key)`: in
+  `free_keys` when nobody owns the key, else in its owner's `owned` heap. Heap entries
+  are checked against the lane (`entry`, `home`) when they reach the top, so a stale
+  entry is skipped rather than searched for and removed.
+
+The candidate for consumer `c` is the smallest of: the head of `fresh`, the top of
+`returned`, the top of `free_keys` and the top of `c.owned`. A slow key therefore
+never blocks other keys, and a key's messages are delivered in offset order.
+
+Removal is lazy: a ready message that expires or is dropped leaves `msgs` at once and
+is skipped when its offset surfaces in `fresh`, `returned` or the middle of a lane;
+a lane's head is always live (`_advance_lane` cleans behind it).
+
+The service queue `sq` holds the consumers that may receive now (active, with credit),
+in round-robin order. Every decision depends only on this state, and every iteration
+that decides something runs in offset order or subscription order, which a snapshot
+keeps: two replicas with the same log make the same assignments.
+
+Messages that leave undelivered (expired, over the delivery limit, rejected, dropped
+at max length) go to `outbox` as (message, reason, dead_letter); the machine then
+dead-letters or drops them, since that may touch another queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from heapq import heappop, heappush
+
+from .commands import QueueOptions
+from .effects import Deliver
+from .views import StreamMessage
+
+DEDUP_WINDOW = 1024
+"""How many sequence numbers back a producer's retry still gets its original offset."""
+
+_COMPACT_AT = 1024
+
+
+class ConsumerState:
+    __slots__ = ("cancelled", "id", "in_sq", "keys", "node", "owned", "prefetch", "unacked")
+
+    def __init__(self, consumer_id: str, node: str, prefetch: int) -> None:
+        self.id = consumer_id
+        self.node = node
+        self.prefetch = prefetch
+        self.unacked: dict[int, None] = {}
+        """Offsets this consumer holds (an ordered set)."""
+        self.keys: dict[str, int] = {}
+        """Ordering keys this consumer owns, with how many of their messages it holds."""
+        self.owned: list[tuple[int, str]] = []
+        """Heap of (head offset, key) of owned keys that have ready messages."""
+        self.in_sq = False
+        self.cancelled = False
+
+    def has_credit(self) -> bool:
+        return self.prefetch == 0 or len(self.unacked) < self.prefetch
+
+
+class _Lane:
+    """The ready messages of one ordering key, in offset order."""
+
+    __slots__ = ("entry", "home", "offsets")
+
+    def __init__(self, offsets: Iterable[int]) -> None:
+        self.offsets: deque[int] = deque(offsets)
+        self.entry: int | None = None
+        """Head offset of this lane's live heap entry, None when it has none."""
+        self.home: ConsumerState | None = None
+        """Whose heap the live entry is in: the owner's, or None for `free_keys`."""
+
+
+class ProducerState:
+    """An idempotent producer's progress on one queue."""
+
+    __slots__ = ("last_seq", "last_ts", "runs")
+
+    def __init__(self, last_seq: int, last_ts: int) -> None:
+        self.last_seq = last_seq
+        self.last_ts = last_ts
+        self.runs: deque[list[int]] = deque()
+        """[first_seq, first_offset, count] runs of recent sequences, oldest first."""
+
+    def record(self, first_seq: int, first_offset: int, count: int, now: int) -> None:
+        self.last_seq = first_seq + count - 1
+        self.last_ts = now
+        runs = self.runs
+        if runs:
+            last = runs[-1]
+            if last[0] + last[2] == first_seq and last[1] + last[2] == first_offset:
+                last[2] += count
+            else:
+                runs.append([first_seq, first_offset, count])
+        else:
+            runs.append([first_seq, first_offset, count])
+        horizon = self.last_seq - DEDUP_WINDOW
+        while len(runs) > 1 and runs[0][0] + runs[0][2] - 1 < horizon:
+            runs.popleft()
+
+    def offset_of(self, seq: int) -> int | None:
+        for first_seq, first_offset, count in reversed(self.runs):
+            if first_seq <= seq < first_seq + count:
+                return first_offset + seq - first_seq
+            if first_seq + count <= seq:
+                return None
+        return None
+
+
+class QueueState:
+    __slots__ = (
+        "commits",
+        "consumers",
+        "expiry_cursor",
+        "free_keys",
+        "fresh",
+        "held",
+        "key_owner",
+        "lanes",
+        "msgs",
+        "name",
+        "next_offset",
+        "options",
+        "outbox",
+        "producers",
+        "returned",
+        "returns",
+        "sq",
+        "stream_base",
+        "stream_bytes",
+        "stream_head",
+        "stream_items",
+    )
+
+    def __init__(self, name: str, options: QueueOptions) -> None:
+        self.name = name
+        self.options = options
+        self.next_offset = 0
+        # stream view: stream_items[i] has offset stream_base + i; retained from stream_head
+        self.stream_items: list[StreamMessage | None] = []
+        self.stream_base = 0
+        self.stream_head = 0
+        self.stream_bytes = 0
+        # queue view
+        self.msgs: dict[int, StreamMessage] = {}
+        self.held: dict[int, ConsumerState] = {}
+        self.returns: dict[int, int] = {}
+        """Messages delivered before and returned: offset -> failed deliveries."""
+        self.fresh: deque[int] = deque()
+        self.returned: list[int] = []
+        self.lanes: dict[str, _Lane] = {}
+        self.free_keys: list[tuple[int, str]] = []
+        self.key_owner: dict[str, ConsumerState] = {}
+        self.consumers: dict[str, ConsumerState] = {}
+        self.sq: deque[ConsumerState] = deque()
+        self.producers: dict[str, ProducerState] = {}
+        self.commits: dict[str, int] = {}
+        self.expiry_cursor = 0
+        self.outbox: list[tuple[StreamMessage, str, bool]] = []
+
+    # ----------------------------------------------------------------- counts
+
+    @property
+    def ready_count(self) -> int:
+        return len(self.msgs) - len(self.held)
+
+    @property
+    def first_retained(self) -> int:
+        return self.stream_base + self.stream_head
+
+    # ------------------------------------------------------------- enqueueing
+
+    def append(
+        self, body: bytes, key: str | None, headers: Mapping[str, str] | None, now: int
+    ) -> int:
+        """Give the message the next offset and make it ready. Retention runs separately."""
+        offset = self.next_offset
+        self.next_offset = offset + 1
+        msg = StreamMessage(offset=offset, key=key, body=body, headers=headers, ts_ms=now)
+        self.stream_items.append(msg)
+        self.stream_bytes += len(body)
+        self.msgs[offset] = msg
+        if key is None:
+            self.fresh.append(offset)
+        else:
+            lane = self.lanes.get(key)
+            if lane is None:
+                lane = self.lanes[key] = _Lane((offset,))
+                self._schedule(key, lane)
+            else:
+                lane.offsets.append(offset)
+        return offset
+
+    def trim_stream(self) -> None:
+        """Drop the oldest messages from the stream view past retention."""
+        max_count = self.options.retention_messages
+        max_bytes = self.options.retention_bytes
+        items = self.stream_items
+        head = self.stream_head
+        count = len(items) - head
+        size = self.stream_bytes
+        while count and (
+            (max_count is not None and count > max_count)
+            or (max_bytes is not None and size > max_bytes)
+        ):
+            msg = items[head]
+            assert msg is not None
+            items[head] = None
+            size -= len(msg.body)
+            head += 1
+            count -= 1
+        self.stream_bytes = size
+        if head > _COMPACT_AT and head * 2 > len(items):
+            del items[:head]
+            self.stream_base += head
+            head = 0
+        self.stream_head = head
+
+    def read(self, start: int, end: int) -> list[StreamMessage]:
+        lo = max(start, self.first_retained) - self.stream_base
+        hi = min(end, self.next_offset) - self.stream_base
+        if hi <= lo:
+            return []
+        return self.stream_items[lo:hi]  # type: ignore[return-value]
+
+    # -------------------------------------------------------------- consumers
+
+    def add_consumer(self, consumer_id: str, node: str, prefetch: int) -> ConsumerState:
+        c = ConsumerState(consumer_id, node, prefetch)
+        self.consumers[consumer_id] = c
+        self._enlist(c)
+        return c
+
+    def active_consumer(self) -> ConsumerState | None:
+        """With single active consumer: the oldest subscriber that is not cancelled."""
+        for c in self.consumers.values():
+            if not c.cancelled:
+                return c
+        return None
+
+    def _enlist(self, c: ConsumerState) -> None:
+        """Put `c` at the back of the service queue if it may receive now."""
+        if c.in_sq or c.cancelled or not c.has_credit():
+            return
+        if self.options.single_active_consumer and self.active_consumer() is not c:
+            return
+        c.in_sq = True
+        self.sq.append(c)
+
+    def _delist(self, c: ConsumerState) -> None:
+        if c.in_sq:
+            self.sq.remove(c)
+            c.in_sq = False
+
+    def cancel(self, c: ConsumerState) -> None:
+        c.cancelled = True
+        self._delist(c)
+        self._after_change(c)
+
+    def remove_consumer(self, c: ConsumerState) -> None:
+        """The consumer is down: return everything it holds and forget it."""
+        self._delist(c)
+        held = sorted(c.unacked)
+        self._give_back(c, held, failed=set(held))
+        del self.consumers[c.id]
+        if self.options.single_active_consumer:
+            active = self.active_consumer()
+            if active is not None:
+                self._enlist(active)
+
+    def _after_change(self, c: ConsumerState) -> None:
+        """After `c` settled or gave back messages: forget it or let it receive again."""
+        if c.cancelled:
+            if not c.unacked:
+                del self.consumers[c.id]
+            if self.options.single_active_consumer:
+                active = self.active_consumer()
+                if active is not None:
+                    self._enlist(active)
+        else:
+            self._enlist(c)
+
+    # ------------------------------------------------------------- settlement
+
+    def settle(self, c: ConsumerState, offsets: Iterable[int]) -> None:
+        """Ack: the messages leave the queue view for good."""
+        held = self.held
+        msgs = self.msgs
+        unacked = c.unacked
+        for off in offsets:
+            if unacked.pop(off, 0) is not None:
+                continue  # listed twice
+            del held[off]
+            msg = msgs.pop(off)
+            if self.returns:
+                self.returns.pop(off, None)
+            if msg.key is not None:
+                self._release(c, msg.key, 1)
+        self._after_change(c)
+
+    def reject(self, c: ConsumerState, offsets: Iterable[int]) -> None:
+        """Nack without requeue: the messages leave to the dead-letter queue or are dropped."""
+        for off in sorted(set(offsets)):
+            del self.held[off]
+            del c.unacked[off]
+            msg = self.msgs.pop(off)
+            self.returns.pop(off, None)
+            if msg.key is not None:
+                self._release(c, msg.key, 1)
+            self.outbox.append((msg, "rejected", True))
+        self._after_change(c)
+
+    def requeue(self, c: ConsumerState, offsets: Iterable[int]) -> None:
+        """Nack with requeue. A keyed message takes the key's later held messages with it,
+        so the key is redelivered in order; only the nacked ones count as failed."""
+        failed = set(offsets)
+        first_by_key: dict[str, int] = {}
+        back: set[int] = set()
+        for off in failed:
+            key = self.msgs[off].key
+            if key is None:
+                back.add(off)
+            elif key not in first_by_key or off < first_by_key[key]:
+                first_by_key[key] = off
+        if first_by_key:
+            msgs = self.msgs
+            for off in c.unacked:
+                key = msgs[off].key
+                if key is not None and key in first_by_key and off >= first_by_key[key]:
+                    back.add(off)
+        self._give_back(c, sorted(back), failed)
+        self._after_change(c)
+
+    def _give_back(self, c: ConsumerState, offsets: list[int], failed: set[int]) -> None:
+        """Return held `offsets` (ascending) to ready, each at its original place."""
+        msgs = self.msgs
+        limit = self.options.delivery_limit
+        by_key: dict[str, list[int]] = {}
+        released: dict[str, int] = {}
+        for off in offsets:
+            del self.held[off]
+            del c.unacked[off]
+            msg = msgs[off]
+            count = self.returns.get(off, 0) + (off in failed)
+            key = msg.key
+            if key is not None:
+                released[key] = released.get(key, 0) + 1
+            if limit is not None and count > limit:
+                del msgs[off]
+                self.returns.pop(off, None)
+                self.outbox.append((msg, "delivery_limit", True))
+                continue
+            self.returns[off] = count
+            if key is None:
+                heappush(self.returned, off)
+            else:
+                by_key.setdefault(key, []).append(off)
+        for key, offs in by_key.items():
+            lane = self.lanes.get(key)
+            if lane is None:
+                self.lanes[key] = _Lane(offs)
+            elif offs[-1] < lane.offsets[0]:
+                lane.offsets.extendleft(reversed(offs))
+            else:
+                lane.offsets = deque(sorted([*offs, *lane.offsets]))
+        for key, n in released.items():
+            self._release(c, key, n)
+        for key in by_key:
+            self._schedule(key, self.lanes[key])
+
+    # ------------------------------------------------------------ ready index
+
+    def restore_ready(self, offsets: list[int]) -> None:
+        """Rebuild the ready index from ascending ready offsets (after a restore)."""
+        for off in offsets:
+            key = self.msgs[off].key
+            if key is None:
+                self.fresh.append(off)
+            elif key in self.lanes:
+                self.lanes[key].offsets.append(off)
+            else:
+                self.lanes[key] = _Lane((off,))
+        for key, lane in self.lanes.items():
+            self._schedule(key, lane)
+
+    def _schedule(self, key: str, lane: _Lane) -> None:
+        """Make sure the lane has one live heap entry, in its owner's heap or the free one."""
+        head = lane.offsets[0]
+        owner = self.key_owner.get(key)
+        if lane.entry == head and lane.home is owner:
+            return
+        lane.entry = head
+        lane.home = owner
+        heappush(owner.owned if owner is not None else self.free_keys, (head, key))
+
+    def _release(self, c: ConsumerState, key: str, n: int) -> None:
+        """`c` no longer holds `n` messages of `key`; at zero the key is free again."""
+        left = c.keys[key] - n
+        if left:
+            c.keys[key] = left
+            return
+        del c.keys[key]
+        del self.key_owner[key]
+        lane = self.lanes.get(key)
+        if lane is not None:
+            self._schedule(key, lane)
+
+    def _advance_lane(self, key: str, lane: _Lane) -> None:
+        """The lane's head left: skip removed offsets behind it, reschedule or drop the lane."""
+        offsets = lane.offsets
+        msgs = self.msgs
+        offsets.popleft()
+        while offsets and offsets[0] not in msgs:
+            offsets.popleft()
+        if offsets:
+            self._schedule(key, lane)
+        else:
+            del self.lanes[key]
+
+    def _peek(self, heap: list[tuple[int, str]], home: ConsumerState | None) -> tuple[int, str]:
+        lanes = self.lanes
+        while heap:
+            top = heap[0]
+            lane = lanes.get(top[1])
+            if lane is not None and lane.entry == top[0] and lane.home is home:
+                return top
+            heappop(heap)
+        return (-1, "")
+
+    def _peek_unkeyed(self) -> int:
+        msgs = self.msgs
+        fresh = self.fresh
+        while fresh and fresh[0] not in msgs:
+            fresh.popleft()
+        best = fresh[0] if fresh else -1
+        returned = self.returned
+        if returned:
+            while returned and returned[0] not in msgs:
+                heappop(returned)
+            if returned and (best < 0 or returned[0] < best):
+                best = returned[0]
+        return best
+
+    def oldest_ready(self) -> int:
+        """Lowest ready offset, or -1."""
+        best = self._peek_unkeyed()
+        if self.lanes:
+            candidates = [self._peek(self.free_keys, None)[0]]
+            candidates += [self._peek(c.owned, c)[0] for c in self.consumers.values() if c.owned]
+            for off in candidates:
+                if off >= 0 and (best < 0 or off < best):
+                    best = off
+        return best
+
+    def remove_ready(self, off: int) -> StreamMessage:
+        """Take a ready message out of the queue view (expiry, max length)."""
+        msg = self.msgs.pop(off)
+        self.returns.pop(off, None)
+        if msg.key is not None:
+            lane = self.lanes[msg.key]
+            if lane.offsets[0] == off:
+                self._advance_lane(msg.key, lane)
+        return msg
+
+    def _take(self, c: ConsumerState, now: int) -> int:
+        """Remove and return the next ready offset `c` may take, or -1."""
+        msgs = self.msgs
+        ttl = self.options.message_ttl_ms
+        while True:
+            best = self._peek_unkeyed()
+            from_heap: list[tuple[int, str]] | None = None
+            if self.lanes:
+                top = self._peek(self.free_keys, None)
+                if top[0] >= 0 and (best < 0 or top[0] < best):
+                    best, from_heap = top[0], self.free_keys
+                if c.owned:
+                    top = self._peek(c.owned, c)
+                    if top[0] >= 0 and (best < 0 or top[0] < best):
+                        best, from_heap = top[0], c.owned
+            if best < 0:
+                return -1
+            if ttl is not None and msgs[best].ts_ms + ttl <= now:
+                self.outbox.append((self.remove_ready(best), "expired", True))
+                continue
+            if from_heap is None:
+                fresh = self.fresh
+                if fresh and fresh[0] == best:
+                    fresh.popleft()
+                else:
+                    heappop(self.returned)
+                return best
+            key = heappop(from_heap)[1]
+            lane = self.lanes[key]
+            lane.entry = None
+            if from_heap is self.free_keys:
+                self.key_owner[key] = c
+                c.keys[key] = 1
+            else:
+                c.keys[key] += 1
+            self._advance_lane(key, lane)
+            return best
+
+    # --------------------------------------------------------------- delivery
+
+    def dispatch(self, now: int, effects: list[object]) -> None:
+        """Assign ready messages round-robin over the service queue."""
+        sq = self.sq
+        msgs = self.msgs
+        held = self.held
+        returns = self.returns
+        name = self.name
+        skipped: list[ConsumerState] = []
+        while sq and len(msgs) > len(held):
+            c = sq.popleft()
+            off = self._take(c, now)
+            if off < 0:
+                skipped.append(c)  # nothing it may take: keeps its place at the front
+                continue
+            msg = msgs[off]
+            held[off] = c
+            c.unacked[off] = None
+            count = returns.get(off) if returns else None
+            effects.append(
+                Deliver(
+                    queue=name,
+                    consumer=c.id,
+                    node=c.node,
+                    offset=off,
+                    key=msg.key,
+                    body=msg.body,
+                    headers=msg.headers,
+                    redelivered=count is not None,
+                    delivery_count=count or 0,
+                )
+            )
+            if c.prefetch and len(c.unacked) >= c.prefetch:
+                c.in_sq = False
+            else:
+                sq.append(c)
+        if skipped:
+            sq.extendleft(reversed(skipped))
+
+    def enforce_max_length(self) -> None:
+        """Drop-head: keep at most `max_length` ready messages (dropped, not dead-lettered)."""
+        limit = self.options.max_length
+        if limit is None or self.options.overflow != "drop-head":
+            return
+        while self.ready_count > limit:
+            self.outbox.append((self.remove_ready(self.oldest_ready()), "max_length", False))
+
+    def expire(self, now: int, *, returned_too: bool = False) -> None:
+        """Move ready messages past their TTL to the outbox, oldest first.
+
+        Messages that were returned sit behind the cursor; `returned_too` (on `Tick`)
+        checks them as well. Any expired message is also caught when it is about to be
+        delivered.
+        """
+        ttl = self.options.message_ttl_ms
+        if ttl is None:
+            return
+        msgs = self.msgs
+        held = self.held
+        off = self.expiry_cursor
+        end = self.next_offset
+        while off < end:
+            msg = msgs.get(off)
+            if msg is not None:
+                if msg.ts_ms + ttl > now:
+                    break
+                if off not in held:
+                    self.outbox.append((self.remove_ready(off), "expired", True))
+            off += 1
+        self.expiry_cursor = off
+        if not returned_too:
+            return
+        for off in sorted(o for o in self.returns if o not in held):
+            if msgs[off].ts_ms + ttl <= now:
+                self.outbox.append((self.remove_ready(off), "expired", True))
+
+    def take_outbox(self) -> list[tuple[StreamMessage, str, bool]]:
+        out = self.outbox
+        self.outbox = []
+        return out

@@ -1,0 +1,58 @@
+"""Replies: every command gets one. Refusals are values, never exceptions."""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeAlias
+
+import attrs
+
+
+class ErrorCode(enum.StrEnum):
+    UNKNOWN_QUEUE = "unknown_queue"
+    OPTIONS_MISMATCH = "options_mismatch"
+    INVALID = "invalid"
+    QUEUE_FULL = "queue_full"
+    OUT_OF_ORDER = "out_of_order"
+    UNKNOWN_CONSUMER = "unknown_consumer"
+    CONSUMER_EXISTS = "consumer_exists"
+    NOT_HELD = "not_held"
+    NODE_DOWN = "node_down"
+    STALE_INDEX = "stale_index"
+
+
+@attrs.frozen
+class Ok:
+    """The command took effect (or was already in effect)."""
+
+
+OK = Ok()
+
+
+@attrs.frozen(kw_only=True)
+class Declared:
+    created: bool
+
+
+@attrs.frozen(kw_only=True)
+class Enqueued:
+    """Messages landed at offsets `offset` .. `offset + count - 1`.
+
+    `duplicate` means a producer retried: nothing was enqueued again and `offset` is
+    the original one, or None when the retry is older than the dedup window.
+    """
+
+    offset: int | None
+    count: int = 1
+    duplicate: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Error:
+    code: ErrorCode
+    message: str
+    expected_seq: int | None = None
+    """With OUT_OF_ORDER: the sequence number the queue expects next from this producer."""
+
+
+Reply: TypeAlias = Ok | Declared | Enqueued | Error
