@@ -7,8 +7,8 @@ machine reads no clock and watches no socket.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Literal, TypeAlias
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypeAlias
 
 import attrs
 
@@ -18,7 +18,7 @@ DEFAULT_RETENTION_BYTES = 64 * 1024 * 1024
 """Stream-view retention by body bytes when a queue does not say (64 MiB)."""
 
 
-def _non_negative(_inst: object, attr: attrs.Attribute[int | None], value: int | None) -> None:
+def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and value < 0:
         raise ValueError(f"{attr.name} must be >= 0, got {value}")
 
@@ -32,8 +32,8 @@ def _headers(value: Mapping[str, str] | None) -> Mapping[str, str] | None:
     return dict(value)
 
 
-def _offsets(value: object) -> tuple[int, ...]:
-    offsets = tuple(value)  # type: ignore[call-overload]
+def _offsets(value: Iterable[int]) -> tuple[int, ...]:
+    offsets = tuple(value)
     for o in offsets:
         if not isinstance(o, int) or o < 0:
             raise ValueError(f"offsets must be non-negative ints, got {o!r}")

@@ -100,8 +100,7 @@ class Machine:
                 (),
             )
         self._last_index = meta.index
-        if meta.ts_ms > self._now:
-            self._now = meta.ts_ms
+        self._now = max(self._now, meta.ts_ms)
         effects: list[Any] = []
         handler = _HANDLERS[type(command)]
         reply = handler(self, command, effects)
@@ -535,7 +534,9 @@ def _encode_queue(q: QueueState) -> list[Any]:
         sorted([o, n] for o, n in q.returns.items()),
         [[c.id, c.node, c.prefetch, c.cancelled, sorted(c.unacked)] for c in q.consumers.values()],
         [c.id for c in q.sq],
-        sorted([p, s.last_seq, s.last_ts, [list(r) for r in s.runs]] for p, s in q.producers.items()),
+        sorted(
+            [p, s.last_seq, s.last_ts, [list(r) for r in s.runs]] for p, s in q.producers.items()
+        ),
         sorted([g, o] for g, o in q.commits.items()),
         q.expiry_cursor,
     ]

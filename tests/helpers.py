@@ -1,0 +1,32 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+from quorumq.machine import Applied, Command, Deliver, Machine, Meta
+
+
+class Driver:
+    """Applies commands to one machine with increasing log indexes and a settable clock."""
+
+    def __init__(self, machine: Machine | None = None) -> None:
+        self.machine = machine if machine is not None else Machine()
+        self.index = self.machine.last_index
+        self.ts_ms = self.machine.now_ms
+        self.log: list[tuple[Meta, Command]] = []
+
+    def __call__(self, command: Command, *, ts_ms: int | None = None) -> Applied:
+        self.index += 1
+        if ts_ms is not None:
+            self.ts_ms = ts_ms
+        meta = Meta(self.index, self.ts_ms)
+        self.log.append((meta, command))
+        return self.machine.apply(meta, command)
+
+
+def deliveries(applied: Applied) -> list[tuple[str, int]]:
+    """(consumer, offset) of every delivery, in order."""
+    return [(e.consumer, e.offset) for e in applied.effects if isinstance(e, Deliver)]
+
+
+def delivered(applied: Applied) -> list[Deliver]:
+    return [e for e in applied.effects if isinstance(e, Deliver)]

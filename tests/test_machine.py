@@ -1,0 +1,753 @@
+"""Direct `apply` tests: one delivery rule or refusal per test."""
+
+from __future__ import annotations
+
+import pytest
+
+from quorumq.machine import (
+    OK,
+    Ack,
+    Cancel,
+    CommitOffset,
+    ConsumerDown,
+    DeadLettered,
+    Declare,
+    Declared,
+    Down,
+    Dropped,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    Error,
+    ErrorCode,
+    Machine,
+    Message,
+    Meta,
+    Nack,
+    NodeDown,
+    NodeUp,
+    QueueOptions,
+    Subscribe,
+    Tick,
+    UnknownQueueError,
+)
+
+from .helpers import Driver, delivered, deliveries
+
+
+def _error_code(reply: object) -> ErrorCode:
+    assert isinstance(reply, Error), reply
+    return reply.code
+
+
+@pytest.fixture
+def d() -> Driver:
+    drive = Driver()
+    assert drive(Declare(queue="q")).reply == Declared(created=True)
+    return drive
+
+
+def publish(d: Driver, n: int, queue: str = "q", key: str | None = None) -> list[int]:
+    offsets = []
+    for i in range(n):
+        reply = d(Enqueue(queue=queue, body=b"m%d" % i, key=key)).reply
+        assert isinstance(reply, Enqueued)
+        assert reply.offset is not None
+        offsets.append(reply.offset)
+    return offsets
+
+
+# ------------------------------------------------------------------ declaring
+
+
+def test_declare_is_idempotent_with_same_options(d: Driver) -> None:
+    assert d(Declare(queue="q")).reply == Declared(created=False)
+
+
+def test_declare_with_other_options_is_refused(d: Driver) -> None:
+    reply = d(Declare(queue="q", options=QueueOptions(max_length=3))).reply
+    assert _error_code(reply) is ErrorCode.OPTIONS_MISMATCH
+    assert d.machine.options("q") == QueueOptions()
+
+
+def test_queue_cannot_dead_letter_to_itself(d: Driver) -> None:
+    reply = d(Declare(queue="x", options=QueueOptions(dead_letter_queue="x"))).reply
+    assert _error_code(reply) is ErrorCode.INVALID
+    assert d.machine.queues() == ("q",)
+
+
+def test_invalid_options_are_refused_when_built() -> None:
+    with pytest.raises(ValueError, match="max_length"):
+        QueueOptions(max_length=-1)
+    with pytest.raises(ValueError, match="overflow"):
+        QueueOptions(overflow="drop-tail")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="message_ttl_ms"):
+        QueueOptions(message_ttl_ms=0)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        Enqueue(queue="nope", body=b"x"),
+        EnqueueBatch(queue="nope", messages=[Message(body=b"x")]),
+        Subscribe(queue="nope", consumer="c", node="A"),
+        Cancel(queue="nope", consumer="c"),
+        Ack(queue="nope", consumer="c", offsets=[0]),
+        Nack(queue="nope", consumer="c", offsets=[0]),
+        CommitOffset(queue="nope", group="g", offset=0),
+    ],
+)
+def test_commands_on_an_unknown_queue_are_refused(d: Driver, command: object) -> None:
+    before = d.machine.digest()
+    applied = d(command)  # type: ignore[arg-type]
+    assert _error_code(applied.reply) is ErrorCode.UNKNOWN_QUEUE
+    assert applied.effects == ()
+    assert d.machine.digest() != before  # only the applied index moved
+    assert d.machine.queues() == ("q",)
+
+
+def test_queries_on_an_unknown_queue_raise() -> None:
+    with pytest.raises(UnknownQueueError):
+        Machine().ready("nope")
+
+
+# ------------------------------------------------------- order and round robin
+
+
+def test_offsets_are_assigned_in_order_from_zero(d: Driver) -> None:
+    assert publish(d, 3) == [0, 1, 2]
+    assert d.machine.ready("q") == (0, 1, 2)
+
+
+def test_single_consumer_receives_messages_in_fifo_order(d: Driver) -> None:
+    publish(d, 3)
+    applied = d(Subscribe(queue="q", consumer="c1", node="A"))
+    assert deliveries(applied) == [("c1", 0), ("c1", 1), ("c1", 2)]
+    assert [e.body for e in delivered(applied)] == [b"m0", b"m1", b"m2"]
+    assert all(not e.redelivered and e.delivery_count == 0 for e in delivered(applied))
+
+
+def test_service_queue_is_round_robin(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    d(Subscribe(queue="q", consumer="c2", node="B"))
+    assert d.machine.service_queue("q") == ("c1", "c2")
+    got = []
+    for i in range(4):
+        got += deliveries(d(Enqueue(queue="q", body=b"%d" % i)))
+    assert got == [("c1", 0), ("c2", 1), ("c1", 2), ("c2", 3)]
+    assert d.machine.service_queue("q") == ("c1", "c2")
+
+
+def test_deliveries_name_the_consumers_node(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    (deliver,) = delivered(d(Enqueue(queue="q", body=b"x", key="k", headers={"h": "v"})))
+    assert (deliver.queue, deliver.node, deliver.key, deliver.headers) == ("q", "A", "k", {"h": "v"})
+
+
+def test_prefetch_limits_unacked_messages_and_ack_restores_credit(d: Driver) -> None:
+    publish(d, 5)
+    applied = d(Subscribe(queue="q", consumer="c1", node="A", prefetch=2))
+    assert deliveries(applied) == [("c1", 0), ("c1", 1)]
+    assert d.machine.service_queue("q") == ()
+    applied = d(Ack(queue="q", consumer="c1", offsets=[0]))
+    assert deliveries(applied) == [("c1", 2)]
+    assert d.machine.unacked("q", "c1") == (1, 2)
+
+
+def test_consumer_without_credit_leaves_service_queue_until_ack(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A", prefetch=1))
+    d(Subscribe(queue="q", consumer="c2", node="B", prefetch=1))
+    publish(d, 3)
+    assert d.machine.service_queue("q") == ()
+    assert d.machine.ready("q") == (2,)
+    applied = d(Ack(queue="q", consumer="c2", offsets=[1]))
+    assert deliveries(applied) == [("c2", 2)]
+
+
+def test_ack_removes_message_from_queue_view_but_not_stream_view(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    publish(d, 2)
+    assert d(Ack(queue="q", consumer="c1", offsets=[0, 1])).reply == OK
+    assert d.machine.ready("q") == ()
+    assert d.machine.unacked("q", "c1") == ()
+    assert [m.body for m in d.machine.read("q", 0, 10)] == [b"m0", b"m1"]
+
+
+def test_ack_of_offset_not_held_is_refused_and_changes_nothing(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    d(Subscribe(queue="q", consumer="c2", node="B"))
+    publish(d, 2)
+    reply = d(Ack(queue="q", consumer="c1", offsets=[0, 1])).reply
+    assert _error_code(reply) is ErrorCode.NOT_HELD
+    assert "[1]" in reply.message  # type: ignore[union-attr]
+    assert d.machine.unacked("q", "c1") == (0,)
+
+
+def test_ack_by_unknown_consumer_is_refused(d: Driver) -> None:
+    publish(d, 1)
+    reply = d(Ack(queue="q", consumer="ghost", offsets=[0])).reply
+    assert _error_code(reply) is ErrorCode.UNKNOWN_CONSUMER
+
+
+def test_acked_message_is_never_delivered_again(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    publish(d, 2)
+    d(Ack(queue="q", consumer="c1", offsets=[0]))
+    applied = d(Down(consumer="c1"))
+    d2 = d(Subscribe(queue="q", consumer="c2", node="B"))
+    assert deliveries(applied) == []
+    assert deliveries(d2) == [("c2", 1)]
+
+
+# --------------------------------------------------------------------- returns
+
+
+def test_returned_message_is_redelivered_before_later_ones(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A", prefetch=1))
+    publish(d, 3)
+    applied = d(Nack(queue="q", consumer="c1", offsets=[0]))
+    (again,) = delivered(applied)
+    assert (again.offset, again.redelivered, again.delivery_count) == (0, True, 1)
+
+
+def test_nack_requeue_increments_delivery_count_each_time(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    publish(d, 1)
+    counts = []
+    for _ in range(3):
+        counts += [e.delivery_count for e in delivered(d(Nack(queue="q", consumer="c1", offsets=[0])))]
+    assert counts == [1, 2, 3]
+
+
+def test_nack_without_requeue_drops_without_dead_letter_queue(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    publish(d, 1)
+    applied = d(Nack(queue="q", consumer="c1", offsets=[0], requeue=False))
+    assert applied.effects == (Dropped(queue="q", offset=0, reason="rejected"),)
+    assert d.machine.ready("q") == ()
+
+
+def test_nack_without_requeue_dead_letters_atomically(d: Driver) -> None:
+    d(Declare(queue="dlq"))
+    d(Declare(queue="work", options=QueueOptions(dead_letter_queue="dlq")))
+    d(Subscribe(queue="work", consumer="c1", node="A"))
+    d(Subscribe(queue="dlq", consumer="inspector", node="B"))
+    d(Enqueue(queue="work", body=b"poison", key="k", headers={"a": "b"}))
+    applied = d(Nack(queue="work", consumer="c1", offsets=[0], requeue=False))
+    dead, deliver = applied.effects
+    assert dead == DeadLettered(
+        queue="work", offset=0, reason="rejected", target_queue="dlq", target_offset=0
+    )
+    assert deliver.consumer == "inspector"  # type: ignore[union-attr]
+    assert deliver.body == b"poison"  # type: ignore[union-attr]
+    assert deliver.headers == {  # type: ignore[union-attr]
+        "a": "b",
+        "x-death-reason": "rejected",
+        "x-death-queue": "work",
+        "x-death-offset": "0",
+    }
+
+
+def test_delivery_limit_dead_letters_on_the_return_past_the_limit(d: Driver) -> None:
+    d(Declare(queue="dlq"))
+    d(Declare(queue="work", options=QueueOptions(delivery_limit=2, dead_letter_queue="dlq")))
+    d(Subscribe(queue="work", consumer="c1", node="A"))
+    d(Enqueue(queue="work", body=b"x"))
+    for count in (1, 2):
+        (again,) = delivered(d(Nack(queue="work", consumer="c1", offsets=[0])))
+        assert again.delivery_count == count
+    applied = d(Nack(queue="work", consumer="c1", offsets=[0]))
+    assert applied.effects == (
+        DeadLettered(
+            queue="work", offset=0, reason="delivery_limit", target_queue="dlq", target_offset=0
+        ),
+    )
+    assert d.machine.ready("dlq") == (0,)
+    assert d.machine.ready("work") == ()
+
+
+def test_delivery_limit_drops_when_no_dead_letter_queue(d: Driver) -> None:
+    d(Declare(queue="work", options=QueueOptions(delivery_limit=0)))
+    d(Subscribe(queue="work", consumer="c1", node="A"))
+    d(Enqueue(queue="work", body=b"x"))
+    applied = d(Down(consumer="c1"))
+    assert Dropped(queue="work", offset=0, reason="delivery_limit") in applied.effects
+
+
+def test_dead_lettering_to_a_full_reject_publish_queue_drops(d: Driver) -> None:
+    full = QueueOptions(max_length=0, overflow="reject-publish")
+    d(Declare(queue="dlq", options=full))
+    d(Declare(queue="work", options=QueueOptions(dead_letter_queue="dlq")))
+    d(Subscribe(queue="work", consumer="c1", node="A"))
+    d(Enqueue(queue="work", body=b"x"))
+    applied = d(Nack(queue="work", consumer="c1", offsets=[0], requeue=False))
+    assert applied.effects == (Dropped(queue="work", offset=0, reason="dead_letter_full"),)
+
+
+def test_down_returns_all_unacked_messages_and_removes_consumer(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    publish(d, 2)
+    d(Subscribe(queue="q", consumer="c2", node="B"))
+    applied = d(Down(consumer="c1"))
+    assert applied.effects[0] == ConsumerDown(queue="q", consumer="c1", node="A", reason="down")
+    assert deliveries(applied) == [("c2", 0), ("c2", 1)]
+    assert all(e.redelivered and e.delivery_count == 1 for e in delivered(applied))
+    assert d.machine.consumers("q") == ("c2",)
+
+
+def test_down_covers_every_queue_the_consumer_is_on(d: Driver) -> None:
+    d(Declare(queue="other"))
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    d(Subscribe(queue="other", consumer="c1", node="A"))
+    applied = d(Down(consumer="c1"))
+    assert [e.queue for e in applied.effects if isinstance(e, ConsumerDown)] == ["q", "other"]
+    assert d.machine.consumers("q") == d.machine.consumers("other") == ()
+
+
+def test_down_of_unknown_consumer_is_a_no_op(d: Driver) -> None:
+    applied = d(Down(consumer="ghost"))
+    assert (applied.reply, applied.effects) == (OK, ())
+
+
+def test_cancel_stops_new_deliveries_but_keeps_unacked_until_acked(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    publish(d, 1)
+    assert d(Cancel(queue="q", consumer="c1")).reply == OK
+    assert deliveries(d(Enqueue(queue="q", body=b"later"))) == []
+    assert d.machine.unacked("q", "c1") == (0,)
+    assert d(Ack(queue="q", consumer="c1", offsets=[0])).reply == OK
+
+
+def test_cancelled_consumer_is_forgotten_after_its_last_ack(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    publish(d, 1)
+    d(Cancel(queue="q", consumer="c1"))
+    assert d.machine.consumers("q") == ("c1",)
+    d(Ack(queue="q", consumer="c1", offsets=[0]))
+    assert d.machine.consumers("q") == ()
+    assert d(Subscribe(queue="q", consumer="c1", node="A")).reply == OK
+
+
+def test_node_down_downs_every_consumer_on_that_node(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="a1", node="A"))
+    d(Subscribe(queue="q", consumer="b1", node="B"))
+    d(Subscribe(queue="q", consumer="a2", node="A", prefetch=1))
+    publish(d, 3)
+    applied = d(NodeDown(node="A"))
+    gone = [(e.consumer, e.reason) for e in applied.effects if isinstance(e, ConsumerDown)]
+    assert gone == [("a1", "node_down"), ("a2", "node_down")]
+    assert deliveries(applied) == [("b1", 0), ("b1", 2)]
+    assert d.machine.down_nodes() == {"A"}
+
+
+def test_subscribe_from_a_down_node_is_refused_until_node_up(d: Driver) -> None:
+    d(NodeDown(node="A"))
+    reply = d(Subscribe(queue="q", consumer="c1", node="A")).reply
+    assert _error_code(reply) is ErrorCode.NODE_DOWN
+    d(NodeUp(node="A"))
+    assert d(Subscribe(queue="q", consumer="c1", node="A")).reply == OK
+
+
+def test_subscribe_twice_with_same_consumer_is_refused(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    reply = d(Subscribe(queue="q", consumer="c1", node="B")).reply
+    assert _error_code(reply) is ErrorCode.CONSUMER_EXISTS
+
+
+# ----------------------------------------------------------------- ordering keys
+
+
+def test_key_with_unacked_messages_goes_only_to_its_holder(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    d(Subscribe(queue="q", consumer="c2", node="B"))
+    got = []
+    for i in range(4):
+        got += deliveries(d(Enqueue(queue="q", body=b"%d" % i, key="k")))
+    assert got == [("c1", 0), ("c1", 1), ("c1", 2), ("c1", 3)]
+
+
+def test_slow_key_does_not_block_other_keys(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="slow", node="A", prefetch=1))
+    d(Subscribe(queue="q", consumer="fast", node="B", prefetch=1))
+    d(Enqueue(queue="q", body=b"r0", key="red"))  # -> slow
+    d(Enqueue(queue="q", body=b"r1", key="red"))  # red is held by slow: waits
+    applied = d(Enqueue(queue="q", body=b"b0", key="blue"))
+    assert deliveries(applied) == [("fast", 2)]
+    assert d.machine.ready("q") == (1,)
+    d(Ack(queue="q", consumer="fast", offsets=[2]))
+    assert d.machine.ready("q") == (1,)  # fast may not take red while slow holds it
+    # once slow holds nothing of red, red is free and goes round-robin (fast is first)
+    assert deliveries(d(Ack(queue="q", consumer="slow", offsets=[0]))) == [("fast", 1)]
+
+
+def test_returning_a_keyed_message_returns_later_messages_of_that_key(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    publish(d, 3, key="k")
+    d(Enqueue(queue="q", body=b"other", key="j"))
+    applied = d(Nack(queue="q", consumer="c1", offsets=[1]))
+    assert deliveries(applied) == [("c1", 1), ("c1", 2)]
+    assert d.machine.unacked("q", "c1") == (0, 1, 2, 3)
+
+
+def test_collateral_returns_do_not_count_as_failed_deliveries(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    publish(d, 2, key="k")
+    again = delivered(d(Nack(queue="q", consumer="c1", offsets=[0])))
+    assert [(e.offset, e.redelivered, e.delivery_count) for e in again] == [
+        (0, True, 1),
+        (1, True, 0),
+    ]
+
+
+def test_key_becomes_free_after_all_its_messages_are_acked(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A", prefetch=1))
+    d(Subscribe(queue="q", consumer="c2", node="B"))
+    publish(d, 1, key="k")  # -> c1
+    d(Enqueue(queue="q", body=b"x"))  # -> c2
+    d(Enqueue(queue="q", body=b"k1", key="k"))  # k held by c1, which has no credit
+    assert d.machine.ready("q") == (2,)
+    applied = d(Ack(queue="q", consumer="c1", offsets=[0]))
+    assert deliveries(applied) == [("c2", 2)]  # k is free: the head of the SQ takes it
+
+
+def test_down_returns_keyed_messages_and_key_moves_to_next_consumer_in_order(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    publish(d, 3, key="k")
+    d(Subscribe(queue="q", consumer="c2", node="B"))
+    assert deliveries(d(Down(consumer="c1"))) == [("c2", 0), ("c2", 1), ("c2", 2)]
+
+
+def test_keyed_and_unkeyed_messages_are_offered_in_offset_order(d: Driver) -> None:
+    d(Enqueue(queue="q", body=b"a", key="k"))
+    d(Enqueue(queue="q", body=b"b"))
+    d(Enqueue(queue="q", body=b"c", key="j"))
+    d(Enqueue(queue="q", body=b"d"))
+    applied = d(Subscribe(queue="q", consumer="c1", node="A"))
+    assert [off for _, off in deliveries(applied)] == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------ single active consumer
+
+
+@pytest.fixture
+def sac() -> Driver:
+    drive = Driver()
+    drive(Declare(queue="q", options=QueueOptions(single_active_consumer=True)))
+    return drive
+
+
+def test_single_active_consumer_only_oldest_receives(sac: Driver) -> None:
+    sac(Subscribe(queue="q", consumer="c1", node="A"))
+    sac(Subscribe(queue="q", consumer="c2", node="B"))
+    got = []
+    for i in range(3):
+        got += deliveries(sac(Enqueue(queue="q", body=b"%d" % i)))
+    assert got == [("c1", 0), ("c1", 1), ("c1", 2)]
+    assert sac.machine.service_queue("q") == ("c1",)
+
+
+def test_single_active_consumer_fails_over_with_returned_messages_first(sac: Driver) -> None:
+    sac(Subscribe(queue="q", consumer="c1", node="A", prefetch=2))
+    sac(Subscribe(queue="q", consumer="c2", node="B", prefetch=2))
+    publish(sac, 4)
+    sac(Ack(queue="q", consumer="c1", offsets=[0]))  # c1 now holds 1, 2
+    applied = sac(Down(consumer="c1"))
+    assert [(e.consumer, e.offset, e.redelivered) for e in delivered(applied)] == [
+        ("c2", 1, True),
+        ("c2", 2, True),
+    ]
+    sac(Ack(queue="q", consumer="c2", offsets=[1, 2]))
+    assert sac.machine.unacked("q", "c2") == (3,)
+
+
+def test_single_active_consumer_cancel_hands_over(sac: Driver) -> None:
+    sac(Subscribe(queue="q", consumer="c1", node="A"))
+    sac(Subscribe(queue="q", consumer="c2", node="B"))
+    sac(Cancel(queue="q", consumer="c1"))
+    assert deliveries(sac(Enqueue(queue="q", body=b"x"))) == [("c2", 0)]
+
+
+# -------------------------------------------------------------------- overflow
+
+
+def test_max_length_drop_head_drops_oldest_ready(d: Driver) -> None:
+    d(Declare(queue="small", options=QueueOptions(max_length=2)))
+    publish(d, 2, queue="small")
+    applied = d(Enqueue(queue="small", body=b"new"))
+    assert applied.effects == (Dropped(queue="small", offset=0, reason="max_length"),)
+    assert d.machine.ready("small") == (1, 2)
+
+
+def test_max_length_counts_only_ready_messages(d: Driver) -> None:
+    d(Declare(queue="small", options=QueueOptions(max_length=1, overflow="reject-publish")))
+    d(Subscribe(queue="small", consumer="c1", node="A", prefetch=2))
+    publish(d, 3, queue="small")  # two held, one ready
+    assert d.machine.stats("small").unacked == 2
+
+
+def test_max_length_reject_publish_refuses_with_clear_reply(d: Driver) -> None:
+    d(Declare(queue="small", options=QueueOptions(max_length=1, overflow="reject-publish")))
+    publish(d, 1, queue="small")
+    reply = d(Enqueue(queue="small", body=b"x")).reply
+    assert _error_code(reply) is ErrorCode.QUEUE_FULL
+    assert "max_length 1" in reply.message  # type: ignore[union-attr]
+    assert d.machine.ready("small") == (0,)
+
+
+def test_reject_publish_refuses_whole_batch_that_does_not_fit(d: Driver) -> None:
+    d(Declare(queue="small", options=QueueOptions(max_length=2, overflow="reject-publish")))
+    publish(d, 1, queue="small")
+    batch = EnqueueBatch(queue="small", messages=[Message(body=b"a"), Message(body=b"b")])
+    assert _error_code(d(batch).reply) is ErrorCode.QUEUE_FULL
+    assert d.machine.stats("small").next_offset == 1
+
+
+def test_drop_head_with_keys_drops_the_oldest_ready_of_any_key(d: Driver) -> None:
+    d(Declare(queue="small", options=QueueOptions(max_length=2)))
+    d(Subscribe(queue="small", consumer="c1", node="A", prefetch=1))
+    d(Enqueue(queue="small", body=b"a0", key="a"))  # held by c1
+    d(Enqueue(queue="small", body=b"a1", key="a"))  # ready, owned by c1
+    d(Enqueue(queue="small", body=b"b0", key="b"))
+    applied = d(Enqueue(queue="small", body=b"c0", key="c"))
+    assert applied.effects == (Dropped(queue="small", offset=1, reason="max_length"),)
+    assert d.machine.ready("small") == (2, 3)
+
+
+# --------------------------------------------------------- idempotent producers
+
+
+def _enq(d: Driver, seq: int, body: bytes = b"x") -> object:
+    return d(Enqueue(queue="q", body=body, producer="p", seq=seq)).reply
+
+
+def test_producer_retry_is_answered_with_original_offset(d: Driver) -> None:
+    publish(d, 2)
+    assert _enq(d, 0) == Enqueued(offset=2)
+    assert _enq(d, 1) == Enqueued(offset=3)
+    assert _enq(d, 0) == Enqueued(offset=2, duplicate=True)
+    assert d.machine.stats("q").next_offset == 4
+
+
+def test_producer_seq_gap_is_refused_with_expected_seq(d: Driver) -> None:
+    _enq(d, 5)
+    reply = _enq(d, 7)
+    assert _error_code(reply) is ErrorCode.OUT_OF_ORDER
+    assert reply.expected_seq == 6  # type: ignore[union-attr]
+    assert d.machine.stats("q").next_offset == 1
+
+
+def test_producer_batch_retry_is_a_duplicate_not_a_second_batch(d: Driver) -> None:
+    batch = EnqueueBatch(
+        queue="q", messages=[Message(body=b"a"), Message(body=b"b")], producer="p", first_seq=0
+    )
+    assert d(batch).reply == Enqueued(offset=0, count=2)
+    assert d(batch).reply == Enqueued(offset=0, count=2, duplicate=True)
+    assert _enq(d, 1) == Enqueued(offset=1, duplicate=True)
+    assert _enq(d, 2) == Enqueued(offset=2)
+
+
+def test_producer_batch_overlapping_last_seq_is_refused(d: Driver) -> None:
+    _enq(d, 0)
+    batch = EnqueueBatch(
+        queue="q", messages=[Message(body=b"a"), Message(body=b"b")], producer="p", first_seq=0
+    )
+    reply = d(batch).reply
+    assert _error_code(reply) is ErrorCode.OUT_OF_ORDER
+    assert reply.expected_seq == 1  # type: ignore[union-attr]
+
+
+def test_producer_needs_both_id_and_seq(d: Driver) -> None:
+    reply = d(Enqueue(queue="q", body=b"x", producer="p")).reply
+    assert _error_code(reply) is ErrorCode.INVALID
+
+
+def test_rejected_publish_does_not_consume_the_seq(d: Driver) -> None:
+    d(Declare(queue="small", options=QueueOptions(max_length=1, overflow="reject-publish")))
+    publish(d, 1, queue="small")
+    reply = d(Enqueue(queue="small", body=b"x", producer="p", seq=0)).reply
+    assert _error_code(reply) is ErrorCode.QUEUE_FULL
+    d(Subscribe(queue="small", consumer="c", node="A"))  # takes the ready one
+    assert d(Enqueue(queue="small", body=b"x", producer="p", seq=0)).reply == Enqueued(offset=1)
+
+
+def test_producer_retry_older_than_window_is_still_a_duplicate(d: Driver) -> None:
+    from quorumq.machine.queue import DEDUP_WINDOW
+
+    d(Subscribe(queue="q", consumer="c", node="A"))
+    for seq in range(DEDUP_WINDOW + 10):
+        other = d(Enqueue(queue="q", body=b"o")).reply  # interleaved: no run merging
+        assert isinstance(other, Enqueued)
+        _enq(d, seq)
+    assert _enq(d, 0) == Enqueued(offset=None, duplicate=True)
+    assert _enq(d, DEDUP_WINDOW) == Enqueued(offset=2 * DEDUP_WINDOW + 1, duplicate=True)
+
+
+def test_producers_are_tracked_per_queue(d: Driver) -> None:
+    d(Declare(queue="other"))
+    _enq(d, 0)
+    assert d(Enqueue(queue="other", body=b"x", producer="p", seq=0)).reply == Enqueued(offset=0)
+
+
+def test_silent_producer_is_forgotten_after_expiry(d: Driver) -> None:
+    from quorumq.machine.machine import PRODUCER_EXPIRY_MS
+
+    _enq(d, 0)
+    d(Tick(), ts_ms=PRODUCER_EXPIRY_MS + 1)
+    assert _enq(d, 9) == Enqueued(offset=1)
+
+
+# ----------------------------------------------------------------------- batches
+
+
+def test_batch_lands_with_consecutive_offsets_in_one_apply(d: Driver) -> None:
+    d(Subscribe(queue="q", consumer="c1", node="A"))
+    batch = EnqueueBatch(queue="q", messages=[Message(body=b"%d" % i, key="k") for i in range(5)])
+    applied = d(batch)
+    assert applied.reply == Enqueued(offset=0, count=5)
+    assert deliveries(applied) == [("c1", i) for i in range(5)]
+
+
+def test_empty_batch_is_refused(d: Driver) -> None:
+    assert _error_code(d(EnqueueBatch(queue="q", messages=[])).reply) is ErrorCode.INVALID
+
+
+# --------------------------------------------------------------------- retention
+
+
+def test_retention_messages_trims_stream_view_from_front(d: Driver) -> None:
+    d(Declare(queue="s", options=QueueOptions(retention_messages=3)))
+    d(Subscribe(queue="s", consumer="c", node="A"))
+    for i in range(5):
+        d(Enqueue(queue="s", body=b"%d" % i))
+    assert [m.offset for m in d.machine.read("s", 0, 100)] == [2, 3, 4]
+    assert d.machine.stats("s").first_retained == 2
+
+
+def test_retention_bytes_trims_stream_view_from_front(d: Driver) -> None:
+    d(Declare(queue="s", options=QueueOptions(retention_bytes=10)))
+    for _ in range(4):
+        d(Enqueue(queue="s", body=b"1234"))
+    assert [m.offset for m in d.machine.read("s", 0, 100)] == [2, 3]
+
+
+def test_retention_never_removes_ready_or_unacked_messages(d: Driver) -> None:
+    d(Declare(queue="s", options=QueueOptions(retention_messages=0)))
+    for i in range(3):
+        d(Enqueue(queue="s", body=b"%d" % i))
+    assert d.machine.read("s", 0, 100) == ()
+    applied = d(Subscribe(queue="s", consumer="c", node="A", prefetch=2))
+    assert [e.body for e in delivered(applied)] == [b"0", b"1"]
+    applied = d(Down(consumer="c"))
+    d(Subscribe(queue="s", consumer="c2", node="A"))
+    assert d.machine.unacked("s", "c2") == (0, 1, 2)
+
+
+def test_long_streams_compact_and_stay_readable(d: Driver) -> None:
+    d(Declare(queue="s", options=QueueOptions(retention_messages=10)))
+    for i in range(5000):
+        d(Enqueue(queue="s", body=b"%d" % i))
+    assert [m.body for m in d.machine.read("s", 4990, 6000)] == [b"%d" % i for i in range(4990, 5000)]
+    restored = Machine.restore(d.machine.snapshot())
+    assert restored.read("s", 0, 6000) == d.machine.read("s", 0, 6000)
+
+
+def test_read_filters_by_key_bucket(d: Driver) -> None:
+    keys = ["a", "b", "c", None, "a", None]
+    for i, key in enumerate(keys):
+        d(Enqueue(queue="q", body=b"%d" % i, key=key))
+    buckets = [d.machine.read("q", 0, 6, bucket=b, buckets=3) for b in range(3)]
+    assert sorted(m.offset for part in buckets for m in part) == list(range(6))
+    for part in buckets:
+        assert [m.offset for m in part] == sorted(m.offset for m in part)
+        assert len({m.key for m in part if m.key is not None}) == len(
+            [k for k in {m.key for m in part} if k is not None]
+        )
+    a_bucket = [b for b, part in enumerate(buckets) if any(m.key == "a" for m in part)]
+    assert len(a_bucket) == 1
+    with pytest.raises(ValueError, match="together"):
+        d.machine.read("q", 0, 6, bucket=1)
+
+
+# --------------------------------------------------------------------------- TTL
+
+
+@pytest.fixture
+def ttl() -> Driver:
+    drive = Driver()
+    drive(Declare(queue="dlq"))
+    drive(Declare(queue="q", options=QueueOptions(message_ttl_ms=100, dead_letter_queue="dlq")))
+    return drive
+
+
+def test_ready_message_expires_after_ttl_and_dead_letters(ttl: Driver) -> None:
+    ttl(Enqueue(queue="q", body=b"old"), ts_ms=1000)
+    applied = ttl(Tick(), ts_ms=1100)
+    assert applied.effects == (
+        DeadLettered(queue="q", offset=0, reason="expired", target_queue="dlq", target_offset=0),
+    )
+
+
+def test_message_younger_than_ttl_stays(ttl: Driver) -> None:
+    ttl(Enqueue(queue="q", body=b"young"), ts_ms=1000)
+    assert ttl(Tick(), ts_ms=1099).effects == ()
+    assert ttl.machine.ready("q") == (0,)
+
+
+def test_expired_message_is_not_delivered(ttl: Driver) -> None:
+    ttl(Enqueue(queue="q", body=b"old"), ts_ms=1000)
+    ttl(Enqueue(queue="q", body=b"new"), ts_ms=1150)
+    applied = ttl(Subscribe(queue="q", consumer="c", node="A"))
+    assert deliveries(applied) == [("c", 1)]
+
+
+def test_unacked_message_does_not_expire(ttl: Driver) -> None:
+    ttl(Subscribe(queue="q", consumer="c", node="A"))
+    ttl(Enqueue(queue="q", body=b"x"), ts_ms=1000)
+    assert ttl(Tick(), ts_ms=5000).effects == ()
+    assert ttl.machine.unacked("q", "c") == (0,)
+
+
+def test_tick_expires_returned_messages(ttl: Driver) -> None:
+    ttl(Subscribe(queue="q", consumer="c", node="A"))
+    ttl(Enqueue(queue="q", body=b"x"), ts_ms=1000)
+    ttl(Tick(), ts_ms=1050)
+    ttl(Cancel(queue="q", consumer="c"))
+    ttl(Subscribe(queue="q", consumer="c2", node="A", prefetch=1))
+    ttl(Down(consumer="c"))  # returned to c2 right away
+    ttl(Cancel(queue="q", consumer="c2"))
+    ttl(Down(consumer="c2"))  # returned, nobody to take it
+    applied = ttl(Tick(), ts_ms=1200)
+    assert [e.reason for e in applied.effects if isinstance(e, DeadLettered)] == ["expired"]
+    assert ttl.machine.ready("q") == ()
+
+
+# -------------------------------------------------------------- time and index
+
+
+def test_time_never_runs_back(d: Driver) -> None:
+    d(Enqueue(queue="q", body=b"a"), ts_ms=500)
+    d(Enqueue(queue="q", body=b"b"), ts_ms=100)
+    assert [m.ts_ms for m in d.machine.read("q", 0, 2)] == [500, 500]
+    assert d.machine.now_ms == 500
+
+
+def test_stale_index_is_refused(d: Driver) -> None:
+    applied = d.machine.apply(Meta(d.index, 0), Enqueue(queue="q", body=b"again"))
+    assert _error_code(applied.reply) is ErrorCode.STALE_INDEX
+    assert d.machine.ready("q") == ()
+
+
+# ---------------------------------------------------------------- commit offset
+
+
+def test_commit_offset_is_kept_per_group(d: Driver) -> None:
+    publish(d, 3)
+    d(CommitOffset(queue="q", group="spark-1", offset=2))
+    d(CommitOffset(queue="q", group="spark-2", offset=3))
+    assert d.machine.committed_offsets("q") == {"spark-1": 2, "spark-2": 3}
+    assert d.machine.committed_offset("q", "nobody") is None
+
+
+def test_commit_offset_past_end_is_refused(d: Driver) -> None:
+    reply = d(CommitOffset(queue="q", group="g", offset=1)).reply
+    assert _error_code(reply) is ErrorCode.INVALID
