@@ -141,7 +141,8 @@ def test_service_queue_is_round_robin(d: Driver) -> None:
 def test_deliveries_name_the_consumers_node(d: Driver) -> None:
     d(Subscribe(queue="q", consumer="c1", node="A"))
     (deliver,) = delivered(d(Enqueue(queue="q", body=b"x", key="k", headers={"h": "v"})))
-    assert (deliver.queue, deliver.node, deliver.key, deliver.headers) == ("q", "A", "k", {"h": "v"})
+    got = (deliver.queue, deliver.node, deliver.key, deliver.headers)
+    assert got == ("q", "A", "k", {"h": "v"})
 
 
 def test_prefetch_limits_unacked_messages_and_ack_restores_credit(d: Driver) -> None:
@@ -215,7 +216,8 @@ def test_nack_requeue_increments_delivery_count_each_time(d: Driver) -> None:
     publish(d, 1)
     counts = []
     for _ in range(3):
-        counts += [e.delivery_count for e in delivered(d(Nack(queue="q", consumer="c1", offsets=[0])))]
+        applied = d(Nack(queue="q", consumer="c1", offsets=[0]))
+        counts += [e.delivery_count for e in delivered(applied)]
     assert counts == [1, 2, 3]
 
 
@@ -646,7 +648,8 @@ def test_long_streams_compact_and_stay_readable(d: Driver) -> None:
     d(Declare(queue="s", options=QueueOptions(retention_messages=10)))
     for i in range(5000):
         d(Enqueue(queue="s", body=b"%d" % i))
-    assert [m.body for m in d.machine.read("s", 4990, 6000)] == [b"%d" % i for i in range(4990, 5000)]
+    tail = [m.body for m in d.machine.read("s", 4990, 6000)]
+    assert tail == [b"%d" % i for i in range(4990, 5000)]
     restored = Machine.restore(d.machine.snapshot())
     assert restored.read("s", 0, 6000) == d.machine.read("s", 0, 6000)
 
