@@ -3,7 +3,7 @@
 Deterministic and pure: the same commands in the same order give the same state,
 replies and effects on every replica. No clock (time is `meta.ts_ms`, clamped so it
 never runs back), no randomness, no I/O. A refused command gets an `Error` reply and
-changes nothing.
+changes nothing but the clock (messages whose TTL ran out still expire).
 """
 
 from __future__ import annotations
@@ -227,8 +227,9 @@ class Machine:
         if refusal is not None:
             return refusal
         now = self._now
-        q.expire(now)
         opts = q.options
+        if opts.message_ttl_ms is not None:
+            self._run([q], effects)  # what expired leaves first, and does not count as ready
         if (
             opts.overflow == "reject-publish"
             and opts.max_length is not None

@@ -1,0 +1,552 @@
+"""Property tests: random command sequences against an independent model of the rules.
+
+The model follows replies and effects only (it never reads the machine's internals)
+and after every step the invariants of DESIGN.md are checked against the machine's
+public queries:
+
+* a message is held by at most one live consumer, and holds respect prefetch;
+* no enqueued message is lost: each is ready, held, acked or explicitly dropped;
+* an acked message is never delivered again; `redelivered` and `delivery_count` are
+  exactly what the history says;
+* per consumer, first deliveries of unkeyed messages come in increasing offset order;
+  per key, first deliveries come in increasing order, every held message of a key is
+  held by one consumer and is older than every ready message of that key;
+* a retried idempotent enqueue never gets a second offset;
+* with single active consumer, only the oldest live subscriber receives;
+* the stream view at an offset never changes;
+* a second machine fed the same log, and one restored from a snapshot taken mid-way
+  and fed the rest, end with the same digest.
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from quorumq.machine import (
+    OK,
+    Ack,
+    Applied,
+    Cancel,
+    Command,
+    CommitOffset,
+    ConsumerDown,
+    DeadLettered,
+    Declare,
+    Declared,
+    Deliver,
+    Down,
+    Dropped,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    Error,
+    ErrorCode,
+    Machine,
+    Message,
+    Meta,
+    Nack,
+    NodeDown,
+    NodeUp,
+    QueueOptions,
+    Subscribe,
+    Tick,
+)
+
+QUEUES = ("q1", "q2", "dlq")
+WORK_QUEUES = ("q1", "q2")
+CONSUMERS = ("c0", "c1", "c2", "c3", "c4")
+NODES = ("A", "B", "C")
+KEYS = (None, None, "k0", "k1", "k2")
+PRODUCERS = ("p0", "p1")
+
+options_strategy = st.builds(
+    QueueOptions,
+    max_length=st.none() | st.integers(0, 6),
+    overflow=st.sampled_from(["drop-head", "reject-publish"]),
+    delivery_limit=st.none() | st.integers(0, 3),
+    dead_letter_queue=st.none() | st.just("dlq"),
+    single_active_consumer=st.booleans(),
+    retention_messages=st.none() | st.integers(0, 8),
+    retention_bytes=st.none() | st.integers(0, 40),
+    message_ttl_ms=st.none() | st.integers(1, 300),
+)
+clock_step = st.integers(-30, 120)
+
+
+@attrs.define
+class ModelConsumer:
+    node: str
+    prefetch: int
+    cancelled: bool = False
+
+
+Ref = tuple[str, int]  # (queue, offset)
+
+
+class QueueMachineRules(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.machine = Machine()
+        self.index = 0
+        self.ts = 0
+        self.log: list[tuple[Meta, Command]] = []
+        self.snapshot: tuple[int, bytes] | None = None
+        self.options: dict[str, QueueOptions] = {}
+        self.body_counter = 0
+        # the model
+        self.enqueued: dict[Ref, tuple[str | None, bytes]] = {}
+        self.next_offset = dict.fromkeys(QUEUES, 0)
+        self.held: dict[Ref, str] = {}
+        self.acked: set[Ref] = set()
+        self.dropped: set[Ref] = set()
+        self.delivered_ever: set[Ref] = set()
+        self.failures: dict[Ref, int] = {}
+        self.consumers: dict[str, dict[str, ModelConsumer]] = {q: {} for q in QUEUES}
+        self.last_unkeyed_first: dict[tuple[str, str], int] = {}
+        self.last_key_first: dict[tuple[str, str], int] = {}
+        self.producer_offsets: dict[tuple[str, str], dict[int, int]] = {}
+        self.producer_last: dict[tuple[str, str], int] = {}
+        self.down_nodes: set[str] = set()
+
+    # ---------------------------------------------------------------- driving
+
+    def apply(self, command: Command, dt: int = 0) -> Applied:
+        self.index += 1
+        self.ts = max(0, self.ts + dt)
+        meta = Meta(self.index, self.ts)
+        self.log.append((meta, command))
+        return self.machine.apply(meta, command)
+
+    def body(self) -> bytes:
+        self.body_counter += 1
+        return b"b%d" % self.body_counter
+
+    def held_by(self, queue: str, consumer: str) -> list[int]:
+        return sorted(o for (q, o), c in self.held.items() if q == queue and c == consumer)
+
+    def forget_idle_cancelled(self, queue: str) -> None:
+        for cid, mc in list(self.consumers[queue].items()):
+            if mc.cancelled and not self.held_by(queue, cid):
+                del self.consumers[queue][cid]
+
+    def give_back(self, queue: str, offsets: list[int], failed: set[int]) -> None:
+        for off in offsets:
+            del self.held[(queue, off)]
+            if off in failed:
+                self.failures[(queue, off)] = self.failures.get((queue, off), 0) + 1
+
+    def take_effects(self, applied: Applied) -> None:
+        for e in applied.effects:
+            if isinstance(e, ConsumerDown):
+                mc = self.consumers[e.queue].pop(e.consumer)
+                assert mc.node == e.node
+                held = self.held_by(e.queue, e.consumer)
+                self.give_back(e.queue, held, set(held))
+            elif isinstance(e, Dropped):
+                self.leave((e.queue, e.offset))
+            elif isinstance(e, DeadLettered):
+                self.leave((e.queue, e.offset))
+                assert e.target_queue == self.options[e.queue].dead_letter_queue
+                assert e.target_offset == self.next_offset[e.target_queue]
+                self.next_offset[e.target_queue] += 1
+                self.enqueued[(e.target_queue, e.target_offset)] = self.enqueued[
+                    (e.queue, e.offset)
+                ]
+            elif isinstance(e, Deliver):
+                self.deliver(e)
+            else:  # pragma: no cover - a new effect type needs a model
+                raise AssertionError(f"unexpected effect {e}")
+        for q in QUEUES:
+            self.forget_idle_cancelled(q)
+
+    def leave(self, ref: Ref) -> None:
+        assert ref in self.enqueued, ref
+        assert ref not in self.held, f"{ref} left while held"
+        assert ref not in self.acked and ref not in self.dropped, ref
+        self.dropped.add(ref)
+
+    def deliver(self, e: Deliver) -> None:
+        ref = (e.queue, e.offset)
+        assert ref in self.enqueued, f"delivered an offset never enqueued: {ref}"
+        assert ref not in self.acked, f"acked message delivered again: {ref}"
+        assert ref not in self.dropped, f"dropped message delivered: {ref}"
+        assert ref not in self.held, f"{ref} held by {self.held.get(ref)} and given to {e.consumer}"
+        mc = self.consumers[e.queue].get(e.consumer)
+        assert mc is not None and not mc.cancelled, f"delivery to gone consumer {e}"
+        assert e.node == mc.node
+        assert (e.key, e.body) == self.enqueued[ref]
+        assert e.redelivered == (ref in self.delivered_ever)
+        assert e.delivery_count == self.failures.get(ref, 0)
+        if self.options[e.queue].single_active_consumer:
+            active = next(c for c, m in self.consumers[e.queue].items() if not m.cancelled)
+            assert e.consumer == active, "single active consumer: only the oldest receives"
+        if not e.redelivered:
+            if e.key is None:
+                slot = (e.queue, e.consumer)
+                assert e.offset > self.last_unkeyed_first.get(slot, -1), "unkeyed order"
+                self.last_unkeyed_first[slot] = e.offset
+            else:
+                slot = (e.queue, e.key)
+                assert e.offset > self.last_key_first.get(slot, -1), "per-key order"
+                self.last_key_first[slot] = e.offset
+        self.held[ref] = e.consumer
+        self.delivered_ever.add(ref)
+        if mc.prefetch:
+            assert len(self.held_by(e.queue, e.consumer)) <= mc.prefetch, "prefetch exceeded"
+
+    def record_enqueued(
+        self, queue: str, reply: Enqueued, messages: list[tuple[str | None, bytes]]
+    ) -> None:
+        assert reply.offset == self.next_offset[queue]
+        assert reply.count == len(messages)
+        for i, message in enumerate(messages):
+            self.enqueued[(queue, reply.offset + i)] = message
+        self.next_offset[queue] += len(messages)
+
+    def producer_enqueue(
+        self,
+        queue: str,
+        producer: str,
+        seq: int,
+        messages: list[tuple[str | None, bytes]],
+        applied: Applied,
+        ready_before: int,
+    ) -> None:
+        slot = (queue, producer)
+        last = self.producer_last.get(slot)
+        reply = applied.reply
+        n = len(messages)
+        if last is not None and seq + n - 1 <= last:
+            assert isinstance(reply, Enqueued) and reply.duplicate, reply
+            assert reply.offset == self.producer_offsets[slot].get(seq)
+            assert applied.effects == ()
+            return
+        if last is not None and seq != last + 1:
+            assert isinstance(reply, Error) and reply.code is ErrorCode.OUT_OF_ORDER, reply
+            assert reply.expected_seq == last + 1
+            return
+        if self.refused_as_full(queue, reply, n, ready_before):
+            return
+        assert isinstance(reply, Enqueued) and not reply.duplicate, reply
+        assert reply.offset is not None
+        self.record_enqueued(queue, reply, messages)
+        self.producer_last[slot] = seq + n - 1
+        offsets = self.producer_offsets.setdefault(slot, {})
+        for i in range(n):
+            offsets[seq + i] = reply.offset + i
+
+    def refused_as_full(self, queue: str, reply: object, n: int, ready_before: int) -> bool:
+        opts = self.options[queue]
+        if isinstance(reply, Error):
+            assert reply.code is ErrorCode.QUEUE_FULL, reply
+            assert opts.overflow == "reject-publish" and opts.max_length is not None
+            return True
+        if opts.overflow == "reject-publish" and opts.max_length is not None:
+            assert opts.message_ttl_ms is not None or ready_before + n <= opts.max_length
+        return False
+
+    # ------------------------------------------------------------------ rules
+
+    @initialize(q1=options_strategy, q2=options_strategy)
+    def declare_queues(self, q1: QueueOptions, q2: QueueOptions) -> None:
+        self.options = {"dlq": QueueOptions(), "q1": q1, "q2": q2}
+        for name in ("dlq", "q1", "q2"):
+            applied = self.apply(Declare(queue=name, options=self.options[name]))
+            assert applied.reply == Declared(created=True)
+
+    @rule(queue=st.sampled_from(QUEUES), key=st.sampled_from(KEYS), dt=clock_step)
+    def enqueue(self, queue: str, key: str | None, dt: int) -> None:
+        body = self.body()
+        ready_before = len(self.machine.ready(queue))
+        applied = self.apply(Enqueue(queue=queue, body=body, key=key), dt)
+        if not self.refused_as_full(queue, applied.reply, 1, ready_before):
+            assert isinstance(applied.reply, Enqueued)
+            self.record_enqueued(queue, applied.reply, [(key, body)])
+        self.take_effects(applied)
+
+    @rule(
+        queue=st.sampled_from(WORK_QUEUES),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5),
+        producer=st.none() | st.sampled_from(PRODUCERS),
+        seq_shift=st.sampled_from([0, 0, 0, -1, -2, 1]),
+        dt=clock_step,
+    )
+    def enqueue_batch(
+        self,
+        queue: str,
+        keys: list[str | None],
+        producer: str | None,
+        seq_shift: int,
+        dt: int,
+    ) -> None:
+        messages = [(k, self.body()) for k in keys]
+        seq = None
+        if producer is not None:
+            seq = max(0, self.producer_last.get((queue, producer), -1) + 1 + seq_shift)
+        batch = EnqueueBatch(
+            queue=queue,
+            messages=[Message(body=b, key=k) for k, b in messages],
+            producer=producer,
+            first_seq=seq,
+        )
+        ready_before = len(self.machine.ready(queue))
+        applied = self.apply(batch, dt)
+        if producer is not None and seq is not None:
+            self.producer_enqueue(queue, producer, seq, messages, applied, ready_before)
+        elif not self.refused_as_full(queue, applied.reply, len(messages), ready_before):
+            assert isinstance(applied.reply, Enqueued)
+            self.record_enqueued(queue, applied.reply, messages)
+        self.take_effects(applied)
+
+    @rule(
+        queue=st.sampled_from(WORK_QUEUES),
+        producer=st.sampled_from(PRODUCERS),
+        key=st.sampled_from(KEYS),
+        seq_shift=st.sampled_from([0, 0, -1, -3, 2]),
+        dt=clock_step,
+    )
+    def idempotent_enqueue(
+        self, queue: str, producer: str, key: str | None, seq_shift: int, dt: int
+    ) -> None:
+        seq = max(0, self.producer_last.get((queue, producer), -1) + 1 + seq_shift)
+        body = self.body()
+        ready_before = len(self.machine.ready(queue))
+        cmd = Enqueue(queue=queue, body=body, key=key, producer=producer, seq=seq)
+        applied = self.apply(cmd, dt)
+        self.producer_enqueue(queue, producer, seq, [(key, body)], applied, ready_before)
+        self.take_effects(applied)
+
+    @rule(
+        queue=st.sampled_from(QUEUES),
+        consumer=st.sampled_from(CONSUMERS),
+        node=st.sampled_from(NODES),
+        prefetch=st.sampled_from([0, 1, 2, 3]),
+        dt=clock_step,
+    )
+    def subscribe(self, queue: str, consumer: str, node: str, prefetch: int, dt: int) -> None:
+        applied = self.apply(
+            Subscribe(queue=queue, consumer=consumer, node=node, prefetch=prefetch), dt
+        )
+        if node in self.down_nodes:
+            assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.NODE_DOWN
+        elif consumer in self.consumers[queue]:
+            assert isinstance(applied.reply, Error)
+            assert applied.reply.code is ErrorCode.CONSUMER_EXISTS
+        else:
+            assert applied.reply == OK
+            self.consumers[queue][consumer] = ModelConsumer(node=node, prefetch=prefetch)
+        self.take_effects(applied)
+
+    @rule(queue=st.sampled_from(QUEUES), consumer=st.sampled_from(CONSUMERS), dt=clock_step)
+    def cancel(self, queue: str, consumer: str, dt: int) -> None:
+        applied = self.apply(Cancel(queue=queue, consumer=consumer), dt)
+        mc = self.consumers[queue].get(consumer)
+        if mc is None:
+            assert isinstance(applied.reply, Error)
+            assert applied.reply.code is ErrorCode.UNKNOWN_CONSUMER
+        else:
+            assert applied.reply == OK
+            mc.cancelled = True
+        self.take_effects(applied)
+
+    def pick_held(
+        self, data: st.DataObject, queue: str, consumer: str, stray: bool
+    ) -> tuple[list[int], bool]:
+        held = self.held_by(queue, consumer)
+        offsets = data.draw(st.lists(st.sampled_from(held), min_size=1)) if held else []
+        if stray or not offsets:
+            offsets.append(data.draw(st.integers(0, self.next_offset[queue] + 2)))
+        ok = all(o in held for o in offsets)
+        return offsets, ok
+
+    @rule(
+        data=st.data(),
+        queue=st.sampled_from(QUEUES),
+        consumer=st.sampled_from(CONSUMERS),
+        stray=st.booleans(),
+        dt=clock_step,
+    )
+    def ack(self, data: st.DataObject, queue: str, consumer: str, stray: bool, dt: int) -> None:
+        offsets, ok = self.pick_held(data, queue, consumer, stray and data.draw(st.booleans()))
+        applied = self.apply(Ack(queue=queue, consumer=consumer, offsets=offsets), dt)
+        if consumer not in self.consumers[queue]:
+            assert isinstance(applied.reply, Error)
+            assert applied.reply.code is ErrorCode.UNKNOWN_CONSUMER
+        elif not ok:
+            assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.NOT_HELD
+            assert applied.effects == ()
+        else:
+            assert applied.reply == OK
+            for off in set(offsets):
+                del self.held[(queue, off)]
+                self.acked.add((queue, off))
+        self.take_effects(applied)
+
+    @rule(
+        data=st.data(),
+        queue=st.sampled_from(QUEUES),
+        consumer=st.sampled_from(CONSUMERS),
+        requeue=st.booleans(),
+        dt=clock_step,
+    )
+    def nack(self, data: st.DataObject, queue: str, consumer: str, requeue: bool, dt: int) -> None:
+        offsets, ok = self.pick_held(data, queue, consumer, stray=False)
+        applied = self.apply(
+            Nack(queue=queue, consumer=consumer, offsets=offsets, requeue=requeue), dt
+        )
+        if consumer not in self.consumers[queue]:
+            assert isinstance(applied.reply, Error)
+            assert applied.reply.code is ErrorCode.UNKNOWN_CONSUMER
+        elif not ok:
+            assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.NOT_HELD
+        else:
+            assert applied.reply == OK
+            nacked = set(offsets)
+            if requeue:
+                back = set(o for o in nacked if self.enqueued[(queue, o)][0] is None)
+                first_by_key: dict[str, int] = {}
+                for o in nacked:
+                    key = self.enqueued[(queue, o)][0]
+                    if key is not None:
+                        first_by_key[key] = min(o, first_by_key.get(key, o))
+                for o in self.held_by(queue, consumer):
+                    key = self.enqueued[(queue, o)][0]
+                    if key in first_by_key and o >= first_by_key[key]:
+                        back.add(o)  # rule 4: the key's later messages come back with it
+                self.give_back(queue, sorted(back), nacked)
+            else:
+                for o in nacked:
+                    del self.held[(queue, o)]
+                rejected = {
+                    e.offset
+                    for e in applied.effects
+                    if isinstance(e, Dropped | DeadLettered) and e.reason == "rejected"
+                }
+                assert rejected == nacked
+        self.take_effects(applied)
+
+    @rule(consumer=st.sampled_from(CONSUMERS), dt=clock_step)
+    def down(self, consumer: str, dt: int) -> None:
+        applied = self.apply(Down(consumer=consumer), dt)
+        assert applied.reply == OK
+        gone = {e.queue for e in applied.effects if isinstance(e, ConsumerDown)}
+        assert gone == {q for q in QUEUES if consumer in self.consumers[q]}
+        self.take_effects(applied)
+
+    @rule(node=st.sampled_from(NODES), dt=clock_step)
+    def node_down(self, node: str, dt: int) -> None:
+        applied = self.apply(NodeDown(node=node), dt)
+        expected = {(q, c) for q in QUEUES for c, m in self.consumers[q].items() if m.node == node}
+        gone = {(e.queue, e.consumer) for e in applied.effects if isinstance(e, ConsumerDown)}
+        assert gone == expected
+        self.down_nodes.add(node)
+        self.take_effects(applied)
+
+    @precondition(lambda self: self.down_nodes)
+    @rule(data=st.data(), dt=clock_step)
+    def node_up(self, data: st.DataObject, dt: int) -> None:
+        node = data.draw(st.sampled_from(sorted(self.down_nodes)))
+        applied = self.apply(NodeUp(node=node), dt)
+        assert (applied.reply, applied.effects) == (OK, ())
+        self.down_nodes.discard(node)
+
+    @rule(dt=st.integers(0, 400))
+    def tick(self, dt: int) -> None:
+        applied = self.apply(Tick(), dt)
+        assert applied.reply == OK
+        self.take_effects(applied)
+
+    @rule(queue=st.sampled_from(QUEUES), group=st.sampled_from(["g1", "g2"]), data=st.data())
+    def commit_offset(self, queue: str, group: str, data: st.DataObject) -> None:
+        offset = data.draw(st.integers(0, self.next_offset[queue] + 1))
+        applied = self.apply(CommitOffset(queue=queue, group=group, offset=offset))
+        if offset <= self.next_offset[queue]:
+            assert applied.reply == OK
+            assert self.machine.committed_offset(queue, group) == offset
+        else:
+            assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.INVALID
+
+    @rule()
+    def snapshot_round_trip(self) -> None:
+        snapshot = self.machine.snapshot()
+        restored = Machine.restore(snapshot)
+        assert restored.digest() == self.machine.digest()
+        if self.snapshot is None or self.index % 2:
+            self.snapshot = (len(self.log), snapshot)
+
+    # ------------------------------------------------------------- invariants
+
+    @invariant()
+    def holds_match_the_model(self) -> None:
+        for q in QUEUES:
+            assert set(self.machine.consumers(q)) == set(self.consumers[q])
+            for c in self.consumers[q]:
+                assert list(self.machine.unacked(q, c)) == self.held_by(q, c), (q, c)
+
+    @invariant()
+    def no_message_is_lost(self) -> None:
+        for q in QUEUES:
+            ready = {(q, o) for o in self.machine.ready(q)}
+            mine = {r for r in self.enqueued if r[0] == q}
+            held = {r for r in self.held if r[0] == q}
+            settled = {r for r in self.acked | self.dropped if r[0] == q}
+            assert ready.isdisjoint(held) and ready.isdisjoint(settled)
+            assert ready | held | settled == mine
+
+    @invariant()
+    def keys_are_held_by_one_consumer_and_older_than_ready(self) -> None:
+        for q in QUEUES:
+            holders: dict[str, set[str]] = {}
+            newest_held: dict[str, int] = {}
+            for (queue, off), c in self.held.items():
+                key = self.enqueued[(queue, off)][0]
+                if queue == q and key is not None:
+                    holders.setdefault(key, set()).add(c)
+                    newest_held[key] = max(off, newest_held.get(key, -1))
+            assert all(len(cs) == 1 for cs in holders.values()), holders
+            for off in self.machine.ready(q):
+                key = self.enqueued[(q, off)][0]
+                if key is not None:
+                    assert off > newest_held.get(key, -1), (q, key, off)
+
+    @invariant()
+    def stream_view_never_changes(self) -> None:
+        for q in QUEUES:
+            stats = self.machine.stats(q)
+            assert stats.next_offset == self.next_offset[q]
+            got = self.machine.read(q, 0, stats.next_offset)
+            assert [m.offset for m in got] == list(range(stats.first_retained, stats.next_offset))
+            assert all((m.key, m.body) == self.enqueued[(q, m.offset)] for m in got)
+
+    def teardown(self) -> None:
+        replica = Machine()
+        for meta, command in self.log:
+            replica.apply(meta, command)
+        assert replica.digest() == self.machine.digest()
+        if self.snapshot is not None:
+            at, snapshot = self.snapshot
+            restored = Machine.restore(snapshot)
+            for meta, command in self.log[at:]:
+                restored.apply(meta, command)
+            assert restored.digest() == self.machine.digest()
+
+
+QueueMachineRules.TestCase.settings = settings(
+    # CI runs 200 sequences; QUORUMQ_PROPERTY_EXAMPLES=5000 for a deep local hunt
+    max_examples=int(os.environ.get("QUORUMQ_PROPERTY_EXAMPLES", "200")),
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+TestQueueMachine = QueueMachineRules.TestCase
