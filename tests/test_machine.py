@@ -86,6 +86,21 @@ def test_invalid_options_are_refused_when_built() -> None:
 
 
 @pytest.mark.parametrize(
+    ("build", "complaint"),
+    [
+        (lambda: Enqueue(queue="q", body="text"), "body must be bytes"),  # type: ignore[arg-type]
+        (lambda: Message(body=b"x", key=7), "key must be str"),  # type: ignore[arg-type]
+        (lambda: Message(body=b"x", headers={"n": 1}), "headers must map str to str"),
+        (lambda: Ack(queue="q", consumer="c", offsets=[-1]), "non-negative"),
+        (lambda: Subscribe(queue="q", consumer="c", node="A", prefetch=-1), "prefetch"),
+    ],
+)
+def test_commands_check_their_fields_when_built(build: object, complaint: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=complaint):
+        build()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
     "command",
     [
         Enqueue(queue="nope", body=b"x"),

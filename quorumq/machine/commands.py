@@ -72,13 +72,32 @@ class QueueOptions:
             raise ValueError(f"message_ttl_ms must be >= 1, got {value}")
 
 
+def _check_message(body: object, key: object, headers: object) -> object:
+    """Validate a message's fields; return its headers normalised (None or a dict).
+
+    One check in `__attrs_post_init__` instead of a validator per field: messages are
+    built once per enqueued message, where three validator calls cost as much as the
+    rest of the construction.
+    """
+    if type(body) is not bytes:
+        raise TypeError(f"body must be bytes, got {type(body).__name__}")
+    if key is not None and type(key) is not str:
+        raise TypeError(f"key must be str or None, got {type(key).__name__}")
+    return None if headers is None else _headers(headers)  # type: ignore[arg-type]
+
+
 @attrs.frozen(kw_only=True)
 class Message:
     """One message of an `EnqueueBatch`."""
 
-    body: bytes = attrs.field(validator=attrs.validators.instance_of(bytes))
-    key: str | None = attrs.field(default=None, validator=_opt_str)
-    headers: Mapping[str, str] | None = attrs.field(default=None, converter=_headers)
+    body: bytes
+    key: str | None = None
+    headers: Mapping[str, str] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        headers = _check_message(self.body, self.key, self.headers)
+        if headers is not self.headers:
+            object.__setattr__(self, "headers", headers)
 
 
 @attrs.frozen(kw_only=True)
@@ -92,11 +111,16 @@ class Enqueue:
     """Append one message. With `producer` and `seq` the enqueue is idempotent."""
 
     queue: str = attrs.field(validator=_str)
-    body: bytes = attrs.field(validator=attrs.validators.instance_of(bytes))
-    key: str | None = attrs.field(default=None, validator=_opt_str)
-    headers: Mapping[str, str] | None = attrs.field(default=None, converter=_headers)
+    body: bytes
+    key: str | None = None
+    headers: Mapping[str, str] | None = None
     producer: str | None = attrs.field(default=None, validator=_opt_str)
     seq: int | None = attrs.field(default=None, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        headers = _check_message(self.body, self.key, self.headers)
+        if headers is not self.headers:
+            object.__setattr__(self, "headers", headers)
 
 
 @attrs.frozen(kw_only=True)

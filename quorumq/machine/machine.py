@@ -33,7 +33,7 @@ from .commands import (
     Tick,
 )
 from .effects import ConsumerDown, DeadLettered, Dropped, Effect
-from .queue import ConsumerState, ProducerState, QueueState
+from .queue import ConsumerState, ProducerState, QueueState, Record
 from .replies import OK, Declared, Enqueued, Error, ErrorCode, Reply
 from .views import QueueStats, StreamMessage, bucket_of
 
@@ -130,21 +130,27 @@ class Machine:
         now = self._now
         while work:
             q = work.pop(0)
-            q.expire(now)
-            q.dispatch(now, effects)
-            q.enforce_max_length()
+            if q.options.message_ttl_ms is not None:
+                q.expire(now)
+            if q.sq:
+                q.dispatch(now, effects)
+            if q.options.max_length is not None:
+                q.enforce_max_length()
+            if not q.outbox:
+                continue
             for msg, reason, dead_letter in q.take_outbox():
                 target = self._dead_letter(q, msg, reason, dead_letter, effects)
                 if target is not None and target not in work:
                     work.append(target)
 
     def _dead_letter(
-        self, q: QueueState, msg: StreamMessage, reason: str, dead_letter: bool, effects: list[Any]
+        self, q: QueueState, msg: Record, reason: str, dead_letter: bool, effects: list[Any]
     ) -> QueueState | None:
+        source_offset, key, body, old_headers, _ = msg
         name = q.options.dead_letter_queue
         target = self._queues.get(name) if (dead_letter and name is not None) else None
         if target is None:
-            effects.append(Dropped(queue=q.name, offset=msg.offset, reason=reason))
+            effects.append(Dropped(queue=q.name, offset=source_offset, reason=reason))
             return None
         opts = target.options
         if (
@@ -152,18 +158,18 @@ class Machine:
             and opts.max_length is not None
             and target.ready_count >= opts.max_length
         ):
-            effects.append(Dropped(queue=q.name, offset=msg.offset, reason="dead_letter_full"))
+            effects.append(Dropped(queue=q.name, offset=source_offset, reason="dead_letter_full"))
             return None
-        headers = dict(msg.headers or {})
+        headers = dict(old_headers or {})
         headers["x-death-reason"] = reason
         headers["x-death-queue"] = q.name
-        headers["x-death-offset"] = str(msg.offset)
-        offset = target.append(msg.body, msg.key, headers, self._now)
+        headers["x-death-offset"] = str(source_offset)
+        offset = target.append(body, key, headers, self._now)
         target.trim_stream()
         effects.append(
             DeadLettered(
                 queue=q.name,
-                offset=msg.offset,
+                offset=source_offset,
                 reason=reason,
                 target_queue=target.name,
                 target_offset=offset,
@@ -239,10 +245,7 @@ class Machine:
                 ErrorCode.QUEUE_FULL,
                 f"queue {q.name!r} is full: {q.ready_count} ready, max_length {opts.max_length}",
             )
-        append = q.append
-        first = q.next_offset
-        for body, key, headers in messages:
-            append(body, key, headers, now)
+        first = q.append_many(messages, now)
         q.trim_stream()
         if producer is not None and seq is not None:
             state = q.producers.get(producer)
@@ -473,10 +476,12 @@ class Machine:
             raise ValueError("bucket and buckets go together")
         if buckets is not None and bucket is not None and not 0 <= bucket < buckets:
             raise ValueError(f"bucket must be in [0, {buckets}), got {bucket}")
-        msgs = self._get(queue).read(start, end)
-        if buckets is None:
-            return tuple(msgs)
-        return tuple(m for m in msgs if bucket_of(m.key, m.offset, buckets) == bucket)
+        records = self._get(queue).read(start, end)
+        if buckets is not None:
+            records = [r for r in records if bucket_of(r[1], r[0], buckets) == bucket]
+        return tuple(
+            StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t) for o, k, b, h, t in records
+        )
 
     # ------------------------------------------------------ snapshot / digest
 
@@ -515,15 +520,11 @@ class Machine:
         return m
 
 
-def _encode_message(m: StreamMessage) -> list[Any]:
-    return [m.offset, m.key, m.body, m.headers, m.ts_ms]
-
-
 def _encode_queue(q: QueueState) -> list[Any]:
     first = q.first_retained
     early = sorted(o for o in q.msgs if o < first)
-    messages = [_encode_message(q.msgs[o]) for o in early]
-    messages += [_encode_message(m) for m in q.read(first, q.next_offset)]
+    messages = [q.msgs[o] for o in early]
+    messages += q.read(first, q.next_offset)
     return [
         q.name,
         [getattr(q.options, f) for f in _OPTION_FIELDS],
@@ -561,9 +562,7 @@ def _decode_queue(raw: list[Any]) -> QueueState:
     ) = raw
     q = QueueState(name, QueueOptions(**dict(zip(_OPTION_FIELDS, options, strict=True))))
     q.next_offset = next_offset
-    by_offset = {
-        o: StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t) for o, k, b, h, t in messages
-    }
+    by_offset: dict[int, Record] = {m[0]: tuple(m) for m in messages}
     q.stream_items = [by_offset[o] for o in range(first, next_offset)]
     q.stream_base = first
     q.stream_bytes = stream_bytes
@@ -576,7 +575,7 @@ def _decode_queue(raw: list[Any]) -> QueueState:
         for off in unacked:
             c.unacked[off] = None
             q.held[off] = c
-            key = q.msgs[off].key
+            key = q.msgs[off][1]
             if key is not None:
                 q.key_owner[key] = c
                 c.keys[key] = c.keys.get(key, 0) + 1

@@ -2,7 +2,9 @@
 
 Theory of operation
 -------------------
-A queue has two views of the same immutable `StreamMessage` values:
+A queue has two views of the same immutable message records, plain tuples
+`(offset, key, body, headers, ts_ms)` (`Record`; a tuple costs a tenth of a frozen attrs
+instance, and one is made per message on the hot path):
 
 * the stream view: every enqueued message by offset, acked or not, trimmed from the
   front by retention (count and bytes). Stream readers (Spark) read it by offset.
@@ -45,10 +47,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from heapq import heappop, heappush
+from typing import TypeAlias
 
 from .commands import QueueOptions
 from .effects import Deliver
-from .views import StreamMessage
+
+Record: TypeAlias = tuple[int, str | None, bytes, Mapping[str, str] | None, int]
+"""A stored message: (offset, key, body, headers, ts_ms). Never changes."""
 
 DEDUP_WINDOW = 1024
 """How many sequence numbers back a producer's retry still gets its original offset."""
@@ -155,12 +160,12 @@ class QueueState:
         self.options = options
         self.next_offset = 0
         # stream view: stream_items[i] has offset stream_base + i; retained from stream_head
-        self.stream_items: list[StreamMessage | None] = []
+        self.stream_items: list[Record | None] = []
         self.stream_base = 0
         self.stream_head = 0
         self.stream_bytes = 0
         # queue view
-        self.msgs: dict[int, StreamMessage] = {}
+        self.msgs: dict[int, Record] = {}
         self.held: dict[int, ConsumerState] = {}
         self.returns: dict[int, int] = {}
         """Messages delivered before and returned: offset -> failed deliveries."""
@@ -174,7 +179,7 @@ class QueueState:
         self.producers: dict[str, ProducerState] = {}
         self.commits: dict[str, int] = {}
         self.expiry_cursor = 0
-        self.outbox: list[tuple[StreamMessage, str, bool]] = []
+        self.outbox: list[tuple[Record, str, bool]] = []
 
     # ----------------------------------------------------------------- counts
 
@@ -191,23 +196,37 @@ class QueueState:
     def append(
         self, body: bytes, key: str | None, headers: Mapping[str, str] | None, now: int
     ) -> int:
-        """Give the message the next offset and make it ready. Retention runs separately."""
-        offset = self.next_offset
-        self.next_offset = offset + 1
-        msg = StreamMessage(offset=offset, key=key, body=body, headers=headers, ts_ms=now)
-        self.stream_items.append(msg)
-        self.stream_bytes += len(body)
-        self.msgs[offset] = msg
-        if key is None:
-            self.fresh.append(offset)
-        else:
-            lane = self.lanes.get(key)
-            if lane is None:
-                lane = self.lanes[key] = _Lane((offset,))
-                self._schedule(key, lane)
+        """Give one message the next offset and make it ready. Retention runs separately."""
+        return self.append_many([(body, key, headers)], now)
+
+    def append_many(
+        self, messages: Iterable[tuple[bytes, str | None, Mapping[str, str] | None]], now: int
+    ) -> int:
+        """Append (body, key, headers) messages at consecutive offsets; return the first."""
+        first = offset = self.next_offset
+        add_to_stream = self.stream_items.append
+        add_fresh = self.fresh.append
+        msgs = self.msgs
+        lanes = self.lanes
+        size = 0
+        for body, key, headers in messages:
+            msg = (offset, key, body, headers, now)
+            add_to_stream(msg)
+            msgs[offset] = msg
+            size += len(body)
+            if key is None:
+                add_fresh(offset)
             else:
-                lane.offsets.append(offset)
-        return offset
+                lane = lanes.get(key)
+                if lane is None:
+                    lane = lanes[key] = _Lane((offset,))
+                    self._schedule(key, lane)
+                else:
+                    lane.offsets.append(offset)
+            offset += 1
+        self.next_offset = offset
+        self.stream_bytes += size
+        return first
 
     def trim_stream(self) -> None:
         """Drop the oldest messages from the stream view past retention."""
@@ -224,7 +243,7 @@ class QueueState:
             msg = items[head]
             assert msg is not None
             items[head] = None
-            size -= len(msg.body)
+            size -= len(msg[2])
             head += 1
             count -= 1
         self.stream_bytes = size
@@ -234,7 +253,7 @@ class QueueState:
             head = 0
         self.stream_head = head
 
-    def read(self, start: int, end: int) -> list[StreamMessage]:
+    def read(self, start: int, end: int) -> list[Record]:
         lo = max(start, self.first_retained) - self.stream_base
         hi = min(end, self.next_offset) - self.stream_base
         if hi <= lo:
@@ -312,8 +331,8 @@ class QueueState:
             msg = msgs.pop(off)
             if self.returns:
                 self.returns.pop(off, None)
-            if msg.key is not None:
-                self._release(c, msg.key, 1)
+            if msg[1] is not None:
+                self._release(c, msg[1], 1)
         self._after_change(c)
 
     def reject(self, c: ConsumerState, offsets: Iterable[int]) -> None:
@@ -323,8 +342,8 @@ class QueueState:
             del c.unacked[off]
             msg = self.msgs.pop(off)
             self.returns.pop(off, None)
-            if msg.key is not None:
-                self._release(c, msg.key, 1)
+            if msg[1] is not None:
+                self._release(c, msg[1], 1)
             self.outbox.append((msg, "rejected", True))
         self._after_change(c)
 
@@ -335,7 +354,7 @@ class QueueState:
         first_by_key: dict[str, int] = {}
         back: set[int] = set()
         for off in failed:
-            key = self.msgs[off].key
+            key = self.msgs[off][1]
             if key is None:
                 back.add(off)
             elif key not in first_by_key or off < first_by_key[key]:
@@ -343,7 +362,7 @@ class QueueState:
         if first_by_key:
             msgs = self.msgs
             for off in c.unacked:
-                key = msgs[off].key
+                key = msgs[off][1]
                 if key is not None and key in first_by_key and off >= first_by_key[key]:
                     back.add(off)
         self._give_back(c, sorted(back), failed)
@@ -360,7 +379,7 @@ class QueueState:
             del c.unacked[off]
             msg = msgs[off]
             count = self.returns.get(off, 0) + (off in failed)
-            key = msg.key
+            key = msg[1]
             if key is not None:
                 released[key] = released.get(key, 0) + 1
             if limit is not None and count > limit:
@@ -391,7 +410,7 @@ class QueueState:
     def restore_ready(self, offsets: list[int]) -> None:
         """Rebuild the ready index from ascending ready offsets (after a restore)."""
         for off in offsets:
-            key = self.msgs[off].key
+            key = self.msgs[off][1]
             if key is None:
                 self.fresh.append(off)
             elif key in self.lanes:
@@ -470,14 +489,15 @@ class QueueState:
                     best = off
         return best
 
-    def remove_ready(self, off: int) -> StreamMessage:
+    def remove_ready(self, off: int) -> Record:
         """Take a ready message out of the queue view (expiry, max length)."""
         msg = self.msgs.pop(off)
         self.returns.pop(off, None)
-        if msg.key is not None:
-            lane = self.lanes[msg.key]
+        key = msg[1]
+        if key is not None:
+            lane = self.lanes[key]
             if lane.offsets[0] == off:
-                self._advance_lane(msg.key, lane)
+                self._advance_lane(key, lane)
         return msg
 
     def _take(self, c: ConsumerState, now: int) -> int:
@@ -497,7 +517,7 @@ class QueueState:
                         best, from_heap = top[0], c.owned
             if best < 0:
                 return -1
-            if ttl is not None and msgs[best].ts_ms + ttl <= now:
+            if ttl is not None and msgs[best][4] + ttl <= now:
                 self.outbox.append((self.remove_ready(best), "expired", True))
                 continue
             if from_heap is None:
@@ -527,31 +547,42 @@ class QueueState:
         held = self.held
         returns = self.returns
         name = self.name
+        # plain FIFO (no keyed, returned or expiring messages): every ready offset is in `fresh`
+        plain_fifo = not self.lanes and not self.returned and self.options.message_ttl_ms is None
+        fresh = self.fresh
         skipped: list[ConsumerState] = []
-        while sq and len(msgs) > len(held):
-            c = sq.popleft()
-            off = self._take(c, now)
-            if off < 0:
-                skipped.append(c)  # nothing it may take: keeps its place at the front
-                continue
+        add = effects.append
+        while sq and (fresh if plain_fifo else len(msgs) > len(held)):
+            if plain_fifo:
+                off = fresh.popleft()
+                if off not in msgs:
+                    continue  # dropped while ready
+                c = sq.popleft()
+            else:
+                c = sq.popleft()
+                off = self._take(c, now)
+                if off < 0:
+                    skipped.append(c)  # nothing it may take: keeps its place at the front
+                    continue
             msg = msgs[off]
             held[off] = c
-            c.unacked[off] = None
+            unacked = c.unacked
+            unacked[off] = None
             count = returns.get(off) if returns else None
-            effects.append(
+            add(
                 Deliver(
                     queue=name,
                     consumer=c.id,
                     node=c.node,
                     offset=off,
-                    key=msg.key,
-                    body=msg.body,
-                    headers=msg.headers,
+                    key=msg[1],
+                    body=msg[2],
+                    headers=msg[3],
                     redelivered=count is not None,
                     delivery_count=count or 0,
                 )
             )
-            if c.prefetch and len(c.unacked) >= c.prefetch:
+            if c.prefetch and len(unacked) >= c.prefetch:
                 c.in_sq = False
             else:
                 sq.append(c)
@@ -583,7 +614,7 @@ class QueueState:
         while off < end:
             msg = msgs.get(off)
             if msg is not None:
-                if msg.ts_ms + ttl > now:
+                if msg[4] + ttl > now:
                     break
                 if off not in held:
                     self.outbox.append((self.remove_ready(off), "expired", True))
@@ -592,10 +623,10 @@ class QueueState:
         if not returned_too:
             return
         for off in sorted(o for o in self.returns if o not in held):
-            if msgs[off].ts_ms + ttl <= now:
+            if msgs[off][4] + ttl <= now:
                 self.outbox.append((self.remove_ready(off), "expired", True))
 
-    def take_outbox(self) -> list[tuple[StreamMessage, str, bool]]:
+    def take_outbox(self) -> list[tuple[Record, str, bool]]:
         out = self.outbox
         self.outbox = []
         return out
