@@ -9,14 +9,20 @@ or not at all after a crash, so executors and clients must tolerate a redelivery
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
 import attrs
 
 
-@attrs.frozen(kw_only=True)
-class Deliver:
-    """Send message `offset` of `queue` to `consumer`, whose connection is on `node`."""
+class Deliver(NamedTuple):
+    """Send message `offset` of `queue` to `consumer`, whose connection is on `node`.
+
+    A NamedTuple rather than frozen attrs like the other values: one is made per
+    delivery, and building it positionally costs 4,300 CPU instructions against 14,700
+    for a frozen attrs instance (measured with callgrind), a third of the machine's
+    whole per-message cost. It is as immutable; unlike attrs it compares equal to a
+    plain tuple of the same fields.
+    """
 
     queue: str
     consumer: str

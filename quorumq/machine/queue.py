@@ -569,17 +569,11 @@ class QueueState:
             unacked = c.unacked
             unacked[off] = None
             count = returns.get(off) if returns else None
+            # positional, in field order: queue, consumer, node, offset, key, body, headers,
+            # redelivered, delivery_count
             add(
                 Deliver(
-                    queue=name,
-                    consumer=c.id,
-                    node=c.node,
-                    offset=off,
-                    key=msg[1],
-                    body=msg[2],
-                    headers=msg[3],
-                    redelivered=count is not None,
-                    delivery_count=count or 0,
+                    name, c.id, c.node, off, msg[1], msg[2], msg[3], count is not None, count or 0
                 )
             )
             if c.prefetch and len(unacked) >= c.prefetch:
