@@ -370,6 +370,19 @@ class QueueMachineRules(RuleBasedStateMachine):
         ok = all(o in held for o in offsets)
         return offsets, ok
 
+    def settled(self, applied: Applied, queue: str, consumer: str, all_held: bool) -> bool:
+        """Check the reply to an ack or nack; True when it took effect."""
+        if consumer not in self.consumers[queue]:
+            assert isinstance(applied.reply, Error)
+            assert applied.reply.code is ErrorCode.UNKNOWN_CONSUMER
+            return False
+        if not all_held:
+            assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.NOT_HELD
+            assert applied.effects == ()
+            return False
+        assert applied.reply == OK
+        return True
+
     @rule(
         data=st.data(),
         queue=st.sampled_from(QUEUES),
@@ -380,14 +393,7 @@ class QueueMachineRules(RuleBasedStateMachine):
     def ack(self, data: st.DataObject, queue: str, consumer: str, stray: bool, dt: int) -> None:
         offsets, ok = self.pick_held(data, queue, consumer, stray and data.draw(st.booleans()))
         applied = self.apply(Ack(queue=queue, consumer=consumer, offsets=offsets), dt)
-        if consumer not in self.consumers[queue]:
-            assert isinstance(applied.reply, Error)
-            assert applied.reply.code is ErrorCode.UNKNOWN_CONSUMER
-        elif not ok:
-            assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.NOT_HELD
-            assert applied.effects == ()
-        else:
-            assert applied.reply == OK
+        if self.settled(applied, queue, consumer, ok):
             for off in set(offsets):
                 del self.held[(queue, off)]
                 self.acked.add((queue, off))
@@ -405,13 +411,7 @@ class QueueMachineRules(RuleBasedStateMachine):
         applied = self.apply(
             Nack(queue=queue, consumer=consumer, offsets=offsets, requeue=requeue), dt
         )
-        if consumer not in self.consumers[queue]:
-            assert isinstance(applied.reply, Error)
-            assert applied.reply.code is ErrorCode.UNKNOWN_CONSUMER
-        elif not ok:
-            assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.NOT_HELD
-        else:
-            assert applied.reply == OK
+        if self.settled(applied, queue, consumer, ok):
             nacked = set(offsets)
             if requeue:
                 back = set(o for o in nacked if self.enqueued[(queue, o)][0] is None)

@@ -298,53 +298,57 @@ class Machine:
                 if not queues:
                     del self._consumer_queues[consumer]
 
-    def _cancel(self, cmd: Cancel, effects: list[Any]) -> Reply:
-        q = self._queue(cmd.queue)
+    def _queue_and_consumer(
+        self, queue: str, consumer: str
+    ) -> tuple[QueueState, ConsumerState] | Error:
+        q = self._queue(queue)
         if isinstance(q, Error):
             return q
-        c = self._consumer(q, cmd.consumer)
+        c = self._consumer(q, consumer)
         if isinstance(c, Error):
             return c
+        return q, c
+
+    def _holder(self, cmd: Ack | Nack) -> tuple[QueueState, ConsumerState] | Error:
+        """The queue and consumer of an ack or nack, if the consumer holds every offset."""
+        found = self._queue_and_consumer(cmd.queue, cmd.consumer)
+        if isinstance(found, Error):
+            return found
+        q, c = found
+        missing = [o for o in cmd.offsets if o not in c.unacked]
+        if missing:
+            return _error(
+                ErrorCode.NOT_HELD,
+                f"consumer {c.id!r} does not hold offsets {missing[:10]} of queue {q.name!r}",
+            )
+        return found
+
+    def _cancel(self, cmd: Cancel, effects: list[Any]) -> Reply:
+        found = self._queue_and_consumer(cmd.queue, cmd.consumer)
+        if isinstance(found, Error):
+            return found
+        q, c = found
         if not c.cancelled:
             q.cancel(c)
             self._forget_if_gone(q, cmd.consumer)
             self._run([q], effects)
         return OK
 
-    def _held(self, q: QueueState, c: ConsumerState, offsets: tuple[int, ...]) -> Error | None:
-        missing = [o for o in offsets if o not in c.unacked]
-        if missing:
-            return _error(
-                ErrorCode.NOT_HELD,
-                f"consumer {c.id!r} does not hold offsets {missing[:10]} of queue {q.name!r}",
-            )
-        return None
-
     def _ack(self, cmd: Ack, effects: list[Any]) -> Reply:
-        q = self._queue(cmd.queue)
-        if isinstance(q, Error):
-            return q
-        c = self._consumer(q, cmd.consumer)
-        if isinstance(c, Error):
-            return c
-        refusal = self._held(q, c, cmd.offsets)
-        if refusal is not None:
-            return refusal
+        found = self._holder(cmd)
+        if isinstance(found, Error):
+            return found
+        q, c = found
         q.settle(c, cmd.offsets)
         self._forget_if_gone(q, cmd.consumer)
         self._run([q], effects)
         return OK
 
     def _nack(self, cmd: Nack, effects: list[Any]) -> Reply:
-        q = self._queue(cmd.queue)
-        if isinstance(q, Error):
-            return q
-        c = self._consumer(q, cmd.consumer)
-        if isinstance(c, Error):
-            return c
-        refusal = self._held(q, c, cmd.offsets)
-        if refusal is not None:
-            return refusal
+        found = self._holder(cmd)
+        if isinstance(found, Error):
+            return found
+        q, c = found
         if cmd.requeue:
             q.requeue(c, cmd.offsets)
         else:
