@@ -40,6 +40,10 @@ def _offsets(value: Iterable[int]) -> tuple[int, ...]:
     return offsets
 
 
+def _messages(value: Iterable[Message]) -> tuple[Message, ...]:
+    return tuple(value)
+
+
 _str = attrs.validators.instance_of(str)
 _opt_str = attrs.validators.optional(_str)
 
@@ -128,7 +132,7 @@ class EnqueueBatch:
     """Append many messages as one log entry: all land, in order, or none do."""
 
     queue: str = attrs.field(validator=_str)
-    messages: tuple[Message, ...] = attrs.field(converter=tuple)
+    messages: tuple[Message, ...] = attrs.field(converter=_messages)
     producer: str | None = attrs.field(default=None, validator=_opt_str)
     first_seq: int | None = attrs.field(default=None, validator=_non_negative)
 

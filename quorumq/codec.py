@@ -1,0 +1,222 @@
+"""Commands, log entries and replies to and from bytes (msgpack), versioned.
+
+Nothing of ours is pickled, in the log or on any port. Every encoding is a msgpack array
+that starts with `VERSION` and a small integer tag naming the type; tags are fixed
+forever, so renaming a class never breaks a log. Queue options travel by name. Decoding
+builds the attrs values, so their validators run: bytes that decode to an invalid
+command are refused with `CodecError`, never half-built.
+
+A log entry is `[VERSION, ENTRY, ts_ms, command]`: the proposer's clock travels with
+the command, and the machine clamps it so time never runs back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import msgpack
+
+from .machine import (
+    Ack,
+    Cancel,
+    Command,
+    CommitOffset,
+    Declare,
+    Declared,
+    Down,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    Error,
+    ErrorCode,
+    Message,
+    Nack,
+    NodeDown,
+    NodeUp,
+    Ok,
+    QueueOptions,
+    Reply,
+    Subscribe,
+    Tick,
+)
+
+VERSION = 1
+
+# command tags: never renumber
+_DECLARE, _ENQUEUE, _ENQUEUE_BATCH, _SUBSCRIBE, _CANCEL, _ACK, _NACK = 1, 2, 3, 4, 5, 6, 7
+_DOWN, _NODE_DOWN, _NODE_UP, _COMMIT_OFFSET, _TICK = 8, 9, 10, 11, 12
+# reply tags
+_OK, _DECLARED, _ENQUEUED, _ERROR = 100, 101, 102, 103
+# envelope tags
+_ENTRY = 200
+
+_OPTION_NAMES = frozenset(f.name for f in attrs.fields(QueueOptions))
+
+
+class CodecError(ValueError):
+    """The bytes are not a valid encoding of what was asked for."""
+
+
+def _pack(value: list[Any]) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _unpack(data: bytes) -> list[Any]:
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, msgpack.UnpackException, TypeError) as e:
+        raise CodecError(f"not msgpack: {e}") from None
+    if not isinstance(value, list) or len(value) < 2:
+        raise CodecError("expected an array [version, tag, ...]")
+    if value[0] != VERSION:
+        raise CodecError(f"unsupported codec version {value[0]!r} (this node speaks {VERSION})")
+    return value
+
+
+def _options_to_map(options: QueueOptions) -> dict[str, Any]:
+    return attrs.asdict(options)
+
+
+def _options_from_map(raw: object) -> QueueOptions:
+    if not isinstance(raw, dict):
+        raise CodecError("queue options must be a map")
+    unknown = set(raw) - _OPTION_NAMES
+    if unknown:
+        raise CodecError(f"unknown queue options {sorted(unknown)}")
+    return QueueOptions(**raw)
+
+
+def _command_fields(cmd: Command) -> list[Any]:
+    match cmd:
+        case Enqueue():
+            return [_ENQUEUE, cmd.queue, cmd.body, cmd.key, cmd.headers, cmd.producer, cmd.seq]
+        case EnqueueBatch():
+            return [
+                _ENQUEUE_BATCH,
+                cmd.queue,
+                [[m.body, m.key, m.headers] for m in cmd.messages],
+                cmd.producer,
+                cmd.first_seq,
+            ]
+        case Ack():
+            return [_ACK, cmd.queue, cmd.consumer, list(cmd.offsets)]
+        case Nack():
+            return [_NACK, cmd.queue, cmd.consumer, list(cmd.offsets), cmd.requeue]
+        case Declare():
+            return [_DECLARE, cmd.queue, _options_to_map(cmd.options)]
+        case Subscribe():
+            return [_SUBSCRIBE, cmd.queue, cmd.consumer, cmd.node, cmd.prefetch]
+        case Cancel():
+            return [_CANCEL, cmd.queue, cmd.consumer]
+        case Down():
+            return [_DOWN, cmd.consumer]
+        case NodeDown():
+            return [_NODE_DOWN, cmd.node]
+        case NodeUp():
+            return [_NODE_UP, cmd.node]
+        case CommitOffset():
+            return [_COMMIT_OFFSET, cmd.queue, cmd.group, cmd.offset]
+        case Tick():
+            return [_TICK]
+    raise TypeError(f"not a command: {cmd!r}")
+
+
+def _batch(queue: str, messages: list[Any], producer: str | None, first_seq: int | None) -> Command:
+    if not isinstance(messages, list):
+        raise CodecError("batch messages must be an array")
+    built = []
+    for m in messages:
+        if not isinstance(m, list) or len(m) != 3:
+            raise CodecError("a batch message must be [body, key, headers]")
+        built.append(Message(body=m[0], key=m[1], headers=m[2]))
+    return EnqueueBatch(queue=queue, messages=built, producer=producer, first_seq=first_seq)
+
+
+_COMMAND_BUILDERS: dict[int, tuple[int, Callable[..., Command]]] = {
+    _DECLARE: (2, lambda q, o: Declare(queue=q, options=_options_from_map(o))),
+    _ENQUEUE: (
+        6,
+        lambda q, b, k, h, p, s: Enqueue(queue=q, body=b, key=k, headers=h, producer=p, seq=s),
+    ),
+    _ENQUEUE_BATCH: (4, _batch),
+    _SUBSCRIBE: (4, lambda q, c, n, p: Subscribe(queue=q, consumer=c, node=n, prefetch=p)),
+    _CANCEL: (2, lambda q, c: Cancel(queue=q, consumer=c)),
+    _ACK: (3, lambda q, c, o: Ack(queue=q, consumer=c, offsets=o)),
+    _NACK: (4, lambda q, c, o, r: Nack(queue=q, consumer=c, offsets=o, requeue=r)),
+    _DOWN: (1, lambda c: Down(consumer=c)),
+    _NODE_DOWN: (1, lambda n: NodeDown(node=n)),
+    _NODE_UP: (1, lambda n: NodeUp(node=n)),
+    _COMMIT_OFFSET: (3, lambda q, g, o: CommitOffset(queue=q, group=g, offset=o)),
+    _TICK: (0, Tick),
+}
+
+
+def _build_command(fields: list[Any]) -> Command:
+    tag, args = fields[0], fields[1:]
+    spec = _COMMAND_BUILDERS.get(tag) if isinstance(tag, int) else None
+    if spec is None:
+        raise CodecError(f"unknown command tag {tag!r}")
+    arity, build = spec
+    if len(args) != arity:
+        raise CodecError(f"command tag {tag} takes {arity} fields, got {len(args)}")
+    try:
+        return build(*args)
+    except CodecError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"invalid command (tag {tag}): {e}") from None
+
+
+def encode_command(cmd: Command) -> bytes:
+    return _pack([VERSION, *_command_fields(cmd)])
+
+
+def decode_command(data: bytes) -> Command:
+    return _build_command(_unpack(data)[1:])
+
+
+def encode_entry(ts_ms: int, cmd: Command) -> bytes:
+    """A log entry: the command and the proposer's clock."""
+    return _pack([VERSION, _ENTRY, ts_ms, _command_fields(cmd)])
+
+
+def decode_entry(data: bytes) -> tuple[int, Command]:
+    value = _unpack(data)
+    if value[1] != _ENTRY or len(value) != 4:
+        raise CodecError("not a log entry")
+    ts_ms, fields = value[2], value[3]
+    if not isinstance(ts_ms, int) or not isinstance(fields, list) or not fields:
+        raise CodecError("malformed log entry")
+    return ts_ms, _build_command(fields)
+
+
+def encode_reply(reply: Reply) -> bytes:
+    match reply:
+        case Ok():
+            return _pack([VERSION, _OK])
+        case Declared():
+            return _pack([VERSION, _DECLARED, reply.created])
+        case Enqueued():
+            return _pack([VERSION, _ENQUEUED, reply.offset, reply.count, reply.duplicate])
+        case Error():
+            return _pack([VERSION, _ERROR, reply.code.value, reply.message, reply.expected_seq])
+    raise TypeError(f"not a reply: {reply!r}")
+
+
+def decode_reply(data: bytes) -> Reply:
+    value = _unpack(data)
+    tag, args = value[1], value[2:]
+    try:
+        if tag == _OK and not args:
+            return Ok()
+        if tag == _DECLARED and len(args) == 1:
+            return Declared(created=args[0])
+        if tag == _ENQUEUED and len(args) == 3:
+            return Enqueued(offset=args[0], count=args[1], duplicate=args[2])
+        if tag == _ERROR and len(args) == 3:
+            return Error(code=ErrorCode(args[0]), message=args[1], expected_seq=args[2])
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"invalid reply: {e}") from None
+    raise CodecError(f"unknown reply tag {tag!r} with {len(args)} fields")
