@@ -1,0 +1,1 @@
+"""Everything that touches PySyncObj: a durable journal and a hardened Raft member."""
