@@ -30,3 +30,28 @@ def deliveries(applied: Applied) -> list[tuple[str, int]]:
 
 def delivered(applied: Applied) -> list[Deliver]:
     return [e for e in applied.effects if isinstance(e, Deliver)]
+
+
+def free_ports(n: int) -> list[int]:
+    """Ports on 127.0.0.1 that were free a moment ago (bound together, then released)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_for(condition: object, what: str, timeout: float = 15.0, every: float = 0.02) -> None:
+    """Poll `condition()` until it is true; fail naming `what` after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)

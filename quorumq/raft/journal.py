@@ -147,7 +147,7 @@ class DurableJournal:
         self._ends = []
         self._dirty = True
 
-    def deleteEntriesFrom(self, entry_from: int) -> None:  # noqa: N802 - PySyncObj's name
+    def deleteEntriesFrom(self, entry_from: int) -> None:
         if entry_from >= len(self._entries):
             return
         os.ftruncate(self._fd, self._ends[entry_from - 1] if entry_from else 4)
@@ -155,7 +155,7 @@ class DurableJournal:
         del self._ends[entry_from:]
         self._dirty = True
 
-    def deleteEntriesTo(self, entry_to: int) -> None:  # noqa: N802 - PySyncObj's name
+    def deleteEntriesTo(self, entry_to: int) -> None:
         """Compaction: keep entries from `entry_to` on, in a new file swapped in atomically."""
         kept = self._entries[entry_to:]
         records = [_record(e) for e in kept]
@@ -182,25 +182,25 @@ class DurableJournal:
             self._store_meta()
         os.close(self._fd)
 
-    def setRaftCommitIndex(self, index: int) -> None:  # noqa: N802
+    def setRaftCommitIndex(self, index: int) -> None:
         self._meta["commit_index"] = index
         self._meta_dirty = True
 
-    def getRaftCommitIndex(self) -> int:  # noqa: N802
+    def getRaftCommitIndex(self) -> int:
         return int(self._meta.get("commit_index", 1))
 
-    def setCurrentTerm(self, term: int, voted_for: str | None) -> None:  # noqa: N802
+    def setCurrentTerm(self, term: int, voted_for: str | None) -> None:
         self._meta["term"] = term
         self._meta["voted_for"] = voted_for
         self._store_meta()
 
-    def getCurrentTerm(self) -> int:  # noqa: N802
+    def getCurrentTerm(self) -> int:
         return int(self._meta.get("term", 0))
 
-    def getVotedForNodeId(self) -> str | None:  # noqa: N802
+    def getVotedForNodeId(self) -> str | None:
         voted: str | None = self._meta.get("voted_for")
         return voted
 
-    def onOneSecondTimer(self) -> None:  # noqa: N802
+    def onOneSecondTimer(self) -> None:
         if self._meta_dirty:
             self._store_meta()

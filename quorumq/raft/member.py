@@ -1,0 +1,341 @@
+"""PySyncObj made safe and fast enough for a broker. The only module that subclasses it.
+
+What it changes (the reasons, measured, are in docs/pysyncobj-notes.md):
+
+* prompt sends: a submitted command wakes the tick loop (a pipe on PySyncObj's poller),
+  the leader sends new entries right after appending them instead of on the next
+  100 ms heartbeat, and pushes a new commit index at once. Commands that arrive
+  together still go out in one AppendEntries (group commit). The default, batched
+  append path is kept: `appendEntriesUseBatch=False` makes followers truncate applied
+  entries.
+* the stale-ack fix: with several AppendEntries in flight, a late success reply must not
+  move the leader's `nextIndex` for that follower backwards (which makes the follower
+  delete and re-add entries it already applied).
+* durability: our `DurableJournal`; with `fsync="always"` a follower fsyncs before it
+  acknowledges entries and a leader fsyncs its own entries before the next tick counts
+  them toward commit. Snapshots are our own encoding, written and fsynced by us.
+* raw commands: the log holds our codec's bytes under a command type of our own (4);
+  nothing of ours is pickled. Our `apply` gets the Raft index of the entry.
+* our own tick thread (PySyncObj's stops when the thread that built the object exits).
+* authentication failures on Raft connections are logged (PySyncObj drops them silently).
+
+camelCase names here are PySyncObj's; they stay inside this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import pysyncobj.syncobj as _syncobj
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
+from pysyncobj.node import TCPNode
+from pysyncobj.poller import POLL_EVENT_TYPE
+from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
+
+from ..machine import encoding
+from .journal import DurableJournal, fsync_directory
+
+logger = logging.getLogger(__name__)
+
+if _PYSYNCOBJ_VERSION != "0.3.17":
+    raise ImportError(
+        f"quorumq's Raft hardening is written against pysyncobj 0.3.17, not {_PYSYNCOBJ_VERSION}"
+    )
+
+Fsync = Literal["always", "batch", "never"]
+RAW_COMMAND = 4
+"""Our command type in PySyncObj's log (PySyncObj uses 0-3)."""
+_RAW_PREFIX = bytes([RAW_COMMAND])
+MAX_COMMAND_BYTES = 3 * 1024 * 1024
+"""Commands must stay below PySyncObj's AppendEntries batch size (4 MiB here): its chunked
+path for bigger single commands is broken."""
+
+# --------------------------------------------------------------- module hooks
+
+_JOURNALS: dict[str, DurableJournal] = {}
+_original_create_journal = _syncobj.createJournal
+
+
+def _create_journal(path: str | None) -> Any:
+    if path is not None and path in _JOURNALS:
+        return _JOURNALS.pop(path)
+    return _original_create_journal(path)
+
+
+class _LoggingEncryptor:
+    """PySyncObj's Fernet encryptor, logging what fails to authenticate."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._last_warning = 0.0
+
+    def encrypt_at_time(self, data: bytes, ts: int) -> bytes:
+        return self._inner.encrypt_at_time(data, ts)  # type: ignore[no-any-return]
+
+    def extract_timestamp(self, data: bytes) -> int:
+        try:
+            return self._inner.extract_timestamp(data)  # type: ignore[no-any-return]
+        except Exception:
+            self._warn()
+            raise
+
+    def decrypt(self, data: bytes) -> bytes:
+        try:
+            return self._inner.decrypt(data)  # type: ignore[no-any-return]
+        except Exception:
+            self._warn()
+            raise
+
+    def _warn(self) -> None:
+        now = time.monotonic()
+        if now - self._last_warning > 5.0:
+            self._last_warning = now
+            logger.warning(
+                "refused Raft traffic that failed authentication: a peer uses another "
+                "cluster secret (or is not a quorumq node); connection dropped"
+            )
+
+
+_original_get_encryptor = _syncobj.getEncryptor
+_syncobj.createJournal = _create_journal
+_syncobj.getEncryptor = lambda password: _LoggingEncryptor(_original_get_encryptor(password))
+
+
+# ------------------------------------------------------------------- outcomes
+
+NOT_APPLIED = {
+    FAIL_REASON.QUEUE_FULL: "the proposal queue is full",
+    FAIL_REASON.MISSING_LEADER: "no leader",
+    FAIL_REASON.NOT_LEADER: "the node it was sent to is no longer leader",
+    FAIL_REASON.REQUEST_DENIED: "refused",
+    FAIL_REASON.DISCARDED: "discarded by a leader change",
+}
+"""Failure reasons after which the command is known not to be in the log."""
+
+
+class RaftMember(SyncObj):  # type: ignore[misc]
+    """One Raft member: bytes in (`propose`), committed bytes out (`apply`), in log order."""
+
+    def __init__(
+        self,
+        address: str,
+        peers: list[str],
+        *,
+        data_dir: str,
+        password: str | None,
+        fsync: Fsync,
+        apply: Callable[[int, bytes], Any],
+        snapshot: Callable[[], bytes],
+        restore: Callable[[bytes], None],
+        on_tick: Callable[[], None],
+        raft_timeouts: tuple[float, float] = (0.4, 1.4),
+        compaction_entries: int = 50_000,
+        tick_period: float = 0.05,
+    ) -> None:
+        os.makedirs(data_dir, exist_ok=True)
+        self.data_dir = data_dir
+        self.fsync = fsync
+        journal_path = os.path.join(data_dir, "raft.log")
+        self.journal = DurableJournal(journal_path, durable=fsync != "never")
+        _JOURNALS[journal_path] = self.journal
+        self._apply_raw = apply
+        self._snapshot = snapshot
+        self._restore = restore
+        self._on_tick = on_tick
+        self._tick_period = tick_period
+        self._stopping = threading.Event()
+        self._sent_commit = 0
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+        host = address.rsplit(":", 1)[0]
+        conf = SyncObjConf(
+            password=password,
+            autoTick=False,
+            journalFile=journal_path,
+            fullDumpFile=os.path.join(data_dir, "snapshot"),
+            serializer=self._write_snapshot,
+            deserializer=self._read_snapshot,
+            bindAddress=address,
+            appendEntriesBatchSizeBytes=4 * 1024 * 1024,
+            logCompactionMinEntries=compaction_entries,
+            logCompactionMinTime=10**9,
+            raftMinTimeout=raft_timeouts[0],
+            raftMaxTimeout=raft_timeouts[1],
+            appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
+            leaderFallbackTimeout=max(2.0, raft_timeouts[1] * 2),
+            connectionRetryTime=0.5,
+            connectionTimeout=2.0,
+            commandsWaitLeader=True,
+            dynamicMembershipChange=True,
+        )
+        if not host:
+            raise ValueError(f"raft address {address!r} needs a host")
+        try:
+            super().__init__(address, [p for p in peers if p != address], conf)
+        except Exception:
+            _JOURNALS.pop(journal_path, None)
+            raise
+        self.addOnTickCallback(self._tick_callback)
+        self._poller.subscribe(self._wake_r, self._drain_wake, POLL_EVENT_TYPE.READ)
+        self._thread = threading.Thread(target=self._tick_loop, name=f"raft-{address}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ tick thread
+
+    def _tick_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.doTick(self._tick_period)
+            except Exception:
+                logger.exception("raft tick failed")
+                time.sleep(self._tick_period)
+        try:
+            self._doDestroy()
+        finally:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def stop(self) -> None:
+        """Stop ticking, close connections and the journal (fsyncing it). Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"!")
+
+    def _drain_wake(self, fd: int, _event: int) -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _tick_callback(self) -> None:
+        if self.fsync != "never":
+            self.journal.sync()  # the no-op of a new term; "batch" mode syncs only here
+        if self._isLeader() and self.raftCommitIndex > self._sent_commit:
+            self._sent_commit = self.raftCommitIndex
+            self._SyncObj__sendAppendEntries()  # followers learn the commit index now
+        self._on_tick()
+
+    # -------------------------------------------------------------- proposing
+
+    def propose(self, payload: bytes, callback: Callable[[Any, int], None] | None) -> None:
+        """Submit `payload` for the log, from any thread. `callback(result, FAIL_REASON)`
+        runs on the tick thread: SUCCESS with what `apply` returned on this node."""
+        if len(payload) > MAX_COMMAND_BYTES:
+            raise ValueError(f"command of {len(payload)} bytes exceeds {MAX_COMMAND_BYTES}")
+        self._applyCommand(payload, callback, RAW_COMMAND)
+
+    def _applyCommand(self, command: bytes, callback: Any, commandType: int | None = None) -> None:
+        super()._applyCommand(command, callback, commandType)
+        self._wake()
+
+    def _checkCommandsToApply(self) -> None:
+        log = self._SyncObj__raftLog
+        before = log[-1][1] if len(log) else 0
+        super()._checkCommandsToApply()
+        if self._isLeader() and len(log) and log[-1][1] != before:
+            self._SyncObj__sendAppendEntries()  # send at once, not on the next heartbeat
+            if self.fsync == "always":
+                self.journal.sync()  # overlaps with the round trip; done before commit counts us
+
+    def _SyncObj__sendNextNodeIdx(
+        self, node: Any, reset: bool = False, nextNodeIdx: int | None = None, success: bool = False
+    ) -> None:
+        if success and self.fsync == "always":
+            self.journal.sync()  # a follower acknowledges only what is on disk
+        SyncObj._SyncObj__sendNextNodeIdx(
+            self, node, reset=reset, nextNodeIdx=nextNodeIdx, success=success
+        )
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
+        next_index = self._SyncObj__raftNextIndex
+        before = next_index.get(node)
+        SyncObj._SyncObj__onMessageReceived(self, node, message)
+        if (
+            isinstance(message, dict)
+            and message.get("type") == "next_node_idx"
+            and message.get("success")
+            and not message.get("reset")
+            and before is not None
+            and next_index.get(node, 0) < before
+        ):
+            next_index[node] = before  # a stale ack must not rewind nextIndex
+
+    # --------------------------------------------------------------- applying
+
+    def _SyncObj__doApplyCommand(self, command: bytes) -> Any:
+        if command[:1] == _RAW_PREFIX:
+            index = self.raftLastApplied + 1
+            try:
+                return self._apply_raw(index, command[1:])
+            except Exception:  # an exception here would re-apply the entry forever
+                logger.exception("applying log entry %d failed", index)
+                return None
+        return SyncObj._SyncObj__doApplyCommand(self, command)
+
+    # -------------------------------------------------------------- snapshots
+
+    def _write_snapshot(self, tmp_path: str, data: tuple[Any, Any, Any]) -> None:
+        last, prev, cluster = data
+        try:
+            blob = encoding.encode(
+                [
+                    "quorumq-snapshot",
+                    1,
+                    [last[0], last[1], last[2]],
+                    [prev[0], prev[1], prev[2]],
+                    sorted(n.id for n in cluster),
+                    self._snapshot(),
+                ]
+            )
+            with open(tmp_path, "wb") as f:
+                f.write(blob)
+                f.flush()
+                if self.fsync != "never":
+                    os.fsync(f.fileno())
+        except Exception:
+            logger.exception("writing the snapshot failed")
+            raise
+
+    def _read_snapshot(self, path: str) -> tuple[Any, Any, Any]:
+        with open(path, "rb") as f:
+            value = encoding.decode(f.read())
+        if not (isinstance(value, list) and len(value) == 6 and value[0] == "quorumq-snapshot"):
+            raise ValueError(f"{path} is not a quorumq snapshot")
+        _, version, last, prev, cluster, machine = value
+        if version != 1:
+            raise ValueError(f"unsupported snapshot version {version}")
+        self._restore(machine)
+        if self.fsync != "never":
+            fsync_directory(self.data_dir)
+        return (tuple(last), tuple(prev), {TCPNode(n) for n in cluster})
+
+    # ----------------------------------------------------------------- status
+
+    def leader_address(self) -> str | None:
+        leader = self._getLeader()
+        return None if leader is None else str(leader.id)
+
+    def is_leader(self) -> bool:
+        return bool(self._isLeader())
+
+    def peer_silence(self) -> dict[str, float]:
+        """Leader only: seconds since each peer last answered an AppendEntries."""
+        now = _syncobj.monotonicTime()
+        last = self._SyncObj__lastResponseTime
+        return {str(node.id): now - last.get(node, 0.0) for node in self.otherNodes}

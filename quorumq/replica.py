@@ -1,0 +1,291 @@
+"""One node's replica: the queue machine behind a hardened Raft member.
+
+Every committed log entry is decoded and applied to this node's `Machine` with the
+entry's Raft index and the proposer's clock. Of the effects, the replica keeps those
+that are its own to run and hands them to `on_effects`:
+
+* a `Deliver` or `ConsumerDown` whose consumer lives on this node;
+* as leader, also those whose consumer's node hosts no replica (the leader proxies).
+
+Effects are not run for entries replayed from this node's journal at start-up (they
+may have run before the crash; the consumer connections they name are gone), so
+effects run at most once per process, and clients tolerate a redelivery.
+
+`on_effects` runs on the Raft thread: hand the work over (trio token, bounded queue),
+never block there. The machine is only mutated on that thread, under `lock`; other
+threads read it with `query`.
+
+As leader, the replica turns time and failure into log commands: `NodeDown(node)` when
+a replica has not answered for `node_down_grace_s`, `NodeUp(node)` when it answers
+again, and `Tick()` while some queue has a message TTL.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import attrs
+from pysyncobj import FAIL_REASON
+
+from .codec import CodecError, decode_entry, encode_entry
+from .machine import (
+    Command,
+    ConsumerDown,
+    Deliver,
+    Effect,
+    Error,
+    ErrorCode,
+    Machine,
+    Meta,
+    NodeDown,
+    NodeUp,
+    Reply,
+    Tick,
+)
+from .raft.member import NOT_APPLIED, Fsync, RaftMember
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TICK_EVERY_S = 1.0
+"""How often the leader proposes `Tick` while some queue has a message TTL."""
+
+
+class ConfigError(ValueError):
+    """The replica's configuration is unsafe or inconsistent."""
+
+
+class ProposalError(Exception):
+    """A command did not get a reply."""
+
+
+class NotAppliedError(ProposalError):
+    """The command is known not to be in the log: retrying cannot duplicate it."""
+
+
+class OutcomeUnknownError(ProposalError):
+    """The command may or may not have been applied: retry only if it is idempotent
+    (enqueues carry a producer id and sequence number for exactly this)."""
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaConfig:
+    node_id: str
+    """This node's name, as consumers' `node` names it in the log."""
+    peers: Mapping[str, str]
+    """Every replica's node id -> Raft address ("host:port"), this node included."""
+    data_dir: str
+    secret: str | None
+    """The cluster secret: authenticates and encrypts Raft traffic."""
+    insecure: bool = False
+    """Allow no secret; only when every Raft address is loopback."""
+    fsync: Fsync = "always"
+    node_down_grace_s: float = 5.0
+    raft_timeouts: tuple[float, float] = (0.4, 1.4)
+    compaction_entries: int = 50_000
+
+    def __attrs_post_init__(self) -> None:
+        if self.node_id not in self.peers:
+            raise ConfigError(f"node {self.node_id!r} is not among the peers {sorted(self.peers)}")
+        if self.fsync not in ("always", "batch", "never"):
+            raise ConfigError(f"fsync must be always, batch or never, not {self.fsync!r}")
+        if not self.secret:
+            if not self.insecure:
+                raise ConfigError(
+                    "a cluster secret is required: Raft traffic between nodes is authenticated "
+                    "with it (without one, anyone who reaches the Raft port runs code)"
+                )
+            public = [a for a in self.peers.values() if not _is_loopback(a)]
+            if public:
+                raise ConfigError(
+                    f"insecure mode is for loopback only; these Raft addresses are not: {public}"
+                )
+
+    @property
+    def raft_address(self) -> str:
+        return self.peers[self.node_id]
+
+
+class Replica:
+    """A node's member of the replicated queue machine."""
+
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        on_effects: Callable[[int, tuple[Effect, ...]], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self.lock = threading.Lock()
+        self.machine = Machine()
+        self._on_effects = on_effects
+        self._replicas = frozenset(config.peers)
+        self._node_of_address = {a: n for n, a in config.peers.items()}
+        self._pending: set[tuple[str, str]] = set()
+        self._last_tick_proposal = 0.0
+        self.member = RaftMember(
+            config.raft_address,
+            list(config.peers.values()),
+            data_dir=config.data_dir,
+            password=config.secret or None,
+            fsync=config.fsync,
+            apply=self._apply,
+            snapshot=self._snapshot,
+            restore=self._restore,
+            on_tick=self._leader_duties,
+            raft_timeouts=config.raft_timeouts,
+            compaction_entries=config.compaction_entries,
+        )
+        self.replay_until = self.member.journal.last_index_at_open
+        """Log entries up to this index are replayed from this node's journal: no effects."""
+
+    # -------------------------------------------------------------- proposing
+
+    def propose(
+        self,
+        command: Command,
+        callback: Callable[[Reply | None, ProposalError | None], None] | None = None,
+    ) -> None:
+        """Submit from any thread; `callback(reply, error)` runs on the Raft thread."""
+        payload = encode_entry(int(time.time() * 1000), command)
+        if callback is None:
+            self.member.propose(payload, None)
+            return
+
+        def done(result: Any, reason: int) -> None:
+            if reason == FAIL_REASON.SUCCESS:
+                callback(result, None)
+            elif reason in NOT_APPLIED:
+                callback(None, NotAppliedError(NOT_APPLIED[reason]))
+            else:
+                callback(None, OutcomeUnknownError(f"the leader changed before a reply ({reason})"))
+
+        self.member.propose(payload, done)
+
+    def submit(self, command: Command, timeout: float = 10.0) -> Reply:
+        """Propose and wait for the reply (from a thread that is not the Raft thread)."""
+        finished = threading.Event()
+        outcome: list[tuple[Reply | None, ProposalError | None]] = []
+
+        def callback(reply: Reply | None, error: ProposalError | None) -> None:
+            outcome.append((reply, error))
+            finished.set()
+
+        self.propose(command, callback)
+        if not finished.wait(timeout):
+            raise OutcomeUnknownError(f"no reply within {timeout} s")
+        reply, error = outcome[0]
+        if error is not None:
+            raise error
+        if reply is None:
+            raise OutcomeUnknownError("the command was committed but could not be applied here")
+        return reply
+
+    # --------------------------------------------------------------- applying
+
+    def _apply(self, index: int, payload: bytes) -> Reply:
+        try:
+            ts_ms, command = decode_entry(payload)
+        except CodecError as e:
+            logger.error("log entry %d is not a valid command, skipped: %s", index, e)
+            return Error(code=ErrorCode.INVALID, message=f"undecodable log entry: {e}")
+        with self.lock:
+            applied = self.machine.apply(Meta(index, ts_ms), command)
+        if self._on_effects is not None and applied.effects and index > self.replay_until:
+            mine = self._mine(applied.effects)
+            if mine:
+                self._on_effects(index, mine)
+        return applied.reply
+
+    def _mine(self, effects: tuple[Effect, ...]) -> tuple[Effect, ...]:
+        local = self.node_id
+        proxy = self.member.is_leader()
+        replicas = self._replicas
+        return tuple(
+            e
+            for e in effects
+            if type(e) in (Deliver, ConsumerDown)
+            and (e.node == local or (proxy and e.node not in replicas))  # type: ignore[union-attr]
+        )
+
+    def _snapshot(self) -> bytes:
+        with self.lock:
+            return self.machine.snapshot()
+
+    def _restore(self, data: bytes) -> None:
+        machine = Machine.restore(data)
+        with self.lock:
+            self.machine = machine
+
+    # ---------------------------------------------------------- leader duties
+
+    def _leader_duties(self) -> None:
+        """On the Raft thread, every tick: turn silence and time into log commands."""
+        if not self.member.is_leader() or not self.member.isReady():
+            return
+        down = self.machine.down_nodes()
+        grace = self.config.node_down_grace_s
+        for address, silent_s in self.member.peer_silence().items():
+            node = self._node_of_address.get(address)
+            if node is None:
+                continue
+            if silent_s > grace and node not in down:
+                self._propose_once(("down", node), NodeDown(node=node))
+            elif silent_s < grace / 2 and node in down:
+                self._propose_once(("up", node), NodeUp(node=node))
+        now = time.monotonic()
+        if now - self._last_tick_proposal >= TICK_EVERY_S:
+            self._last_tick_proposal = now
+            if any(self.machine.options(q).message_ttl_ms for q in self.machine.queues()):
+                self._propose_once(("tick", ""), Tick())
+
+    def _propose_once(self, key: tuple[str, str], command: Command) -> None:
+        if key in self._pending:
+            return
+        self._pending.add(key)
+        logger.info("proposing %s", command)
+        self.propose(command, lambda _reply, _error: self._pending.discard(key))
+
+    # ----------------------------------------------------------------- status
+
+    def query(self, read: Callable[[Machine], T]) -> T:
+        """Read the machine consistently from any thread."""
+        with self.lock:
+            return read(self.machine)
+
+    def status(self) -> dict[str, Any]:
+        member = self.member
+        leader = member.leader_address()
+        with self.lock:
+            digest = self.machine.digest()
+            last_index = self.machine.last_index
+        return {
+            "node": self.node_id,
+            "leader": self._node_of_address.get(leader) if leader else None,
+            "is_leader": member.is_leader(),
+            "term": member.raftCurrentTerm,
+            "commit_index": member.raftCommitIndex,
+            "last_applied": member.raftLastApplied,
+            "machine_index": last_index,
+            "digest": digest,
+            "ready": member.isReady(),
+        }
+
+    def stop(self) -> None:
+        self.member.stop()

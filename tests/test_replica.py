@@ -1,0 +1,222 @@
+"""Replicas over real PySyncObj on loopback: three members in this process, real TCP,
+real fsync, real data dirs. (Killing node processes with SIGKILL comes with the node
+command and its tests.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from quorumq.machine import (
+    ConsumerDown,
+    Declare,
+    Deliver,
+    Effect,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    Message,
+    Subscribe,
+)
+from quorumq.replica import ConfigError, Replica, ReplicaConfig
+
+from .helpers import free_ports, wait_for
+
+SECRET = "test-cluster-secret"
+
+
+class Cluster:
+    """Three replicas A, B, C on loopback; records what each one's executor is given."""
+
+    def __init__(self, root: Path, **options: object) -> None:
+        self.root = root
+        self.options = options
+        self.peers = {n: f"127.0.0.1:{p}" for n, p in zip("ABC", free_ports(3), strict=True)}
+        self.executed: dict[str, list[tuple[int, Effect]]] = {n: [] for n in "ABC"}
+        self.replicas: dict[str, Replica] = {}
+        for node in "ABC":
+            self.start(node)
+
+    def start(self, node: str, secret: str = SECRET) -> Replica:
+        config = ReplicaConfig(
+            node_id=node,
+            peers=self.peers,
+            data_dir=str(self.root / node),
+            secret=secret,
+            raft_timeouts=(0.3, 0.9),
+            **self.options,  # type: ignore[arg-type]
+        )
+
+        def record(index: int, effects: tuple[Effect, ...]) -> None:
+            self.executed[node].extend((index, e) for e in effects)
+
+        self.replicas[node] = Replica(config, record)
+        return self.replicas[node]
+
+    def stop(self, node: str) -> None:
+        self.replicas.pop(node).stop()
+
+    def leader(self) -> Replica:
+        wait_for(lambda: any(r.member.is_leader() for r in self.replicas.values()), "a leader")
+        return next(r for r in self.replicas.values() if r.member.is_leader())
+
+    def converged(self) -> bool:
+        status = [r.status() for r in self.replicas.values()]
+        return len({(s["machine_index"], s["digest"]) for s in status}) == 1
+
+    def close(self) -> None:
+        for node in list(self.replicas):
+            self.stop(node)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def deliveries(executed: list[tuple[int, Effect]]) -> list[tuple[str, int]]:
+    return [(e.consumer, e.offset) for _, e in executed if isinstance(e, Deliver)]
+
+
+def test_each_replica_delivers_only_to_its_own_consumers(cluster: Cluster) -> None:
+    leader = cluster.leader()
+    follower = next(n for n in "ABC" if cluster.replicas[n] is not leader)
+    leader.submit(Declare(queue="q"))
+    for node in "ABC":
+        cluster.replicas[node].submit(Subscribe(queue="q", consumer=f"c{node}", node=node))
+    cluster.replicas[follower].submit(Subscribe(queue="q", consumer="far", node="Z"))
+    for i in range(40):
+        reply = cluster.replicas[follower].submit(Enqueue(queue="q", body=b"%d" % i))
+        assert reply == Enqueued(offset=i)
+    wait_for(cluster.converged, "all replicas at the same digest")
+    wait_for(lambda: sum(len(deliveries(x)) for x in cluster.executed.values()) == 40, "40 sends")
+    for node in "ABC":
+        consumers = {c for c, _ in deliveries(cluster.executed[node])}
+        expected = {f"c{node}", "far"} if cluster.replicas[node] is leader else {f"c{node}"}
+        assert consumers == expected, (node, consumers)
+    sent = sorted(o for x in cluster.executed.values() for _, o in deliveries(x))
+    assert sent == list(range(40))  # every message sent once, by exactly one replica
+    for node in "ABC":  # FIFO per consumer
+        for consumer in {c for c, _ in deliveries(cluster.executed[node])}:
+            offsets = [o for c, o in deliveries(cluster.executed[node]) if c == consumer]
+            assert offsets == sorted(offsets)
+
+
+def test_restart_from_data_dirs_restores_state_without_replaying_effects(
+    cluster: Cluster,
+) -> None:
+    cluster.leader().submit(Declare(queue="q"))
+    cluster.replicas["A"].submit(Subscribe(queue="q", consumer="cA", node="A", prefetch=5))
+    messages = [Message(body=b"%d" % i) for i in range(20)]
+    batch = EnqueueBatch(queue="q", messages=messages, producer="p", first_seq=0)
+    cluster.replicas["B"].submit(batch)
+    wait_for(cluster.converged, "convergence")
+    before = cluster.replicas["A"].status()["digest"]
+    sent_before = len(cluster.executed["A"])
+    cluster.close()
+    for node in "ABC":
+        cluster.start(node)
+    wait_for(cluster.converged, "convergence after restart")
+    wait_for(lambda: cluster.replicas["A"].status()["digest"] == before, "the same state")
+    assert len(cluster.executed["A"]) == sent_before  # nothing re-sent from the replayed log
+    unacked = cluster.replicas["C"].query(lambda m: m.unacked("q", "cA"))
+    assert unacked == (0, 1, 2, 3, 4)
+    reply = cluster.replicas["C"].submit(batch)
+    assert reply == Enqueued(offset=0, count=20, duplicate=True)  # the retry is recognised
+
+
+def test_state_survives_log_compaction_and_restart(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, compaction_entries=30)
+    try:
+        cluster.leader().submit(Declare(queue="q"))
+        for i in range(100):
+            cluster.replicas["A"].submit(Enqueue(queue="q", body=b"%d" % i))
+        wait_for(cluster.converged, "convergence")
+        wait_for((tmp_path / "A" / "snapshot").exists, "a snapshot on A")
+        assert len(cluster.replicas["A"].member.journal) < 100
+        digest = cluster.replicas["A"].status()["digest"]
+        cluster.close()
+        for node in "ABC":
+            cluster.start(node)
+        wait_for(lambda: cluster.replicas["A"].status()["digest"] == digest, "state restored")
+        read = cluster.replicas["A"].query(lambda m: m.read("q", 0, 1000))
+        assert [m.body for m in read] == [b"%d" % i for i in range(100)]
+        after = cluster.replicas["B"].submit(Enqueue(queue="q", body=b"after"))
+        assert after == Enqueued(offset=100)
+    finally:
+        cluster.close()
+
+
+def test_a_node_without_a_secret_refuses_to_start(tmp_path: Path) -> None:
+    peers = {"A": "127.0.0.1:1", "B": "10.1.2.3:2"}
+    with pytest.raises(ConfigError, match="secret is required"):
+        ReplicaConfig(node_id="A", peers=peers, data_dir=str(tmp_path), secret=None)
+    with pytest.raises(ConfigError, match="loopback only"):
+        ReplicaConfig(node_id="A", peers=peers, data_dir=str(tmp_path), secret=None, insecure=True)
+    loopback = {"A": "127.0.0.1:1", "B": "localhost:2"}
+    ReplicaConfig(node_id="A", peers=loopback, data_dir=str(tmp_path), secret=None, insecure=True)
+
+
+def test_a_node_with_the_wrong_secret_is_refused_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = Cluster.__new__(Cluster)
+    cluster.root, cluster.options = tmp_path, {}
+    cluster.peers = {n: f"127.0.0.1:{p}" for n, p in zip("ABC", free_ports(3), strict=True)}
+    cluster.executed = {n: [] for n in "ABC"}
+    cluster.replicas = {}
+    try:
+        with caplog.at_level(logging.WARNING, logger="quorumq.raft.member"):
+            cluster.start("A")
+            cluster.start("B")
+            intruder = cluster.start("C", secret="not-the-secret")
+            cluster.leader().submit(Declare(queue="q"))
+            wait_for(lambda: "failed authentication" in caplog.text, "an authentication warning")
+        assert intruder.status()["machine_index"] == 0  # it never received the log
+        assert not intruder.member.is_leader()
+    finally:
+        cluster.close()
+
+
+def test_leader_marks_a_silent_node_down_and_its_messages_go_elsewhere(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, node_down_grace_s=1.0)
+    try:
+        leader = cluster.leader()
+        victim = next(n for n in "ABC" if cluster.replicas[n] is not leader)
+        survivor = next(n for n in "ABC" if n != victim and cluster.replicas[n] is not leader)
+        leader.submit(Declare(queue="q"))
+        leader.submit(Subscribe(queue="q", consumer="doomed", node=victim, prefetch=3))
+        for i in range(3):
+            leader.submit(Enqueue(queue="q", body=b"%d" % i))
+        leader.submit(Subscribe(queue="q", consumer="alive", node=survivor))
+        wait_for(cluster.converged, "convergence")
+        cluster.stop(victim)
+        wait_for(lambda: victim in leader.query(lambda m: m.down_nodes()), "NodeDown", 10)
+        wait_for(
+            lambda: leader.query(lambda m: m.unacked("q", "alive")) == (0, 1, 2),
+            "the messages redelivered to the live consumer",
+        )
+        downs = [e for _, e in cluster.executed[survivor] if isinstance(e, ConsumerDown)]
+        assert downs == []  # the survivor hosts no consumer of the dead node
+        redelivered = [e for _, e in cluster.executed[survivor] if isinstance(e, Deliver)]
+        assert [(e.offset, e.redelivered) for e in redelivered] == [(0, True), (1, True), (2, True)]
+        cluster.start(victim)
+        wait_for(lambda: victim not in leader.query(lambda m: m.down_nodes()), "NodeUp", 10)
+        wait_for(cluster.converged, "convergence after the node returns")
+    finally:
+        cluster.close()
+
+
+def test_every_process_file_is_ours(cluster: Cluster) -> None:
+    cluster.leader().submit(Declare(queue="q"))
+    wait_for(cluster.converged, "convergence")
+    names = set(os.listdir(cluster.root / "A"))
+    assert names <= {"raft.log", "raft.log.meta", "snapshot"}, names
