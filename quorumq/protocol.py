@@ -1,0 +1,170 @@
+"""The client wire protocol, sans I/O: bytes in, checked frames out; frames in, bytes out.
+
+Theory of operation
+-------------------
+A connection carries frames in both directions. A frame is a 4-byte big-endian length
+followed by that many bytes of msgpack: a map whose "t" names the frame type. The first
+frame each side sends is `welcome` (server: protocol version, node, auth nonce) or
+`hello` (client: version, HMAC proof). Requests carry an "id" the reply echoes.
+
+The decoder checks the length prefix before buffering a frame, so a huge prefix costs
+nothing: it is a fatal `ProtocolError` (the stream cannot be resynchronised cheaply).
+A frame that is not msgpack, not a map, of an unknown type, or with a missing or
+mistyped field is a non-fatal `ProtocolError`: the frame is skipped and the
+connection goes on. The server answers every `ProtocolError` with an `error` frame,
+and closes the connection only when it is fatal. Nothing here imports sockets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_BODY = 1024 * 1024
+"""Largest message body a node accepts by default (1 MiB)."""
+FRAME_OVERHEAD = 64 * 1024
+"""Room for everything in a frame besides message bodies."""
+
+_LENGTH = struct.Struct(">I")
+
+Frame = dict[str, Any]
+
+_B, _S, _I, _BOOL, _MAP, _LIST = bytes, str, int, bool, dict, list
+_N = type(None)
+
+# frame type -> {field: allowed types}; "id" is required on requests that get a reply
+SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
+    # client -> server
+    "hello": {"v": (_I,), "client": (_S,), "proof": (_B, _N)},
+    "declare": {"id": (_I,), "queue": (_S,), "options": (_MAP,)},
+    "publish": {
+        "id": (_I,),
+        "queue": (_S,),
+        "body": (_B,),
+        "key": (_S, _N),
+        "headers": (_MAP, _N),
+        "producer": (_S, _N),
+        "seq": (_I, _N),
+    },
+    "publish_batch": {
+        "id": (_I,),
+        "queue": (_S,),
+        "messages": (_LIST,),
+        "producer": (_S, _N),
+        "first_seq": (_I, _N),
+    },
+    "subscribe": {"id": (_I,), "queue": (_S,), "prefetch": (_I,)},
+    "cancel": {"id": (_I,), "consumer": (_S,)},
+    "ack": {"consumer": (_S,), "offsets": (_LIST,)},
+    "nack": {"consumer": (_S,), "offsets": (_LIST,), "requeue": (_BOOL,)},
+    "read": {
+        "id": (_I,),
+        "queue": (_S,),
+        "start": (_I,),
+        "end": (_I,),
+        "bucket": (_I, _N),
+        "buckets": (_I, _N),
+    },
+    "commit_offset": {"id": (_I,), "queue": (_S,), "group": (_S,), "offset": (_I,)},
+    "status": {"id": (_I,)},
+    # server -> client
+    "welcome": {"v": (_I,), "node": (_S,), "nonce": (_B,), "auth": (_BOOL,)},
+    "reply": {"id": (_I,)},
+    "error": {"id": (_I, _N), "code": (_S,), "message": (_S,)},
+    "deliver": {
+        "consumer": (_S,),
+        "offset": (_I,),
+        "key": (_S, _N),
+        "body": (_B,),
+        "headers": (_MAP, _N),
+        "redelivered": (_BOOL,),
+        "delivery_count": (_I,),
+        "node": (_S,),
+    },
+    "cancelled": {"consumer": (_S,), "reason": (_S,)},
+}
+
+
+class ProtocolError(Exception):
+    """A frame broke the protocol. `fatal`: the connection must close."""
+
+    def __init__(self, code: str, message: str, *, fatal: bool = False, request_id: Any = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.fatal = fatal
+        self.request_id = request_id if isinstance(request_id, int) else None
+
+
+def encode_frame(frame: Frame) -> bytes:
+    body: bytes = msgpack.packb(frame, use_bin_type=True)
+    return _LENGTH.pack(len(body)) + body
+
+
+def check_frame(frame: object) -> Frame:
+    """Check a decoded frame against the schema; extra fields are allowed and ignored."""
+    if not isinstance(frame, dict):
+        raise ProtocolError("bad_frame", "a frame must be a msgpack map")
+    kind = frame.get("t")
+    spec = SCHEMA.get(kind) if isinstance(kind, str) else None
+    request_id = frame.get("id")
+    if spec is None:
+        raise ProtocolError("unknown_frame", f"unknown frame type {kind!r}", request_id=request_id)
+    for field, types in spec.items():
+        value = frame.get(field)
+        if type(value) not in types:
+            expected = " or ".join("nil" if t is _N else t.__name__ for t in types)
+            raise ProtocolError(
+                "bad_frame",
+                f"{kind}: field {field!r} must be {expected}, got {type(value).__name__}",
+                request_id=request_id,
+            )
+    return frame
+
+
+class FrameDecoder:
+    """Accumulates bytes and yields checked frames."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_BODY + FRAME_OVERHEAD) -> None:
+        self.max_frame = max_frame
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+
+    def frames(self) -> Iterator[Frame]:
+        """Yield every complete frame; raise `ProtocolError` for a bad one (after removing
+        it from the buffer, so calling again goes on with the next frame)."""
+        buf = self._buffer
+        while len(buf) >= 4:
+            (length,) = _LENGTH.unpack_from(buf)
+            if length > self.max_frame:
+                raise ProtocolError(
+                    "frame_too_large",
+                    f"frame of {length} bytes exceeds the limit of {self.max_frame}",
+                    fatal=True,
+                )
+            if len(buf) < 4 + length:
+                return
+            raw = bytes(buf[4 : 4 + length])
+            del buf[: 4 + length]
+            try:
+                frame = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+            except Exception as e:  # msgpack raises several kinds for garbage
+                raise ProtocolError("bad_frame", f"frame is not msgpack: {e}") from None
+            yield check_frame(frame)
+
+
+def auth_proof(token: str, nonce: bytes) -> bytes:
+    """HMAC-SHA256 of the server's nonce with the token: the token itself never travels."""
+    return hmac.new(token.encode("utf-8"), nonce, hashlib.sha256).digest()
+
+
+def proof_matches(token: str, nonce: bytes, proof: bytes | None) -> bool:
+    return proof is not None and hmac.compare_digest(auth_proof(token, nonce), proof)
