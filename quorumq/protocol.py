@@ -135,7 +135,7 @@ class FrameDecoder:
         self.max_frame = max_frame
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         self._buffer += data
 
     def frames(self) -> Iterator[Frame]:

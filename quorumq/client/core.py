@@ -1,0 +1,174 @@
+"""What the blocking and the trio client share: values, errors, and producer bookkeeping."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import attrs
+
+RETRIABLE = frozenset({"not_applied", "outcome_unknown"})
+"""Error codes after which resending the same (producer, seq) is safe and right."""
+
+
+class QuorumqError(Exception):
+    """Base of the errors the client raises."""
+
+
+class ServerError(QuorumqError):
+    """The node refused a request; `code` says why (see quorumq.machine.ErrorCode)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class KeyPausedError(QuorumqError):
+    """A publish for this key failed earlier; call `resume(key)` once it is handled."""
+
+
+class ConnectionLostError(QuorumqError):
+    """No endpoint could be reached (or the connection broke and could not be restored)."""
+
+
+@attrs.frozen(kw_only=True)
+class StreamRecord:
+    """A message read from the stream view."""
+
+    offset: int
+    key: str | None
+    body: bytes
+    headers: Mapping[str, str] | None
+    ts_ms: int
+
+
+@attrs.frozen(kw_only=True)
+class ReadResult:
+    """`messages` with offsets in the requested range (and bucket) that are retained.
+
+    `first_retained` > the range's start means retention trimmed part of it;
+    `next_offset` is where the queue ended on the replica that answered.
+    """
+
+    messages: tuple[StreamRecord, ...]
+    first_retained: int
+    next_offset: int
+
+    def __iter__(self) -> Iterator[StreamRecord]:
+        return iter(self.messages)
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+
+@attrs.frozen(kw_only=True)
+class Delivery:
+    """A message given to one of this client's consumers. Ack or nack it."""
+
+    queue: str
+    offset: int
+    key: str | None
+    body: bytes
+    headers: Mapping[str, str] | None
+    redelivered: bool
+    delivery_count: int
+    node: str
+    """The node whose replica sent it: the one this client is connected to."""
+    consumer: str
+    _settle: Callable[[Delivery, bool, bool], Any] = attrs.field(
+        eq=False, repr=False, alias="settle"
+    )
+
+    def ack(self) -> Any:
+        return self._settle(self, True, False)
+
+    def nack(self, requeue: bool = True) -> Any:
+        return self._settle(self, False, requeue)
+
+
+class Producer:
+    """An idempotent producer: one id per client, a sequence per queue, and paused keys."""
+
+    def __init__(self) -> None:
+        self.id = uuid.uuid4().hex
+        self._next: dict[str, int] = {}
+        self.paused: set[str] = set()
+
+    def take(self, queue: str, count: int = 1) -> int:
+        seq = self._next.get(queue, 0)
+        self._next[queue] = seq + count
+        return seq
+
+    def check(self, key: str | None) -> None:
+        if key is not None and key in self.paused:
+            raise KeyPausedError(
+                f"an earlier publish for key {key!r} failed; call resume({key!r}) first"
+            )
+
+    def failed(self, key: str | None) -> None:
+        if key is not None:
+            self.paused.add(key)
+
+
+def publish_frame(
+    request_id: int,
+    queue: str,
+    body: bytes,
+    key: str | None,
+    headers: Mapping[str, str] | None,
+    producer: str,
+    seq: int,
+) -> dict[str, Any]:
+    return {
+        "t": "publish",
+        "id": request_id,
+        "queue": queue,
+        "body": body,
+        "key": key,
+        "headers": dict(headers) if headers else None,
+        "producer": producer,
+        "seq": seq,
+    }
+
+
+def delivery_from(frame: dict[str, Any], queue: str, settle: Callable[..., Any]) -> Delivery:
+    return Delivery(
+        queue=queue,
+        offset=frame["offset"],
+        key=frame["key"],
+        body=frame["body"],
+        headers=frame["headers"],
+        redelivered=frame["redelivered"],
+        delivery_count=frame["delivery_count"],
+        node=frame["node"],
+        consumer=frame["consumer"],
+        settle=settle,
+    )
+
+
+def read_result(frames: list[dict[str, Any]]) -> ReadResult:
+    rows = [r for f in frames for r in f["messages"]]
+    last = frames[-1]
+    return ReadResult(
+        messages=tuple(
+            StreamRecord(offset=o, key=k, body=b, headers=h, ts_ms=t) for o, k, b, h, t in rows
+        ),
+        first_retained=last["first_retained"],
+        next_offset=last["next_offset"],
+    )
+
+
+def parse_endpoints(endpoints: str | list[str] | tuple[str, ...]) -> list[tuple[str, int]]:
+    """'host:port,host:port' or a list of 'host:port' -> [(host, port)]."""
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    parsed = []
+    for item in items:
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"endpoint {item!r} is not host:port")
+        parsed.append((host or "127.0.0.1", int(port)))
+    if not parsed:
+        raise ValueError("no endpoints given")
+    return parsed

@@ -1,0 +1,222 @@
+"""A local cluster of real node processes on loopback, for tests, demos and programs.
+
+    with Cluster(n=3) as cluster:
+        client = cluster.client()
+        ...
+        cluster.kill(cluster.leader())
+
+Each node is a `python -m quorumq node` process with its own data dir, ports picked on
+127.0.0.1 and a random cluster secret. The cluster stops every process it started (and
+only those, by PID) when the `with` block ends.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .client import Client, QuorumqError
+
+NODE_NAMES = "ABCDEFG"
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Cluster:
+    def __init__(
+        self,
+        n: int = 3,
+        data_dir: str | None = None,
+        *,
+        token: str | None = None,
+        fsync: str = "always",
+        node_down_grace: float = 5.0,
+        log_level: str = "warning",
+    ) -> None:
+        if not 1 <= n <= len(NODE_NAMES):
+            raise ValueError(f"n must be between 1 and {len(NODE_NAMES)}")
+        self._tmp = tempfile.TemporaryDirectory(prefix="quorumq-") if data_dir is None else None
+        self.root = Path(data_dir if data_dir is not None else self._tmp.name)  # type: ignore[union-attr]
+        self.nodes = list(NODE_NAMES[:n])
+        ports = _free_ports(2 * n)
+        self.client_ports = dict(zip(self.nodes, ports[:n], strict=True))
+        self.raft_ports = dict(zip(self.nodes, ports[n:], strict=True))
+        self.token = token
+        self.fsync = fsync
+        self.node_down_grace = node_down_grace
+        self.log_level = log_level
+        self._secret = secrets.token_hex(16)
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._clients: list[Client] = []
+
+    # --------------------------------------------------------------- processes
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        for node in self.nodes:
+            self._spawn(node)
+        for node in self.nodes:
+            self._wait_ready(node)
+
+    def log_path(self, node: str) -> Path:
+        return self.root / f"{node}.log"
+
+    def _spawn(self, node: str) -> None:
+        args = [
+            sys.executable,
+            "-m",
+            "quorumq",
+            "node",
+            "--id",
+            node,
+            "--data-dir",
+            str(self.root / node),
+            "--listen",
+            f"127.0.0.1:{self.client_ports[node]}",
+            "--raft",
+            f"127.0.0.1:{self.raft_ports[node]}",
+            "--fsync",
+            self.fsync,
+            "--node-down-grace",
+            str(self.node_down_grace),
+            "--log-level",
+            self.log_level,
+        ]
+        for other in self.nodes:
+            if other != node:
+                args += ["--peer", f"{other}=127.0.0.1:{self.raft_ports[other]}"]
+        env = {**os.environ, "QUORUMQ_SECRET": self._secret}
+        if self.token is not None:
+            env["QUORUMQ_TOKEN"] = self.token
+        log = open(self.log_path(node), "ab")  # noqa: SIM115 - the child owns it from here
+        try:
+            self._procs[node] = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+            )
+        finally:
+            log.close()
+        self._ready_mark = getattr(self, "_ready_mark", {})
+        self._ready_mark[node] = self.log_path(node).read_bytes().count(b" ready: ")
+
+    def _wait_ready(self, node: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        proc = self._procs[node]
+        while self.log_path(node).read_bytes().count(b" ready: ") <= self._ready_mark[node]:
+            if proc.poll() is not None:
+                tail = self.log_path(node).read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"node {node} exited with {proc.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {node} not ready after {timeout} s")
+            time.sleep(0.02)
+
+    def pid(self, node: str) -> int:
+        return self._procs[node].pid
+
+    def kill(self, node: str) -> None:
+        """SIGKILL the node's process (no clean shutdown)."""
+        proc = self._procs[node]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a paused process dies at once too
+            proc.kill()
+        proc.wait(timeout=10)
+
+    def restart(self, node: str) -> None:
+        """Start the node again on its data dir (after `kill` or a clean stop)."""
+        if self._procs[node].poll() is None:
+            raise RuntimeError(f"node {node} is still running")
+        self._spawn(node)
+        self._wait_ready(node)
+
+    def pause(self, node: str) -> None:
+        self._procs[node].send_signal(signal.SIGSTOP)
+
+    def resume(self, node: str) -> None:
+        self._procs[node].send_signal(signal.SIGCONT)
+
+    def alive(self, node: str) -> bool:
+        return self._procs[node].poll() is None
+
+    def stop(self) -> None:
+        """Stop every node this cluster started: SIGTERM, then SIGKILL after 10 s."""
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    # ----------------------------------------------------------------- clients
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [self.endpoint(n) for n in self.nodes]
+
+    def endpoint(self, node: str) -> str:
+        return f"127.0.0.1:{self.client_ports[node]}"
+
+    def client(self, node: str | None = None, **options: Any) -> Client:
+        """A connected blocking client (to `node` first, if given); closed with the cluster."""
+        order = self.nodes if node is None else [node] + [n for n in self.nodes if n != node]
+        client = Client([self.endpoint(n) for n in order], self.token, **options)
+        self._clients.append(client)
+        return client
+
+    def status(self, node: str) -> dict[str, Any]:
+        with Client([self.endpoint(node)], self.token, connect_timeout=2.0) as client:
+            return client.status()
+
+    def leader(self, timeout: float = 15.0) -> str:
+        """The node every live node agrees leads (waits for an election to settle)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = set()
+            for node in self.nodes:
+                if not self.alive(node):
+                    continue
+                try:
+                    seen.add(self.status(node)["leader"])
+                except (QuorumqError, OSError):
+                    seen.add(None)
+            if len(seen) == 1 and None not in seen:
+                leader: str = seen.pop()
+                return leader
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no agreed leader after {timeout} s (seen {seen})")
+            time.sleep(0.05)

@@ -1,0 +1,5 @@
+"""The trio server of a quorumq node."""
+
+from .node import NodeConfig, NodeServer
+
+__all__ = ["NodeConfig", "NodeServer"]

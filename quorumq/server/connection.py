@@ -1,0 +1,425 @@
+"""One client connection: frames in, commands to the replica, replies and deliveries out.
+
+Every handler is synchronous and non-blocking: it proposes a command (the reply comes
+back later through the node's trio token) or answers from the local replica. The only
+awaits are in the reader (`receive_some`) and the writer (`send_all`). Outgoing frames
+go through a bounded memory channel: a client that does not read (a slow consumer)
+fills it, and the connection is closed; its consumers are then downed and their
+messages return to the queue.
+
+Publishes from one client that arrive together for the same queue and producer, with
+consecutive sequence numbers, are proposed as one `EnqueueBatch` (one log entry).
+Resent publishes (`retry`) are proposed alone, so a retry never overlaps a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..machine import (
+    Ack,
+    Cancel,
+    Command,
+    CommitOffset,
+    Declare,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    Error,
+    Message,
+    Nack,
+    QueueOptions,
+    Reply,
+    Subscribe,
+    UnknownQueueError,
+)
+from ..protocol import (
+    PROTOCOL_VERSION,
+    Frame,
+    FrameDecoder,
+    ProtocolError,
+    encode_frame,
+    proof_matches,
+)
+from ..replica import ProposalError
+
+if TYPE_CHECKING:
+    from .node import NodeServer
+
+logger = logging.getLogger(__name__)
+
+RECEIVE_CHUNK = 256 * 1024
+MAX_READ_BYTES = 4 * 1024 * 1024
+"""A `read` reply carries at most about this many body bytes; the client asks again."""
+
+
+class ClosingError(Exception):
+    """The connection is going away (fatal protocol error, slow consumer, auth failure)."""
+
+
+class Connection:
+    def __init__(self, node: NodeServer, stream: trio.abc.Stream, number: int) -> None:
+        self.node = node
+        self.stream = stream
+        self.number = number
+        self.decoder = FrameDecoder(node.config.max_body + 64 * 1024)
+        self.outbox_send, self.outbox_receive = trio.open_memory_channel[bytes](
+            node.config.outbound_frames
+        )
+        self.consumers: dict[str, str] = {}
+        """consumer id -> queue, for consumers of this connection."""
+        self.nonce = os.urandom(16)
+        self.greeted = False
+        self.closed = False
+        self.close_reason = ""
+        self._consumer_counter = 0
+
+    # ------------------------------------------------------------------ tasks
+
+    async def run(self) -> None:
+        self.push(
+            {
+                "t": "welcome",
+                "v": PROTOCOL_VERSION,
+                "node": self.node.node_id,
+                "nonce": self.nonce,
+                "auth": self.node.config.token is not None,
+            }
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._writer)
+            try:
+                await self._reader()
+            finally:
+                nursery.cancel_scope.cancel()
+        self.closed = True
+        self.node.forget(self)
+
+    async def _reader(self) -> None:
+        while not self.closed:
+            try:
+                data = await self.stream.receive_some(RECEIVE_CHUNK)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            self.decoder.feed(data)
+            try:
+                self._handle_available()
+            except ClosingError:
+                return
+
+    async def _writer(self) -> None:
+        try:
+            async for data in self.outbox_receive:
+                chunks = [data]
+                while len(chunks) < 512:
+                    try:
+                        chunks.append(self.outbox_receive.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                await self.stream.send_all(b"".join(chunks))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self.closed = True
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+    # --------------------------------------------------------------- outgoing
+
+    def push(self, frame: Frame) -> None:
+        """Queue a frame to send; close the connection if the client is not reading."""
+        if self.closed:
+            return
+        try:
+            self.outbox_send.send_nowait(encode_frame(frame))
+        except trio.WouldBlock:
+            self.close(
+                f"slow consumer: {self.node.config.outbound_frames} frames waiting to be sent"
+            )
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def close(self, reason: str) -> None:
+        if not self.closed:
+            logger.info("closing client connection %d: %s", self.number, reason)
+            self.closed = True
+            self.close_reason = reason
+            self.outbox_send.close()
+
+    def reply(self, request_id: int, reply: Reply | None, error: ProposalError | None) -> None:
+        """A proposal's outcome, on the trio thread."""
+        if error is not None:
+            code = "not_applied" if type(error).__name__ == "NotAppliedError" else "outcome_unknown"
+            self.push({"t": "error", "id": request_id, "code": code, "message": str(error)})
+        elif isinstance(reply, Error):
+            self.push(
+                {
+                    "t": "error",
+                    "id": request_id,
+                    "code": reply.code.value,
+                    "message": reply.message,
+                    "expected_seq": reply.expected_seq,
+                }
+            )
+        else:
+            self.push({"t": "reply", "id": request_id, **_reply_fields(reply)})
+
+    def error(self, request_id: int | None, code: str, message: str) -> None:
+        self.push({"t": "error", "id": request_id, "code": code, "message": message})
+
+    # --------------------------------------------------------------- incoming
+
+    def _handle_available(self) -> None:
+        publishes: list[Frame] = []
+        acks: dict[tuple[str, bool, bool], list[int]] = {}
+        while True:
+            try:
+                for frame in self.decoder.frames():
+                    kind = frame["t"]
+                    if not self.greeted:
+                        self._hello(frame)
+                    elif kind == "publish":
+                        self._gather_publish(publishes, frame)
+                    elif kind in ("ack", "nack"):
+                        self._flush_publishes(publishes)
+                        self._gather_ack(acks, frame)
+                    else:
+                        self._flush_publishes(publishes)
+                        self._flush_acks(acks)
+                        self._handle(frame)
+                break
+            except ProtocolError as e:
+                self.error(e.request_id, e.code, e.message)
+                if e.fatal:
+                    self.close(f"protocol error: {e.message}")
+                    raise ClosingError from None
+        self._flush_publishes(publishes)
+        self._flush_acks(acks)
+
+    def _hello(self, frame: Frame) -> None:
+        if frame["t"] != "hello":
+            self.error(frame.get("id"), "hello_first", "the first frame must be hello")
+            self.close("no hello")
+            raise ClosingError
+        if frame["v"] != PROTOCOL_VERSION:
+            self.error(None, "version", f"this node speaks protocol {PROTOCOL_VERSION}")
+            self.close("protocol version mismatch")
+            raise ClosingError
+        token = self.node.config.token
+        if token is not None and not proof_matches(token, self.nonce, frame["proof"]):
+            logger.warning("client connection %d refused: wrong token", self.number)
+            self.error(None, "auth_failed", "wrong token")
+            self.close("authentication failed")
+            raise ClosingError
+        self.greeted = True
+        self.push({"t": "reply", "id": 0, "node": self.node.node_id})
+
+    def _propose(self, request_id: int, command: Command) -> None:
+        self.node.propose(command, self, request_id)
+
+    def _handle(self, frame: Frame) -> None:
+        kind = frame["t"]
+        rid: int = frame.get("id", 0)
+        handler = _HANDLERS.get(kind)
+        if handler is None:
+            self.error(frame.get("id"), "unexpected_frame", f"a client does not send {kind!r}")
+            return
+        try:
+            handler(self, frame)
+        except (TypeError, ValueError) as e:
+            self.error(rid, "invalid", str(e))
+
+    def _declare(self, frame: Frame) -> None:
+        options = frame["options"]
+        if any(not isinstance(k, str) for k in options):
+            raise ValueError("option names must be strings")
+        self._propose(frame["id"], Declare(queue=frame["queue"], options=QueueOptions(**options)))
+
+    def _check_body(self, frame: Frame, body: bytes) -> bool:
+        limit = self.node.config.max_body
+        if len(body) > limit:
+            self.error(
+                frame["id"], "too_large", f"message body of {len(body)} bytes exceeds {limit}"
+            )
+            return False
+        return True
+
+    def _gather_publish(self, publishes: list[Frame], frame: Frame) -> None:
+        if not self._check_body(frame, frame["body"]):
+            return
+        if publishes:
+            last = publishes[-1]
+            joinable = (
+                not frame.get("retry")
+                and last["queue"] == frame["queue"]
+                and last["producer"] == frame["producer"]
+                and frame["seq"] is not None
+                and last["seq"] is not None
+                and frame["seq"] == last["seq"] + 1
+            )
+            if not joinable:
+                self._flush_publishes(publishes)
+        publishes.append(frame)
+        if frame.get("retry"):
+            self._flush_publishes(publishes)
+
+    def _flush_publishes(self, publishes: list[Frame]) -> None:
+        if not publishes:
+            return
+        frames = list(publishes)
+        publishes.clear()
+        first = frames[0]
+        try:
+            if len(frames) == 1:
+                command: Command = Enqueue(
+                    queue=first["queue"],
+                    body=first["body"],
+                    key=first["key"],
+                    headers=first["headers"],
+                    producer=first["producer"],
+                    seq=first["seq"],
+                )
+            else:
+                command = EnqueueBatch(
+                    queue=first["queue"],
+                    messages=[
+                        Message(body=f["body"], key=f["key"], headers=f["headers"]) for f in frames
+                    ],
+                    producer=first["producer"],
+                    first_seq=first["seq"],
+                )
+        except (TypeError, ValueError) as e:
+            for f in frames:
+                self.error(f["id"], "invalid", str(e))
+            return
+        ids = [f["id"] for f in frames]
+        self.node.propose_publishes(command, self, ids)
+
+    def _publish_batch(self, frame: Frame) -> None:
+        messages = []
+        for m in frame["messages"]:
+            if not isinstance(m, list) or len(m) != 3:
+                raise ValueError("each message must be [body, key, headers]")
+            if not self._check_body(frame, m[0]):
+                return
+            messages.append(Message(body=m[0], key=m[1], headers=m[2]))
+        command = EnqueueBatch(
+            queue=frame["queue"],
+            messages=messages,
+            producer=frame["producer"],
+            first_seq=frame["first_seq"],
+        )
+        self._propose(frame["id"], command)
+
+    def _subscribe(self, frame: Frame) -> None:
+        self._consumer_counter += 1
+        consumer = f"{self.node.consumer_prefix}{self.number}.{self._consumer_counter}"
+        queue = frame["queue"]
+        self.consumers[consumer] = queue
+        self.node.consumers[consumer] = self
+        command = Subscribe(
+            queue=queue, consumer=consumer, node=self.node.node_id, prefetch=frame["prefetch"]
+        )
+        self.node.propose(command, self, frame["id"], consumer=consumer)
+
+    def _cancel(self, frame: Frame) -> None:
+        consumer = frame["consumer"]
+        queue = self.consumers.get(consumer)
+        if queue is None:
+            self.error(frame["id"], "unknown_consumer", f"no consumer {consumer!r} here")
+            return
+        self._propose(frame["id"], Cancel(queue=queue, consumer=consumer))
+
+    def _gather_ack(self, acks: dict[tuple[str, bool, bool], list[int]], frame: Frame) -> None:
+        consumer = frame["consumer"]
+        if consumer not in self.consumers:
+            self.error(None, "unknown_consumer", f"no consumer {consumer!r} on this connection")
+            return
+        offsets = frame["offsets"]
+        if not all(type(o) is int and o >= 0 for o in offsets):
+            self.error(None, "invalid", "offsets must be non-negative integers")
+            return
+        nack = frame["t"] == "nack"
+        acks.setdefault((consumer, nack, bool(frame.get("requeue"))), []).extend(offsets)
+
+    def _flush_acks(self, acks: dict[tuple[str, bool, bool], list[int]]) -> None:
+        for (consumer, nack, requeue), offsets in acks.items():
+            queue = self.consumers.get(consumer)
+            if queue is None:
+                continue
+            command: Command
+            if nack:
+                command = Nack(queue=queue, consumer=consumer, offsets=offsets, requeue=requeue)
+            else:
+                command = Ack(queue=queue, consumer=consumer, offsets=offsets)
+            self.node.propose(command, self, None)
+        acks.clear()
+
+    def _read(self, frame: Frame) -> None:
+        queue, start, end = frame["queue"], frame["start"], frame["end"]
+        bucket, buckets = frame["bucket"], frame["buckets"]
+
+        def read(m: Any) -> tuple[Any, Any]:
+            stats = m.stats(queue)
+            return m.read(queue, start, min(end, stats.next_offset), bucket, buckets), stats
+
+        try:
+            messages, stats = self.node.replica.query(read)
+        except UnknownQueueError as e:
+            self.error(frame["id"], "unknown_queue", str(e))
+            return
+        rows = []
+        size = 0
+        covered = max(start, min(end, stats.next_offset))
+        for m in messages:
+            if size > MAX_READ_BYTES:
+                covered = m.offset
+                break
+            rows.append([m.offset, m.key, m.body, m.headers, m.ts_ms])
+            size += len(m.body)
+        self.push(
+            {
+                "t": "reply",
+                "id": frame["id"],
+                "messages": rows,
+                "first_retained": stats.first_retained,
+                "next_offset": stats.next_offset,
+                "covered_until": covered,
+            }
+        )
+
+    def _commit_offset(self, frame: Frame) -> None:
+        command = CommitOffset(queue=frame["queue"], group=frame["group"], offset=frame["offset"])
+        self._propose(frame["id"], command)
+
+    def _status(self, frame: Frame) -> None:
+        self.push({"t": "reply", "id": frame["id"], "status": self.node.status()})
+
+    def _publish_single(self, frame: Frame) -> None:  # pragma: no cover - publishes are gathered
+        self._flush_publishes([frame])
+
+
+def _reply_fields(reply: Reply | None) -> dict[str, Any]:
+    if isinstance(reply, Enqueued):
+        return {"offset": reply.offset, "count": reply.count, "duplicate": reply.duplicate}
+    created = getattr(reply, "created", None)
+    return {} if created is None else {"created": created}
+
+
+_HANDLERS: dict[str, Callable[[Connection, Frame], None]] = {
+    "declare": Connection._declare,
+    "publish": Connection._publish_single,
+    "publish_batch": Connection._publish_batch,
+    "subscribe": Connection._subscribe,
+    "cancel": Connection._cancel,
+    "read": Connection._read,
+    "commit_offset": Connection._commit_offset,
+    "status": Connection._status,
+}

@@ -1,0 +1,217 @@
+"""A quorumq node: one replica and the trio server its clients connect to.
+
+Threads: the replica's Raft thread applies the log and produces this node's effects and
+proposal outcomes; it hands them to trio only through the trio token (`run_sync_soon`,
+which never blocks it). Everything else runs on the trio thread.
+
+A consumer's deliveries come from the replica of the node it is connected to. A
+delivery for a consumer this node does not have (its connection closed before the
+`Down` was applied, or it belonged to an earlier run of this node) is answered with a
+`Down` proposal, so its messages go back to the queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+import attrs
+import trio
+
+from ..machine import Command, ConsumerDown, Deliver, Down, Effect, Enqueued, Error, Reply
+from ..protocol import DEFAULT_MAX_BODY
+from ..replica import ProposalError, Replica, ReplicaConfig
+from .connection import Connection
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class NodeConfig:
+    replica: ReplicaConfig
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    token: str | None = None
+    """Clients prove they know it (HMAC of a nonce); None: no client authentication."""
+    max_body: int = DEFAULT_MAX_BODY
+    outbound_frames: int = 20_000
+    """Frames waiting for a client before it counts as a slow consumer and is cut off."""
+
+
+class NodeServer:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.node_id = config.replica.node_id
+        self.consumer_prefix = f"{self.node_id}.{os.urandom(4).hex()}."
+        """Consumer ids name this run of this node, so a replayed delivery finds no one."""
+        self.consumers: dict[str, Connection] = {}
+        self.connections: set[Connection] = set()
+        self._downed: set[str] = set()
+        self._connection_counter = 0
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._replica: Replica | None = None
+        self.listeners: list[trio.SocketListener] = []
+
+    @property
+    def replica(self) -> Replica:
+        assert self._replica is not None, "the node is not serving"
+        return self._replica
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the replica, listen for clients; `task_status.started(listeners)`."""
+        self._token = trio.lowlevel.current_trio_token()
+        self._replica = await trio.to_thread.run_sync(
+            lambda: Replica(self.config.replica, self._on_effects)
+        )
+        try:
+            self.listeners = await trio.open_tcp_listeners(
+                self.config.listen_port, host=self.config.listen_host
+            )
+            task_status.started(self.listeners)
+            await trio.serve_listeners(self._serve_client, self.listeners)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.replica.stop)
+
+    async def _serve_client(self, stream: trio.SocketStream) -> None:
+        self._connection_counter += 1
+        conn = Connection(self, stream, self._connection_counter)
+        self.connections.add(conn)
+        await conn.run()
+
+    def forget(self, conn: Connection) -> None:
+        """The connection is gone: its consumers are down."""
+        self.connections.discard(conn)
+        for consumer in conn.consumers:
+            if self.consumers.get(consumer) is conn:
+                del self.consumers[consumer]
+            self._down(consumer)
+        conn.consumers.clear()
+
+    def _down(self, consumer: str) -> None:
+        if consumer not in self._downed:
+            self._downed.add(consumer)
+            self.replica.propose(Down(consumer=consumer))
+
+    # ------------------------------------------------ from the Raft thread
+
+    def _soon(self, fn: Any, *args: Any) -> None:
+        assert self._token is not None
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(fn, *args)
+
+    def _on_effects(self, _index: int, effects: tuple[Effect, ...]) -> None:
+        self._soon(self._route, effects)
+
+    def _route(self, effects: tuple[Effect, ...]) -> None:
+        for e in effects:
+            if type(e) is Deliver:
+                conn = self.consumers.get(e.consumer)
+                if conn is None or conn.closed:
+                    self._down(e.consumer)
+                    continue
+                conn.push(
+                    {
+                        "t": "deliver",
+                        "consumer": e.consumer,
+                        "offset": e.offset,
+                        "key": e.key,
+                        "body": e.body,
+                        "headers": e.headers,
+                        "redelivered": e.redelivered,
+                        "delivery_count": e.delivery_count,
+                        "node": self.node_id,
+                    }
+                )
+            elif type(e) is ConsumerDown:
+                self._downed.discard(e.consumer)
+                conn = self.consumers.pop(e.consumer, None)
+                if conn is not None:
+                    conn.consumers.pop(e.consumer, None)
+                    conn.push({"t": "cancelled", "consumer": e.consumer, "reason": e.reason})
+
+    # ------------------------------------------------------------- proposing
+
+    def propose(
+        self,
+        command: Command,
+        conn: Connection,
+        request_id: int | None,
+        consumer: str | None = None,
+    ) -> None:
+        def done(reply: Reply | None, error: ProposalError | None) -> None:
+            self._soon(self._answer, conn, request_id, reply, error, consumer)
+
+        self.replica.propose(command, done)
+
+    def _answer(
+        self,
+        conn: Connection,
+        request_id: int | None,
+        reply: Reply | None,
+        error: ProposalError | None,
+        consumer: str | None,
+    ) -> None:
+        failed = error is not None or isinstance(reply, Error)
+        if consumer is not None:
+            if failed:
+                conn.consumers.pop(consumer, None)
+                self.consumers.pop(consumer, None)
+            elif request_id is not None:
+                conn.push({"t": "reply", "id": request_id, "consumer": consumer})
+                return
+        if request_id is not None:
+            conn.reply(request_id, reply, error)
+        elif failed:  # acks and nacks carry no id: report what went wrong anyway
+            message = str(error) if error is not None else reply.message  # type: ignore[union-attr]
+            conn.error(None, "settle_failed", message)
+
+    def propose_publishes(self, command: Command, conn: Connection, ids: list[int]) -> None:
+        def done(reply: Reply | None, error: ProposalError | None) -> None:
+            self._soon(self._answer_publishes, conn, ids, reply, error)
+
+        self.replica.propose(command, done)
+
+    def _answer_publishes(
+        self,
+        conn: Connection,
+        ids: list[int],
+        reply: Reply | None,
+        error: ProposalError | None,
+    ) -> None:
+        if isinstance(reply, Enqueued) and error is None:
+            for i, request_id in enumerate(ids):
+                offset = None if reply.offset is None else reply.offset + i
+                conn.push(
+                    {
+                        "t": "reply",
+                        "id": request_id,
+                        "offset": offset,
+                        "count": 1,
+                        "duplicate": reply.duplicate,
+                    }
+                )
+            return
+        for request_id in ids:
+            conn.reply(request_id, reply, error)
+
+    # ----------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        status = self.replica.status()
+
+        def queues(m: Any) -> dict[str, Any]:
+            return {
+                q: {
+                    **attrs.asdict(m.stats(q)),
+                    "consumer_ids": list(m.consumers(q)),
+                    "committed_offsets": m.committed_offsets(q),
+                }
+                for q in m.queues()
+            }
+
+        status["queues"] = self.replica.query(queues)
+        status["clients"] = len(self.connections)
+        return status
