@@ -183,6 +183,7 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         except Exception:
             _JOURNALS.pop(journal_path, None)
             raise
+        self._close_snapshot_transmissions()
         self.addOnTickCallback(self._tick_callback)
         self._poller.subscribe(self._wake_r, self._drain_wake, POLL_EVENT_TYPE.READ)
         self._thread = threading.Thread(target=self._tick_loop, name=f"raft-{address}", daemon=True)
@@ -324,6 +325,39 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         if self.fsync != "never":
             fsync_directory(self.data_dir)
         return (tuple(last), tuple(prev), {TCPNode(n) for n in cluster})
+
+    def _close_snapshot_transmissions(self) -> None:
+        """PySyncObj opens the snapshot file to stream it to a lagging follower and drops
+        the file object unclosed when the transfer ends or a new snapshot replaces it.
+        Close those files ourselves."""
+        serializer = self._SyncObj__serializer
+        get_data = serializer.getTransmissionData
+        check = serializer.checkSerializing
+
+        def table() -> dict[Any, Any]:
+            return serializer._Serializer__transmissions  # type: ignore[no-any-return]
+
+        def close(transmission: Any) -> None:
+            if transmission is not None and "file" in transmission:
+                transmission["file"].close()
+
+        def get_transmission_data(transmission_id: Any) -> Any:
+            before = table().get(transmission_id)
+            result = get_data(transmission_id)
+            if before is not None and transmission_id not in table():
+                close(before)
+            return result
+
+        def check_serializing() -> Any:
+            before = table()
+            result = check()
+            if table() is not before:
+                for transmission in before.values():
+                    close(transmission)
+            return result
+
+        serializer.getTransmissionData = get_transmission_data
+        serializer.checkSerializing = check_serializing
 
     # ----------------------------------------------------------------- status
 
