@@ -64,6 +64,7 @@ def _node(args: argparse.Namespace) -> int:
             insecure=args.insecure,
             fsync=args.fsync,
             node_down_grace_s=args.node_down_grace,
+            compaction_entries=args.compaction_entries,
         )
     except ConfigError as e:
         raise UsageError(str(e)) from None
@@ -144,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--fsync", choices=["always", "batch", "never"], default="always")
     node.add_argument("--node-down-grace", type=float, default=5.0, metavar="SECONDS")
     node.add_argument("--max-body", type=int, default=1024 * 1024, metavar="BYTES")
+    node.add_argument(
+        "--compaction-entries",
+        type=int,
+        default=50_000,
+        metavar="N",
+        help="snapshot the machine and compact the log past this many entries",
+    )
     node.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"])
     node.set_defaults(run=_node)
     return parser

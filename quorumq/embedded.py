@@ -48,6 +48,7 @@ class Cluster:
         token: str | None = None,
         fsync: str = "always",
         node_down_grace: float = 5.0,
+        compaction_entries: int = 50_000,
         log_level: str = "warning",
     ) -> None:
         if not 1 <= n <= len(NODE_NAMES):
@@ -61,6 +62,7 @@ class Cluster:
         self.token = token
         self.fsync = fsync
         self.node_down_grace = node_down_grace
+        self.compaction_entries = compaction_entries
         self.log_level = log_level
         self._secret = secrets.token_hex(16)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -106,6 +108,8 @@ class Cluster:
             self.fsync,
             "--node-down-grace",
             str(self.node_down_grace),
+            "--compaction-entries",
+            str(self.compaction_entries),
             "--log-level",
             self.log_level,
         ]

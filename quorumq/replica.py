@@ -275,6 +275,7 @@ class Replica:
         with self.lock:
             digest = self.machine.digest()
             last_index = self.machine.last_index
+            down = sorted(self.machine.down_nodes())
         return {
             "node": self.node_id,
             "leader": self._node_of_address.get(leader) if leader else None,
@@ -285,6 +286,7 @@ class Replica:
             "machine_index": last_index,
             "digest": digest,
             "ready": member.isReady(),
+            "down_nodes": down,
         }
 
     def stop(self) -> None:

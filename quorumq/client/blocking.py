@@ -35,6 +35,9 @@ from .core import (
 
 logger = logging.getLogger(__name__)
 
+REWIND_DELAY = 0.05
+"""Seconds before resending a queue's unconfirmed publishes after a retriable failure."""
+
 MessageLike = bytes | tuple[bytes, str | None] | tuple[bytes, str | None, Mapping[str, str] | None]
 
 
@@ -100,6 +103,7 @@ class Client:
         self._pending: dict[int, Future[dict[str, Any]]] = {}
         self._unconfirmed: dict[int, dict[str, Any]] = {}
         self._consumers: dict[str, Consumer] = {}
+        self._rewinding: set[str] = set()
         self.producer = Producer()
         self.node: str | None = None
         """The node this client is connected to."""
@@ -115,7 +119,7 @@ class Client:
                 host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
                 self._endpoint_index += 1
                 try:
-                    self._handshake(host, port)
+                    self._install(*self._handshake(host, port))
                     return
                 except (OSError, ProtocolError, QuorumqError) as e:
                     if isinstance(e, ServerError) and e.code == "auth_failed":
@@ -125,7 +129,7 @@ class Client:
                 raise ConnectionLostError("no quorumq node answered: " + "; ".join(errors[-6:]))
             time.sleep(0.1)
 
-    def _handshake(self, host: str, port: int) -> None:
+    def _handshake(self, host: str, port: int) -> tuple[socket.socket, FrameDecoder, str]:
         sock = socket.create_connection((host, port), timeout=self._connect_timeout)
         decoder = FrameDecoder()
         try:
@@ -135,11 +139,8 @@ class Client:
             if welcome["auth"] and self._token is None:
                 raise ServerError("auth_failed", "the node requires a token")
             proof = auth_proof(self._token, welcome["nonce"]) if self._token else None
-            sock.sendall(
-                encode_frame(
-                    {"t": "hello", "v": PROTOCOL_VERSION, "client": "python", "proof": proof}
-                )
-            )
+            hello = {"t": "hello", "v": PROTOCOL_VERSION, "client": "python", "proof": proof}
+            sock.sendall(encode_frame(hello))
             answer = self._receive_one(sock, decoder)
             if answer["t"] == "error":
                 raise ServerError(answer["code"], answer["message"])
@@ -148,17 +149,37 @@ class Client:
             raise
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, decoder, welcome["node"]
+
+    def _install(self, sock: socket.socket, decoder: FrameDecoder, node: str) -> None:
+        """Use the new connection; first resend every unconfirmed publish, in order, under
+        the same lock, so no new publish overtakes them."""
         with self._lock:
             self._sock = sock
             self._generation += 1
-            self.node = welcome["node"]
+            self.node = node
             generation = self._generation
+            for rid, frame in self._in_order(self._unconfirmed.items()):
+                self._send({**frame, "id": rid, "retry": True})
         threading.Thread(
             target=self._read_loop,
             args=(sock, decoder, generation),
             daemon=True,
             name="quorumq-client",
         ).start()
+
+    @staticmethod
+    def _in_order(
+        frames: Iterable[tuple[int, dict[str, Any]]],
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """Publishes sorted by (queue, producer, sequence)."""
+
+        def position(item: tuple[int, dict[str, Any]]) -> tuple[str, str, int]:
+            f = item[1]
+            seq = f["seq"] if f["t"] == "publish" else f["first_seq"]
+            return f["queue"], f["producer"], seq
+
+        return sorted(frames, key=position)
 
     @staticmethod
     def _receive_one(sock: socket.socket, decoder: FrameDecoder) -> dict[str, Any]:
@@ -187,6 +208,7 @@ class Client:
                 decoder.feed(data)
         except OSError:
             pass
+        sock.close()
         self._on_lost(generation)
 
     def _on_lost(self, generation: int) -> None:
@@ -209,8 +231,7 @@ class Client:
         self._restore_after_reconnect()
 
     def _restore_after_reconnect(self) -> None:
-        with self._lock:
-            resend = list(self._unconfirmed.items())
+        with self._lock:  # the unconfirmed publishes were resent by _install
             others = [rid for rid in self._pending if rid not in self._unconfirmed]
             consumers = list(self._consumers.values())
             self._consumers.clear()
@@ -218,8 +239,6 @@ class Client:
             future = self._pending.pop(rid, None)
             if future is not None and not future.done():
                 future.set_exception(ConnectionLostError("the connection broke mid-request"))
-        for rid, frame in resend:
-            self._send({**frame, "id": rid, "retry": True})
         for consumer in consumers:
             threading.Thread(target=self._resubscribe, args=(consumer,), daemon=True).start()
 
@@ -261,26 +280,82 @@ class Client:
                     consumer._stop(frame["reason"])
 
     def _resolve(self, request_id: int, frame: dict[str, Any]) -> None:
+        failed: list[tuple[Future[dict[str, Any]], QuorumqError]] = []
         with self._lock:
             publish = self._unconfirmed.get(request_id)
-            if (
-                publish is not None
-                and frame["t"] == "error"
-                and frame["code"] in RETRIABLE
-                and not self._closed
-            ):
-                threading.Timer(0.05, self._send, args=({**publish, "retry": True},)).start()
+            if publish is not None and frame["t"] == "error" and self._may_resend(publish, frame):
+                self._schedule_rewind(publish["queue"])
                 return
             self._unconfirmed.pop(request_id, None)
             future = self._pending.pop(request_id, None)
-        if future is None or future.done():
+            if publish is not None and frame["t"] == "error":
+                failed += self._give_up_after(publish)
+        if future is not None and not future.done():
+            if frame["t"] == "error":
+                if publish is not None:
+                    self.producer.failed(publish.get("key"))
+                future.set_exception(ServerError(frame["code"], frame["message"]))
+            else:
+                future.set_result(frame)
+        for later, error in failed:
+            if not later.done():
+                later.set_exception(error)
+
+    def _may_resend(self, publish: dict[str, Any], error: dict[str, Any]) -> bool:
+        """A retriable failure, or out of order behind an earlier publish still unconfirmed."""
+        if self._closed:
+            return False
+        if error["code"] in RETRIABLE:
+            return True
+        expected = error.get("expected_seq")
+        if error["code"] != "out_of_order" or expected is None:
+            return False
+        return any(
+            f["queue"] == publish["queue"]
+            and f["producer"] == publish["producer"]
+            and (f["seq"] if f["t"] == "publish" else f["first_seq"]) == expected
+            for f in self._unconfirmed.values()
+        )
+
+    def _schedule_rewind(self, queue: str) -> None:
+        """Resend the queue's unconfirmed publishes, in order, shortly (once)."""
+        if queue in self._rewinding:
             return
-        if frame["t"] == "error":
-            if publish is not None:
-                self.producer.failed(publish.get("key"))
-            future.set_exception(ServerError(frame["code"], frame["message"]))
-        else:
-            future.set_result(frame)
+        self._rewinding.add(queue)
+
+        def rewind() -> None:
+            with self._lock:
+                self._rewinding.discard(queue)
+                mine = [(r, f) for r, f in self._unconfirmed.items() if f["queue"] == queue]
+                for rid, frame in self._in_order(mine):
+                    self._send({**frame, "id": rid, "retry": True})
+
+        timer = threading.Timer(REWIND_DELAY, rewind)
+        timer.daemon = True
+        timer.start()
+
+    def _give_up_after(
+        self, publish: dict[str, Any]
+    ) -> list[tuple[Future[dict[str, Any]], QuorumqError]]:
+        """A publish failed for good: the queue expects its seq next, so the later ones of
+        that producer can never land. Fail them, and use a new producer id from now on."""
+        queue, producer = publish["queue"], publish["producer"]
+        if self.producer.id_for(queue) == producer:
+            self.producer.renew(queue)
+        seq = publish["seq"] if publish["t"] == "publish" else publish["first_seq"]
+        doomed = []
+        for rid, f in list(self._unconfirmed.items()):
+            later = f["seq"] if f["t"] == "publish" else f["first_seq"]
+            if f["queue"] == queue and f["producer"] == producer and later > seq:
+                del self._unconfirmed[rid]
+                future = self._pending.pop(rid, None)
+                if future is not None:
+                    self.producer.failed(f.get("key"))
+                    error = QuorumqError(
+                        f"not published: an earlier publish to {queue!r} (seq {seq}) failed"
+                    )
+                    doomed.append((future, error))
+        return doomed
 
     def _send(self, frame: dict[str, Any]) -> None:
         data = encode_frame(frame)
@@ -341,9 +416,10 @@ class Client:
     ) -> Future[dict[str, Any]]:
         """Publish without waiting; the future's result has the `offset` once committed."""
         self.producer.check(key)
-        seq = self.producer.take(queue)
-        frame = publish_frame(0, queue, body, key, headers, self.producer.id, seq)
-        return self._submit(frame, idempotent=True)
+        with self._lock:  # sequence order is send order
+            producer, seq = self.producer.take(queue)
+            frame = publish_frame(0, queue, body, key, headers, producer, seq)
+            return self._submit(frame, idempotent=True)
 
     def publish(
         self,
@@ -372,16 +448,18 @@ class Client:
                 rows.append([body, key, dict(rest[0]) if rest and rest[0] else None])
         for _, key, _ in rows:
             self.producer.check(key)
-        first_seq = self.producer.take(queue, len(rows))
-        frame = {
-            "t": "publish_batch",
-            "queue": queue,
-            "messages": rows,
-            "producer": self.producer.id,
-            "first_seq": first_seq,
-        }
+        with self._lock:  # sequence order is send order
+            producer, first_seq = self.producer.take(queue, len(rows))
+            frame = {
+                "t": "publish_batch",
+                "queue": queue,
+                "messages": rows,
+                "producer": producer,
+                "first_seq": first_seq,
+            }
+            future = self._submit(frame, idempotent=True)
         try:
-            reply = self._submit(frame, idempotent=True).result(self.timeout)
+            reply = future.result(self.timeout)
         except ServerError:
             for _, key, _ in rows:
                 self.producer.failed(key)

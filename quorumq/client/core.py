@@ -89,17 +89,32 @@ class Delivery:
 
 
 class Producer:
-    """An idempotent producer: one id per client, a sequence per queue, and paused keys."""
+    """An idempotent producer: an id and a sequence per queue, and the paused keys.
+
+    After a publish fails for good (queue full, too large, ...) the queue gets a fresh
+    producer id: later sequence numbers of the old id can never be accepted, since the
+    queue expects the failed one next.
+    """
 
     def __init__(self) -> None:
-        self.id = uuid.uuid4().hex
+        self._ids: dict[str, str] = {}
         self._next: dict[str, int] = {}
         self.paused: set[str] = set()
 
-    def take(self, queue: str, count: int = 1) -> int:
+    def id_for(self, queue: str) -> str:
+        producer = self._ids.get(queue)
+        if producer is None:
+            producer = self._ids[queue] = uuid.uuid4().hex
+        return producer
+
+    def take(self, queue: str, count: int = 1) -> tuple[str, int]:
         seq = self._next.get(queue, 0)
         self._next[queue] = seq + count
-        return seq
+        return self.id_for(queue), seq
+
+    def renew(self, queue: str) -> None:
+        self._ids.pop(queue, None)
+        self._next.pop(queue, None)
 
     def check(self, key: str | None) -> None:
         if key is not None and key in self.paused:

@@ -354,12 +354,12 @@ class Connection:
             queue = self.consumers.get(consumer)
             if queue is None:
                 continue
-            command: Command
+            command: Ack | Nack
             if nack:
                 command = Nack(queue=queue, consumer=consumer, offsets=offsets, requeue=requeue)
             else:
                 command = Ack(queue=queue, consumer=consumer, offsets=offsets)
-            self.node.propose(command, self, None)
+            self.node.settle(command, self)
         acks.clear()
 
     def _read(self, frame: Frame) -> None:

@@ -20,12 +20,31 @@ from typing import Any
 import attrs
 import trio
 
-from ..machine import Command, ConsumerDown, Deliver, Down, Effect, Enqueued, Error, Reply
+from ..machine import (
+    Ack,
+    Command,
+    ConsumerDown,
+    Deliver,
+    Down,
+    Effect,
+    Enqueued,
+    Error,
+    Nack,
+    Reply,
+)
 from ..protocol import DEFAULT_MAX_BODY
-from ..replica import ProposalError, Replica, ReplicaConfig
+from ..replica import (
+    NotAppliedError,
+    OutcomeUnknownError,
+    ProposalError,
+    Replica,
+    ReplicaConfig,
+)
 from .connection import Connection
 
 logger = logging.getLogger(__name__)
+
+SETTLE_ATTEMPTS = 20
 
 
 @attrs.frozen(kw_only=True)
@@ -143,6 +162,23 @@ class NodeServer:
     ) -> None:
         def done(reply: Reply | None, error: ProposalError | None) -> None:
             self._soon(self._answer, conn, request_id, reply, error, consumer)
+
+        self.replica.propose(command, done)
+
+    def settle(self, command: Ack | Nack, conn: Connection, attempt: int = 1) -> None:
+        """Propose an ack or nack, again if a leader change lost it: the client sent it
+        and moved on, and a lost ack would leave the message held by a live consumer.
+        An ack is safe to repeat (an acked offset is never held again); a requeueing nack
+        only when it is known not to have been applied."""
+
+        def done(reply: Reply | None, error: ProposalError | None) -> None:
+            repeat = isinstance(error, NotAppliedError) or (
+                isinstance(error, OutcomeUnknownError) and isinstance(command, Ack)
+            )
+            if repeat and attempt < SETTLE_ATTEMPTS:
+                self.settle(command, conn, attempt + 1)
+            else:
+                self._soon(self._answer, conn, None, reply, error, None)
 
         self.replica.propose(command, done)
 

@@ -1,0 +1,196 @@
+"""A real cluster: three node processes on loopback, killed with SIGKILL, paused with
+SIGSTOP, restarted from their data dirs. Every process is stopped by the test."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from quorumq.client import Consumer, Delivery
+from quorumq.embedded import Cluster
+
+from .helpers import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+class Recorder:
+    """Consumes in a thread, acks everything, records every delivery."""
+
+    def __init__(self, consumer: Consumer, ack: bool = True) -> None:
+        self.consumer = consumer
+        self.ack = ack
+        self.deliveries: list[Delivery] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            d = self.consumer.get(timeout=0.1)
+            if d is None:
+                continue
+            self.deliveries.append(d)
+            if self.ack:
+                d.ack()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def converged(cluster: Cluster) -> bool:
+    digests = {
+        (s["machine_index"], s["digest"]) for s in (cluster.status(n) for n in cluster.nodes)
+    }
+    return len(digests) == 1
+
+
+def test_followers_deliver_to_their_own_consumers_through_a_leader_kill() -> None:
+    with Cluster(3, node_down_grace=30.0) as cluster:
+        leader = cluster.leader()
+        followers = [n for n in cluster.nodes if n != leader]
+        producer = cluster.client(leader)
+        producer.declare("q")
+        recorders = {f: Recorder(cluster.client(f).subscribe("q", prefetch=50)) for f in followers}
+        offsets = [producer.publish("q", b"before-%d" % i) for i in range(100)]
+        cluster.kill(leader)
+        offsets += [producer.publish("q", b"after-%d" % i) for i in range(100)]
+        assert offsets == list(range(200))  # no offset assigned twice, none skipped
+        everything = lambda: {d.offset for r in recorders.values() for d in r.deliveries}  # noqa: E731
+        wait_for(lambda: everything() == set(offsets), "every message delivered", 30)
+        for r in recorders.values():
+            r.stop()
+        for follower, r in recorders.items():
+            assert {d.node for d in r.deliveries} == {follower}  # from its own replica
+            first = [d.offset for d in r.deliveries if not d.redelivered]
+            assert first == sorted(first)  # FIFO
+            assert len(first) == len(set(first))
+        cluster.restart(leader)
+        wait_for(lambda: converged(cluster), "the same digest on all three replicas", 30)
+
+
+def test_every_confirmed_message_survives_killing_all_nodes_at_once() -> None:
+    with Cluster(3) as cluster:
+        client = cluster.client()
+        client.declare("q")
+        confirmed = [client.publish("q", b"m%d" % i) for i in range(300)]
+        for node in cluster.nodes:
+            cluster.kill(node)
+        for node in cluster.nodes:
+            cluster.restart(node)
+        cluster.leader()
+        # a restarted follower learns the commit index from the new leader: wait for it
+        wait_for(lambda: converged(cluster), "all replicas applying the same log", 30)
+        for node in cluster.nodes:
+            reader = cluster.client(node)
+            read = reader.read("q", 0, 1000)
+            assert [m.offset for m in read] == confirmed, node
+            assert [m.body for m in read] == [b"m%d" % i for i in range(300)]
+            assert reader.status()["queues"]["q"]["ready"] == 300
+
+
+def test_every_confirmed_message_survives_compaction_and_killing_all_nodes() -> None:
+    with Cluster(3, compaction_entries=100) as cluster:
+        client = cluster.client()
+        client.declare("q")
+        consumer = cluster.client().subscribe("q", prefetch=20)  # holds 20, acks none
+        confirmed = [client.publish("q", b"m%d" % i) for i in range(400)]
+        wait_for(
+            lambda: all((cluster.root / n / "snapshot").exists() for n in cluster.nodes),
+            "a snapshot on every node",
+        )
+        held = cluster.status(cluster.nodes[0])["queues"]["q"]["unacked"]
+        assert held == 20
+        for node in cluster.nodes:
+            cluster.kill(node)
+        for node in cluster.nodes:
+            cluster.restart(node)
+        cluster.leader()
+        wait_for(lambda: converged(cluster), "all replicas applying the same log", 30)
+        for node in cluster.nodes:
+            reader = cluster.client(node)
+            assert [m.offset for m in reader.read("q", 0, 1000)] == confirmed, node
+            queue = reader.status()["queues"]["q"]
+            assert queue["ready"] + queue["unacked"] == 400  # the held ones too
+        del consumer
+
+
+def test_a_paused_node_loses_its_consumers_messages_to_others_and_rejoins() -> None:
+    with Cluster(3, node_down_grace=1.5) as cluster:
+        leader = cluster.leader()
+        paused, other = [n for n in cluster.nodes if n != leader]
+        producer = cluster.client(leader)
+        producer.declare("q")
+        stuck = cluster.client(paused).subscribe("q", prefetch=5)
+        live = Recorder(cluster.client(other).subscribe("q", prefetch=100))
+        for i in range(20):
+            producer.publish("q", b"%d" % i)
+        wait_for(
+            lambda: cluster.status(leader)["queues"]["q"]["unacked"] == 5,
+            "5 held on the paused node's consumer",
+        )
+        cluster.pause(paused)
+        wait_for(
+            lambda: len({d.offset for d in live.deliveries}) == 20,
+            "everything at the live consumer",
+            20,
+        )
+        again = [d for d in live.deliveries if d.redelivered]
+        assert len(again) == 5 and all(d.delivery_count == 1 for d in again)
+        cluster.resume(paused)
+        wait_for(lambda: paused not in _down_nodes(cluster, leader), "NodeUp", 20)
+        wait_for(lambda: converged(cluster), "the paused node catching up", 20)
+        live.stop()
+        del stuck
+
+
+def _down_nodes(cluster: Cluster, node: str) -> Any:
+    return cluster.status(node).get("down_nodes", [])
+
+
+def test_idempotent_producer_through_two_leader_kills_loses_and_duplicates_nothing() -> None:
+    total = 20_000
+    with Cluster(3, node_down_grace=30.0) as cluster:
+        producer = cluster.client(timeout=60.0)
+        producer.declare("q")
+        recorders = [
+            Recorder(cluster.client(n).subscribe("q", prefetch=500)) for n in cluster.nodes
+        ]
+        futures: list[Future[dict[str, Any]]] = []
+        kills = {total // 4, total // 2}
+        window: list[Future[dict[str, Any]]] = []
+        for i in range(total):
+            if i in kills:
+                for f in window:
+                    f.result(60)
+                window.clear()
+                victim = cluster.leader()
+                cluster.kill(victim)
+                cluster.restart(victim)
+            f = producer.publish_async("q", b"msg-%06d" % i)
+            futures.append(f)
+            window.append(f)
+            if len(window) >= 500:
+                for f in window:
+                    f.result(60)
+                window.clear()
+        offsets = [f.result(60)["offset"] for f in futures]
+        assert sorted(offsets) == list(range(total))  # each message exactly one offset
+        stream = producer.read("q", 0, total + 10)
+        assert len(stream) == total
+        assert sorted(m.body for m in stream) == [b"msg-%06d" % i for i in range(total)]
+        seen = lambda: {d.offset for r in recorders for d in r.deliveries}  # noqa: E731
+        wait_for(lambda: len(seen()) == total, "every message delivered", 60)
+        for r in recorders:
+            r.stop()
+        count: dict[int, int] = defaultdict(int)
+        for r in recorders:
+            for d in r.deliveries:
+                if not d.redelivered:
+                    count[d.offset] += 1
+        assert max(count.values()) == 1  # delivered twice only when marked redelivered
