@@ -98,17 +98,21 @@ def _node(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
-    for name in names:
-        print(render(SCENARIOS[name]))
-        print()
-    print(
-        "Three queue machines applied the same log, each at its own pace: every replica\n"
-        "computed the same assignment and only the replica local to a consumer sent to it.\n"
-        "(This demo runs the machines in one process; the replicated-cluster demo, with real\n"
-        "node processes and a leader kill, arrives with the cluster and broker.)"
-    )
-    return 0
+    if args.post:
+        names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+        for name in names:
+            print(render(SCENARIOS[name]))
+            print()
+        print(
+            "Three queue machines applied the same log, each at its own pace: every replica\n"
+            "computed the same assignment and only the replica local to a consumer sent to it."
+        )
+        return 0
+    from .demo import run  # noqa: PLC0415 - starts processes: only when asked
+
+    timeline = Path(args.timeline) if args.timeline else None
+    result = run(messages=args.messages, timeline=timeline)
+    return 0 if result.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,13 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
-        "demo", help="replay RabbitMQ's local-delivery scenarios on three queue machines"
+        "demo",
+        help="run a 3-node cluster, kill its leader mid-stream, and show what every node delivered",
+    )
+    demo.add_argument("--messages", type=int, default=600, help="how many to publish")
+    demo.add_argument("--timeline", help="where to write the HTML timeline")
+    demo.add_argument(
+        "--post",
+        action="store_true",
+        help="instead: replay the event sequences of RabbitMQ's local-delivery post on "
+        "three in-process queue machines",
     )
     demo.add_argument(
         "--scenario",
         choices=[*SCENARIOS, "all"],
         default="all",
-        help="which event sequence of the post to play (default: all)",
+        help="with --post: which sequence to play (default: all)",
     )
     demo.set_defaults(run=_demo)
 

@@ -220,7 +220,8 @@ class Cluster:
                     seen.add(None)
             if len(seen) == 1 and None not in seen:
                 leader: str = seen.pop()
-                return leader
+                if self.alive(leader):  # survivors name the dead one until they elect
+                    return leader
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no agreed leader after {timeout} s (seen {seen})")
             time.sleep(0.05)

@@ -16,8 +16,8 @@ def _quorumq(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_demo_replays_both_sequences_of_the_post() -> None:
-    result = _quorumq("demo")
+def test_demo_post_replays_both_sequences_of_the_post() -> None:
+    result = _quorumq("demo", "--post")
     assert result.returncode == 0, result.stderr
     assert "m3->c2" in result.stdout
     assert "m1->c2*, m2->c2*" in result.stdout
@@ -28,3 +28,25 @@ def test_bad_arguments_get_a_one_line_error_and_nonzero_exit() -> None:
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_demo_runs_a_real_cluster_through_a_leader_kill_and_checks_itself(
+    tmp_path: object,
+) -> None:
+    timeline = f"{tmp_path}/timeline.html"
+    result = subprocess.run(
+        [sys.executable, "-m", "quorumq", "demo", "--messages", "240", "--timeline", timeline],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "lost 0; duplicated without the redelivered mark 0" in out
+    assert "every delivery came from the consumer's own node: yes" in out
+    assert "per-key order held: yes" in out
+    assert "was killed with SIGKILL" in out
+    with open(timeline) as f:
+        page = f.read()
+    assert "<svg" in page and "SIGKILL" in page
