@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .scenarios import SCENARIOS, render
 
@@ -115,6 +116,214 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _endpoints(args: argparse.Namespace) -> list[str]:
+    if args.endpoints:
+        return [e.strip() for e in args.endpoints.split(",") if e.strip()]
+    state = _cluster_state(Path(args.dir))
+    return [f"127.0.0.1:{n['client_port']}" for n in state["nodes"].values()]
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from .client import Client, QuorumqError  # noqa: PLC0415
+
+    token = _secret(args.token_file, "QUORUMQ_TOKEN", "client token")
+    try:
+        return Client(_endpoints(args), token, connect_timeout=args.timeout)
+    except (QuorumqError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from .client import QuorumqError  # noqa: PLC0415
+
+    bodies = args.message or [line.rstrip("\n") for line in sys.stdin]
+    with _client(args) as client:
+        try:
+            for i, body in enumerate(bodies, 1):
+                offset = client.publish(args.queue, body.encode(), key=args.key)
+                print(f"{offset}" if args.quiet else f"published offset {offset}", flush=True)
+                if not args.quiet and len(bodies) > 20 and i % 100 == 0:
+                    print(f"  {i}/{len(bodies)}", file=sys.stderr, flush=True)
+        except QuorumqError as e:
+            hint = (
+                f" (declare it: quorumq declare {args.queue})" if "unknown_queue" in str(e) else ""
+            )
+            raise UsageError(f"{e}{hint}") from None
+    return 0
+
+
+def _declare(args: argparse.Namespace) -> int:
+    from .client import QuorumqError  # noqa: PLC0415
+
+    options = {
+        name: getattr(args, name)
+        for name in (
+            "max_length",
+            "overflow",
+            "delivery_limit",
+            "dead_letter_queue",
+            "retention_messages",
+            "retention_bytes",
+            "message_ttl_ms",
+        )
+        if getattr(args, name) is not None
+    }
+    if args.single_active_consumer:
+        options["single_active_consumer"] = True
+    with _client(args) as client:
+        try:
+            created = client.declare(args.queue, **options)
+        except QuorumqError as e:
+            raise UsageError(str(e)) from None
+    print(f"queue {args.queue} {'created' if created else 'exists with these options'}")
+    return 0
+
+
+def _consume(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    with _client(args) as client:
+        consumer = client.subscribe(args.queue, prefetch=args.prefetch)
+        seen = 0
+        while args.count == 0 or seen < args.count:
+            d = consumer.get(timeout=args.wait)
+            if d is None:
+                break
+            print(
+                json.dumps(
+                    {
+                        "offset": d.offset,
+                        "key": d.key,
+                        "body": d.body.decode("utf-8", "backslashreplace"),
+                        "redelivered": d.redelivered,
+                        "delivery_count": d.delivery_count,
+                        "node": d.node,
+                    }
+                ),
+                flush=True,
+            )
+            if not args.no_ack:
+                d.ack()
+            seen += 1
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    with _client(args) as client:
+        print(json.dumps(client.status(), indent=2, sort_keys=True))
+    return 0
+
+
+def _cluster_state(root: Path) -> dict[str, Any]:
+    import json  # noqa: PLC0415
+
+    try:
+        state: dict[str, Any] = json.loads((root / "cluster.json").read_text())
+    except FileNotFoundError:
+        raise UsageError(f"no cluster in {root} (start one with: quorumq cluster up)") from None
+    return state
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+    import secrets  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from .embedded import NODE_NAMES, _free_ports  # noqa: PLC0415
+
+    root = Path(args.dir)
+    if args.action == "up":
+        if (root / "cluster.json").exists():
+            state = _cluster_state(root)
+            if any(_pid_alive(n["pid"]) for n in state["nodes"].values()):
+                raise UsageError(f"a cluster already runs from {root}: quorumq cluster down first")
+        root.mkdir(parents=True, exist_ok=True)
+        names = list(NODE_NAMES[: args.nodes])
+        ports = _free_ports(2 * len(names))
+        secret = secrets.token_hex(16)
+        (root / "secret").write_text(secret)
+        (root / "secret").chmod(0o600)
+        nodes: dict[str, Any] = {}
+        for i, name in enumerate(names):
+            client_port, raft_port = ports[i], ports[len(names) + i]
+            command = [
+                sys.executable,
+                "-m",
+                "quorumq",
+                "node",
+                "--id",
+                name,
+                "--data-dir",
+                str(root / name),
+                "--listen",
+                f"127.0.0.1:{client_port}",
+                "--raft",
+                f"127.0.0.1:{raft_port}",
+                "--secret-file",
+                str(root / "secret"),
+                "--log-level",
+                "info",
+            ]
+            for j, other in enumerate(names):
+                if other != name:
+                    command += ["--peer", f"{other}=127.0.0.1:{ports[len(names) + j]}"]
+            with open(root / f"{name}.log", "ab") as log:
+                proc = subprocess.Popen(
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            nodes[name] = {"pid": proc.pid, "client_port": client_port, "raft_port": raft_port}
+            print(f"  started node {name} (pid {proc.pid}): clients on 127.0.0.1:{client_port}")
+        (root / "cluster.json").write_text(json.dumps({"nodes": nodes}, indent=2))
+        deadline = time.monotonic() + 30
+        for name in names:
+            while b" ready: " not in (root / f"{name}.log").read_bytes():
+                if time.monotonic() > deadline:
+                    raise UsageError(f"node {name} did not start: see {root / (name + '.log')}")
+                time.sleep(0.05)
+        endpoints = ",".join(f"127.0.0.1:{n['client_port']}" for n in nodes.values())
+        print(f"cluster up in {root}; endpoints {endpoints}")
+        return 0
+    state = _cluster_state(root)
+    if args.action == "down":
+        for name, node in state["nodes"].items():
+            if _pid_alive(node["pid"]):
+                os.kill(node["pid"], signal.SIGTERM)
+                print(f"  stopping node {name} (pid {node['pid']})")
+        deadline = time.monotonic() + 15
+        for node in state["nodes"].values():
+            while _pid_alive(node["pid"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _pid_alive(node["pid"]):
+                os.kill(node["pid"], signal.SIGKILL)
+        (root / "cluster.json").unlink()
+        print(f"cluster down ({root} keeps the data)")
+        return 0
+    for name, node in state["nodes"].items():
+        alive = "running" if _pid_alive(node["pid"]) else "stopped"
+        print(
+            f"  node {name}: pid {node['pid']} {alive}, clients on 127.0.0.1:{node['client_port']}"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quorumq", description="A Raft-replicated, ordered message queue."
@@ -167,6 +376,52 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"])
     node.set_defaults(run=_node)
+
+    cluster = commands.add_parser("cluster", help="a local dev cluster of node processes")
+    cluster.add_argument("action", choices=["up", "down", "status"])
+    cluster.add_argument("--dir", default=".quorumq-cluster", help="where its data dirs live")
+    cluster.add_argument("--nodes", type=int, default=3, choices=range(1, 8), metavar="N")
+    cluster.set_defaults(run=_cluster)
+
+    def client_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--endpoints", help="host:port,... (default: the local dev cluster)")
+        p.add_argument("--dir", default=".quorumq-cluster", help="the local dev cluster's dir")
+        p.add_argument("--token-file", help="file with the client token (or QUORUMQ_TOKEN)")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds to connect")
+
+    declare = commands.add_parser("declare", help="create a queue (or check its options)")
+    declare.add_argument("queue")
+    declare.add_argument("--max-length", type=int, help="most ready messages")
+    declare.add_argument("--overflow", choices=["drop-head", "reject-publish"])
+    declare.add_argument("--delivery-limit", type=int, help="returns before dead-lettering")
+    declare.add_argument("--dead-letter-queue", help="where rejected and expired messages go")
+    declare.add_argument("--single-active-consumer", action="store_true")
+    declare.add_argument("--retention-messages", type=int, help="stream view: newest N kept")
+    declare.add_argument("--retention-bytes", type=int, help="stream view: body bytes kept")
+    declare.add_argument("--message-ttl-ms", type=int, help="ready messages expire after this")
+    client_options(declare)
+    declare.set_defaults(run=_declare)
+
+    publish = commands.add_parser("publish", help="publish messages (arguments or stdin lines)")
+    publish.add_argument("queue")
+    publish.add_argument("message", nargs="*", help="message bodies (default: lines of stdin)")
+    publish.add_argument("--key", help="ordering key")
+    publish.add_argument("--quiet", action="store_true", help="print bare offsets")
+    client_options(publish)
+    publish.set_defaults(run=_publish)
+
+    consume = commands.add_parser("consume", help="print deliveries as JSON lines and ack them")
+    consume.add_argument("queue")
+    consume.add_argument("--count", type=int, default=0, help="stop after N (0: until idle)")
+    consume.add_argument("--prefetch", type=int, default=100)
+    consume.add_argument("--wait", type=float, default=2.0, help="idle seconds before stopping")
+    consume.add_argument("--no-ack", action="store_true", help="do not ack (they come back)")
+    client_options(consume)
+    consume.set_defaults(run=_consume)
+
+    status = commands.add_parser("status", help="print a node's status as JSON")
+    client_options(status)
+    status.set_defaults(run=_status)
     return parser
 
 

@@ -50,3 +50,40 @@ def test_demo_runs_a_real_cluster_through_a_leader_kill_and_checks_itself(
     with open(timeline) as f:
         page = f.read()
     assert "<svg" in page and "SIGKILL" in page
+
+
+def test_cli_runs_a_dev_cluster_publishes_consumes_and_stops_it(tmp_path: object) -> None:
+    import json
+
+    root = f"{tmp_path}/dev"
+
+    def q(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "quorumq", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            input=stdin,
+        )
+
+    up = q("cluster", "up", "--dir", root)
+    assert up.returncode == 0, up.stderr
+    try:
+        missing = q("publish", "orders", "x", "--dir", root)
+        assert missing.returncode == 2
+        assert "quorumq declare orders" in missing.stderr
+        assert q("declare", "orders", "--max-length", "100", "--dir", root).returncode == 0
+        assert q("publish", "orders", "a", "b", "--key", "k", "--dir", root).returncode == 0
+        piped = q("publish", "orders", "--quiet", "--dir", root, stdin="c\nd\n")
+        assert piped.stdout.split() == ["2", "3"]
+        consumed = q("consume", "orders", "--count", "4", "--dir", root)
+        rows = [json.loads(line) for line in consumed.stdout.splitlines()]
+        assert [(r["offset"], r["body"]) for r in rows] == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
+        status = json.loads(q("status", "--dir", root).stdout)
+        assert status["queues"]["orders"]["next_offset"] == 4
+        assert status["leader"] in {"A", "B", "C"}
+    finally:
+        down = q("cluster", "down", "--dir", root)
+    assert down.returncode == 0, down.stderr
+    assert "cluster down" in down.stdout

@@ -74,6 +74,19 @@ def test_followers_deliver_to_their_own_consumers_through_a_leader_kill() -> Non
         wait_for(lambda: converged(cluster), "the same digest on all three replicas", 30)
 
 
+def test_a_consumer_that_subscribes_after_publishing_gets_the_waiting_messages() -> None:
+    with Cluster(3) as cluster:
+        client = cluster.client()
+        client.declare("q")
+        for i in range(5):
+            client.publish("q", b"%d" % i)
+        wanted = {"A": 2, "B": 2, "C": 1}
+        for node in cluster.nodes:  # each subscribe finds messages ready at once
+            consumer = cluster.client(node).subscribe("q", prefetch=2)
+            got = [consumer.get(timeout=10) for _ in range(wanted[node])]
+            assert all(d is not None and d.node == node for d in got), node
+
+
 def test_every_confirmed_message_survives_killing_all_nodes_at_once() -> None:
     with Cluster(3) as cluster:
         client = cluster.client()

@@ -104,6 +104,7 @@ class Client:
         self._unconfirmed: dict[int, dict[str, Any]] = {}
         self._consumers: dict[str, Consumer] = {}
         self._rewinding: set[str] = set()
+        self._subscribing: dict[int, Consumer] = {}
         self.producer = Producer()
         self.node: str | None = None
         """The node this client is connected to."""
@@ -126,7 +127,8 @@ class Client:
                         raise
                     errors.append(f"{host}:{port}: {e}")
             if time.monotonic() > deadline:
-                raise ConnectionLostError("no quorumq node answered: " + "; ".join(errors[-6:]))
+                distinct = list(dict.fromkeys(errors))
+                raise ConnectionLostError("no quorumq node answered: " + "; ".join(distinct[-6:]))
             time.sleep(0.1)
 
     def _handshake(self, host: str, port: int) -> tuple[socket.socket, FrameDecoder, str]:
@@ -236,23 +238,28 @@ class Client:
             consumers = list(self._consumers.values())
             self._consumers.clear()
         for rid in others:  # not idempotent: the caller decides
+            self._subscribing.pop(rid, None)
             future = self._pending.pop(rid, None)
             if future is not None and not future.done():
                 future.set_exception(ConnectionLostError("the connection broke mid-request"))
         for consumer in consumers:
             threading.Thread(target=self._resubscribe, args=(consumer,), daemon=True).start()
 
+    def _subscribe(self, consumer: Consumer) -> None:
+        """Subscribe `consumer`; it is registered by the reader thread as the reply arrives,
+        so the deliveries that follow the reply find it."""
+        frame = {"t": "subscribe", "queue": consumer.queue, "prefetch": consumer.prefetch}
+        future = self._submit(frame, subscribing=consumer)
+        try:
+            future.result(self.timeout)
+        except TimeoutError:
+            raise ConnectionLostError(f"no answer within {self.timeout} s") from None
+
     def _resubscribe(self, consumer: Consumer) -> None:
         try:
-            reply = self._request(
-                {"t": "subscribe", "queue": consumer.queue, "prefetch": consumer.prefetch}
-            )
+            self._subscribe(consumer)
         except QuorumqError as e:
             consumer._stop(f"could not subscribe again: {e}")
-            return
-        with self._lock:
-            consumer.id = reply["consumer"]
-            self._consumers[consumer.id] = consumer
 
     # ----------------------------------------------------------------- frames
 
@@ -288,6 +295,10 @@ class Client:
                 return
             self._unconfirmed.pop(request_id, None)
             future = self._pending.pop(request_id, None)
+            consumer = self._subscribing.pop(request_id, None)
+            if consumer is not None and frame["t"] == "reply":
+                consumer.id = frame["consumer"]
+                self._consumers[consumer.id] = consumer
             if publish is not None and frame["t"] == "error":
                 failed += self._give_up_after(publish)
         if future is not None and not future.done():
@@ -368,7 +379,13 @@ class Client:
             except OSError:
                 sock.close()  # the reader notices and reconnects
 
-    def _submit(self, frame: dict[str, Any], *, idempotent: bool = False) -> Future[dict[str, Any]]:
+    def _submit(
+        self,
+        frame: dict[str, Any],
+        *,
+        idempotent: bool = False,
+        subscribing: Consumer | None = None,
+    ) -> Future[dict[str, Any]]:
         if self._closed:
             raise QuorumqError("the client is closed")
         future: Future[dict[str, Any]] = Future()
@@ -379,6 +396,8 @@ class Client:
             self._pending[request_id] = future
             if idempotent:
                 self._unconfirmed[request_id] = frame
+            if subscribing is not None:
+                self._subscribing[request_id] = subscribing
         self._send(frame)
         return future
 
@@ -475,10 +494,9 @@ class Client:
         self.producer.paused.discard(key)
 
     def subscribe(self, queue: str, prefetch: int = 100) -> Consumer:
-        reply = self._request({"t": "subscribe", "queue": queue, "prefetch": prefetch})
-        consumer = Consumer(self, queue, prefetch, reply["consumer"])
-        with self._lock:
-            self._consumers[consumer.id] = consumer
+        """Start receiving from `queue`; at most `prefetch` unacked deliveries at a time."""
+        consumer = Consumer(self, queue, prefetch, "")
+        self._subscribe(consumer)
         return consumer
 
     def read(

@@ -73,6 +73,8 @@ class Connection:
         )
         self.consumers: dict[str, str] = {}
         """consumer id -> queue, for consumers of this connection."""
+        self.awaiting_reply: dict[str, list[Frame]] = {}
+        """Deliveries to consumers whose subscribe reply is not sent yet (they follow it)."""
         self.nonce = os.urandom(16)
         self.greeted = False
         self.closed = False
@@ -323,6 +325,7 @@ class Connection:
         consumer = f"{self.node.consumer_prefix}{self.number}.{self._consumer_counter}"
         queue = frame["queue"]
         self.consumers[consumer] = queue
+        self.awaiting_reply[consumer] = []
         self.node.consumers[consumer] = self
         command = Subscribe(
             queue=queue, consumer=consumer, node=self.node.node_id, prefetch=frame["prefetch"]

@@ -131,19 +131,22 @@ class NodeServer:
                 if conn is None or conn.closed:
                     self._down(e.consumer)
                     continue
-                conn.push(
-                    {
-                        "t": "deliver",
-                        "consumer": e.consumer,
-                        "offset": e.offset,
-                        "key": e.key,
-                        "body": e.body,
-                        "headers": e.headers,
-                        "redelivered": e.redelivered,
-                        "delivery_count": e.delivery_count,
-                        "node": self.node_id,
-                    }
-                )
+                frame = {
+                    "t": "deliver",
+                    "consumer": e.consumer,
+                    "offset": e.offset,
+                    "key": e.key,
+                    "body": e.body,
+                    "headers": e.headers,
+                    "redelivered": e.redelivered,
+                    "delivery_count": e.delivery_count,
+                    "node": self.node_id,
+                }
+                early = conn.awaiting_reply.get(e.consumer)
+                if early is not None:  # the subscribe reply goes first
+                    early.append(frame)
+                else:
+                    conn.push(frame)
             elif type(e) is ConsumerDown:
                 self._downed.discard(e.consumer)
                 conn = self.consumers.pop(e.consumer, None)
@@ -192,11 +195,14 @@ class NodeServer:
     ) -> None:
         failed = error is not None or isinstance(reply, Error)
         if consumer is not None:
+            early = conn.awaiting_reply.pop(consumer, [])
             if failed:
                 conn.consumers.pop(consumer, None)
                 self.consumers.pop(consumer, None)
             elif request_id is not None:
                 conn.push({"t": "reply", "id": request_id, "consumer": consumer})
+                for frame in early:
+                    conn.push(frame)
                 return
         if request_id is not None:
             conn.reply(request_id, reply, error)
