@@ -75,6 +75,7 @@ def _node(args: argparse.Namespace) -> int:
         listen_port=args.listen[1],
         token=_secret(args.token_file, "QUORUMQ_TOKEN", "client token"),
         max_body=args.max_body,
+        outbound_frames=args.outbound_frames,
     )
 
     async def run() -> None:
@@ -367,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--fsync", choices=["always", "batch", "never"], default="always")
     node.add_argument("--node-down-grace", type=float, default=5.0, metavar="SECONDS")
     node.add_argument("--max-body", type=int, default=1024 * 1024, metavar="BYTES")
+    node.add_argument(
+        "--outbound-frames",
+        type=int,
+        default=20_000,
+        metavar="N",
+        help="frames waiting for a client before it is cut off as a slow consumer",
+    )
     node.add_argument(
         "--compaction-entries",
         type=int,

@@ -49,6 +49,8 @@ class Cluster:
         fsync: str = "always",
         node_down_grace: float = 5.0,
         compaction_entries: int = 50_000,
+        outbound_frames: int = 20_000,
+        max_body: int = 1024 * 1024,
         log_level: str = "warning",
     ) -> None:
         if not 1 <= n <= len(NODE_NAMES):
@@ -63,6 +65,8 @@ class Cluster:
         self.fsync = fsync
         self.node_down_grace = node_down_grace
         self.compaction_entries = compaction_entries
+        self.outbound_frames = outbound_frames
+        self.max_body = max_body
         self.log_level = log_level
         self._secret = secrets.token_hex(16)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -110,6 +114,10 @@ class Cluster:
             str(self.node_down_grace),
             "--compaction-entries",
             str(self.compaction_entries),
+            "--outbound-frames",
+            str(self.outbound_frames),
+            "--max-body",
+            str(self.max_body),
             "--log-level",
             self.log_level,
         ]

@@ -14,7 +14,9 @@ Resent publishes (`retry`) are proposed alone, so a retry never overlaps a batch
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -54,6 +56,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RECEIVE_CHUNK = 256 * 1024
+CLOSE_FLUSH_SECONDS = 5.0
+"""How long a closing connection may take to send what it has queued."""
 MAX_READ_BYTES = 4 * 1024 * 1024
 """A `read` reply carries at most about this many body bytes; the client asks again."""
 
@@ -68,9 +72,11 @@ class Connection:
         self.stream = stream
         self.number = number
         self.decoder = FrameDecoder(node.config.max_body + 64 * 1024)
-        self.outbox_send, self.outbox_receive = trio.open_memory_channel[bytes](
-            node.config.outbound_frames
-        )
+        self.outbox_send, self.outbox_receive = trio.open_memory_channel[bytes](math.inf)
+        self.queued = 0
+        """Frames waiting to be sent."""
+        self.prefetch_allowance = 0
+        """Sum of this connection's consumers' prefetch: that many deliveries may wait."""
         self.consumers: dict[str, str] = {}
         """consumer id -> queue, for consumers of this connection."""
         self.awaiting_reply: dict[str, list[Frame]] = {}
@@ -84,6 +90,8 @@ class Connection:
     # ------------------------------------------------------------------ tasks
 
     async def run(self) -> None:
+        """Serve the connection until either side ends it. Nothing that happens here
+        may take the node down: an unexpected error closes this connection only."""
         self.push(
             {
                 "t": "welcome",
@@ -93,14 +101,20 @@ class Connection:
                 "auth": self.node.config.token is not None,
             }
         )
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._writer)
-            try:
-                await self._reader()
-            finally:
-                nursery.cancel_scope.cancel()
-        self.closed = True
-        self.node.forget(self)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer)
+                try:
+                    await self._reader()
+                finally:
+                    self.close(self.close_reason or "the client went away")
+                    # the writer flushes what is queued (an error frame, say), then ends
+                    nursery.cancel_scope.deadline = trio.current_time() + CLOSE_FLUSH_SECONDS
+        except Exception:
+            logger.exception("client connection %d failed; closing it", self.number)
+        finally:
+            self.closed = True
+            self.node.forget(self)
 
     async def _reader(self) -> None:
         while not self.closed:
@@ -123,9 +137,10 @@ class Connection:
                 while len(chunks) < 512:
                     try:
                         chunks.append(self.outbox_receive.receive_nowait())
-                    except trio.WouldBlock:
+                    except (trio.WouldBlock, trio.EndOfChannel):
                         break
                 await self.stream.send_all(b"".join(chunks))
+                self.queued -= len(chunks)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
@@ -136,24 +151,26 @@ class Connection:
     # --------------------------------------------------------------- outgoing
 
     def push(self, frame: Frame) -> None:
-        """Queue a frame to send; close the connection if the client is not reading."""
+        """Queue a frame to send. A client that does not read is cut off once more frames
+        wait than its consumers' prefetch allows plus `outbound_frames` (its consumers are
+        then down and their messages return to the queue)."""
         if self.closed:
             return
-        try:
+        limit = self.node.config.outbound_frames + self.prefetch_allowance
+        if self.queued >= limit:
+            self.close(f"slow consumer: {self.queued} frames waiting to be sent")
+            return
+        self.queued += 1
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self.outbox_send.send_nowait(encode_frame(frame))
-        except trio.WouldBlock:
-            self.close(
-                f"slow consumer: {self.node.config.outbound_frames} frames waiting to be sent"
-            )
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
 
     def close(self, reason: str) -> None:
+        """Take no more frames; the writer sends what is queued and closes the stream."""
         if not self.closed:
             logger.info("closing client connection %d: %s", self.number, reason)
             self.closed = True
             self.close_reason = reason
-            self.outbox_send.close()
+        self.outbox_send.close()
 
     def reply(self, request_id: int, reply: Reply | None, error: ProposalError | None) -> None:
         """A proposal's outcome, on the trio thread."""
@@ -326,6 +343,7 @@ class Connection:
         queue = frame["queue"]
         self.consumers[consumer] = queue
         self.awaiting_reply[consumer] = []
+        self.prefetch_allowance += frame["prefetch"]
         self.node.consumers[consumer] = self
         command = Subscribe(
             queue=queue, consumer=consumer, node=self.node.node_id, prefetch=frame["prefetch"]

@@ -1,0 +1,161 @@
+"""The broker end to end: clients against real node processes, and the failures a
+user can cause (wrong token, oversized message, bad frames, a consumer that stops
+reading). Every process is stopped by the test."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from quorumq.client import Client, ConnectionLostError, KeyPausedError, ServerError
+from quorumq.embedded import Cluster
+from quorumq.protocol import PROTOCOL_VERSION, FrameDecoder, encode_frame
+
+from .helpers import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> object:
+    with Cluster(3, token="s3cret-token", max_body=64 * 1024) as c:
+        c.leader()
+        yield c
+
+
+def test_a_wrong_token_is_refused(cluster: Cluster) -> None:
+    with pytest.raises(ServerError, match="auth_failed"):
+        Client(cluster.endpoints, "not-the-token", connect_timeout=2)
+    with pytest.raises(ServerError, match="requires a token"):
+        Client(cluster.endpoints, None, connect_timeout=2)
+
+
+def test_publish_consume_ack_and_nack(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.declare("basic")
+    assert [client.publish("basic", b"m%d" % i) for i in range(3)] == [0, 1, 2]
+    consumer = cluster.client().subscribe("basic", prefetch=10)
+    first = [consumer.get(timeout=10) for _ in range(3)]
+    assert [d.body for d in first if d] == [b"m0", b"m1", b"m2"]
+    first[0].nack(requeue=True)  # type: ignore[union-attr]
+    again = consumer.get(timeout=10)
+    assert again is not None and (again.offset, again.redelivered) == (0, True)
+    for d in [again, first[1], first[2]]:
+        d.ack()  # type: ignore[union-attr]
+    wait_for(lambda: client.status()["queues"]["basic"]["unacked"] == 0, "all acked")
+
+
+def test_prefetch_is_respected(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.declare("prefetch")
+    for i in range(10):
+        client.publish("prefetch", b"%d" % i)
+    consumer = cluster.client().subscribe("prefetch", prefetch=3)
+    held = [consumer.get(timeout=10) for _ in range(3)]
+    assert all(held)
+    assert consumer.get(timeout=0.5) is None  # a fourth does not come before an ack
+    held[0].ack()  # type: ignore[union-attr]
+    assert consumer.get(timeout=10) is not None
+
+
+def test_keys_stay_in_order_across_two_consumers(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.declare("keys")
+    a = cluster.client(cluster.nodes[0]).subscribe("keys", prefetch=5)
+    b = cluster.client(cluster.nodes[1]).subscribe("keys", prefetch=5)
+    sent = {
+        k: [client.publish("keys", b"%s%d" % (k.encode(), i), key=k) for i in range(10)]
+        for k in ("x", "y", "z")
+    }
+    seen: dict[str, list[int]] = {"x": [], "y": [], "z": []}
+    deadline = time.monotonic() + 20
+    while sum(map(len, seen.values())) < 30 and time.monotonic() < deadline:
+        for consumer in (a, b):
+            d = consumer.get(timeout=0.05)
+            if d is not None:
+                assert not d.redelivered
+                seen[d.key].append(d.offset)  # type: ignore[index]
+                d.ack()
+    assert seen == sent
+
+
+def test_an_oversized_message_is_refused_and_the_node_keeps_serving(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.declare("big")
+    with pytest.raises(ServerError, match="too_large"):
+        client.publish("big", b"x" * (64 * 1024 + 1), key="k")
+    with pytest.raises(KeyPausedError):  # later publishes of that key fail fast
+        client.publish("big", b"small", key="k")
+    assert client.paused_keys() == {"k"}
+    client.resume("k")
+    assert client.publish("big", b"small", key="k") == 0
+
+
+def test_bad_frames_get_typed_errors_and_the_connection_survives(cluster: Cluster) -> None:
+    host, port = cluster.endpoint(cluster.nodes[0]).split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        decoder = FrameDecoder()
+
+        def receive() -> dict[str, object]:
+            while True:
+                for frame in decoder.frames():
+                    return frame
+                decoder.feed(sock.recv(65536))
+
+        welcome = receive()
+        from quorumq.protocol import auth_proof
+
+        proof = auth_proof("s3cret-token", welcome["nonce"])  # type: ignore[arg-type]
+        sock.sendall(
+            encode_frame({"t": "hello", "v": PROTOCOL_VERSION, "client": "t", "proof": proof})
+        )
+        assert receive()["t"] == "reply"
+        sock.sendall(encode_frame({"t": "launch", "id": 5}))
+        error = receive()
+        assert (error["t"], error["code"], error["id"]) == ("error", "unknown_frame", 5)
+        sock.sendall(encode_frame({"t": "publish", "id": 6, "queue": 3}))
+        assert receive()["code"] == "bad_frame"
+        sock.sendall(encode_frame({"t": "status", "id": 7}))
+        assert receive()["t"] == "reply"  # still served
+        sock.sendall(b"\xff\xff\xff\xff")  # a length no frame may have
+        assert receive()["code"] == "frame_too_large"
+        assert sock.recv(1) == b""  # and this one closes the connection
+
+
+def test_a_consumer_that_stops_reading_is_cut_off_and_its_messages_go_elsewhere() -> None:
+    with Cluster(3, outbound_frames=20, max_body=128 * 1024) as cluster:
+        leader = cluster.leader()
+        client = cluster.client(leader)
+        client.declare("slow")
+        host, port = cluster.endpoint(leader).split(":")
+        sock = socket.create_connection((host, int(port)), timeout=5)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        decoder = FrameDecoder()
+        while not list(decoder.frames()):
+            decoder.feed(sock.recv(65536))
+        hello = {"t": "hello", "v": PROTOCOL_VERSION, "client": "t", "proof": None}
+        sock.sendall(encode_frame(hello))
+        # unlimited prefetch, and from here on the raw consumer reads nothing
+        subscribe = {"t": "subscribe", "id": 1, "queue": "slow", "prefetch": 0}
+        sock.sendall(encode_frame(subscribe))
+        time.sleep(0.5)
+        body = b"x" * (100 * 1024)
+        for _ in range(200):
+            client.publish("slow", body)
+        wait_for(
+            lambda: client.status()["queues"]["slow"]["consumers"] == 0,
+            "the slow consumer cut off",
+            30,
+        )
+        healthy = cluster.client().subscribe("slow", prefetch=1000)  # a big burst is fine
+        got = [healthy.get(timeout=10) for _ in range(200)]
+        assert {d.offset for d in got if d} == set(range(200))
+        assert any(d.redelivered for d in got if d)  # what the slow one held came back
+        sock.close()
+
+
+def test_a_client_with_no_reachable_node_says_so() -> None:
+    with pytest.raises(ConnectionLostError, match="no quorumq node answered"):
+        Client(["127.0.0.1:1"], connect_timeout=0.3)
