@@ -1,0 +1,288 @@
+"""The client's protocol state, sans I/O: what to send, and what a received frame means.
+
+The blocking client and the trio client are shells around one `ClientSession`: they
+do the socket work and turn its events into futures, queue puts and timers. The session
+keeps what makes publishing idempotent and ordered:
+
+* every publish has a producer id and sequence number (per queue) and stays
+  "unconfirmed" until its reply; after a reconnect, or a retriable failure, the
+  unconfirmed publishes of a queue are resent in sequence order (a "rewind"), and the
+  queue recognises the ones it already has;
+* a publish refused for good makes the later ones of that producer impossible (the
+  queue expects the refused sequence next): they fail too, and the queue gets a fresh
+  producer id;
+* a subscription is registered when its reply is read, before the deliveries that
+  follow it on the same connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import attrs
+
+from .core import (
+    RETRIABLE,
+    ConnectionLostError,
+    Delivery,
+    Producer,
+    QuorumqError,
+    ServerError,
+    delivery_from,
+    publish_frame,
+)
+
+REWIND_DELAY = 0.05
+"""Seconds before resending a queue's unconfirmed publishes after a retriable failure."""
+
+
+class ConsumerLike(Protocol):
+    id: str
+    queue: str
+    prefetch: int
+
+
+@attrs.frozen
+class Resolved:
+    request_id: int
+    frame: dict[str, Any]
+
+
+@attrs.frozen
+class Failed:
+    request_id: int
+    error: QuorumqError
+
+
+@attrs.frozen
+class Delivered:
+    consumer: Any
+    delivery: Delivery
+
+
+@attrs.frozen
+class ConsumerEnded:
+    consumer: Any
+    reason: str
+
+
+@attrs.frozen
+class Resubscribe:
+    consumer: Any
+
+
+@attrs.frozen
+class RewindLater:
+    """Call `rewind(queue)` after `REWIND_DELAY` seconds and send what it returns."""
+
+    queue: str
+
+
+Event = Resolved | Failed | Delivered | ConsumerEnded | Resubscribe | RewindLater
+
+
+def _seq(frame: Mapping[str, Any]) -> int:
+    return int(frame["seq"] if frame["t"] == "publish" else frame["first_seq"])
+
+
+class ClientSession:
+    def __init__(self, settle: Callable[[Delivery, bool, bool], Any]) -> None:
+        self.producer = Producer()
+        self.consumers: dict[str, Any] = {}
+        self._settle = settle
+        self._next_id = 1
+        self._pending: set[int] = set()
+        self._unconfirmed: dict[int, dict[str, Any]] = {}
+        self._subscribing: dict[int, Any] = {}
+        self._rewinding: set[str] = set()
+        self.closed = False
+
+    # --------------------------------------------------------------- outgoing
+
+    def request(
+        self,
+        frame: dict[str, Any],
+        *,
+        idempotent: bool = False,
+        subscribing: Any = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Give `frame` a request id; return (id, frame to send)."""
+        if self.closed:
+            raise QuorumqError("the client is closed")
+        request_id = self._next_id
+        self._next_id += 1
+        frame = {**frame, "id": request_id}
+        self._pending.add(request_id)
+        if idempotent:
+            self._unconfirmed[request_id] = frame
+        if subscribing is not None:
+            self._subscribing[request_id] = subscribing
+        return request_id, frame
+
+    def publish(
+        self, queue: str, body: bytes, key: str | None, headers: Mapping[str, str] | None
+    ) -> tuple[int, dict[str, Any]]:
+        self.producer.check(key)
+        producer, seq = self.producer.take(queue)
+        frame = publish_frame(0, queue, body, key, headers, producer, seq)
+        return self.request(frame, idempotent=True)
+
+    def publish_batch(self, queue: str, rows: list[list[Any]]) -> tuple[int, dict[str, Any]]:
+        for _, key, _ in rows:
+            self.producer.check(key)
+        producer, first_seq = self.producer.take(queue, len(rows))
+        frame = {
+            "t": "publish_batch",
+            "queue": queue,
+            "messages": rows,
+            "producer": producer,
+            "first_seq": first_seq,
+        }
+        return self.request(frame, idempotent=True)
+
+    def subscribe(self, consumer: ConsumerLike) -> tuple[int, dict[str, Any]]:
+        frame = {"t": "subscribe", "queue": consumer.queue, "prefetch": consumer.prefetch}
+        return self.request(frame, subscribing=consumer)
+
+    def settle_frame(self, delivery: Delivery, ack: bool, requeue: bool) -> dict[str, Any] | None:
+        """The ack or nack to send; None for a delivery to an earlier subscription (it
+        is redelivered anyway)."""
+        if delivery.consumer not in self.consumers:
+            return None
+        frame: dict[str, Any] = {
+            "t": "ack" if ack else "nack",
+            "consumer": delivery.consumer,
+            "offsets": [delivery.offset],
+        }
+        if not ack:
+            frame["requeue"] = requeue
+        return frame
+
+    def unconfirmed(self, queue: str | None = None) -> list[dict[str, Any]]:
+        """Unconfirmed publishes (of `queue`, or all), in sequence order, marked as resends."""
+        frames = [f for f in self._unconfirmed.values() if queue is None or f["queue"] == queue]
+        frames.sort(key=lambda f: (f["queue"], f["producer"], _seq(f)))
+        return [{**f, "retry": True} for f in frames]
+
+    def rewind(self, queue: str) -> list[dict[str, Any]]:
+        self._rewinding.discard(queue)
+        return self.unconfirmed(queue)
+
+    # ------------------------------------------------------------- connection
+
+    def connection_lost(self) -> list[Event]:
+        """Requests that are not idempotent fail; consumers must subscribe again.
+        (The unconfirmed publishes stay, to be sent again on the next connection.)"""
+        events: list[Event] = []
+        for request_id in sorted(self._pending - set(self._unconfirmed)):
+            self._pending.discard(request_id)
+            self._subscribing.pop(request_id, None)
+            events.append(Failed(request_id, ConnectionLostError("the connection broke")))
+        events += [Resubscribe(c) for c in self.consumers.values()]
+        self.consumers.clear()
+        return events
+
+    def give_up(self, error: QuorumqError) -> list[Event]:
+        """No node can be reached: everything pending fails, every consumer ends."""
+        events: list[Event] = [Failed(r, error) for r in sorted(self._pending)]
+        self._pending.clear()
+        self._unconfirmed.clear()
+        self._subscribing.clear()
+        events += [ConsumerEnded(c, f"connection lost: {error}") for c in self.consumers.values()]
+        self.consumers.clear()
+        return events
+
+    def close(self) -> list[Event]:
+        self.closed = True
+        events: list[Event] = [ConsumerEnded(c, "client closed") for c in self.consumers.values()]
+        self.consumers.clear()
+        return events
+
+    # --------------------------------------------------------------- incoming
+
+    def receive(self, frame: dict[str, Any]) -> list[Event]:
+        kind = frame["t"]
+        if kind == "deliver":
+            consumer = self.consumers.get(frame["consumer"])
+            if consumer is None:
+                return []
+            return [Delivered(consumer, delivery_from(frame, consumer.queue, self._settle))]
+        if kind == "cancelled":
+            consumer = self.consumers.pop(frame["consumer"], None)
+            if consumer is None:
+                return []
+            if frame["reason"] == "node_down":  # its node was cut off: come back elsewhere
+                return [Resubscribe(consumer)]
+            return [ConsumerEnded(consumer, frame["reason"])]
+        if kind in ("reply", "error"):
+            request_id = frame.get("id")
+            if isinstance(request_id, int):
+                return self._resolve(request_id, frame)
+        return []
+
+    def _resolve(self, request_id: int, frame: dict[str, Any]) -> list[Event]:
+        publish = self._unconfirmed.get(request_id)
+        error = frame["t"] == "error"
+        if publish is not None and error and self._may_resend(publish, frame):
+            if publish["queue"] in self._rewinding:
+                return []
+            self._rewinding.add(publish["queue"])
+            return [RewindLater(publish["queue"])]
+        if request_id not in self._pending:
+            return []  # a second answer to a resent request
+        self._pending.discard(request_id)
+        self._unconfirmed.pop(request_id, None)
+        consumer = self._subscribing.pop(request_id, None)
+        if not error:
+            if consumer is not None:
+                consumer.id = frame["consumer"]
+                self.consumers[consumer.id] = consumer
+            return [Resolved(request_id, frame)]
+        events: list[Event] = [Failed(request_id, ServerError(frame["code"], frame["message"]))]
+        if publish is not None:
+            self._keys_failed([publish])
+            events += self._give_up_after(publish)
+        return events
+
+    def _may_resend(self, publish: dict[str, Any], error: dict[str, Any]) -> bool:
+        """Retriable, or out of order behind an earlier publish that is still unconfirmed."""
+        if self.closed:
+            return False
+        if error["code"] in RETRIABLE:
+            return True
+        expected = error.get("expected_seq")
+        if error["code"] != "out_of_order" or expected is None:
+            return False
+        return any(
+            f["queue"] == publish["queue"]
+            and f["producer"] == publish["producer"]
+            and _seq(f) == expected
+            for f in self._unconfirmed.values()
+        )
+
+    def _keys_failed(self, frames: Iterable[dict[str, Any]]) -> None:
+        for f in frames:
+            if f["t"] == "publish":
+                self.producer.failed(f["key"])
+            else:
+                for _, key, _ in f["messages"]:
+                    self.producer.failed(key)
+
+    def _give_up_after(self, publish: dict[str, Any]) -> list[Event]:
+        queue, producer, seq = publish["queue"], publish["producer"], _seq(publish)
+        if self.producer.id_for(queue) == producer:
+            self.producer.renew(queue)
+        doomed = [
+            (r, f)
+            for r, f in self._unconfirmed.items()
+            if f["queue"] == queue and f["producer"] == producer and _seq(f) > seq
+        ]
+        events: list[Event] = []
+        for request_id, frame in doomed:
+            del self._unconfirmed[request_id]
+            self._pending.discard(request_id)
+            self._keys_failed([frame])
+            error = QuorumqError(f"not published: an earlier publish to {queue!r} failed")
+            events.append(Failed(request_id, error))
+        return events
