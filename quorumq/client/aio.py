@@ -1,0 +1,377 @@
+"""The trio client: the blocking client's verbs, async, over the same `ClientSession`.
+
+    async with quorumq.aio.connect("127.0.0.1:7001,127.0.0.1:7002") as client:
+        offset = await client.publish("orders", b"hello", key="customer-7")
+        async for delivery in await client.subscribe("orders", prefetch=100):
+            await delivery.ack()
+
+The client runs a reader task in its own nursery for as long as the `async with` lasts.
+Sends go through one lock held from the moment a sequence number is taken until the
+frame is written, so send order is sequence order. When the connection breaks, the
+reader connects to the next endpoint, resends every unconfirmed publish in order and
+subscribes the consumers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import trio
+
+from ..protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, auth_proof, encode_frame
+from .blocking import MessageLike, batch_rows
+from .core import (
+    ConnectionLostError,
+    Delivery,
+    QuorumqError,
+    ReadResult,
+    ServerError,
+    parse_endpoints,
+    read_result,
+)
+from .session import (
+    REWIND_DELAY,
+    ClientSession,
+    ConsumerEnded,
+    Delivered,
+    Event,
+    Failed,
+    Resolved,
+    Resubscribe,
+    RewindLater,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _Answer:
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.frame: dict[str, Any] | None = None
+        self.error: QuorumqError | None = None
+
+
+class AsyncConsumer:
+    """Deliveries of one subscription, in order: `async for`, or `await get(timeout)`."""
+
+    def __init__(self, client: AsyncClient, queue: str, prefetch: int) -> None:
+        self.client = client
+        self.queue = queue
+        self.prefetch = prefetch
+        self.id = ""
+        self._send, self._receive = trio.open_memory_channel[Delivery | None](math.inf)
+        self.cancelled = False
+        self.cancel_reason = ""
+
+    async def get(self) -> Delivery | None:
+        """The next delivery, or None once cancelled. (Bound the wait with a cancel scope,
+        `with trio.move_on_after(5): ...`, as trio does.)"""
+        return await self._receive.receive()
+
+    def __aiter__(self) -> AsyncConsumer:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        delivery = await self.get()
+        if delivery is None:
+            raise StopAsyncIteration
+        return delivery
+
+    async def cancel(self) -> None:
+        await self.client._request({"t": "cancel", "consumer": self.id})
+        self._stop("cancelled")
+
+    def _stop(self, reason: str) -> None:
+        self.cancelled = True
+        self.cancel_reason = reason
+        self._send.send_nowait(None)
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        endpoints: str | list[str],
+        token: str | None,
+        nursery: trio.Nursery,
+        *,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self._endpoints = parse_endpoints(endpoints)
+        self._token = token
+        self._nursery = nursery
+        self.timeout = timeout
+        self._connect_timeout = connect_timeout
+        self._session = ClientSession(self._settle)
+        self.producer = self._session.producer
+        self._answers: dict[int, _Answer] = {}
+        self._send_lock = trio.Lock()
+        self._stream: trio.SocketStream | None = None
+        self._endpoint_index = 0
+        self.node: str | None = None
+
+    # -------------------------------------------------------------- connecting
+
+    async def _connect(self) -> tuple[trio.SocketStream, FrameDecoder]:
+        errors: list[str] = []
+        with trio.move_on_after(self.timeout if self._stream else self._connect_timeout):
+            while True:
+                for _ in range(len(self._endpoints)):
+                    host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
+                    self._endpoint_index += 1
+                    try:
+                        with trio.fail_after(self._connect_timeout):
+                            return await self._handshake(host, port)
+                    except (
+                        OSError,
+                        trio.TooSlowError,
+                        trio.BrokenResourceError,
+                        ProtocolError,
+                        QuorumqError,
+                    ) as e:
+                        if isinstance(e, ServerError) and e.code == "auth_failed":
+                            raise
+                        errors.append(f"{host}:{port}: {e}")
+                await trio.sleep(0.1)
+        distinct = list(dict.fromkeys(errors))
+        raise ConnectionLostError("no quorumq node answered: " + "; ".join(distinct[-6:]))
+
+    async def _handshake(self, host: str, port: int) -> tuple[trio.SocketStream, FrameDecoder]:
+        stream = await trio.open_tcp_stream(host, port)
+        decoder = FrameDecoder()
+        try:
+
+            async def receive() -> dict[str, Any]:
+                while True:
+                    for frame in decoder.frames():
+                        return frame
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        raise ConnectionLostError("the node closed the connection")
+                    decoder.feed(data)
+
+            welcome = await receive()
+            if welcome["t"] != "welcome":
+                raise ProtocolError("bad_frame", "expected welcome")
+            if welcome["auth"] and self._token is None:
+                raise ServerError("auth_failed", "the node requires a token")
+            proof = auth_proof(self._token, welcome["nonce"]) if self._token else None
+            hello = {"t": "hello", "v": PROTOCOL_VERSION, "client": "python-trio", "proof": proof}
+            await stream.send_all(encode_frame(hello))
+            answer = await receive()
+            if answer["t"] == "error":
+                raise ServerError(answer["code"], answer["message"])
+        except BaseException:
+            await stream.aclose()
+            raise
+        self.node = str(welcome["node"])
+        return stream, decoder
+
+    async def _install(self, stream: trio.SocketStream) -> None:
+        async with self._send_lock:
+            self._stream = stream
+            for frame in self._session.unconfirmed():
+                await self._write(frame)
+
+    async def _run(self, stream: trio.SocketStream, decoder: FrameDecoder) -> None:
+        """The reader task: frames in, events out; reconnects when the connection breaks."""
+        while True:
+            try:
+                while True:
+                    for frame in decoder.frames():
+                        if frame["t"] == "error" and not isinstance(frame.get("id"), int):
+                            logger.warning("node reports %s: %s", frame["code"], frame["message"])
+                            continue
+                        self._handle(self._session.receive(frame))
+                    data = await stream.receive_some(262144)
+                    if not data:
+                        break
+                    decoder.feed(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
+                pass
+            if self._session.closed:
+                return
+            self._stream = None
+            await stream.aclose()
+            lost = self._session.connection_lost()
+            self._handle([e for e in lost if not isinstance(e, Resubscribe)])
+            try:
+                stream, decoder = await self._connect()
+            except QuorumqError as e:
+                ended: list[Event] = [
+                    ConsumerEnded(r.consumer, f"connection lost: {e}")
+                    for r in lost
+                    if isinstance(r, Resubscribe)
+                ]
+                self._handle(self._session.give_up(ConnectionLostError(str(e))) + ended)
+                return
+            await self._install(stream)
+            self._handle([e for e in lost if isinstance(e, Resubscribe)])
+
+    # ----------------------------------------------------------------- events
+
+    def _handle(self, events: list[Event]) -> None:
+        for e in events:
+            if isinstance(e, Resolved | Failed):
+                answer = self._answers.pop(e.request_id, None)
+                if answer is None:
+                    continue
+                if isinstance(e, Resolved):
+                    answer.frame = e.frame
+                else:
+                    answer.error = e.error
+                answer.done.set()
+            elif isinstance(e, Delivered):
+                e.consumer._send.send_nowait(e.delivery)
+            elif isinstance(e, ConsumerEnded):
+                e.consumer._stop(e.reason)
+            elif isinstance(e, Resubscribe):
+                self._nursery.start_soon(self._resubscribe, e.consumer)
+            elif isinstance(e, RewindLater):
+                self._nursery.start_soon(self._rewind, e.queue)
+
+    async def _rewind(self, queue: str) -> None:
+        await trio.sleep(REWIND_DELAY)
+        async with self._send_lock:
+            for frame in self._session.rewind(queue):
+                await self._write(frame)
+
+    async def _resubscribe(self, consumer: AsyncConsumer) -> None:
+        try:
+            await self._wait(await self._issue(self._session.subscribe, consumer))
+        except QuorumqError as e:
+            consumer._stop(f"could not subscribe again: {e}")
+
+    # ---------------------------------------------------------------- sending
+
+    async def _write(self, frame: dict[str, Any]) -> None:
+        """Write under the send lock; a broken stream is left to the reader to replace."""
+        if self._stream is None:
+            return  # publishes are sent again after the reconnect
+        with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._stream.send_all(encode_frame(frame))
+
+    async def _issue(self, make: Any, *args: Any) -> _Answer:
+        """Take a request id (and sequence) and send, in one step under the send lock."""
+        async with self._send_lock:
+            request_id, frame = make(*args)
+            answer = self._answers[request_id] = _Answer()
+            await self._write(frame)
+        return answer
+
+    async def _wait(self, answer: _Answer) -> dict[str, Any]:
+        with trio.move_on_after(self.timeout):
+            await answer.done.wait()
+            if answer.error is not None:
+                raise answer.error
+            assert answer.frame is not None
+            return answer.frame
+        raise ConnectionLostError(f"no answer within {self.timeout} s")
+
+    async def _request(self, frame: dict[str, Any]) -> dict[str, Any]:
+        return await self._wait(await self._issue(self._session.request, frame))
+
+    async def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
+        frame = self._session.settle_frame(delivery, ack, requeue)
+        if frame is not None:
+            async with self._send_lock:
+                await self._write(frame)
+
+    # --------------------------------------------------------------- the verbs
+
+    async def declare(self, queue: str, **options: Any) -> bool:
+        reply = await self._request({"t": "declare", "queue": queue, "options": options})
+        return bool(reply.get("created"))
+
+    async def publish(
+        self,
+        queue: str,
+        body: bytes,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> int:
+        """Publish and wait for the confirm; return the offset. Run many at once in a
+        nursery to pipeline them."""
+        answer = await self._issue(self._session.publish, queue, body, key, headers)
+        offset: int = (await self._wait(answer))["offset"]
+        return offset
+
+    async def publish_batch(self, queue: str, messages: Iterable[MessageLike]) -> list[int]:
+        rows = batch_rows(messages)
+        answer = await self._issue(self._session.publish_batch, queue, rows)
+        first: int = (await self._wait(answer))["offset"]
+        return list(range(first, first + len(rows)))
+
+    def paused_keys(self) -> set[str]:
+        return set(self.producer.paused)
+
+    def resume(self, key: str) -> None:
+        self.producer.paused.discard(key)
+
+    async def subscribe(self, queue: str, prefetch: int = 100) -> AsyncConsumer:
+        consumer = AsyncConsumer(self, queue, prefetch)
+        await self._wait(await self._issue(self._session.subscribe, consumer))
+        return consumer
+
+    async def read(
+        self,
+        queue: str,
+        start: int,
+        end: int,
+        bucket: int | None = None,
+        buckets: int | None = None,
+    ) -> ReadResult:
+        frames = []
+        position = start
+        while True:
+            reply = await self._request(
+                {
+                    "t": "read",
+                    "queue": queue,
+                    "start": position,
+                    "end": end,
+                    "bucket": bucket,
+                    "buckets": buckets,
+                }
+            )
+            frames.append(reply)
+            covered = reply["covered_until"]
+            if covered >= min(end, reply["next_offset"]) or covered <= position:
+                return read_result(frames)
+            position = covered
+
+    async def commit_offset(self, queue: str, group: str, offset: int) -> None:
+        await self._request(
+            {"t": "commit_offset", "queue": queue, "group": group, "offset": offset}
+        )
+
+    async def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = (await self._request({"t": "status"}))["status"]
+        return status
+
+    async def aclose(self) -> None:
+        self._handle(self._session.close())
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.aclose()
+
+
+@asynccontextmanager
+async def connect(
+    endpoints: str | list[str], token: str | None = None, **options: Any
+) -> AsyncIterator[AsyncClient]:
+    """A trio client connected to one of `endpoints`, for the `async with` block."""
+    async with trio.open_nursery() as nursery:
+        client = AsyncClient(endpoints, token, nursery, **options)
+        stream, decoder = await client._connect()
+        await client._install(stream)
+        nursery.start_soon(client._run, stream, decoder)
+        try:
+            yield client
+        finally:
+            await client.aclose()
+            nursery.cancel_scope.cancel()

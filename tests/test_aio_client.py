@@ -1,0 +1,73 @@
+"""The trio client against a real cluster, with the blocking client's verbs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+import quorumq.aio
+from quorumq.client import ServerError
+from quorumq.embedded import Cluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    with Cluster(3, node_down_grace=30.0) as c:
+        c.leader()
+        yield c
+
+
+def test_publish_subscribe_ack_read_and_status(cluster: Cluster) -> None:
+    async def main() -> None:
+        async with quorumq.aio.connect(cluster.endpoints) as client:
+            assert await client.declare("aio") is True
+            offsets = [await client.publish("aio", b"m%d" % i, key="k") for i in range(5)]
+            assert offsets == [0, 1, 2, 3, 4]
+            assert await client.publish_batch("aio", [b"x", (b"y", "k")]) == [5, 6]
+            consumer = await client.subscribe("aio", prefetch=10)
+            got = []
+            with trio.fail_after(10):
+                async for delivery in consumer:
+                    got.append(delivery.offset)
+                    await delivery.ack()
+                    if len(got) == 7:
+                        break
+            assert got == list(range(7))
+            read = await client.read("aio", 0, 100)
+            assert [m.body for m in read][:2] == [b"m0", b"m1"]
+            status = await client.status()
+            assert status["queues"]["aio"]["next_offset"] == 7
+            with pytest.raises(ServerError, match="unknown_queue"):
+                await client.publish("nope", b"x")
+
+    trio.run(main)
+
+
+def test_concurrent_publishes_survive_a_leader_kill_without_duplicates(cluster: Cluster) -> None:
+    leader = cluster.leader()
+
+    async def main() -> list[int]:
+        offsets: list[int] = []
+        async with quorumq.aio.connect(
+            [cluster.endpoint(leader)] + [cluster.endpoint(n) for n in cluster.nodes]
+        ) as client:
+            await client.declare("aio-kill")
+
+            async def publish_range(first: int) -> None:
+                for i in range(first, first + 100):
+                    offsets.append(await client.publish("aio-kill", b"%d" % i))
+
+            async with trio.open_nursery() as nursery:
+                for first in range(0, 1000, 100):
+                    nursery.start_soon(publish_range, first)
+                await trio.sleep(0.2)
+                await trio.to_thread.run_sync(cluster.kill, leader)
+        return offsets
+
+    offsets = trio.run(main)
+    assert sorted(offsets) == list(range(1000))  # each exactly one offset
+    cluster.restart(leader)
