@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from quorumq.client import Client
-from quorumq.embedded import Cluster, _free_ports
+from quorumq.embedded import Cluster, free_ports
 
 PAYLOAD = 100
 
@@ -197,7 +197,7 @@ def replqueue(messages: int, window: int) -> float:
     from pysyncobj import SyncObj, SyncObjConf
     from pysyncobj.batteries import ReplQueue
 
-    ports = _free_ports(3)
+    ports = free_ports(3)
     addresses = [f"127.0.0.1:{p}" for p in ports]
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "node.py")

@@ -244,7 +244,7 @@ def _cluster(args: argparse.Namespace) -> int:
     import subprocess  # noqa: PLC0415
     import time  # noqa: PLC0415
 
-    from .embedded import NODE_NAMES, _free_ports  # noqa: PLC0415
+    from .embedded import NODE_NAMES, free_ports  # noqa: PLC0415
 
     root = Path(args.dir)
     if args.action == "up":
@@ -254,7 +254,7 @@ def _cluster(args: argparse.Namespace) -> int:
                 raise UsageError(f"a cluster already runs from {root}: quorumq cluster down first")
         root.mkdir(parents=True, exist_ok=True)
         names = list(NODE_NAMES[: args.nodes])
-        ports = _free_ports(2 * len(names))
+        ports = free_ports(2 * len(names))
         secret = secrets.token_hex(16)
         (root / "secret").write_text(secret)
         (root / "secret").chmod(0o600)

@@ -28,7 +28,8 @@ from .client import Client, QuorumqError
 NODE_NAMES = "ABCDEFG"
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """Ports on 127.0.0.1 that were free a moment ago (bound together, then released)."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
@@ -58,7 +59,7 @@ class Cluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="quorumq-") if data_dir is None else None
         self.root = Path(data_dir if data_dir is not None else self._tmp.name)  # type: ignore[union-attr]
         self.nodes = list(NODE_NAMES[:n])
-        ports = _free_ports(2 * n)
+        ports = free_ports(2 * n)
         self.client_ports = dict(zip(self.nodes, ports[:n], strict=True))
         self.raft_ports = dict(zip(self.nodes, ports[n:], strict=True))
         self.token = token

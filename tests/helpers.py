@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from quorumq.embedded import free_ports
 from quorumq.machine import Applied, Command, Deliver, Machine, Meta
 
 
@@ -32,20 +33,6 @@ def delivered(applied: Applied) -> list[Deliver]:
     return [e for e in applied.effects if isinstance(e, Deliver)]
 
 
-def free_ports(n: int) -> list[int]:
-    """Ports on 127.0.0.1 that were free a moment ago (bound together, then released)."""
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def wait_for(condition: object, what: str, timeout: float = 15.0, every: float = 0.02) -> None:
     """Poll `condition()` until it is true; fail naming `what` after `timeout` seconds."""
     import time
@@ -55,3 +42,6 @@ def wait_for(condition: object, what: str, timeout: float = 15.0, every: float =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(every)
+
+
+__all__ = ["Driver", "delivered", "deliveries", "free_ports", "wait_for"]

@@ -43,6 +43,17 @@ class Recorder:
         self._thread.join(timeout=5)
 
 
+def kill_all_and_restart(cluster: Cluster) -> None:
+    """SIGKILL every node at once, start them again, wait until they apply the same log."""
+    for node in cluster.nodes:
+        cluster.kill(node)
+    for node in cluster.nodes:
+        cluster.restart(node)
+    cluster.leader()
+    # a restarted follower learns the commit index from the new leader: wait for it
+    wait_for(lambda: converged(cluster), "all replicas applying the same log", 30)
+
+
 def converged(cluster: Cluster) -> bool:
     digests = {
         (s["machine_index"], s["digest"]) for s in (cluster.status(n) for n in cluster.nodes)
@@ -92,13 +103,7 @@ def test_every_confirmed_message_survives_killing_all_nodes_at_once() -> None:
         client = cluster.client()
         client.declare("q")
         confirmed = [client.publish("q", b"m%d" % i) for i in range(300)]
-        for node in cluster.nodes:
-            cluster.kill(node)
-        for node in cluster.nodes:
-            cluster.restart(node)
-        cluster.leader()
-        # a restarted follower learns the commit index from the new leader: wait for it
-        wait_for(lambda: converged(cluster), "all replicas applying the same log", 30)
+        kill_all_and_restart(cluster)
         for node in cluster.nodes:
             reader = cluster.client(node)
             read = reader.read("q", 0, 1000)
@@ -119,12 +124,7 @@ def test_every_confirmed_message_survives_compaction_and_killing_all_nodes() -> 
         )
         held = cluster.status(cluster.nodes[0])["queues"]["q"]["unacked"]
         assert held == 20
-        for node in cluster.nodes:
-            cluster.kill(node)
-        for node in cluster.nodes:
-            cluster.restart(node)
-        cluster.leader()
-        wait_for(lambda: converged(cluster), "all replicas applying the same log", 30)
+        kill_all_and_restart(cluster)
         for node in cluster.nodes:
             reader = cluster.client(node)
             assert [m.offset for m in reader.read("q", 0, 1000)] == confirmed, node

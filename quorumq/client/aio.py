@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from ..protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, auth_proof, encode_frame
+from ..protocol import FrameDecoder, ProtocolError, encode_frame
 from .blocking import MessageLike, batch_rows
 from .core import (
     ConnectionLostError,
@@ -30,7 +30,11 @@ from .core import (
     QuorumqError,
     ReadResult,
     ServerError,
+    check_hello_answer,
+    hello_frame,
     parse_endpoints,
+    read_continues_at,
+    read_frame,
     read_result,
 )
 from .session import (
@@ -155,16 +159,8 @@ class AsyncClient:
                     decoder.feed(data)
 
             welcome = await receive()
-            if welcome["t"] != "welcome":
-                raise ProtocolError("bad_frame", "expected welcome")
-            if welcome["auth"] and self._token is None:
-                raise ServerError("auth_failed", "the node requires a token")
-            proof = auth_proof(self._token, welcome["nonce"]) if self._token else None
-            hello = {"t": "hello", "v": PROTOCOL_VERSION, "client": "python-trio", "proof": proof}
-            await stream.send_all(encode_frame(hello))
-            answer = await receive()
-            if answer["t"] == "error":
-                raise ServerError(answer["code"], answer["message"])
+            await stream.send_all(encode_frame(hello_frame(welcome, self._token)))
+            check_hello_answer(await receive())
         except BaseException:
             await stream.aclose()
             raise
@@ -326,23 +322,12 @@ class AsyncClient:
         buckets: int | None = None,
     ) -> ReadResult:
         frames = []
-        position = start
-        while True:
-            reply = await self._request(
-                {
-                    "t": "read",
-                    "queue": queue,
-                    "start": position,
-                    "end": end,
-                    "bucket": bucket,
-                    "buckets": buckets,
-                }
-            )
+        position: int | None = start
+        while position is not None:
+            reply = await self._request(read_frame(queue, position, end, bucket, buckets))
             frames.append(reply)
-            covered = reply["covered_until"]
-            if covered >= min(end, reply["next_offset"]) or covered <= position:
-                return read_result(frames)
-            position = covered
+            position = read_continues_at(reply, position, end)
+        return read_result(frames)
 
     async def commit_offset(self, queue: str, group: str, offset: int) -> None:
         await self._request(

@@ -18,14 +18,18 @@ from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from ..protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, auth_proof, encode_frame
+from ..protocol import FrameDecoder, ProtocolError, encode_frame
 from .core import (
     ConnectionLostError,
     Delivery,
     QuorumqError,
     ReadResult,
     ServerError,
+    check_hello_answer,
+    hello_frame,
     parse_endpoints,
+    read_continues_at,
+    read_frame,
     read_result,
 )
 from .session import (
@@ -71,17 +75,8 @@ def handshake(sock: socket.socket, token: str | None) -> tuple[FrameDecoder, str
             decoder.feed(data)
 
     welcome = receive()
-    if welcome["t"] != "welcome":
-        raise ProtocolError("bad_frame", "expected welcome")
-    if welcome["auth"] and token is None:
-        raise ServerError("auth_failed", "the node requires a token")
-    proof = auth_proof(token, welcome["nonce"]) if token else None
-    sock.sendall(
-        encode_frame({"t": "hello", "v": PROTOCOL_VERSION, "client": "python", "proof": proof})
-    )
-    answer = receive()
-    if answer["t"] == "error":
-        raise ServerError(answer["code"], answer["message"])
+    sock.sendall(encode_frame(hello_frame(welcome, token)))
+    check_hello_answer(receive())
     return decoder, str(welcome["node"])
 
 
@@ -378,23 +373,12 @@ class Client:
         """Stream view: retained messages with offsets in [start, end) that this node has
         committed (and in `bucket` of `buckets` by key), in offset order."""
         frames = []
-        position = start
-        while True:
-            reply = self._request(
-                {
-                    "t": "read",
-                    "queue": queue,
-                    "start": position,
-                    "end": end,
-                    "bucket": bucket,
-                    "buckets": buckets,
-                }
-            )
+        position: int | None = start
+        while position is not None:
+            reply = self._request(read_frame(queue, position, end, bucket, buckets))
             frames.append(reply)
-            covered = reply["covered_until"]
-            if covered >= min(end, reply["next_offset"]) or covered <= position:
-                return read_result(frames)
-            position = covered
+            position = read_continues_at(reply, position, end)
+        return read_result(frames)
 
     def commit_offset(self, queue: str, group: str, offset: int) -> None:
         self._request({"t": "commit_offset", "queue": queue, "group": group, "offset": offset})

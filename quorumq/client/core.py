@@ -8,6 +8,8 @@ from typing import Any
 
 import attrs
 
+from ..protocol import PROTOCOL_VERSION, ProtocolError, auth_proof
+
 RETRIABLE = frozenset({"not_applied", "outcome_unknown"})
 """Error codes after which resending the same (producer, seq) is safe and right."""
 
@@ -173,6 +175,43 @@ def read_result(frames: list[dict[str, Any]]) -> ReadResult:
         first_retained=last["first_retained"],
         next_offset=last["next_offset"],
     )
+
+
+def hello_frame(welcome: dict[str, Any], token: str | None) -> dict[str, Any]:
+    """The answer to a node's `welcome`: our protocol version and the token's proof."""
+    if welcome["t"] != "welcome":
+        raise ProtocolError("bad_frame", "expected welcome")
+    if welcome["auth"] and token is None:
+        raise ServerError("auth_failed", "the node requires a token")
+    proof = auth_proof(token, welcome["nonce"]) if token else None
+    return {"t": "hello", "v": PROTOCOL_VERSION, "client": "python", "proof": proof}
+
+
+def check_hello_answer(answer: dict[str, Any]) -> None:
+    if answer["t"] == "error":
+        raise ServerError(answer["code"], answer["message"])
+
+
+def read_frame(
+    queue: str, position: int, end: int, bucket: int | None, buckets: int | None
+) -> dict[str, Any]:
+    return {
+        "t": "read",
+        "queue": queue,
+        "start": position,
+        "end": end,
+        "bucket": bucket,
+        "buckets": buckets,
+    }
+
+
+def read_continues_at(reply: dict[str, Any], position: int, end: int) -> int | None:
+    """Where the next read of a range starts, or None when this reply finished it (a
+    reply covers at most a few MiB; a replica covers at most what it has committed)."""
+    covered: int = reply["covered_until"]
+    if covered >= min(end, reply["next_offset"]) or covered <= position:
+        return None
+    return covered
 
 
 def parse_endpoints(endpoints: str | list[str] | tuple[str, ...]) -> list[tuple[str, int]]:
