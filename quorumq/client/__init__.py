@@ -1,5 +1,6 @@
 """quorumq clients: `connect` (blocking); `quorumq.aio` for trio comes later."""
 
+from ..machine.views import StreamMessage
 from .blocking import Client, Consumer, connect
 from .core import (
     ConnectionLostError,
@@ -8,7 +9,6 @@ from .core import (
     QuorumqError,
     ReadResult,
     ServerError,
-    StreamRecord,
 )
 
 __all__ = [
@@ -20,6 +20,6 @@ __all__ = [
     "QuorumqError",
     "ReadResult",
     "ServerError",
-    "StreamRecord",
+    "StreamMessage",
     "connect",
 ]

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from ..machine.views import StreamMessage
 from ..protocol import PROTOCOL_VERSION, ProtocolError, auth_proof
 
 RETRIABLE = frozenset({"not_applied", "outcome_unknown"})
@@ -36,17 +37,6 @@ class ConnectionLostError(QuorumqError):
 
 
 @attrs.frozen(kw_only=True)
-class StreamRecord:
-    """A message read from the stream view."""
-
-    offset: int
-    key: str | None
-    body: bytes
-    headers: Mapping[str, str] | None
-    ts_ms: int
-
-
-@attrs.frozen(kw_only=True)
 class ReadResult:
     """`messages` with offsets in the requested range (and bucket) that are retained.
 
@@ -54,11 +44,11 @@ class ReadResult:
     `next_offset` is where the queue ended on the replica that answered.
     """
 
-    messages: tuple[StreamRecord, ...]
+    messages: tuple[StreamMessage, ...]
     first_retained: int
     next_offset: int
 
-    def __iter__(self) -> Iterator[StreamRecord]:
+    def __iter__(self) -> Iterator[StreamMessage]:
         return iter(self.messages)
 
     def __len__(self) -> int:
@@ -170,7 +160,7 @@ def read_result(frames: list[dict[str, Any]]) -> ReadResult:
     last = frames[-1]
     return ReadResult(
         messages=tuple(
-            StreamRecord(offset=o, key=k, body=b, headers=h, ts_ms=t) for o, k, b, h, t in rows
+            StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t) for o, k, b, h, t in rows
         ),
         first_retained=last["first_retained"],
         next_offset=last["next_offset"],
