@@ -1,0 +1,78 @@
+"""The trio server in this process: a one-node Raft group, listeners on port 0 started
+by the test's nursery, the trio client, and fuzzed bytes on a live connection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import quorumq.aio
+from quorumq.embedded import free_ports
+from quorumq.replica import ReplicaConfig
+from quorumq.server import NodeConfig, NodeServer
+
+
+def _config(root: Path) -> NodeConfig:
+    (raft,) = free_ports(1)
+    replica = ReplicaConfig(
+        node_id="solo",
+        peers={"solo": f"127.0.0.1:{raft}"},
+        data_dir=str(root),
+        secret=None,
+        insecure=True,
+        raft_timeouts=(0.1, 0.2),
+    )
+    return NodeConfig(replica=replica, listen_port=0)
+
+
+async def _serve(root: Path, body: object) -> None:
+    server = NodeServer(_config(root))
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(server.serve)
+        host, port = listeners[0].socket.getsockname()[:2]
+        try:
+            await body(f"{host}:{port}")  # type: ignore[operator]
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def test_a_one_node_group_serves_publish_subscribe_and_status(tmp_path: Path) -> None:
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as client:
+            with trio.fail_after(10):
+                await client.declare("q")
+                consumer = await client.subscribe("q", prefetch=5)
+                assert await client.publish("q", b"hello", key="k") == 0
+                delivery = await consumer.get()
+                assert delivery is not None
+                assert (delivery.body, delivery.node, delivery.key) == (b"hello", "solo", "k")
+                await delivery.ack()
+                status = await client.status()
+                assert status["node"] == "solo" and status["is_leader"]
+
+    trio.run(_serve, tmp_path, body)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(garbage=st.lists(st.binary(min_size=1, max_size=200), min_size=1, max_size=6))
+def test_random_bytes_never_take_the_server_down(tmp_path: Path, garbage: list[bytes]) -> None:
+    async def body(endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        with trio.fail_after(10):
+            stream = await trio.open_tcp_stream(host, int(port))
+            for chunk in garbage:
+                try:
+                    await stream.send_all(chunk)
+                except trio.BrokenResourceError:
+                    break  # the server closed it deliberately: fine
+            await stream.aclose()
+            async with quorumq.aio.connect(endpoint) as client:  # still serving
+                assert (await client.status())["node"] == "solo"
+
+    root = tmp_path / f"run-{abs(hash(tuple(garbage)))}"
+    trio.run(_serve, root, body)
