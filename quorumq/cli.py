@@ -32,6 +32,17 @@ def _peer(text: str) -> tuple[str, str]:
     return name, address
 
 
+def _timeouts(text: str) -> tuple[float, float]:
+    low, sep, high = text.partition(",")
+    try:
+        pair = (float(low), float(high))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX seconds") from None
+    if not sep or not 0 < pair[0] < pair[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < MIN < MAX")
+    return pair
+
+
 def _secret(file: str | None, env: str, what: str) -> str | None:
     if file is not None:
         try:
@@ -66,6 +77,7 @@ def _node(args: argparse.Namespace) -> int:
             fsync=args.fsync,
             node_down_grace_s=args.node_down_grace,
             compaction_entries=args.compaction_entries,
+            raft_timeouts=args.election_timeout,
         )
     except ConfigError as e:
         raise UsageError(str(e)) from None
@@ -367,6 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--token-file", help="file with the client token (or set QUORUMQ_TOKEN)")
     node.add_argument("--fsync", choices=["always", "batch", "never"], default="always")
     node.add_argument("--node-down-grace", type=float, default=5.0, metavar="SECONDS")
+    node.add_argument(
+        "--election-timeout",
+        type=_timeouts,
+        default=(0.25, 0.6),
+        metavar="MIN,MAX",
+        help="seconds without a leader before a follower stands for election (randomised)",
+    )
     node.add_argument("--max-body", type=int, default=1024 * 1024, metavar="BYTES")
     node.add_argument(
         "--outbound-frames",

@@ -52,6 +52,7 @@ class Cluster:
         compaction_entries: int = 50_000,
         outbound_frames: int = 20_000,
         max_body: int = 1024 * 1024,
+        election_timeout: tuple[float, float] = (0.25, 0.6),
         log_level: str = "warning",
     ) -> None:
         if not 1 <= n <= len(NODE_NAMES):
@@ -68,6 +69,7 @@ class Cluster:
         self.compaction_entries = compaction_entries
         self.outbound_frames = outbound_frames
         self.max_body = max_body
+        self.election_timeout = election_timeout
         self.log_level = log_level
         self._secret = secrets.token_hex(16)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -119,6 +121,8 @@ class Cluster:
             str(self.outbound_frames),
             "--max-body",
             str(self.max_body),
+            "--election-timeout",
+            f"{self.election_timeout[0]},{self.election_timeout[1]}",
             "--log-level",
             self.log_level,
         ]

@@ -135,7 +135,7 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         snapshot: Callable[[], bytes],
         restore: Callable[[bytes], None],
         on_tick: Callable[[], None],
-        raft_timeouts: tuple[float, float] = (0.4, 1.4),
+        raft_timeouts: tuple[float, float] = (0.25, 0.6),
         compaction_entries: int = 50_000,
         tick_period: float = 0.05,
     ) -> None:
