@@ -57,14 +57,19 @@ def test_concurrent_publishes_survive_a_leader_kill_without_duplicates(cluster: 
         ) as client:
             await client.declare("aio-kill")
 
+            flowing = trio.Event()
+
             async def publish_range(first: int) -> None:
                 for i in range(first, first + 100):
                     offsets.append(await client.publish("aio-kill", b"%d" % i))
+                    if len(offsets) >= 200:
+                        flowing.set()
 
             async with trio.open_nursery() as nursery:
                 for first in range(0, 1000, 100):
                     nursery.start_soon(publish_range, first)
-                await trio.sleep(0.2)
+                with trio.fail_after(30):
+                    await flowing.wait()  # kill it mid-stream, with confirms flowing
                 await trio.to_thread.run_sync(cluster.kill, leader)
         return offsets
 

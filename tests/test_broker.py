@@ -137,10 +137,13 @@ def test_a_consumer_that_stops_reading_is_cut_off_and_its_messages_go_elsewhere(
             decoder.feed(sock.recv(65536))
         hello = {"t": "hello", "v": PROTOCOL_VERSION, "client": "t", "proof": None}
         sock.sendall(encode_frame(hello))
-        # unlimited prefetch, and from here on the raw consumer reads nothing
         subscribe = {"t": "subscribe", "id": 1, "queue": "slow", "prefetch": 0}
         sock.sendall(encode_frame(subscribe))
-        time.sleep(0.5)
+        replies: list[dict[str, object]] = []
+        while not any(f.get("id") == 1 for f in replies):  # the subscription is in place
+            decoder.feed(sock.recv(65536))
+            replies += [f for f in decoder.frames() if f["t"] == "reply"]
+        # unlimited prefetch, and from here on the raw consumer reads nothing
         body = b"x" * (100 * 1024)
         for _ in range(200):
             client.publish("slow", body)
