@@ -107,7 +107,16 @@ def _node(args: argparse.Namespace) -> int:
                     nursery.cancel_scope.cancel()
                     break
 
-    trio.run(run)
+    try:
+        trio.run(run)
+    except BaseExceptionGroup as group:  # trio wraps what the node's tasks raised
+        found = group.subgroup(OSError)
+        if found is None:
+            raise
+        cannot: BaseException = found
+        while isinstance(cannot, BaseExceptionGroup):
+            cannot = cannot.exceptions[0]
+        raise UsageError(str(cannot)) from None
     return 0
 
 

@@ -73,6 +73,8 @@ class Cluster:
         self.log_level = log_level
         self._secret = secrets.token_hex(16)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._ready_mark: dict[str, int] = {}
+        """Per node: "ready" lines in its log before its latest start."""
         self._clients: list[Client] = []
 
     # --------------------------------------------------------------- processes
@@ -139,7 +141,6 @@ class Cluster:
             )
         finally:
             log.close()
-        self._ready_mark = getattr(self, "_ready_mark", {})
         self._ready_mark[node] = self.log_path(node).read_bytes().count(b" ready: ")
 
     def _wait_ready(self, node: str, timeout: float = 30.0) -> None:

@@ -87,3 +87,39 @@ def test_cli_runs_a_dev_cluster_publishes_consumes_and_stops_it(tmp_path: object
         down = q("cluster", "down", "--dir", root)
     assert down.returncode == 0, down.stderr
     assert "cluster down" in down.stdout
+
+
+def test_a_node_whose_raft_port_is_taken_says_so_and_exits(tmp_path: object) -> None:
+    import socket
+
+    from quorumq.embedded import free_ports
+
+    (client_port,) = free_ports(1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        raft_port = taken.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "quorumq",
+                "node",
+                "--id",
+                "A",
+                "--insecure",
+                "--data-dir",
+                f"{tmp_path}/a",
+                "--listen",
+                f"127.0.0.1:{client_port}",
+                "--raft",
+                f"127.0.0.1:{raft_port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen for Raft traffic on 127.0.0.1:{raft_port}" in result.stderr
+    assert "Traceback" not in result.stderr

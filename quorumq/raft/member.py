@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import pysyncobj.syncobj as _syncobj
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException
 from pysyncobj.node import TCPNode
 from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
@@ -103,6 +103,15 @@ class _LoggingEncryptor:
             )
 
 
+class _DropBindFailure(logging.Filter):
+    """PySyncObj logs a traceback when it cannot bind; RaftMember reports it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "failed to perform initialization"
+
+
+logging.getLogger("pysyncobj.syncobj").addFilter(_DropBindFailure())
+
 _original_get_encryptor = _syncobj.getEncryptor
 _syncobj.createJournal = _create_journal
 _syncobj.getEncryptor = lambda password: _LoggingEncryptor(_original_get_encryptor(password))
@@ -139,6 +148,8 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         compaction_entries: int = 50_000,
         tick_period: float = 0.05,
     ) -> None:
+        if not address.rsplit(":", 1)[0]:
+            raise ValueError(f"raft address {address!r} needs a host")
         os.makedirs(data_dir, exist_ok=True)
         self.data_dir = data_dir
         self.fsync = fsync
@@ -155,7 +166,6 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
-        host = address.rsplit(":", 1)[0]
         conf = SyncObjConf(
             password=password,
             autoTick=False,
@@ -175,13 +185,18 @@ class RaftMember(SyncObj):  # type: ignore[misc]
             connectionTimeout=2.0,
             commandsWaitLeader=True,
             dynamicMembershipChange=True,
+            bindRetryTime=0.2,
+            maxBindRetries=5,  # PySyncObj's default, 0, retries forever: a taken port hangs
         )
-        if not host:
-            raise ValueError(f"raft address {address!r} needs a host")
         try:
             super().__init__(address, [p for p in peers if p != address], conf)
-        except Exception:
+        except Exception as e:
             _JOURNALS.pop(journal_path, None)
+            self.journal._destroy()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            if isinstance(e, SyncObjException) and "BindError" in str(e.errorCode):
+                raise OSError(f"cannot listen for Raft traffic on {address} (in use?)") from None
             raise
         self._close_snapshot_transmissions()
         self.addOnTickCallback(self._tick_callback)

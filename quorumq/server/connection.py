@@ -48,7 +48,7 @@ from ..protocol import (
     encode_frame,
     proof_matches,
 )
-from ..replica import ProposalError
+from ..replica import NotAppliedError, ProposalError
 
 if TYPE_CHECKING:
     from .node import NodeServer
@@ -175,7 +175,7 @@ class Connection:
     def reply(self, request_id: int, reply: Reply | None, error: ProposalError | None) -> None:
         """A proposal's outcome, on the trio thread."""
         if error is not None:
-            code = "not_applied" if type(error).__name__ == "NotAppliedError" else "outcome_unknown"
+            code = "not_applied" if isinstance(error, NotAppliedError) else "outcome_unknown"
             self.push({"t": "error", "id": request_id, "code": code, "message": str(error)})
         elif isinstance(reply, Error):
             self.push(
@@ -423,9 +423,6 @@ class Connection:
     def _status(self, frame: Frame) -> None:
         self.push({"t": "reply", "id": frame["id"], "status": self.node.status()})
 
-    def _publish_single(self, frame: Frame) -> None:  # pragma: no cover - publishes are gathered
-        self._flush_publishes([frame])
-
 
 def _reply_fields(reply: Reply | None) -> dict[str, Any]:
     if isinstance(reply, Enqueued):
@@ -436,7 +433,6 @@ def _reply_fields(reply: Reply | None) -> dict[str, Any]:
 
 _HANDLERS: dict[str, Callable[[Connection, Frame], None]] = {
     "declare": Connection._declare,
-    "publish": Connection._publish_single,
     "publish_batch": Connection._publish_batch,
     "subscribe": Connection._subscribe,
     "cancel": Connection._cancel,
