@@ -57,6 +57,33 @@ TICK_EVERY_S = 1.0
 """How often the leader proposes `Tick` while some queue has a message TTL."""
 
 
+def local_effects(
+    effects: tuple[Effect, ...], node: str, *, proxy: bool, replicas: frozenset[str]
+) -> tuple[Effect, ...]:
+    """The effects node `node` runs: deliveries and consumer-down notices for its own
+    consumers and, when it leads (`proxy`), for consumers on nodes that host no replica."""
+    return tuple(
+        e
+        for e in effects
+        if type(e) in (Deliver, ConsumerDown)
+        and (e.node == node or (proxy and e.node not in replicas))  # type: ignore[union-attr]
+    )
+
+
+def failure_commands(
+    silence_s: Mapping[str, float], down: frozenset[str], grace_s: float
+) -> list[NodeDown | NodeUp]:
+    """What a leader proposes about its peers: `NodeDown` for a node silent longer than
+    the grace period, `NodeUp` for a down node heard from again within half of it."""
+    commands: list[NodeDown | NodeUp] = []
+    for node, silent_s in sorted(silence_s.items()):
+        if silent_s > grace_s and node not in down:
+            commands.append(NodeDown(node=node))
+        elif silent_s < grace_s / 2 and node in down:
+            commands.append(NodeUp(node=node))
+    return commands
+
+
 class ConfigError(ValueError):
     """The replica's configuration is unsafe or inconsistent."""
 
@@ -216,14 +243,8 @@ class Replica:
         return applied.reply
 
     def _mine(self, effects: tuple[Effect, ...]) -> tuple[Effect, ...]:
-        local = self.node_id
-        proxy = self.member.is_leader()
-        replicas = self._replicas
-        return tuple(
-            e
-            for e in effects
-            if type(e) in (Deliver, ConsumerDown)
-            and (e.node == local or (proxy and e.node not in replicas))  # type: ignore[union-attr]
+        return local_effects(
+            effects, self.node_id, proxy=self.member.is_leader(), replicas=self._replicas
         )
 
     def _snapshot(self) -> bytes:
@@ -241,16 +262,16 @@ class Replica:
         """On the Raft thread, every tick: turn silence and time into log commands."""
         if not self.member.is_leader() or not self.member.isReady():
             return
-        down = self.machine.down_nodes()
-        grace = self.config.node_down_grace_s
-        for address, silent_s in self.member.peer_silence().items():
-            node = self._node_of_address.get(address)
-            if node is None:
-                continue
-            if silent_s > grace and node not in down:
-                self._propose_once(("down", node), NodeDown(node=node))
-            elif silent_s < grace / 2 and node in down:
-                self._propose_once(("up", node), NodeUp(node=node))
+        silence = {
+            self._node_of_address[address]: silent_s
+            for address, silent_s in self.member.peer_silence().items()
+            if address in self._node_of_address
+        }
+        for command in failure_commands(
+            silence, self.machine.down_nodes(), self.config.node_down_grace_s
+        ):
+            key = ("down" if isinstance(command, NodeDown) else "up", command.node)
+            self._propose_once(key, command)
         now = time.monotonic()
         if now - self._last_tick_proposal >= TICK_EVERY_S:
             self._last_tick_proposal = now
