@@ -238,6 +238,48 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _members(args: argparse.Namespace) -> int:
+    from .client import Client, QuorumqError  # noqa: PLC0415
+
+    if args.action == "list":
+        if args.member:
+            raise UsageError("list takes no member")
+        with _client(args) as client:
+            members = client.status()["members"]
+    elif args.action == "add":
+        try:
+            name, address = _peer(args.member or "")
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"add takes NAME=HOST:PORT: {e}") from None
+        print(f"adding {name} ({address}); waiting for the change to commit...", flush=True)
+        with _client(args) as client:
+            try:
+                members = client.add_member(name, address)
+            except QuorumqError as e:
+                raise UsageError(str(e)) from None
+    else:
+        if not args.member or "=" in args.member:
+            raise UsageError("remove takes a member name, e.g. B")
+        token = _secret(args.token_file, "QUORUMQ_TOKEN", "client token")
+        members = {}
+        for endpoint in _endpoints(args):  # a node does not remove itself: ask another
+            try:
+                with Client([endpoint], token, connect_timeout=args.timeout) as client:
+                    if client.node == args.member:
+                        continue
+                    print(f"removing {args.member} via {client.node}...", flush=True)
+                    members = client.remove_member(args.member)
+                    break
+            except QuorumqError as e:
+                raise UsageError(str(e)) from None
+        else:
+            raise UsageError(f"no endpoint other than {args.member}'s answered")
+        print(f"{args.member} removed: stop its process now (it no longer gets the log)")
+    for name, address in sorted(members.items()):
+        print(f"  {name}: raft {address}")
+    return 0
+
+
 def _cluster_state(root: Path) -> dict[str, Any]:
     import json  # noqa: PLC0415
 
@@ -454,6 +496,18 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--no-ack", action="store_true", help="do not ack (they come back)")
     client_options(consume)
     consume.set_defaults(run=_consume)
+
+    members = commands.add_parser(
+        "members",
+        help="list, add or remove replicas of a running cluster (one change at a time)",
+        description="To add a replica, first start its node with every current member "
+        "and itself as --peer, then `members add NAME=HOST:PORT` (its Raft address). To "
+        "remove one, `members remove NAME`, then stop that node.",
+    )
+    members.add_argument("action", choices=["list", "add", "remove"])
+    members.add_argument("member", nargs="?", help="add: NAME=HOST:PORT; remove: NAME")
+    client_options(members)
+    members.set_defaults(run=_members)
 
     status = commands.add_parser("status", help="print a node's status as JSON")
     client_options(status)

@@ -59,6 +59,7 @@ class Cluster:
             raise ValueError(f"n must be between 1 and {len(NODE_NAMES)}")
         self._tmp = tempfile.TemporaryDirectory(prefix="quorumq-") if data_dir is None else None
         self.root = Path(data_dir if data_dir is not None else self._tmp.name)  # type: ignore[union-attr]
+        self.root.mkdir(parents=True, exist_ok=True)
         self.nodes = list(NODE_NAMES[:n])
         ports = free_ports(2 * n)
         self.client_ports = dict(zip(self.nodes, ports[:n], strict=True))
@@ -99,7 +100,7 @@ class Cluster:
     def log_path(self, node: str) -> Path:
         return self.root / f"{node}.log"
 
-    def _spawn(self, node: str) -> None:
+    def _spawn(self, node: str, secret: str | None = None) -> None:
         args = [
             sys.executable,
             "-m",
@@ -131,7 +132,7 @@ class Cluster:
         for other in self.nodes:
             if other != node:
                 args += ["--peer", f"{other}=127.0.0.1:{self.raft_ports[other]}"]
-        env = {**os.environ, "QUORUMQ_SECRET": self._secret}
+        env = {**os.environ, "QUORUMQ_SECRET": secret or self._secret}
         if self.token is not None:
             env["QUORUMQ_TOKEN"] = self.token
         log = open(self.log_path(node), "ab")  # noqa: SIM115 - the child owns it from here
@@ -165,12 +166,44 @@ class Cluster:
             proc.kill()
         proc.wait(timeout=10)
 
-    def restart(self, node: str) -> None:
-        """Start the node again on its data dir (after `kill` or a clean stop)."""
+    def restart(self, node: str, *, secret: str | None = None) -> None:
+        """Start the node again on its data dir (after `kill` or a clean stop); with
+        `secret`, under another cluster secret than its peers (to see it refused)."""
         if self._procs[node].poll() is None:
             raise RuntimeError(f"node {node} is still running")
+        self._spawn(node, secret)
+        self._wait_ready(node)
+
+    def add_node(self) -> str:
+        """Start one more node and add it to the cluster online; return its name."""
+        free = [n for n in NODE_NAMES if n not in self._procs]
+        if not free:
+            raise ValueError(f"at most {len(NODE_NAMES)} nodes")
+        node = free[0]
+        client_port, raft_port = free_ports(2)
+        self.client_ports[node] = client_port
+        self.raft_ports[node] = raft_port
+        members = list(self.nodes)
+        self.nodes.append(node)
         self._spawn(node)
         self._wait_ready(node)
+        with Client([self.endpoint(n) for n in members], self.token) as client:
+            client.add_member(node, f"127.0.0.1:{raft_port}")
+        return node
+
+    def remove_node(self, node: str) -> None:
+        """Remove `node` from the cluster online, then stop its process."""
+        others = [n for n in self.nodes if n != node and self.alive(n)]
+        with Client([self.endpoint(n) for n in others], self.token) as client:
+            client.remove_member(node)
+        self.nodes.remove(node)
+        proc = self._procs[node]
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
     def pause(self, node: str) -> None:
         self._procs[node].send_signal(signal.SIGSTOP)

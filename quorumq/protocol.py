@@ -73,6 +73,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "commit_offset": {"id": (_I,), "queue": (_S,), "group": (_S,), "offset": (_I,)},
     "status": {"id": (_I,)},
+    "add_member": {"id": (_I,), "node": (_S,), "raft_address": (_S,)},
+    "remove_member": {"id": (_I,), "node": (_S,)},
     # server -> client
     "welcome": {"v": (_I,), "node": (_S,), "nonce": (_B,), "auth": (_BOOL,)},
     "reply": {"id": (_I,)},

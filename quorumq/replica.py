@@ -84,6 +84,27 @@ def failure_commands(
     return commands
 
 
+def _membership_done(
+    callback: Callable[[ProposalError | None], None],
+) -> Callable[[Any, int], None]:
+    def done(_result: Any, reason: int) -> None:
+        if reason == FAIL_REASON.SUCCESS:
+            callback(None)
+        elif reason == FAIL_REASON.REQUEST_DENIED:
+            callback(
+                NotAppliedError(
+                    "refused by the leader: another membership change is not yet committed, "
+                    "the node is already a member, or the leader was asked to remove itself"
+                )
+            )
+        elif reason in NOT_APPLIED:
+            callback(NotAppliedError(NOT_APPLIED[reason]))
+        else:
+            callback(OutcomeUnknownError(f"the leader changed before a reply ({reason})"))
+
+    return done
+
+
 class ConfigError(ValueError):
     """The replica's configuration is unsafe or inconsistent."""
 
@@ -101,7 +122,7 @@ class OutcomeUnknownError(ProposalError):
     (enqueues carry a producer id and sequence number for exactly this)."""
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
     host = address.rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True
@@ -140,7 +161,7 @@ class ReplicaConfig:
                     "a cluster secret is required: Raft traffic between nodes is authenticated "
                     "with it (without one, anyone who reaches the Raft port runs code)"
                 )
-            public = [a for a in self.peers.values() if not _is_loopback(a)]
+            public = [a for a in self.peers.values() if not is_loopback(a)]
             if public:
                 raise ConfigError(
                     f"insecure mode is for loopback only; these Raft addresses are not: {public}"
@@ -164,13 +185,11 @@ class Replica:
         self.lock = threading.Lock()
         self.machine = Machine()
         self._on_effects = on_effects
-        self._replicas = frozenset(config.peers)
-        self._node_of_address = {a: n for n, a in config.peers.items()}
         self._pending: set[tuple[str, str]] = set()
         self._last_tick_proposal = 0.0
         self.member = RaftMember(
-            config.raft_address,
-            list(config.peers.values()),
+            config.node_id,
+            config.peers,
             data_dir=config.data_dir,
             password=config.secret or None,
             fsync=config.fsync,
@@ -244,7 +263,7 @@ class Replica:
 
     def _mine(self, effects: tuple[Effect, ...]) -> tuple[Effect, ...]:
         return local_effects(
-            effects, self.node_id, proxy=self.member.is_leader(), replicas=self._replicas
+            effects, self.node_id, proxy=self.member.is_leader(), replicas=self.replicas()
         )
 
     def _snapshot(self) -> bytes:
@@ -262,10 +281,11 @@ class Replica:
         """On the Raft thread, every tick: turn silence and time into log commands."""
         if not self.member.is_leader() or not self.member.isReady():
             return
+        node_of_address = {a: n for n, a in self.member.members().items()}
         silence = {
-            self._node_of_address[address]: silent_s
+            node_of_address[address]: silent_s
             for address, silent_s in self.member.peer_silence().items()
-            if address in self._node_of_address
+            if address in node_of_address
         }
         for command in failure_commands(
             silence, self.machine.down_nodes(), self.config.node_down_grace_s
@@ -285,6 +305,38 @@ class Replica:
         logger.info("proposing %s", command)
         self.propose(command, lambda _reply, _error: self._pending.discard(key))
 
+    # ------------------------------------------------------------- membership
+
+    def members(self) -> dict[str, str]:
+        """The replicas of the cluster as this node knows them: name -> Raft address."""
+        return self.member.members()
+
+    def replicas(self) -> frozenset[str]:
+        return frozenset(self.member.members())
+
+    def add_member(
+        self, name: str, address: str, callback: Callable[[ProposalError | None], None]
+    ) -> None:
+        """Propose a new replica (Raft configuration change, one at a time); `callback`
+        runs on the Raft thread once it is committed (None) or refused."""
+        self.member.add_member(name, address, _membership_done(callback))
+
+    def remove_member(self, name: str, callback: Callable[[ProposalError | None], None]) -> None:
+        """Propose removing a replica. The leader cannot remove itself: ask it to step
+        down first (`ask_leader_to_step_down`). Once removed, the node is marked down so
+        its consumers' messages return to the queue."""
+        address = self.members()[name]
+
+        def done(error: ProposalError | None) -> None:
+            if error is None:
+                self.propose(NodeDown(node=name))
+            callback(error)
+
+        self.member.remove_member(address, _membership_done(done))
+
+    def ask_leader_to_step_down(self) -> None:
+        self.member.ask_leader_to_step_down()
+
     # ----------------------------------------------------------------- status
 
     def query(self, read: Callable[[Machine], T]) -> T:
@@ -295,13 +347,15 @@ class Replica:
     def status(self) -> dict[str, Any]:
         member = self.member
         leader = member.leader_address()
+        members = member.members()
+        node_of_address = {a: n for n, a in members.items()}
         with self.lock:
             digest = self.machine.digest()
             last_index = self.machine.last_index
             down = sorted(self.machine.down_nodes())
         return {
             "node": self.node_id,
-            "leader": self._node_of_address.get(leader) if leader else None,
+            "leader": node_of_address.get(leader) if leader else None,
             "is_leader": member.is_leader(),
             "term": member.raftCurrentTerm,
             "commit_index": member.raftCommitIndex,
@@ -310,6 +364,7 @@ class Replica:
             "digest": digest,
             "ready": member.isReady(),
             "down_nodes": down,
+            "members": members,
         }
 
     def stop(self) -> None:

@@ -83,6 +83,23 @@ def test_cli_runs_a_dev_cluster_publishes_consumes_and_stops_it(tmp_path: object
         status = json.loads(q("status", "--dir", root).stdout)
         assert status["queues"]["orders"]["next_offset"] == 4
         assert status["leader"] in {"A", "B", "C"}
+        listed = q("members", "list", "--dir", root)
+        assert [line.split(":")[0].strip() for line in listed.stdout.splitlines()] == [
+            "A",
+            "B",
+            "C",
+        ]
+        bad = q("members", "add", "D", "--dir", root)
+        assert bad.returncode == 2
+        assert bad.stderr.count("\n") == 1
+        assert "NAME=HOST:PORT" in bad.stderr
+        removed = q("members", "remove", "C", "--dir", root)
+        assert removed.returncode == 0, removed.stderr
+        assert "C removed" in removed.stdout
+        assert "  C:" not in removed.stdout
+        again = q("members", "remove", "C", "--dir", root)
+        assert again.returncode == 2
+        assert "not a member" in again.stderr
     finally:
         down = q("cluster", "down", "--dir", root)
     assert down.returncode == 0, down.stderr

@@ -207,3 +207,20 @@ def test_idempotent_producer_through_two_leader_kills_loses_and_duplicates_nothi
                 if not d.redelivered:
                     count[d.offset] += 1
         assert max(count.values()) == 1  # delivered twice only when marked redelivered
+
+
+def test_a_node_with_the_wrong_cluster_secret_is_refused_and_says_why() -> None:
+    with Cluster(3) as cluster:
+        client = cluster.client("A")
+        client.declare("q")
+        cluster.kill("C")
+        cluster.restart("C", secret="not-the-cluster-secret")
+        client.publish("q", b"while C is shut out")
+        refused = "failed authentication: a peer uses another cluster secret"
+        # whichever side dials, the node with the wrong secret says so
+        wait_for(lambda: refused in cluster.log_path("C").read_text(), "C logging the refusal")
+        assert cluster.status("C")["queues"].get("q", {}).get("next_offset", 0) == 0
+        assert cluster.status("A")["queues"]["q"]["next_offset"] == 1
+        cluster.kill("C")
+        cluster.restart("C")  # the right secret: it catches up
+        wait_for(lambda: converged(cluster), "C catching up once it has the secret", 30)

@@ -334,6 +334,18 @@ class AsyncClient:
             {"t": "commit_offset", "queue": queue, "group": group, "offset": offset}
         )
 
+    async def add_member(self, node: str, raft_address: str) -> dict[str, str]:
+        """Add a replica to the cluster (start its node first, with the current members and
+        itself as peers). Returns the members once the change is committed."""
+        reply = await self._request({"t": "add_member", "node": node, "raft_address": raft_address})
+        return dict(reply["members"])
+
+    async def remove_member(self, node: str) -> dict[str, str]:
+        """Remove a replica (send this to another member; a leader hands leadership over
+        first). Returns the members once the change is committed; stop that node then."""
+        reply = await self._request({"t": "remove_member", "node": node})
+        return dict(reply["members"])
+
     async def status(self) -> dict[str, Any]:
         status: dict[str, Any] = (await self._request({"t": "status"}))["status"]
         return status

@@ -383,6 +383,18 @@ class Client:
     def commit_offset(self, queue: str, group: str, offset: int) -> None:
         self._request({"t": "commit_offset", "queue": queue, "group": group, "offset": offset})
 
+    def add_member(self, node: str, raft_address: str) -> dict[str, str]:
+        """Add a replica to the cluster (start its node first, with the current members and
+        itself as peers). Returns the members once the change is committed."""
+        reply = self._request({"t": "add_member", "node": node, "raft_address": raft_address})
+        return dict(reply["members"])
+
+    def remove_member(self, node: str) -> dict[str, str]:
+        """Remove a replica (send this to another member; a leader hands leadership over
+        first). Returns the members once the change is committed; stop that node then."""
+        reply = self._request({"t": "remove_member", "node": node})
+        return dict(reply["members"])
+
     def status(self) -> dict[str, Any]:
         status: dict[str, Any] = self._request({"t": "status"})["status"]
         return status

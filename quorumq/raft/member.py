@@ -18,6 +18,9 @@ What it changes (the reasons, measured, are in docs/pysyncobj-notes.md):
   nothing of ours is pickled. Our `apply` gets the Raft index of the entry.
 * our own tick thread (PySyncObj's stops when the thread that built the object exits).
 * authentication failures on Raft connections are logged (PySyncObj drops them silently).
+* named members: every Raft node carries the quorumq node name it runs, in the initial
+  configuration, in PySyncObj's membership log entries and in our snapshots, so a
+  member added or removed online is known by name on every replica.
 
 camelCase names here are PySyncObj's; they stay inside this module.
 """
@@ -28,15 +31,17 @@ import contextlib
 import fcntl
 import logging
 import os
+import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import pysyncobj.syncobj as _syncobj
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException
 from pysyncobj.node import TCPNode
 from pysyncobj.poller import POLL_EVENT_TYPE
+from pysyncobj.transport import TCPTransport
 from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
 from ..machine import encoding
@@ -103,6 +108,42 @@ class _LoggingEncryptor:
             )
 
 
+class _Transport(TCPTransport):  # type: ignore[misc]
+    """PySyncObj's TCP transport, saying why a peer hangs up during the handshake.
+
+    A dialling node sends its key encrypted with its cluster secret; a peer with another
+    secret cannot decrypt it and closes the connection without a word. Seen from the
+    dialling side, that is a connection accepted and then closed before the peer's key
+    came back: log it, so the node with the wrong secret says so whichever side dials."""
+
+    _last_warning = 0.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._handshaking: set[int] = set()
+        super().__init__(*args, **kwargs)
+
+    def _onOutgoingConnected(self, conn: Any) -> None:
+        if self._syncObj.encryptor:
+            self._handshaking.add(id(conn))
+        super()._onOutgoingConnected(conn)
+
+    def _onOutgoingMessageReceived(self, conn: Any, message: Any) -> None:
+        self._handshaking.discard(id(conn))
+        super()._onOutgoingMessageReceived(conn, message)
+
+    def _onDisconnected(self, conn: Any) -> None:
+        if id(conn) in self._handshaking:
+            self._handshaking.discard(id(conn))
+            now = time.monotonic()
+            if now - self._last_warning > 5.0:
+                self._last_warning = now
+                logger.warning(
+                    "a Raft peer hung up during the handshake: it failed authentication: "
+                    "a peer uses another cluster secret (or is not a quorumq node)"
+                )
+        super()._onDisconnected(conn)
+
+
 class _DropBindFailure(logging.Filter):
     """PySyncObj logs a traceback when it cannot bind; RaftMember reports it in one line."""
 
@@ -115,6 +156,22 @@ logging.getLogger("pysyncobj.syncobj").addFilter(_DropBindFailure())
 _original_get_encryptor = _syncobj.getEncryptor
 _syncobj.createJournal = _create_journal
 _syncobj.getEncryptor = lambda password: _LoggingEncryptor(_original_get_encryptor(password))
+
+
+STEP_DOWN = "quorumq_step_down"
+"""A Raft message of ours: a member asks the leader to hand leadership over."""
+
+SNAPSHOT_VERSION = 2
+"""1: cluster as addresses; 2: cluster as [address, node name] pairs."""
+
+
+def _named_node(address: str, name: str) -> Any:
+    return TCPNode(address, name=name)
+
+
+def node_name(node: Any) -> str:
+    """The quorumq name a Raft node carries (its address for nodes from before names)."""
+    return str(getattr(node, "name", node.id))
 
 
 # ------------------------------------------------------------------- outcomes
@@ -134,8 +191,8 @@ class RaftMember(SyncObj):  # type: ignore[misc]
 
     def __init__(
         self,
-        address: str,
-        peers: list[str],
+        name: str,
+        members: Mapping[str, str],
         *,
         data_dir: str,
         password: str | None,
@@ -148,6 +205,7 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         compaction_entries: int = 50_000,
         tick_period: float = 0.05,
     ) -> None:
+        address = members[name]
         if not address.rsplit(":", 1)[0]:
             raise ValueError(f"raft address {address!r} needs a host")
         os.makedirs(data_dir, exist_ok=True)
@@ -163,6 +221,7 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         self._tick_period = tick_period
         self._stopping = threading.Event()
         self._sent_commit = 0
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
@@ -189,7 +248,12 @@ class RaftMember(SyncObj):  # type: ignore[misc]
             maxBindRetries=5,  # PySyncObj's default, 0, retries forever: a taken port hangs
         )
         try:
-            super().__init__(address, [p for p in peers if p != address], conf)
+            super().__init__(
+                _named_node(address, name),
+                [_named_node(a, n) for n, a in members.items() if n != name],
+                conf,
+                transportClass=_Transport,
+            )
         except Exception as e:
             _JOURNALS.pop(journal_path, None)
             self.journal._destroy()
@@ -245,6 +309,12 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         if self._isLeader() and self.raftCommitIndex > self._sent_commit:
             self._sent_commit = self.raftCommitIndex
             self._SyncObj__sendAppendEntries()  # followers learn the commit index now
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            call()
         self._on_tick()
 
     # -------------------------------------------------------------- proposing
@@ -279,6 +349,11 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         )
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
+        if isinstance(message, dict) and message.get("type") == STEP_DOWN:
+            if self._isLeader():
+                logger.info("handing leadership over, as %s asked", node)
+                self.transferLeadership(None, None)
+            return
         next_index = self._SyncObj__raftNextIndex
         before = next_index.get(node)
         SyncObj._SyncObj__onMessageReceived(self, node, message)
@@ -312,10 +387,10 @@ class RaftMember(SyncObj):  # type: ignore[misc]
             blob = encoding.encode(
                 [
                     "quorumq-snapshot",
-                    1,
+                    SNAPSHOT_VERSION,
                     [last[0], last[1], last[2]],
                     [prev[0], prev[1], prev[2]],
-                    sorted(n.id for n in cluster),
+                    sorted([n.id, node_name(n)] for n in cluster),
                     self._snapshot(),
                 ]
             )
@@ -334,12 +409,14 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         if not (isinstance(value, list) and len(value) == 6 and value[0] == "quorumq-snapshot"):
             raise ValueError(f"{path} is not a quorumq snapshot")
         _, version, last, prev, cluster, machine = value
-        if version != 1:
+        if version not in (1, SNAPSHOT_VERSION):
             raise ValueError(f"unsupported snapshot version {version}")
         self._restore(machine)
         if self.fsync != "never":
             fsync_directory(self.data_dir)
-        return (tuple(last), tuple(prev), {TCPNode(n) for n in cluster})
+        if version == 1:  # addresses only: the name is the address
+            return (tuple(last), tuple(prev), {TCPNode(a) for a in cluster})
+        return (tuple(last), tuple(prev), {_named_node(a, n) for a, n in cluster})
 
     def _close_snapshot_transmissions(self) -> None:
         """PySyncObj opens the snapshot file to stream it to a lagging follower and drops
@@ -382,6 +459,36 @@ class RaftMember(SyncObj):  # type: ignore[misc]
 
     def is_leader(self) -> bool:
         return bool(self._isLeader())
+
+    def members(self) -> dict[str, str]:
+        """The current Raft configuration as seen here: node name -> Raft address."""
+        nodes = [self.selfNode, *self.otherNodes]
+        return {node_name(n): str(n.id) for n in nodes}
+
+    def add_member(self, name: str, address: str, callback: Callable[[Any, int], None]) -> None:
+        """Propose adding a replica (one change at a time; the leader refuses a second
+        while one is uncommitted). `callback(None, FAIL_REASON)` on commit or refusal."""
+        self.addNodeToCluster(_named_node(address, name), callback)
+
+    def remove_member(self, address: str, callback: Callable[[Any, int], None]) -> None:
+        """Propose removing the replica at `address` (a node cannot remove itself)."""
+        self.removeNodeFromCluster(TCPNode(address), callback)
+
+    def ask_leader_to_step_down(self) -> None:
+        """Ask the leader (this node or another) to hand leadership to its most caught-up
+        follower now (Raft's TimeoutNow). Best effort: watch the leader to see it happen."""
+
+        def ask() -> None:
+            leader = self._getLeader()
+            if leader is None:
+                return
+            if self._isLeader():
+                self.transferLeadership(None, None)
+            else:
+                self._SyncObj__transport.send(leader, {"type": STEP_DOWN})
+
+        self._calls.put(ask)
+        self._wake()
 
     def peer_silence(self) -> dict[str, float]:
         """Leader only: seconds since each peer last answered an AppendEntries."""

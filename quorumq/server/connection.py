@@ -18,7 +18,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -66,6 +66,15 @@ class ClosingError(Exception):
     """The connection is going away (fatal protocol error, slow consumer, auth failure)."""
 
 
+class MembershipError(Exception):
+    """A membership change the node refuses or could not complete; `code` says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class Connection:
     def __init__(self, node: NodeServer, stream: trio.abc.Stream, number: int) -> None:
         self.node = node
@@ -86,6 +95,7 @@ class Connection:
         self.closed = False
         self.close_reason = ""
         self._consumer_counter = 0
+        self._nursery: trio.Nursery | None = None
 
     # ------------------------------------------------------------------ tasks
 
@@ -103,6 +113,7 @@ class Connection:
         )
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._writer)
                 try:
                     await self._reader()
@@ -420,6 +431,24 @@ class Connection:
         command = CommitOffset(queue=frame["queue"], group=frame["group"], offset=frame["offset"])
         self._propose(frame["id"], command)
 
+    def _add_member(self, frame: Frame) -> None:
+        self._membership(frame["id"], self.node.add_member(frame["node"], frame["raft_address"]))
+
+    def _remove_member(self, frame: Frame) -> None:
+        self._membership(frame["id"], self.node.remove_member(frame["node"]))
+
+    def _membership(self, request_id: int, change: Coroutine[Any, Any, dict[str, str]]) -> None:
+        async def run() -> None:
+            try:
+                members = await change
+            except MembershipError as e:
+                self.error(request_id, e.code, e.message)
+            else:
+                self.push({"t": "reply", "id": request_id, "members": members})
+
+        assert self._nursery is not None
+        self._nursery.start_soon(run)
+
     def _status(self, frame: Frame) -> None:
         self.push({"t": "reply", "id": frame["id"], "status": self.node.status()})
 
@@ -439,4 +468,6 @@ _HANDLERS: dict[str, Callable[[Connection, Frame], None]] = {
     "read": Connection._read,
     "commit_offset": Connection._commit_offset,
     "status": Connection._status,
+    "add_member": Connection._add_member,
+    "remove_member": Connection._remove_member,
 }

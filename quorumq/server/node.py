@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -39,12 +40,16 @@ from ..replica import (
     ProposalError,
     Replica,
     ReplicaConfig,
+    is_loopback,
 )
-from .connection import Connection
+from .connection import Connection, MembershipError
 
 logger = logging.getLogger(__name__)
 
 SETTLE_ATTEMPTS = 20
+MEMBERSHIP_DEADLINE_S = 20.0
+"""How long a membership change may wait for a leader and for an earlier change."""
+RETRY_EVERY_S = 0.1
 
 
 @attrs.frozen(kw_only=True)
@@ -238,6 +243,79 @@ class NodeServer:
             return
         for request_id in ids:
             conn.reply(request_id, reply, error)
+
+    # ------------------------------------------------------------- membership
+
+    async def add_member(self, name: str, address: str) -> dict[str, str]:
+        """Add a replica to the Raft configuration; wait until the change is committed.
+        Start the new node first (its peers: the current members and itself)."""
+        members = self.replica.members()
+        if members.get(name) == address:
+            return members
+        if name in members:
+            raise MembershipError("member_exists", f"{name} is a member at {members[name]}")
+        for other, other_address in members.items():
+            if other_address == address:
+                raise MembershipError("member_exists", f"{address} is {other}'s Raft address")
+        if not (self.config.replica.secret or is_loopback(address)):
+            raise MembershipError(
+                "invalid", f"{address} is not loopback: a cluster without a secret stays local"
+            )
+        await self._change_members(lambda done: self.replica.add_member(name, address, done))
+        return self.replica.members()
+
+    async def remove_member(self, name: str) -> dict[str, str]:
+        """Remove a replica from the Raft configuration (asking it to hand leadership
+        over first if it leads); wait until the change is committed. The node itself
+        keeps running, cut off: stop it afterwards."""
+        if name not in self.replica.members():
+            raise MembershipError("unknown_member", f"{name} is not a member")
+        if name == self.node_id:
+            raise MembershipError(
+                "target_is_self",
+                f"{name} cannot remove itself: send the request to another member",
+            )
+        with trio.move_on_after(MEMBERSHIP_DEADLINE_S):
+            while self.replica.status()["leader"] == name:
+                self.replica.ask_leader_to_step_down()
+                await trio.sleep(RETRY_EVERY_S)
+        if name not in self.replica.members():
+            return self.replica.members()
+        await self._change_members(lambda done: self.replica.remove_member(name, done))
+        return self.replica.members()
+
+    async def _change_members(
+        self, start: Callable[[Callable[[ProposalError | None], None]], None]
+    ) -> None:
+        """Propose a configuration change, again while the leader refuses it (no leader
+        yet, or an earlier change not yet committed), until the deadline."""
+        with trio.move_on_after(MEMBERSHIP_DEADLINE_S):
+            while True:
+                error = await self._outcome(start)
+                if error is None:
+                    return
+                if isinstance(error, OutcomeUnknownError):
+                    raise MembershipError("outcome_unknown", f"{error}: check the members")
+                logger.info("membership change not applied (%s); trying again", error)
+                await trio.sleep(RETRY_EVERY_S)
+        raise MembershipError(
+            "timeout", f"the change was not committed within {MEMBERSHIP_DEADLINE_S} s"
+        )
+
+    async def _outcome(
+        self, start: Callable[[Callable[[ProposalError | None], None]], None]
+    ) -> ProposalError | None:
+        """Start a callback-style Raft operation and wait for its outcome."""
+        finished = trio.Event()
+        outcome: list[ProposalError | None] = []
+
+        def done(error: ProposalError | None) -> None:
+            outcome.append(error)
+            self._soon(finished.set)
+
+        start(done)
+        await finished.wait()
+        return outcome[0]
 
     # ----------------------------------------------------------------- status
 
