@@ -22,7 +22,7 @@ from quorumq.machine import (
     Message,
     Subscribe,
 )
-from quorumq.replica import ConfigError, Replica, ReplicaConfig
+from quorumq.replica import ConfigError, OutcomeUnknownError, Replica, ReplicaConfig
 
 from .helpers import free_ports, wait_for
 
@@ -32,13 +32,13 @@ SECRET = "test-cluster-secret"
 class Cluster:
     """Three replicas A, B, C on loopback; records what each one's executor is given."""
 
-    def __init__(self, root: Path, **options: object) -> None:
+    def __init__(self, root: Path, start: str = "ABC", **options: object) -> None:
         self.root = root
         self.options = options
         self.peers = {n: f"127.0.0.1:{p}" for n, p in zip("ABC", free_ports(3), strict=True)}
         self.executed: dict[str, list[tuple[int, Effect]]] = {n: [] for n in "ABC"}
         self.replicas: dict[str, Replica] = {}
-        for node in "ABC":
+        for node in start:
             self.start(node)
 
     def start(self, node: str, secret: str = SECRET) -> Replica:
@@ -220,3 +220,24 @@ def test_every_process_file_is_ours(cluster: Cluster) -> None:
     wait_for(cluster.converged, "convergence")
     names = set(os.listdir(cluster.root / "A"))
     assert names <= {"raft.log", "raft.log.meta", "snapshot"}, names
+
+
+def test_a_proposal_that_gets_no_outcome_is_answered_once_after_the_timeout(
+    tmp_path: Path,
+) -> None:
+    cluster = Cluster(tmp_path, start="A", proposal_timeout_s=0.5)
+    try:
+        outcomes: list[tuple[object, object]] = []
+        # no leader: PySyncObj holds the command and would never call back
+        cluster.replicas["A"].propose(
+            Declare(queue="q"), lambda reply, error: outcomes.append((reply, error))
+        )
+        wait_for(lambda: outcomes, "an answer after the timeout", 5)
+        assert isinstance(outcomes[0][1], OutcomeUnknownError)
+        cluster.start("B")  # a leader now: the held command is committed after all
+        cluster.replicas["A"].submit(Declare(queue="later"), timeout=15)
+        # callbacks run in log order: q's late outcome has come and gone by now
+        assert set(cluster.replicas["A"].query(lambda m: m.queues())) == {"q", "later"}
+        assert len(outcomes) == 1  # ... and was not reported a second time
+    finally:
+        cluster.close()
