@@ -225,7 +225,7 @@ def test_every_process_file_is_ours(cluster: Cluster) -> None:
 def test_a_proposal_that_gets_no_outcome_is_answered_once_after_the_timeout(
     tmp_path: Path,
 ) -> None:
-    cluster = Cluster(tmp_path, start="A", proposal_timeout_s=0.5)
+    cluster = Cluster(tmp_path, start="A", proposal_timeout_s=2.0)
     try:
         outcomes: list[tuple[object, object]] = []
         # no leader: PySyncObj holds the command and would never call back
@@ -235,6 +235,8 @@ def test_a_proposal_that_gets_no_outcome_is_answered_once_after_the_timeout(
         wait_for(lambda: outcomes, "an answer after the timeout", 5)
         assert isinstance(outcomes[0][1], OutcomeUnknownError)
         cluster.start("B")  # a leader now: the held command is committed after all
+        cluster.leader()
+        wait_for(lambda: "q" in cluster.replicas["A"].query(lambda m: m.queues()), "q", 15)
         cluster.replicas["A"].submit(Declare(queue="later"), timeout=15)
         # callbacks run in log order: q's late outcome has come and gone by now
         assert set(cluster.replicas["A"].query(lambda m: m.queues())) == {"q", "later"}
