@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from quorumq.client import Consumer, Delivery
+from quorumq.client import Client, Consumer, Delivery
 from quorumq.embedded import Cluster
 
 from .helpers import wait_for
@@ -224,3 +224,30 @@ def test_a_node_with_the_wrong_cluster_secret_is_refused_and_says_why() -> None:
         cluster.kill("C")
         cluster.restart("C")  # the right secret: it catches up
         wait_for(lambda: converged(cluster), "C catching up once it has the secret", 30)
+
+
+def test_a_node_restarted_within_the_grace_period_returns_its_earlier_consumers_messages() -> None:
+    with Cluster(3, node_down_grace=60.0) as cluster:  # NodeDown will not come to help
+        leader = cluster.leader()
+        follower = next(n for n in cluster.nodes if n != leader)
+        client = cluster.client(leader)
+        client.declare("q")
+        holder_client = Client([cluster.endpoint(follower)])  # only there: no failing over
+        holder = holder_client.subscribe("q", prefetch=5)  # takes 5, acks none
+        confirmed = [client.publish("q", b"m%d" % i) for i in range(10)]
+        held = [holder.get(timeout=10) for _ in range(5)]
+        assert all(d is not None for d in held)
+        cluster.kill(follower)
+        holder_client.close()  # it must not come back elsewhere and take them again
+        cluster.restart(follower)
+        other = next(n for n in cluster.nodes if n not in (leader, follower))
+        recorder = Recorder(cluster.client(other).subscribe("q", prefetch=20))
+        wait_for(
+            lambda: {d.offset for d in recorder.deliveries} == set(confirmed),
+            "the earlier run's held messages delivered again",
+            30,
+        )
+        recorder.stop()
+        assert {d.offset for d in recorder.deliveries if d.redelivered} == {
+            d.offset for d in held if d is not None
+        }

@@ -769,3 +769,17 @@ def test_commit_offset_is_kept_per_group(d: Driver) -> None:
 def test_commit_offset_past_end_is_refused(d: Driver) -> None:
     reply = d(CommitOffset(queue="q", group="g", offset=1)).reply
     assert _error_code(reply) is ErrorCode.INVALID
+
+
+def test_consumers_on_a_node_are_listed_across_queues_until_they_are_down() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Declare(queue="r"))
+    d(Subscribe(queue="q", consumer="a1", node="A"))
+    d(Subscribe(queue="r", consumer="a2", node="A"))
+    d(Subscribe(queue="q", consumer="b1", node="B"))
+    assert set(d.machine.consumers_on("A")) == {"a1", "a2"}
+    assert d.machine.consumers_on("B") == ("b1",)
+    d(Down(consumer="a1"))
+    assert d.machine.consumers_on("A") == ("a2",)
+    assert d.machine.consumers_on("C") == ()

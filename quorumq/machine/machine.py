@@ -440,6 +440,14 @@ class Machine:
         """Consumers on `queue`, in subscription order (cancelled ones that still hold too)."""
         return tuple(self._get(queue).consumers)
 
+    def consumers_on(self, node: str) -> tuple[str, ...]:
+        """Consumers, of any queue, that subscribed through `node`."""
+        return tuple(
+            consumer
+            for consumer, queues in self._consumer_queues.items()
+            if self._queues[next(iter(queues))].consumers[consumer].node == node
+        )
+
     def service_queue(self, queue: str) -> tuple[str, ...]:
         """Consumers that may receive now, in round-robin order."""
         return tuple(c.id for c in self._get(queue).sq)

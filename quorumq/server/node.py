@@ -50,6 +50,7 @@ SETTLE_ATTEMPTS = 20
 MEMBERSHIP_DEADLINE_S = 20.0
 """How long a membership change may wait for a leader and for an earlier change."""
 RETRY_EVERY_S = 0.1
+EARLIER_CONSUMERS_EVERY_S = 1.0
 
 
 @attrs.frozen(kw_only=True)
@@ -94,7 +95,9 @@ class NodeServer:
                 self.config.listen_port, host=self.config.listen_host
             )
             task_status.started(self.listeners)
-            await trio.serve_listeners(self._serve_client, self.listeners)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._down_earlier_consumers)
+                await trio.serve_listeners(self._serve_client, self.listeners)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.replica.stop)
@@ -113,6 +116,21 @@ class NodeServer:
                 del self.consumers[consumer]
             self._down(consumer)
         conn.consumers.clear()
+
+    async def _down_earlier_consumers(self) -> None:
+        """Consumers that an earlier run of this node served died with it. If the node
+        came back within the grace period no `NodeDown` returns their messages, and
+        they may hold no credit for a delivery that would reveal them: propose their
+        `Down` (again while they remain: a proposal can be lost to a leader change)."""
+        node, prefix = self.node_id, self.consumer_prefix
+        while True:
+            earlier = self.replica.query(
+                lambda m: [c for c in m.consumers_on(node) if not c.startswith(prefix)]
+            )
+            for consumer in earlier:
+                logger.info("consumer %s of an earlier run of this node is down", consumer)
+                self.replica.propose(Down(consumer=consumer))
+            await trio.sleep(EARLIER_CONSUMERS_EVERY_S)
 
     def _down(self, consumer: str) -> None:
         if consumer not in self._downed:
