@@ -17,7 +17,9 @@ What it changes (the reasons, measured, are in docs/pysyncobj-notes.md):
 * raw commands: the log holds our codec's bytes under a command type of our own (4);
   nothing of ours is pickled. Our `apply` gets the Raft index of the entry.
 * our own tick thread (PySyncObj's stops when the thread that built the object exits).
-* authentication failures on Raft connections are logged (PySyncObj drops them silently).
+* Raft traffic: sealed with our cipher (`cipher.py`: AES-CTR + HMAC-SHA256, raw bytes)
+  instead of Fernet, and not zlib-compressed: together they were most of a busy leader's
+  CPU. Authentication failures are logged, on both sides (PySyncObj drops them silently).
 * named members: every Raft node carries the quorumq node name it runs, in the initial
   configuration, in PySyncObj's membership log entries and in our snapshots, so a
   member added or removed online is known by name on every replica.
@@ -31,20 +33,26 @@ import contextlib
 import fcntl
 import logging
 import os
+import pickle
 import queue
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import pysyncobj.syncobj as _syncobj
+import pysyncobj.tcp_connection as _tcp
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException
 from pysyncobj.node import TCPNode
 from pysyncobj.poller import POLL_EVENT_TYPE
+from pysyncobj.tcp_connection import TcpConnection
 from pysyncobj.transport import TCPTransport
 from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
 from ..machine import encoding
+from .cipher import RaftCipher
 from .journal import DurableJournal, fsync_directory
 
 logger = logging.getLogger(__name__)
@@ -72,40 +80,6 @@ def _create_journal(path: str | None) -> Any:
     if path is not None and path in _JOURNALS:
         return _JOURNALS.pop(path)
     return _original_create_journal(path)
-
-
-class _LoggingEncryptor:
-    """PySyncObj's Fernet encryptor, logging what fails to authenticate."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self._last_warning = 0.0
-
-    def encrypt_at_time(self, data: bytes, ts: int) -> bytes:
-        return self._inner.encrypt_at_time(data, ts)  # type: ignore[no-any-return]
-
-    def extract_timestamp(self, data: bytes) -> int:
-        try:
-            return self._inner.extract_timestamp(data)  # type: ignore[no-any-return]
-        except Exception:
-            self._warn()
-            raise
-
-    def decrypt(self, data: bytes) -> bytes:
-        try:
-            return self._inner.decrypt(data)  # type: ignore[no-any-return]
-        except Exception:
-            self._warn()
-            raise
-
-    def _warn(self) -> None:
-        now = time.monotonic()
-        if now - self._last_warning > 5.0:
-            self._last_warning = now
-            logger.warning(
-                "refused Raft traffic that failed authentication: a peer uses another "
-                "cluster secret (or is not a quorumq node); connection dropped"
-            )
 
 
 class _Transport(TCPTransport):  # type: ignore[misc]
@@ -153,9 +127,23 @@ class _DropBindFailure(logging.Filter):
 
 logging.getLogger("pysyncobj.syncobj").addFilter(_DropBindFailure())
 
-_original_get_encryptor = _syncobj.getEncryptor
+
+def _send(self: Any, message: Any) -> None:
+    """PySyncObj's `TcpConnection.send`, without compression: zlib level 3 was the
+    largest single cost of a busy leader (message bodies are often incompressible).
+    The receiver's `zlib.decompress` reads the stored blocks as before."""
+    if self.sendRandKey:
+        message = (self.sendRandKey, message)
+    data = zlib.compress(pickle.dumps(message), 0)
+    if self.encryptor:
+        data = self.encryptor.encrypt_at_time(data, int(_tcp.monotonicTime()))
+    self._TcpConnection__writeBuffer += struct.pack("i", len(data)) + data
+    self._TcpConnection__trySendBuffer()
+
+
 _syncobj.createJournal = _create_journal
-_syncobj.getEncryptor = lambda password: _LoggingEncryptor(_original_get_encryptor(password))
+_syncobj.getEncryptor = RaftCipher
+TcpConnection.send = _send
 
 
 STEP_DOWN = "quorumq_step_down"
