@@ -76,3 +76,45 @@ def test_random_bytes_never_take_the_server_down(tmp_path: Path, garbage: list[b
 
     root = tmp_path / f"run-{abs(hash(tuple(garbage)))}"
     trio.run(_serve, root, body)
+
+
+def test_a_down_lost_on_its_way_to_the_log_is_proposed_again(tmp_path: Path) -> None:
+    from quorumq.machine import Down
+
+    server = NodeServer(_config(tmp_path))
+    lost: list[object] = []
+
+    async def body(endpoint: str) -> None:
+        replica = server.replica
+        real_propose = replica.propose
+
+        def propose_losing_the_first_down(command: object, callback: object = None) -> None:
+            if isinstance(command, Down) and not lost:
+                lost.append(command)  # as if a leader change swallowed it
+                return
+            real_propose(command, callback)  # type: ignore[arg-type]
+
+        replica.propose = propose_losing_the_first_down  # type: ignore[method-assign]
+        with trio.fail_after(15):
+            async with quorumq.aio.connect(endpoint) as client:
+                await client.declare("q")
+                holder = await client.subscribe("q", prefetch=1)
+                await client.publish("q", b"held")
+                assert (await holder.get()) is not None
+            # the holder's connection is closed: its Down is lost, then proposed again
+            async with quorumq.aio.connect(endpoint) as client:
+                consumer = await client.subscribe("q", prefetch=1)
+                again = await consumer.get()
+                assert again is not None and again.body == b"held" and again.redelivered
+        assert lost
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(server.serve)
+            host, port = listeners[0].socket.getsockname()[:2]
+            try:
+                await body(f"{host}:{port}")
+            finally:
+                nursery.cancel_scope.cancel()
+
+    trio.run(run)

@@ -50,7 +50,7 @@ SETTLE_ATTEMPTS = 20
 MEMBERSHIP_DEADLINE_S = 20.0
 """How long a membership change may wait for a leader and for an earlier change."""
 RETRY_EVERY_S = 0.1
-EARLIER_CONSUMERS_EVERY_S = 1.0
+LOST_CONSUMERS_EVERY_S = 1.0
 
 
 @attrs.frozen(kw_only=True)
@@ -96,7 +96,7 @@ class NodeServer:
             )
             task_status.started(self.listeners)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._down_earlier_consumers)
+                nursery.start_soon(self._down_lost_consumers)
                 await trio.serve_listeners(self._serve_client, self.listeners)
         finally:
             with trio.CancelScope(shield=True):
@@ -117,20 +117,25 @@ class NodeServer:
             self._down(consumer)
         conn.consumers.clear()
 
-    async def _down_earlier_consumers(self) -> None:
-        """Consumers that an earlier run of this node served died with it. If the node
-        came back within the grace period no `NodeDown` returns their messages, and
-        they may hold no credit for a delivery that would reveal them: propose their
-        `Down` (again while they remain: a proposal can be lost to a leader change)."""
-        node, prefix = self.node_id, self.consumer_prefix
+    async def _down_lost_consumers(self) -> None:
+        """Propose `Down` for consumers in the log that this node serves no longer.
+
+        A closed connection proposes its consumers' `Down` at once, but that proposal
+        can be lost to a leader change. Consumers of an earlier run of this node died
+        with it, and if the node came back within the grace period no `NodeDown`
+        returns their messages. Neither may hold credit for a delivery that would
+        reveal them. So, every second: a consumer the machine places on this node that
+        no connection here serves, now and a second ago, gets its `Down` (again)."""
+        node = self.node_id
+        missing_before: set[str] = set()
         while True:
-            earlier = self.replica.query(
-                lambda m: [c for c in m.consumers_on(node) if not c.startswith(prefix)]
-            )
-            for consumer in earlier:
-                logger.info("consumer %s of an earlier run of this node is down", consumer)
+            placed = self.replica.query(lambda m: m.consumers_on(node))
+            missing = {c for c in placed if c not in self.consumers}
+            for consumer in sorted(missing & missing_before):
+                logger.info("consumer %s is served nowhere: proposing its Down", consumer)
                 self.replica.propose(Down(consumer=consumer))
-            await trio.sleep(EARLIER_CONSUMERS_EVERY_S)
+            missing_before = missing
+            await trio.sleep(LOST_CONSUMERS_EVERY_S)
 
     def _down(self, consumer: str) -> None:
         if consumer not in self._downed:
