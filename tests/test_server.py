@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import quorumq.aio
+from quorumq.client import QuorumqError
 from quorumq.embedded import free_ports
 from quorumq.replica import ReplicaConfig
 from quorumq.server import NodeConfig, NodeServer
@@ -50,6 +52,8 @@ def test_a_one_node_group_serves_publish_subscribe_and_status(tmp_path: Path) ->
                 assert delivery is not None
                 assert (delivery.body, delivery.node, delivery.key) == (b"hello", "solo", "k")
                 await delivery.ack()
+                with pytest.raises(QuorumqError, match="already acked"):
+                    await delivery.ack()  # it would spoil the batch of acks it travels in
                 status = await client.status()
                 assert status["node"] == "solo" and status["is_leader"]
 
@@ -118,3 +122,64 @@ def test_a_down_lost_on_its_way_to_the_log_is_proposed_again(tmp_path: Path) -> 
                 nursery.cancel_scope.cancel()
 
     trio.run(run)
+
+
+def _serve_with(server: NodeServer, body: object) -> None:
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(server.serve)
+            host, port = listeners[0].socket.getsockname()[:2]
+            try:
+                await body(f"{host}:{port}")  # type: ignore[operator]
+            finally:
+                nursery.cancel_scope.cancel()
+
+    trio.run(run)
+
+
+def test_a_nack_whose_outcome_is_lost_is_sent_again_only_if_it_did_not_land(
+    tmp_path: Path,
+) -> None:
+    from quorumq.machine import Nack
+    from quorumq.replica import OutcomeUnknownError
+
+    server = NodeServer(_config(tmp_path))
+    fate = ["swallowed", "applied"]  # the first nack never lands; the second lands
+
+    async def body(endpoint: str) -> None:
+        replica = server.replica
+        real_propose = replica.propose
+
+        def propose(command: object, callback: object = None) -> None:
+            if isinstance(command, Nack) and fate:
+                how = fate.pop(0)
+                unknown = OutcomeUnknownError("the leader changed before a reply")
+                if how == "applied":  # it lands, but its reply is lost
+                    real_propose(command, lambda _r, _e: callback(None, unknown))  # type: ignore[arg-type, operator]
+                else:
+                    callback(None, unknown)  # type: ignore[operator]
+                return
+            real_propose(command, callback)  # type: ignore[arg-type]
+
+        replica.propose = propose  # type: ignore[method-assign]
+        with trio.fail_after(15):
+            async with quorumq.aio.connect(endpoint) as client:
+                await client.declare("q")
+                consumer = await client.subscribe("q", prefetch=1)
+                await client.publish("q", b"m")
+                first = await consumer.get()
+                assert first is not None
+                await first.nack(requeue=True)
+                second = await consumer.get()  # the repeat landed: it comes back, once
+                assert second is not None and second.redelivered and second.delivery_count == 1
+                await second.nack(requeue=True)
+                third = await consumer.get()
+                assert third is not None and third.delivery_count == 2  # not requeued twice
+                await third.ack()
+                while True:  # acks are asynchronous: wait (under fail_after) for this one
+                    stats = (await client.status())["queues"]["q"]
+                    if (stats["ready"], stats["unacked"]) == (0, 0):
+                        break
+                    await trio.sleep(0.02)
+
+    _serve_with(server, body)

@@ -72,12 +72,25 @@ class Delivery:
     _settle: Callable[[Delivery, bool, bool], Any] = attrs.field(
         eq=False, repr=False, alias="settle"
     )
+    _settled: list[str] = attrs.field(factory=list, eq=False, repr=False, init=False)
 
     def ack(self) -> Any:
+        """Done with it: it is never delivered again."""
+        self._once("acked")
         return self._settle(self, True, False)
 
     def nack(self, requeue: bool = True) -> Any:
+        """Give it back (`requeue`), or drop or dead-letter it."""
+        self._once("nacked")
         return self._settle(self, False, requeue)
+
+    def _once(self, how: str) -> None:
+        # a second ack would travel with others of the consumer and spoil their batch
+        if self._settled:
+            raise QuorumqError(
+                f"delivery {self.offset} of {self.queue!r} is already {self._settled[0]}"
+            )
+        self._settled.append(how)
 
 
 class Producer:

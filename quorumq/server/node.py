@@ -30,6 +30,7 @@ from ..machine import (
     Effect,
     Enqueued,
     Error,
+    ErrorCode,
     Nack,
     Reply,
 )
@@ -198,20 +199,33 @@ class NodeServer:
 
     def settle(self, command: Ack | Nack, conn: Connection, attempt: int = 1) -> None:
         """Propose an ack or nack, again if a leader change lost it: the client sent it
-        and moved on, and a lost ack would leave the message held by a live consumer.
-        An ack is safe to repeat (an acked offset is never held again); a requeueing nack
-        only when it is known not to have been applied."""
+        and moved on, and a lost one would leave the message held by a live consumer.
+
+        After "not applied" the same command goes again. After "outcome unknown" it
+        goes again for the offsets the consumer still holds on this replica (an ack is
+        safe to repeat; a requeueing nack repeated after all is one more marked
+        redelivery). A repeat refused because the offsets are no longer held means the
+        first attempt did land: nothing to report."""
 
         def done(reply: Reply | None, error: ProposalError | None) -> None:
-            repeat = isinstance(error, NotAppliedError) or (
-                isinstance(error, OutcomeUnknownError) and isinstance(command, Ack)
-            )
-            if repeat and attempt < SETTLE_ATTEMPTS:
-                self.settle(command, conn, attempt + 1)
-            else:
-                self._soon(self._answer, conn, None, reply, error, None)
+            if attempt > 1 and isinstance(reply, Error) and reply.code == ErrorCode.NOT_HELD:
+                return
+            if attempt < SETTLE_ATTEMPTS:
+                if isinstance(error, NotAppliedError):
+                    self.settle(command, conn, attempt + 1)
+                    return
+                if isinstance(error, OutcomeUnknownError):
+                    self._soon(self._settle_held, command, conn, attempt + 1)
+                    return
+            self._soon(self._answer, conn, None, reply, error, None)
 
         self.replica.propose(command, done)
+
+    def _settle_held(self, command: Ack | Nack, conn: Connection, attempt: int) -> None:
+        held = set(self.replica.query(lambda m: m.unacked(command.queue, command.consumer)))
+        offsets = tuple(o for o in command.offsets if o in held)
+        if offsets:
+            self.settle(attrs.evolve(command, offsets=offsets), conn, attempt)
 
     def _answer(
         self,
