@@ -75,10 +75,23 @@ class Variant:
     caught up. The real server (quorumq/server/node.py) does not do this yet: a node
     restarted within the node-down grace period leaves them in the queue holding their
     messages forever (found by seed 2, see `AS_IS`). Proposed fix, modelled here."""
+    retry_down: bool = True
+    """A `Down` the node proposes for a closed consumer is proposed again when a leader
+    change loses it. The real server proposes it once, with no callback: a lost `Down`
+    leaves the dead consumer holding its messages forever (found by seed 7, `AS_IS`).
+    Proposed fix, modelled here."""
+    retry_unknown_nack: bool = True
+    """A requeueing `Nack` whose outcome is unknown (leader change) is proposed again if
+    this node's replica, caught up, shows the consumer still holding the messages. The
+    real server gives up on it and tells no one: if it was lost, the live consumer holds
+    the message until it disconnects (found by seed 27, `AS_IS`). Proposed fix."""
 
 
 REAL = Variant()
-AS_IS = Variant(name="as-is", down_stale_consumers=False)
+AS_IS = Variant(
+    name="as-is", down_stale_consumers=False, retry_down=False, retry_unknown_nack=False
+)
+"""The node's server exactly as quorumq/server/node.py is today."""
 
 
 # ---------------------------------------------------------------------- disk
@@ -329,8 +342,23 @@ class SimNode:
             repeat = error == "not_applied" or (error == "unknown" and isinstance(command, Ack))
             if repeat and attempt < SETTLE_ATTEMPTS and self.alive:
                 self.settle(command, attempt + 1)
+            elif error == "unknown" and self.variant.retry_unknown_nack and self.alive:
+                self._nack_if_still_held(command, attempt)
 
         self.propose(command, done)
+
+    def _nack_if_still_held(self, command: Ack | Nack, attempt: int) -> None:
+        """Once this replica has caught up: nack again what the consumer still holds."""
+        if not self.alive or attempt >= SETTLE_ATTEMPTS:
+            return
+        member = self.member
+        if member.raftLastApplied < member.raftCommitIndex or member._getLeader() is None:
+            self.world.after(micros(0.1), self._nack_if_still_held, command, attempt)
+            return
+        if command.queue in self.machine.queues():
+            held = set(self.machine.unacked(command.queue, command.consumer))
+            if set(command.offsets) <= held:
+                self.settle(command, attempt + 1)
 
     def new_consumer_id(self) -> str:
         self._consumer_counter += 1
@@ -342,9 +370,19 @@ class SimNode:
         self._down(consumer)
 
     def _down(self, consumer: str) -> None:
-        if consumer not in self._downed:
-            self._downed.add(consumer)
+        if consumer in self._downed:
+            return
+        self._downed.add(consumer)
+        if not self.variant.retry_down:
             self.propose(Down(consumer=consumer), None)
+            return
+
+        def done(_reply: Reply | None, error: str | None) -> None:
+            if error is not None and self.alive:
+                self._downed.discard(consumer)
+                self._down(consumer)
+
+        self.propose(Down(consumer=consumer), done)
 
     # --------------------------------------------------------------- applying
 

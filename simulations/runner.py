@@ -9,8 +9,11 @@ any process, under any PYTHONHASHSEED, on Python 3.11+.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import attrs
@@ -32,12 +35,15 @@ class RunConfig:
     seed: int
     nodes: int = 3
     faults: str = "default"
-    steps: int = 6000
-    """Length of the fault phase, in 10 ms steps (6000: one simulated minute)."""
-    fault_interval_s: float = 2.0
+    steps: int = 3000
+    """Length of the fault phase, in 10 ms steps (3000: 30 simulated seconds)."""
+    fault_interval_s: float = 1.2
     """Mean time between two faults."""
     drain_s: float = 60.0
     """Liveness bound: after heal, every confirmed record must be acked within this."""
+    converge_s: float = 120.0
+    """After the drain, every replica must reach the same applied index within this.
+    (PySyncObj repairs a follower's divergent log one entry per heartbeat.)"""
     grace_s: float = 5.0
     workload: WorkloadConfig = attrs.field(factory=WorkloadConfig)
     variant: Variant = REAL
@@ -74,6 +80,9 @@ class Result:
     drained_after_s: float | None
     schedule: tuple[Fault, ...]
     end_state: tuple[str, ...]
+    raft_log: dict[str, int]
+    converged_after_s: float
+    """PySyncObj's own warnings during the run, by message (kept out of the output)."""
     history: Any = attrs.field(eq=False, repr=False)
 
     @property
@@ -103,9 +112,12 @@ class Result:
                 f"drained {self.drained_after_s:.1f} s after heal"
                 if self.drained_after_s is not None
                 else "not drained"
-            ),
-            f"trace {self.trace_hash[:16]}",
+            )
+            + f"; replicas converged {self.converged_after_s:.1f} s later",
+            f"trace {self.trace_hash}",
         ]
+        for message, n in self.raft_log.items():
+            lines.append(f"PySyncObj logged {n}x: {message}")
         if self.ok:
             lines.append("verdict: PASS")
         else:
@@ -130,7 +142,8 @@ def run(config: RunConfig) -> Result:
         (lambda: checker.violation_count > 0) if config.stop_at_violation else (lambda: False)
     )
     drained_at: int | None = None
-    with patched_pysyncobj(world, cluster.create_journal):
+    raft_log = _CountingHandler()
+    with patched_pysyncobj(world, cluster.create_journal), raft_log.attached():
         for name in cluster.names:
             cluster.start(name)
         declare(cluster)
@@ -155,6 +168,8 @@ def run(config: RunConfig) -> Result:
         injector.heal()
         for p in producers:
             p.producing = False
+        for c in consumers:
+            c.slow = False  # slowness is a fault too: it ends with the heal
         drained = [False]
 
         def probe() -> None:
@@ -167,7 +182,21 @@ def run(config: RunConfig) -> Result:
         world.run_until(heal_at + micros(config.drain_s), lambda: drained[0] or stop())
         if drained[0]:
             drained_at = world.now_us
-        world.run_until(world.now_us + micros(3.0), stop)  # every replica applies the end
+        converged = [False]
+
+        def converge_probe() -> None:
+            applied = {n.machine.last_index for n in cluster.running()}
+            if len(applied) == 1 and not any(
+                n.member.raftCommitIndex > min(applied) for n in cluster.running()
+            ):
+                converged[0] = True
+            else:
+                world.after(micros(0.25), converge_probe)
+
+        end = world.now_us
+        converge_probe()
+        world.run_until(end + micros(config.converge_s), lambda: converged[0] or stop())
+        converged_after = seconds(world.now_us - end)
         counts = checker.finish(cluster.running(), drained[0])
         end_state = tuple(describe_node(n) for n in cluster.running())
     return Result(
@@ -188,6 +217,8 @@ def run(config: RunConfig) -> Result:
         drained_after_s=None if drained_at is None else seconds(drained_at - heal_at),
         schedule=tuple(faults),
         end_state=end_state,
+        raft_log=dict(sorted(raft_log.counts.items())),
+        converged_after_s=converged_after,
         history=history,
     )
 
@@ -216,7 +247,62 @@ def _queues(cluster: Cluster) -> Iterable[str]:
     return leader.machine.queues() if leader is not None else ()
 
 
-def sweep(configs: Iterable[RunConfig]) -> Iterator[Result]:
-    """Run configs in order; yields each result (the caller stops at the first failure)."""
-    for config in configs:
-        yield run(config)
+class _CountingHandler(logging.Handler):
+    """Counts PySyncObj's warnings during a run instead of printing them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage().split(" from index")[0]
+        self.counts[message] = self.counts.get(message, 0) + 1
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[None]:
+        log = logging.getLogger("pysyncobj")
+        propagate = log.propagate
+        log.addHandler(self)
+        log.propagate = False
+        try:
+            yield
+        finally:
+            log.removeHandler(self)
+            log.propagate = propagate
+
+
+@attrs.frozen(kw_only=True)
+class Outcome:
+    """What a sweep keeps of a run (it crosses process boundaries)."""
+
+    seed: int
+    ok: bool
+    sim_s: float
+    wall_s: float
+    faults: int
+    trace_hash: str
+    summary: str
+
+
+def outcome(config: RunConfig) -> Outcome:
+    result = run(config)
+    return Outcome(
+        seed=config.seed,
+        ok=result.ok,
+        sim_s=result.sim_s,
+        wall_s=result.wall_s,
+        faults=result.fault_count,
+        trace_hash=result.trace_hash,
+        summary=result.summary(),
+    )
+
+
+def sweep(configs: Iterable[RunConfig], jobs: int = 1) -> Iterator[Outcome]:
+    """Run configs, yielding outcomes in config order (in `jobs` processes). The caller
+    stops at the first failure."""
+    if jobs <= 1:
+        for config in configs:
+            yield outcome(config)
+        return
+    with ProcessPoolExecutor(jobs) as pool:
+        yield from pool.map(outcome, configs)
