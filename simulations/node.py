@@ -436,10 +436,14 @@ class SimNode:
                     and consumer not in self._downing
                 ):
                     self._downing.add(consumer)
-                    self.propose(
-                        Down(consumer=consumer),
-                        lambda _r, _e, c=consumer: self._downing.discard(c),
-                    )
+                    self.propose(Down(consumer=consumer), self._down_stale_done(consumer))
+
+    def _down_stale_done(self, consumer: str) -> ProposalCallback:
+        def done(_reply: Reply | None, error: str | None) -> None:
+            if error is not None:
+                self._downing.discard(consumer)  # lost: propose it again next tick
+
+        return done
 
     def _leader_duties(self) -> None:
         member = self.member

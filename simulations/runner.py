@@ -54,6 +54,8 @@ class RunConfig:
             f"python -m simulations run --seed {self.seed} --nodes {self.nodes} "
             f"--faults {self.faults} --steps {self.steps}"
         )
+        if self.fault_interval_s != attrs.fields(RunConfig).fault_interval_s.default:
+            command += f" --fault-interval {self.fault_interval_s:g}"
         if self.workload.rate != WorkloadConfig().rate:
             command += f" --rate {self.workload.rate:g}"
         if self.variant is not REAL:
