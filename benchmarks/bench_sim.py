@@ -3,7 +3,7 @@
     python -m benchmarks.bench_sim [--rates 0,10,100,1000] [--seeds 5]
 
 For 3 and 5 nodes: a fault-free run at each workload rate (records/s) gives simulated
-seconds per wall second; the CI configuration (22 s of faults, one every 0.7 s, 10
+seconds per wall second; the CI configuration (24 s of faults, one every 0.6 s, 10
 records/s) gives seeds per minute on one core.
 """
 
@@ -34,8 +34,8 @@ def seeds_per_minute(nodes: int, seeds: int) -> float:
             RunConfig(
                 seed=seed,
                 nodes=nodes,
-                steps=2200,
-                fault_interval_s=0.7,
+                steps=2400,
+                fault_interval_s=0.6,
                 workload=WorkloadConfig(rate=10),
             )
         )

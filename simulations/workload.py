@@ -120,6 +120,8 @@ class SimProducer(Client):
         self.world.after(micros(0.5), self._check_timeouts)
 
     def _schedule_emit(self) -> None:
+        if self.config.rate <= 0:
+            return
         per_producer = self.config.rate / self.config.producers
         mean_batch = (1 + self.config.max_batch) / 2
         interval = mean_batch / per_producer

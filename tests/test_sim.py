@@ -25,8 +25,8 @@ CI_WORKLOAD = WorkloadConfig(rate=10)
 
 
 def ci_config(seed: int, **changes: object) -> RunConfig:
-    """What CI sweeps: 22 s of faults, one every 0.7 s on average, 10 records/s."""
-    config = RunConfig(seed=seed, steps=2200, fault_interval_s=0.7, workload=CI_WORKLOAD)
+    """What CI sweeps: 24 s of faults, one every 0.6 s on average, 10 records/s."""
+    config = RunConfig(seed=seed, steps=2400, fault_interval_s=0.6, workload=CI_WORKLOAD)
     return attrs.evolve(config, **changes)
 
 
