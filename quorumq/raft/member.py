@@ -1,28 +1,21 @@
-"""PySyncObj made safe and fast enough for a broker. The only module that subclasses it.
+"""PySyncObj made safe and fast enough for a broker: the Raft member of a real node.
 
-What it changes (the reasons, measured, are in docs/pysyncobj-notes.md):
+The Raft rules it changes (prompt sends, the stale-ack fix, durability points, raw
+commands, our snapshot encoding) are in `rules.RaftRules`, shared with the simulator.
+What this module adds for a real node:
 
-* prompt sends: a submitted command wakes the tick loop (a pipe on PySyncObj's poller),
-  the leader sends new entries right after appending them instead of on the next
-  100 ms heartbeat, and pushes a new commit index at once. Commands that arrive
-  together still go out in one AppendEntries (group commit). The default, batched
-  append path is kept: `appendEntriesUseBatch=False` makes followers truncate applied
-  entries.
-* the stale-ack fix: with several AppendEntries in flight, a late success reply must not
-  move the leader's `nextIndex` for that follower backwards (which makes the follower
-  delete and re-add entries it already applied).
 * durability: our `DurableJournal`; with `fsync="always"` a follower fsyncs before it
   acknowledges entries and a leader fsyncs its own entries before the next tick counts
-  them toward commit. Snapshots are our own encoding, written and fsynced by us.
-* raw commands: the log holds our codec's bytes under a command type of our own (4);
-  nothing of ours is pickled. Our `apply` gets the Raft index of the entry.
+  them toward commit. Snapshots are written and fsynced by us.
+* a wake pipe: a submitted command wakes the tick loop at once.
 * our own tick thread (PySyncObj's stops when the thread that built the object exits).
 * Raft traffic: sealed with our cipher (`cipher.py`: AES-CTR + HMAC-SHA256, raw bytes)
   instead of Fernet, and not zlib-compressed: together they were most of a busy leader's
   CPU. Authentication failures are logged, on both sides (PySyncObj drops them silently).
 * named members: every Raft node carries the quorumq node name it runs, in the initial
   configuration, in PySyncObj's membership log entries and in our snapshots, so a
-  member added or removed online is known by name on every replica.
+  member added or removed online is known by name on every replica. A member may ask
+  the leader to hand leadership over (before the leader is removed).
 
 camelCase names here are PySyncObj's; they stay inside this module.
 """
@@ -44,31 +37,20 @@ from typing import Any, Literal
 
 import pysyncobj.syncobj as _syncobj
 import pysyncobj.tcp_connection as _tcp
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException
+from pysyncobj import FAIL_REASON, SyncObjConf, SyncObjException
 from pysyncobj.node import TCPNode
 from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.tcp_connection import TcpConnection
 from pysyncobj.transport import TCPTransport
-from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
-from ..machine import encoding
 from .cipher import RaftCipher
 from .journal import DurableJournal, fsync_directory
+from .rules import MAX_COMMAND_BYTES, RAW_COMMAND, RaftRules, decode_snapshot, encode_snapshot
 
 logger = logging.getLogger(__name__)
 
-if _PYSYNCOBJ_VERSION != "0.3.17":
-    raise ImportError(
-        f"quorumq's Raft hardening is written against pysyncobj 0.3.17, not {_PYSYNCOBJ_VERSION}"
-    )
-
 Fsync = Literal["always", "batch", "never"]
-RAW_COMMAND = 4
-"""Our command type in PySyncObj's log (PySyncObj uses 0-3)."""
-_RAW_PREFIX = bytes([RAW_COMMAND])
-MAX_COMMAND_BYTES = 3 * 1024 * 1024
-"""Commands must stay below PySyncObj's AppendEntries batch size (4 MiB here): its chunked
-path for bigger single commands is broken."""
+__all__ = ["MAX_COMMAND_BYTES", "NOT_APPLIED", "RAW_COMMAND", "Fsync", "RaftMember"]
 
 # --------------------------------------------------------------- module hooks
 
@@ -85,8 +67,8 @@ def _create_journal(path: str | None) -> Any:
 class _Transport(TCPTransport):  # type: ignore[misc]
     """PySyncObj's TCP transport, saying why a peer hangs up during the handshake.
 
-    A dialling node sends its key encrypted with its cluster secret; a peer with another
-    secret cannot decrypt it and closes the connection without a word. Seen from the
+    A dialling node sends its key sealed with its cluster secret; a peer with another
+    secret cannot open it and closes the connection without a word. Seen from the
     dialling side, that is a connection accepted and then closed before the peer's key
     came back: log it, so the node with the wrong secret says so whichever side dials."""
 
@@ -145,12 +127,8 @@ _syncobj.createJournal = _create_journal
 _syncobj.getEncryptor = RaftCipher
 TcpConnection.send = _send
 
-
 STEP_DOWN = "quorumq_step_down"
 """A Raft message of ours: a member asks the leader to hand leadership over."""
-
-SNAPSHOT_VERSION = 2
-"""1: cluster as addresses; 2: cluster as [address, node name] pairs."""
 
 
 def _named_node(address: str, name: str) -> Any:
@@ -174,7 +152,7 @@ NOT_APPLIED = {
 """Failure reasons after which the command is known not to be in the log."""
 
 
-class RaftMember(SyncObj):  # type: ignore[misc]
+class RaftMember(RaftRules):
     """One Raft member: bytes in (`propose`), committed bytes out (`apply`), in log order."""
 
     def __init__(
@@ -202,13 +180,12 @@ class RaftMember(SyncObj):  # type: ignore[misc]
         journal_path = os.path.join(data_dir, "raft.log")
         self.journal = DurableJournal(journal_path, durable=fsync != "never")
         _JOURNALS[journal_path] = self.journal
-        self._apply_raw = apply
+        self._apply = apply
         self._snapshot = snapshot
         self._restore = restore
         self._on_tick = on_tick
         self._tick_period = tick_period
         self._stopping = threading.Event()
-        self._sent_commit = 0
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
@@ -294,9 +271,7 @@ class RaftMember(SyncObj):  # type: ignore[misc]
     def _tick_callback(self) -> None:
         if self.fsync != "never":
             self.journal.sync()  # the no-op of a new term; "batch" mode syncs only here
-        if self._isLeader() and self.raftCommitIndex > self._sent_commit:
-            self._sent_commit = self.raftCommitIndex
-            self._SyncObj__sendAppendEntries()  # followers learn the commit index now
+        self.push_commit_index()
         while True:
             try:
                 call = self._calls.get_nowait()
@@ -305,36 +280,18 @@ class RaftMember(SyncObj):  # type: ignore[misc]
             call()
         self._on_tick()
 
-    # -------------------------------------------------------------- proposing
+    # ------------------------------------------------------------- the rules
 
-    def propose(self, payload: bytes, callback: Callable[[Any, int], None] | None) -> None:
-        """Submit `payload` for the log, from any thread. `callback(result, FAIL_REASON)`
-        runs on the tick thread: SUCCESS with what `apply` returned on this node."""
-        if len(payload) > MAX_COMMAND_BYTES:
-            raise ValueError(f"command of {len(payload)} bytes exceeds {MAX_COMMAND_BYTES}")
-        self._applyCommand(payload, callback, RAW_COMMAND)
+    def apply_raw(self, index: int, payload: bytes) -> Any:
+        return self._apply(index, payload)
+
+    def make_durable(self) -> None:
+        if self.fsync == "always":
+            self.journal.sync()
 
     def _applyCommand(self, command: bytes, callback: Any, commandType: int | None = None) -> None:
         super()._applyCommand(command, callback, commandType)
         self._wake()
-
-    def _checkCommandsToApply(self) -> None:
-        log = self._SyncObj__raftLog
-        before = log[-1][1] if len(log) else 0
-        super()._checkCommandsToApply()
-        if self._isLeader() and len(log) and log[-1][1] != before:
-            self._SyncObj__sendAppendEntries()  # send at once, not on the next heartbeat
-            if self.fsync == "always":
-                self.journal.sync()  # overlaps with the round trip; done before commit counts us
-
-    def _SyncObj__sendNextNodeIdx(
-        self, node: Any, reset: bool = False, nextNodeIdx: int | None = None, success: bool = False
-    ) -> None:
-        if success and self.fsync == "always":
-            self.journal.sync()  # a follower acknowledges only what is on disk
-        SyncObj._SyncObj__sendNextNodeIdx(
-            self, node, reset=reset, nextNodeIdx=nextNodeIdx, success=success
-        )
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
         if isinstance(message, dict) and message.get("type") == STEP_DOWN:
@@ -342,46 +299,47 @@ class RaftMember(SyncObj):  # type: ignore[misc]
                 logger.info("handing leadership over, as %s asked", node)
                 self.transferLeadership(None, None)
             return
-        next_index = self._SyncObj__raftNextIndex
-        before = next_index.get(node)
-        SyncObj._SyncObj__onMessageReceived(self, node, message)
-        if (
-            isinstance(message, dict)
-            and message.get("type") == "next_node_idx"
-            and message.get("success")
-            and not message.get("reset")
-            and before is not None
-            and next_index.get(node, 0) < before
-        ):
-            next_index[node] = before  # a stale ack must not rewind nextIndex
+        super()._SyncObj__onMessageReceived(node, message)
 
-    # --------------------------------------------------------------- applying
+    # ------------------------------------------------------------- membership
 
-    def _SyncObj__doApplyCommand(self, command: bytes) -> Any:
-        if command[:1] == _RAW_PREFIX:
-            index = self.raftLastApplied + 1
-            try:
-                return self._apply_raw(index, command[1:])
-            except Exception:  # an exception here would re-apply the entry forever
-                logger.exception("applying log entry %d failed", index)
-                return None
-        return SyncObj._SyncObj__doApplyCommand(self, command)
+    def members(self) -> dict[str, str]:
+        """The current Raft configuration as seen here: node name -> Raft address."""
+        nodes = [self.selfNode, *self.otherNodes]
+        return {node_name(n): str(n.id) for n in nodes}
+
+    def add_member(self, name: str, address: str, callback: Callable[[Any, int], None]) -> None:
+        """Propose adding a replica (one change at a time; the leader refuses a second
+        while one is uncommitted). `callback(None, FAIL_REASON)` on commit or refusal."""
+        self.addNodeToCluster(_named_node(address, name), callback)
+
+    def remove_member(self, address: str, callback: Callable[[Any, int], None]) -> None:
+        """Propose removing the replica at `address` (a node cannot remove itself)."""
+        self.removeNodeFromCluster(TCPNode(address), callback)
+
+    def ask_leader_to_step_down(self) -> None:
+        """Ask the leader (this node or another) to hand leadership to its most caught-up
+        follower now (Raft's TimeoutNow). Best effort: watch the leader to see it happen."""
+
+        def ask() -> None:
+            leader = self._getLeader()
+            if leader is None:
+                return
+            if self._isLeader():
+                self.transferLeadership(None, None)
+            else:
+                self._SyncObj__transport.send(leader, {"type": STEP_DOWN})
+
+        self._calls.put(ask)
+        self._wake()
 
     # -------------------------------------------------------------- snapshots
 
     def _write_snapshot(self, tmp_path: str, data: tuple[Any, Any, Any]) -> None:
         last, prev, cluster = data
         try:
-            blob = encoding.encode(
-                [
-                    "quorumq-snapshot",
-                    SNAPSHOT_VERSION,
-                    [last[0], last[1], last[2]],
-                    [prev[0], prev[1], prev[2]],
-                    sorted([n.id, node_name(n)] for n in cluster),
-                    self._snapshot(),
-                ]
-            )
+            members = [(str(n.id), node_name(n)) for n in cluster]
+            blob = encode_snapshot(last, prev, members, self._snapshot())
             with open(tmp_path, "wb") as f:
                 f.write(blob)
                 f.flush()
@@ -393,18 +351,11 @@ class RaftMember(SyncObj):  # type: ignore[misc]
 
     def _read_snapshot(self, path: str) -> tuple[Any, Any, Any]:
         with open(path, "rb") as f:
-            value = encoding.decode(f.read())
-        if not (isinstance(value, list) and len(value) == 6 and value[0] == "quorumq-snapshot"):
-            raise ValueError(f"{path} is not a quorumq snapshot")
-        _, version, last, prev, cluster, machine = value
-        if version not in (1, SNAPSHOT_VERSION):
-            raise ValueError(f"unsupported snapshot version {version}")
+            last, prev, cluster, machine = decode_snapshot(f.read(), path)
         self._restore(machine)
         if self.fsync != "never":
             fsync_directory(self.data_dir)
-        if version == 1:  # addresses only: the name is the address
-            return (tuple(last), tuple(prev), {TCPNode(a) for a in cluster})
-        return (tuple(last), tuple(prev), {_named_node(a, n) for a, n in cluster})
+        return (last, prev, {_named_node(a, n) for a, n in cluster})
 
     def _close_snapshot_transmissions(self) -> None:
         """PySyncObj opens the snapshot file to stream it to a lagging follower and drops
@@ -438,48 +389,3 @@ class RaftMember(SyncObj):  # type: ignore[misc]
 
         serializer.getTransmissionData = get_transmission_data
         serializer.checkSerializing = check_serializing
-
-    # ----------------------------------------------------------------- status
-
-    def leader_address(self) -> str | None:
-        leader = self._getLeader()
-        return None if leader is None else str(leader.id)
-
-    def is_leader(self) -> bool:
-        return bool(self._isLeader())
-
-    def members(self) -> dict[str, str]:
-        """The current Raft configuration as seen here: node name -> Raft address."""
-        nodes = [self.selfNode, *self.otherNodes]
-        return {node_name(n): str(n.id) for n in nodes}
-
-    def add_member(self, name: str, address: str, callback: Callable[[Any, int], None]) -> None:
-        """Propose adding a replica (one change at a time; the leader refuses a second
-        while one is uncommitted). `callback(None, FAIL_REASON)` on commit or refusal."""
-        self.addNodeToCluster(_named_node(address, name), callback)
-
-    def remove_member(self, address: str, callback: Callable[[Any, int], None]) -> None:
-        """Propose removing the replica at `address` (a node cannot remove itself)."""
-        self.removeNodeFromCluster(TCPNode(address), callback)
-
-    def ask_leader_to_step_down(self) -> None:
-        """Ask the leader (this node or another) to hand leadership to its most caught-up
-        follower now (Raft's TimeoutNow). Best effort: watch the leader to see it happen."""
-
-        def ask() -> None:
-            leader = self._getLeader()
-            if leader is None:
-                return
-            if self._isLeader():
-                self.transferLeadership(None, None)
-            else:
-                self._SyncObj__transport.send(leader, {"type": STEP_DOWN})
-
-        self._calls.put(ask)
-        self._wake()
-
-    def peer_silence(self) -> dict[str, float]:
-        """Leader only: seconds since each peer last answered an AppendEntries."""
-        now = _syncobj.monotonicTime()
-        last = self._SyncObj__lastResponseTime
-        return {str(node.id): now - last.get(node, 0.0) for node in self.otherNodes}

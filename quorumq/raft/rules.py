@@ -1,0 +1,178 @@
+"""The Raft behaviour quorumq changes in PySyncObj 0.3.17, in one class that real nodes
+(`RaftMember`) and the simulator's members share, so the simulator runs the same rules.
+
+* prompt sends: the leader sends new entries right after appending them instead of on
+  the next 100 ms heartbeat, and pushes a new commit index at once (`push_commit_index`,
+  from a tick callback). Commands that arrive together still go out in one
+  AppendEntries (group commit). The default, batched append path is kept:
+  `appendEntriesUseBatch=False` makes followers truncate applied entries.
+* the stale-ack fix: with several AppendEntries in flight, a late success reply must not
+  move the leader's `nextIndex` for that follower backwards (which makes the follower
+  delete and re-add entries it already applied).
+* durability points: a follower calls `make_durable` before it acknowledges entries, a
+  leader after appending its own (before the next tick counts them toward commit).
+  Real nodes fsync there; the simulator marks its in-memory journal durable.
+* raw commands: the log holds our codec's bytes under a command type of our own (4);
+  nothing of ours is pickled. `apply_raw(index, payload)` gets the entry's Raft index.
+* snapshots in our own encoding (`encode_snapshot` / `decode_snapshot`).
+
+The reasons, measured, are in docs/pysyncobj-notes.md. camelCase names here are
+PySyncObj's; they stay inside quorumq/raft.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pysyncobj.syncobj as _syncobj
+from pysyncobj import SyncObj
+from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
+
+from ..machine import encoding
+
+logger = logging.getLogger(__name__)
+
+if _PYSYNCOBJ_VERSION != "0.3.17":
+    raise ImportError(
+        f"quorumq's Raft hardening is written against pysyncobj 0.3.17, not {_PYSYNCOBJ_VERSION}"
+    )
+
+RAW_COMMAND = 4
+"""Our command type in PySyncObj's log (PySyncObj uses 0-3)."""
+_RAW_PREFIX = bytes([RAW_COMMAND])
+MAX_COMMAND_BYTES = 3 * 1024 * 1024
+"""Commands must stay below PySyncObj's AppendEntries batch size (4 MiB here): its chunked
+path for bigger single commands is broken."""
+
+Entry = tuple[bytes, int, int]
+"""A PySyncObj log entry: (command, index, term)."""
+
+
+class RaftRules(SyncObj):  # type: ignore[misc]
+    """PySyncObj with quorumq's Raft rules. Subclasses give `apply_raw` and
+    `make_durable`, and call `push_commit_index` from a tick callback."""
+
+    _sent_commit = 0
+
+    def apply_raw(self, index: int, payload: bytes) -> Any:
+        """Apply one committed raw command; what it returns goes to the proposer's callback."""
+        raise NotImplementedError
+
+    def make_durable(self) -> None:
+        """Every journal entry written so far must survive a crash once this returns."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- proposing
+
+    def propose(self, payload: bytes, callback: Callable[[Any, int], None] | None) -> None:
+        """Submit `payload` for the log. `callback(result, FAIL_REASON)` runs on the tick
+        thread: SUCCESS with what `apply_raw` returned on this node."""
+        if len(payload) > MAX_COMMAND_BYTES:
+            raise ValueError(f"command of {len(payload)} bytes exceeds {MAX_COMMAND_BYTES}")
+        self._applyCommand(payload, callback, RAW_COMMAND)
+
+    def _checkCommandsToApply(self) -> None:
+        log = self._SyncObj__raftLog
+        before = log[-1][1] if len(log) else 0
+        super()._checkCommandsToApply()
+        if self._isLeader() and len(log) and log[-1][1] != before:
+            self._SyncObj__sendAppendEntries()  # send at once, not on the next heartbeat
+            self.make_durable()  # overlaps with the round trip; done before commit counts us
+
+    def push_commit_index(self) -> None:
+        """As leader, tell followers a new commit index at once (they apply promptly)."""
+        if self._isLeader() and self.raftCommitIndex > self._sent_commit:
+            self._sent_commit = self.raftCommitIndex
+            self._SyncObj__sendAppendEntries()
+
+    def _SyncObj__sendNextNodeIdx(
+        self, node: Any, reset: bool = False, nextNodeIdx: int | None = None, success: bool = False
+    ) -> None:
+        if success:
+            self.make_durable()  # a follower acknowledges only what is durable
+        super()._SyncObj__sendNextNodeIdx(
+            node, reset=reset, nextNodeIdx=nextNodeIdx, success=success
+        )
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
+        next_index = self._SyncObj__raftNextIndex
+        before = next_index.get(node)
+        super()._SyncObj__onMessageReceived(node, message)
+        if (
+            isinstance(message, dict)
+            and message.get("type") == "next_node_idx"
+            and message.get("success")
+            and not message.get("reset")
+            and before is not None
+            and next_index.get(node, 0) < before
+        ):
+            next_index[node] = before  # a stale ack must not rewind nextIndex
+
+    # --------------------------------------------------------------- applying
+
+    def _SyncObj__doApplyCommand(self, command: bytes) -> Any:
+        if command[:1] == _RAW_PREFIX:
+            index = self.raftLastApplied + 1
+            try:
+                return self.apply_raw(index, command[1:])
+            except Exception:  # an exception here would re-apply the entry forever
+                logger.exception("applying log entry %d failed", index)
+                return None
+        return super()._SyncObj__doApplyCommand(command)
+
+    # ----------------------------------------------------------------- status
+
+    def leader_address(self) -> str | None:
+        leader = self._getLeader()
+        return None if leader is None else str(leader.id)
+
+    def is_leader(self) -> bool:
+        return bool(self._isLeader())
+
+    def peer_silence(self) -> dict[str, float]:
+        """Leader only: seconds since each peer last answered an AppendEntries."""
+        now = _syncobj.monotonicTime()
+        last = self._SyncObj__lastResponseTime
+        return {str(node.id): now - last.get(node, 0.0) for node in self.otherNodes}
+
+
+# ------------------------------------------------------------------ snapshots
+
+
+SNAPSHOT_VERSION = 2
+"""1: members as Raft addresses; 2: members as [Raft address, node name] pairs."""
+
+
+def encode_snapshot(
+    last: Entry, prev: Entry, members: list[tuple[str, str]], machine: bytes
+) -> bytes:
+    """A snapshot file's bytes: the last two applied entries, the members (Raft address
+    and node name), the machine."""
+    return encoding.encode(
+        [
+            "quorumq-snapshot",
+            SNAPSHOT_VERSION,
+            [last[0], last[1], last[2]],
+            [prev[0], prev[1], prev[2]],
+            sorted([address, name] for address, name in members),
+            machine,
+        ]
+    )
+
+
+def decode_snapshot(data: bytes, source: str) -> tuple[Entry, Entry, list[tuple[str, str]], bytes]:
+    """(last, prev, members, machine) from `encode_snapshot`'s bytes read from `source`;
+    a version 1 snapshot's members are named by their addresses."""
+    value = encoding.decode(data)
+    if not (isinstance(value, list) and len(value) == 6 and value[0] == "quorumq-snapshot"):
+        raise ValueError(f"{source} is not a quorumq snapshot")
+    _, version, last, prev, cluster, machine = value
+    if version == 1:
+        members = [(address, address) for address in cluster]
+    elif version == SNAPSHOT_VERSION:
+        members = [(address, name) for address, name in cluster]
+    else:
+        raise ValueError(f"unsupported snapshot version {version}")
+    return (last[0], last[1], last[2]), (prev[0], prev[1], prev[2]), members, machine

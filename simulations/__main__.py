@@ -1,0 +1,122 @@
+"""python -m simulations run | sweep | scenario (see `--help`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import attrs
+
+from quorumq.scenarios import SCENARIOS
+from quorumq.scenarios import render as render_scenario
+
+from .faults import PROFILES
+from .node import AS_IS, REAL
+from .render import run_html, scenario_html
+from .runner import RunConfig, run, sweep
+from .workload import WorkloadConfig
+
+
+def _config(args: argparse.Namespace, seed: int) -> RunConfig:
+    return RunConfig(
+        seed=seed,
+        nodes=args.nodes,
+        faults=args.faults,
+        steps=args.steps,
+        fault_interval_s=args.fault_interval,
+        workload=WorkloadConfig(rate=args.rate),
+        variant=AS_IS if args.as_is else REAL,
+    )
+
+
+def _seeds(text: str) -> range:
+    start, _, end = text.partition(":")
+    return range(int(start), int(end)) if end else range(int(start), int(start) + 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m simulations",
+        description="Deterministic failover simulations of a quorumq cluster.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--nodes", type=int, default=3)
+    common.add_argument(
+        "--faults",
+        default="default",
+        help=f"a profile ({', '.join(sorted(PROFILES))}) or fault kinds separated by commas",
+    )
+    common.add_argument(
+        "--steps", type=int, default=3000, help="fault phase, in 10 ms steps (default 30 s)"
+    )
+    common.add_argument(
+        "--fault-interval",
+        type=float,
+        default=attrs.fields(RunConfig).fault_interval_s.default,
+        help="mean seconds between faults",
+    )
+    common.add_argument("--rate", type=float, default=WorkloadConfig().rate, help="records/s")
+    common.add_argument(
+        "--as-is",
+        action="store_true",
+        help="model the server exactly as it is today (without the proposed restart fix)",
+    )
+    one = sub.add_parser("run", parents=[common], help="run one seed and print a summary")
+    one.add_argument("--seed", type=int, required=True)
+    one.add_argument("--render", type=Path, help="write an HTML timeline of the run here")
+    one.add_argument("--schedule", action="store_true", help="print the fault schedule too")
+    many = sub.add_parser(
+        "sweep", parents=[common], help="run many seeds; report the first failure"
+    )
+    many.add_argument("--seeds", default="0:100", help="start:end (end excluded)")
+    many.add_argument("--jobs", type=int, default=1, help="worker processes")
+    scenario = sub.add_parser("scenario", help="replay the RabbitMQ post's event sequences")
+    scenario.add_argument("name", choices=["rabbitmq-post"])
+    scenario.add_argument("--render", type=Path, help="write the HTML rendering here")
+    args = parser.parse_args(argv)
+
+    if args.command == "scenario":
+        scenarios = list(SCENARIOS.values())
+        print("\n\n".join(render_scenario(s) for s in scenarios))
+        if args.render:
+            args.render.write_text(scenario_html(scenarios))
+            print(f"\nwrote {args.render}")
+        return 0
+
+    if args.command == "run":
+        result = run(_config(args, args.seed))
+        if args.schedule:
+            print("\n".join(f.describe() for f in result.schedule))
+        print(result.summary())
+        if args.render:
+            args.render.write_text(run_html(result))
+            print(f"wrote {args.render}")
+        return 0 if result.ok else 1
+
+    seeds = _seeds(args.seeds)
+    started = time.perf_counter()
+    passed = faults = 0
+    sim_s = 0.0
+    for outcome in sweep((_config(args, s) for s in seeds), jobs=args.jobs):
+        if not outcome.ok:
+            print(outcome.summary)
+            print(f"first failing seed: {outcome.seed} (after {passed} passing)")
+            return 1
+        passed += 1
+        faults += outcome.faults
+        sim_s += outcome.sim_s
+        if passed % 10 == 0:
+            print(f"{passed} seeds pass ({time.perf_counter() - started:.0f} s)", flush=True)
+    wall = time.perf_counter() - started
+    print(
+        f"all {passed} seeds pass: {faults} faults, {sim_s / 3600:.2f} simulated hours "
+        f"in {wall:.0f} s wall ({sim_s / max(wall, 1e-9):.0f}x)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""The checker: what must hold of a run, checked as it goes and at the end.
+
+As entries are applied (cheap checks, every entry):
+
+* every replica applies the same command at the same log index, and replicas at an
+  equal applied index have equal state digests (sampled every `digest_every` entries);
+* an independent model of holds, fed the log in order (the first replica to apply an
+  index feeds it): a message is given to one consumer at a time (no message held by
+  two live consumers); an acked message is never delivered again; `redelivered` is
+  set exactly when the message was delivered before; prefetch is respected;
+* first deliveries (not marked redelivered) come in increasing offset order per
+  consumer for unkeyed messages and per key for keyed ones: only a return restarts
+  a key, and a returned message is marked.
+
+As consumers receive (the clients' view):
+
+* a record received twice unmarked is a duplicate (`duplicated`); a body nobody
+  published is `unexpected`.
+
+At the end (Jepsen's total-queue counts, after heal and drain):
+
+* `lost`: confirmed to its producer, never received by a consumer;
+* `unsettled`: received but never acked (a liveness failure);
+* `recovered`: received although never confirmed (allowed: the outcome was unknown);
+* every confirmed record was acked before the liveness deadline; every replica ends
+  at the same index with the same digest; no record got two offsets.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from quorumq.machine import (
+    Ack,
+    Applied,
+    Command,
+    ConsumerDown,
+    Deliver,
+    Dropped,
+    Nack,
+    Ok,
+    Subscribe,
+)
+
+from .world import World, seconds
+
+if TYPE_CHECKING:
+    from .node import SimNode
+
+MAX_VIOLATIONS_KEPT = 50
+
+
+@attrs.frozen
+class Violation:
+    at_s: float
+    kind: str
+    detail: str
+
+
+@attrs.define
+class Record:
+    key: str | None
+    confirmed: bool = False
+    refused: bool = False
+    received: int = 0
+    received_unmarked: int = 0
+    offsets: set[int] = attrs.field(factory=set)
+    acked: bool = False
+    dropped: bool = False
+
+
+class Checker:
+    def __init__(self, world: World, *, digest_every: int = 500) -> None:
+        self.world = world
+        self.digest_every = digest_every
+        self.records: dict[bytes, Record] = {}
+        self.violations: list[Violation] = []
+        self.violation_count = 0
+        self.log_crc: dict[int, int] = {}
+        self.digests: dict[int, str] = {}
+        self.digests_compared = 0
+        # the model, in log order
+        self.holder: dict[int, str] = {}
+        self.held_by: dict[str, dict[int, None]] = {}
+        self.prefetch: dict[str, int] = {}
+        self.delivered_ever: set[int] = set()
+        self.settled: set[int] = set()
+        self.last_unkeyed_first: dict[str, int] = {}
+        self.last_key_first: dict[str, int] = {}
+        self.body_of: dict[int, bytes] = {}
+        self.key_of: dict[int, str | None] = {}
+        self.deliveries = 0
+        self.redeliveries = 0
+
+    def violation(self, kind: str, detail: str) -> None:
+        self.violation_count += 1
+        if len(self.violations) < MAX_VIOLATIONS_KEPT:
+            self.violations.append(Violation(seconds(self.world.now_us), kind, detail))
+        self.world.trace(f"violation {kind} {detail}")
+
+    # ------------------------------------------------------------ the clients
+
+    def published(self, body: bytes, key: str | None) -> None:
+        self.records[body] = Record(key=key)
+
+    def confirmed(self, body: bytes, offset: int | None) -> None:
+        record = self.records[body]
+        record.confirmed = True
+        if offset is not None:
+            record.offsets.add(offset)
+
+    def refused(self, body: bytes, reason: str) -> None:
+        self.records[body].refused = True
+        self.violation("refused", f"{body!r} was refused for good: {reason}")
+
+    def subscribed(self, consumer: str, node: str) -> None:
+        pass
+
+    def received(self, delivery: Deliver, node: str) -> None:
+        record = self.records.get(delivery.body)
+        self.world.trace(f"recv {delivery.consumer} {delivery.offset} {int(delivery.redelivered)}")
+        if record is None:
+            self.violation("unexpected", f"{delivery.consumer} received {delivery.body!r}")
+            return
+        record.received += 1
+        record.offsets.add(delivery.offset)
+        if not delivery.redelivered:
+            record.received_unmarked += 1
+            if record.received_unmarked == 2:
+                self.violation(
+                    "duplicated",
+                    f"{delivery.body!r} (offset {delivery.offset}) received again by "
+                    f"{delivery.consumer} via {node}, not marked redelivered",
+                )
+
+    # ---------------------------------------------------------- the replicas
+
+    def on_applied(
+        self, node: SimNode, index: int, crc: int, command: Command, applied: Applied
+    ) -> None:
+        known = self.log_crc.get(index)
+        if known is None:
+            self.log_crc[index] = crc
+            self._model(command, applied)
+        elif known != crc:
+            self.violation("log", f"{node.name} applied another command at index {index}")
+        if index % self.digest_every == 0:
+            digest = node.machine.digest()
+            first = self.digests.setdefault(index, digest)
+            self.digests_compared += 1
+            if first != digest:
+                self.violation("digest", f"{node.name}'s state at index {index} differs")
+
+    def on_leadership(self, node: SimNode, leader: bool) -> None:
+        pass
+
+    def on_failure_command(self, node: SimNode, command: Any) -> None:
+        pass
+
+    def on_node(self, name: str, running: bool) -> None:
+        pass
+
+    def _release(self, offset: int) -> None:
+        consumer = self.holder.pop(offset, None)
+        if consumer is not None:
+            self.held_by[consumer].pop(offset, None)
+
+    def _return_key_tails(self, consumer: str, offsets: tuple[int, ...]) -> None:
+        """A returned keyed message takes the key's later messages held by the same
+        consumer back with it (so the key is redelivered in order)."""
+        held = self.held_by.get(consumer, {})
+        for offset in offsets:
+            key = self.key_of.get(offset)
+            if key is not None:
+                for later in [o for o in held if o > offset and self.key_of.get(o) == key]:
+                    self._release(later)
+
+    def _model(self, command: Command, applied: Applied) -> None:
+        if isinstance(command, Subscribe) and isinstance(applied.reply, Ok):
+            self.prefetch[command.consumer] = command.prefetch
+        elif isinstance(command, Ack | Nack) and isinstance(applied.reply, Ok):
+            if isinstance(command, Nack):
+                self._return_key_tails(command.consumer, command.offsets)
+            for offset in command.offsets:
+                self._release(offset)
+                if isinstance(command, Ack):
+                    self.settled.add(offset)
+                    body = self.body_of.get(offset)
+                    if body is not None and body in self.records:
+                        self.records[body].acked = True
+        for e in applied.effects:
+            if type(e) is Deliver:
+                self._delivered(e)
+            elif type(e) is ConsumerDown:
+                for offset in list(self.held_by.get(e.consumer, ())):
+                    self._release(offset)
+            elif type(e) is Dropped:
+                body = self.body_of.get(e.offset)
+                if body is not None and body in self.records:
+                    self.records[body].dropped = True
+
+    def _delivered(self, e: Deliver) -> None:
+        offset = e.offset
+        self.deliveries += 1
+        self.redeliveries += e.redelivered
+        self.body_of[offset] = e.body
+        self.key_of[offset] = e.key
+        if offset in self.settled:
+            self.violation(
+                "acked_redelivered", f"offset {offset} acked, then given to {e.consumer}"
+            )
+        holder = self.holder.get(offset)
+        if holder is not None:
+            self.violation(
+                "double_hold", f"offset {offset} given to {e.consumer}; {holder} holds it"
+            )
+        if e.redelivered != (offset in self.delivered_ever):
+            self.violation("redelivered_flag", f"offset {offset} to {e.consumer}: {e.redelivered}")
+        self.delivered_ever.add(offset)
+        self.holder[offset] = e.consumer
+        held = self.held_by.setdefault(e.consumer, {})
+        held[offset] = None
+        prefetch = self.prefetch.get(e.consumer, 0)
+        if prefetch and len(held) > prefetch:
+            self.violation("prefetch", f"{e.consumer} holds {len(held)} > {prefetch}")
+        if not e.redelivered:
+            last = self.last_unkeyed_first if e.key is None else self.last_key_first
+            slot = e.consumer if e.key is None else e.key
+            if offset <= last.get(slot, -1):
+                what = f"consumer {e.consumer}" if e.key is None else f"key {e.key}"
+                self.violation("order", f"{what}: first delivery of {offset} after {last[slot]}")
+            last[slot] = offset
+
+    # ---------------------------------------------------------------- the end
+
+    def settled_all(self) -> bool:
+        """Every confirmed record acked (or explicitly dropped): the drain is done."""
+        return all(r.acked or r.dropped for r in self.records.values() if r.confirmed)
+
+    def finish(self, nodes: list[SimNode], drained: bool) -> dict[str, int]:
+        """Final checks; the Jepsen counts."""
+        counts = {
+            "published": len(self.records),
+            "confirmed": 0,
+            "received": 0,
+            "acked": 0,
+            "lost": 0,
+            "unsettled": 0,
+            "duplicated": 0,
+            "recovered": 0,
+            "unexpected": sum(1 for v in self.violations if v.kind == "unexpected"),
+        }
+        for body, r in self.records.items():
+            counts["confirmed"] += r.confirmed
+            counts["received"] += r.received > 0
+            counts["acked"] += r.acked
+            counts["duplicated"] += r.received_unmarked > 1
+            if r.confirmed and not r.received and not r.dropped:
+                counts["lost"] += 1
+                if counts["lost"] <= 5:
+                    self.violation("lost", f"{body!r} was confirmed and never received")
+            if r.received and not r.acked and not r.dropped:
+                counts["unsettled"] += 1
+                if counts["unsettled"] <= 5:
+                    self.violation("unsettled", f"{body!r} was received and never acked")
+            if r.received and not r.confirmed:
+                counts["recovered"] += 1
+            if len(r.offsets) > 1:
+                self.violation("two_offsets", f"{body!r} has offsets {sorted(r.offsets)}")
+        if not drained:
+            self.violation("liveness", "not every confirmed record was acked by the deadline")
+        indexes = {n.name: n.machine.last_index for n in nodes}
+        digests = {n.name: n.machine.digest() for n in nodes}
+        if len(set(indexes.values())) > 1 or len(set(digests.values())) > 1:
+            self.violation("converge", f"replicas end apart: applied indexes {indexes}")
+        return counts

@@ -1,0 +1,203 @@
+"""A simulated cluster: N nodes on one world, network and set of disks.
+
+The cluster starts, crashes, restarts, pauses and resumes nodes, carries messages
+between nodes and their clients, and reports what happens (applies, leadership,
+failure commands) to its observers: the checker and the history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from quorumq.machine import Applied, Command, NodeDown, NodeUp
+
+from .network import Network
+from .node import REAL, SimJournal, SimNode, Variant
+from .world import World, micros
+
+CLIENT_LATENCY_S = (0.0002, 0.001)
+
+
+class Observer(Protocol):
+    def on_applied(
+        self, node: SimNode, index: int, crc: int, command: Command, applied: Applied
+    ) -> None: ...
+
+    def on_leadership(self, node: SimNode, leader: bool) -> None: ...
+
+    def on_failure_command(self, node: SimNode, command: NodeDown | NodeUp) -> None: ...
+
+    def on_node(self, name: str, running: bool) -> None: ...
+
+
+class Cluster:
+    def __init__(
+        self,
+        world: World,
+        n: int,
+        *,
+        variant: Variant = REAL,
+        grace_s: float = 5.0,
+        raft_timeouts: tuple[float, float] = (0.25, 0.6),
+    ) -> None:
+        self.world = world
+        self.names = [chr(ord("A") + i) for i in range(n)]
+        self.variant = variant
+        self.grace_s = grace_s
+        self.raft_timeouts = raft_timeouts
+        self.network = Network(world, self.names)
+        self.network.on_arrival = self._woken
+        self.disks = {name: SimJournal() for name in self.names}
+        self.nodes: dict[str, SimNode | None] = dict.fromkeys(self.names)
+        self.incarnations = dict.fromkeys(self.names, 0)
+        self.observers: list[Observer] = []
+        self.consumers: dict[str, Any] = {}
+        """Every consumer id ever subscribed -> its client (for proxied deliveries)."""
+        self.client_random = world.stream("clients")
+        self._deferred: dict[str, list[tuple[Callable[..., None], tuple[Any, ...]]]] = {}
+        self._opening: SimJournal | None = None
+        self._links: dict[tuple[Any, ...], int] = {}
+        self.clients: list[Any] = []
+        """Producers and consumers: each has `node` (the node it is connected to, or None)
+        and `connection_lost(node)`."""
+
+    # --------------------------------------------------------------- journals
+
+    def create_journal(self, path: str) -> SimJournal:
+        """PySyncObj's `createJournal`, patched for a run: the disk of the node starting."""
+        journal = self._opening
+        if journal is None or not path.startswith("sim:"):
+            raise RuntimeError(f"a journal for {path!r} was asked outside a node start")
+        self._opening = None
+        return journal
+
+    # ------------------------------------------------------------------ nodes
+
+    def start(self, name: str) -> SimNode:
+        """Start (or restart) a node from what its disk holds."""
+        assert self.nodes[name] is None, f"{name} is running"
+        self.incarnations[name] += 1
+        self._opening = self.disks[name].reopen()
+        node = SimNode(
+            self,
+            name,
+            self.incarnations[name],
+            self.disks[name],
+            grace_s=self.grace_s,
+            raft_timeouts=self.raft_timeouts,
+        )
+        self.nodes[name] = node
+        self.network.attach(name, node.member.transport)
+        self.world.trace(f"start {name} {node.incarnation}")
+        for o in self.observers:
+            o.on_node(name, True)
+        node.wake()
+        return node
+
+    def crash(self, name: str) -> None:
+        """The node's process dies: its clients' connections close, unsynced writes are lost."""
+        node = self.nodes[name]
+        if node is None:
+            return
+        node.alive = False
+        self.nodes[name] = None
+        self._deferred.pop(name, None)
+        self.network.detach(name)
+        self.world.trace(f"crash {name}")
+        for o in self.observers:
+            o.on_node(name, False)
+        if node.was_leader:
+            for o in self.observers:
+                o.on_leadership(node, False)
+        for client in list(self.clients_of(node)):
+            self.world.at(self._link_arrival((node, client, "down")), client.connection_lost, node)
+
+    def pause(self, name: str) -> None:
+        node = self.nodes[name]
+        if node is None or node.paused:
+            return
+        node.paused = True
+        self.network.pause(name)
+        self.world.trace(f"pause {name}")
+
+    def resume(self, name: str) -> None:
+        node = self.nodes[name]
+        if node is None or not node.paused:
+            return
+        node.paused = False
+        self.world.trace(f"resume {name}")
+        self.network.resume(name)
+        for fn, args in self._deferred.pop(name, []):
+            fn(*args)
+        node.wake()
+
+    def running(self) -> list[SimNode]:
+        return [n for n in self.nodes.values() if n is not None]
+
+    def leader(self) -> SimNode | None:
+        """The running, unpaused node that believes it leads with the highest term."""
+        leaders = [n for n in self.running() if not n.paused and n.member.is_leader()]
+        return max(leaders, key=lambda n: n.member.raftCurrentTerm, default=None)
+
+    def _woken(self, name: str) -> None:
+        node = self.nodes[name]
+        if node is not None:
+            node.wake()
+
+    # ---------------------------------------------------------------- clients
+
+    def clients_of(self, node: SimNode) -> list[Any]:
+        return [c for c in self.clients if c.node is node]
+
+    def consumer_by_id(self, consumer: str) -> Any:
+        return self.consumers.get(consumer)
+
+    def _link_arrival(self, link: tuple[Any, ...]) -> int:
+        """When a frame sent now on a client connection arrives: in order, as on TCP."""
+        low, high = micros(CLIENT_LATENCY_S[0]), micros(CLIENT_LATENCY_S[1])
+        when = self.world.now_us + low + int(self.client_random.random() * (high - low))
+        when = max(when, self._links.get(link, 0))
+        self._links[link] = when
+        return when
+
+    def send_to_client(self, fn: Callable[..., None], node: SimNode, *args: Any) -> None:
+        """A frame from `node` to the client `fn` belongs to; lost if the node dies first."""
+
+        def arrive() -> None:
+            if node.alive:
+                fn(node, *args)
+
+        client = getattr(fn, "__self__", None)
+        self.world.at(self._link_arrival((node, client, "down")), arrive)
+
+    def send_to_node(self, client: Any, node: SimNode, fn: Callable[..., None], *args: Any) -> None:
+        """A request from `client` to `node`; a paused node reads it when resumed."""
+
+        def arrive() -> None:
+            if not node.alive:
+                return
+            if node.paused:
+                self._deferred.setdefault(node.name, []).append((fn, args))
+            else:
+                fn(*args)
+
+        self.world.at(self._link_arrival((node, client, "up")), arrive)
+
+    # -------------------------------------------------------------- observing
+
+    def on_applied(
+        self, node: SimNode, index: int, crc: int, command: Command, applied: Applied
+    ) -> None:
+        for o in self.observers:
+            o.on_applied(node, index, crc, command, applied)
+
+    def on_leadership(self, node: SimNode, leader: bool) -> None:
+        self.world.trace(f"leader {node.name} {leader} {node.member.raftCurrentTerm}")
+        for o in self.observers:
+            o.on_leadership(node, leader)
+
+    def on_failure_command(self, node: SimNode, command: NodeDown | NodeUp) -> None:
+        self.world.trace(f"propose {node.name} {command}")
+        for o in self.observers:
+            o.on_failure_command(node, command)

@@ -1,0 +1,244 @@
+"""Faults as data: a schedule drawn from the seed, then played on the cluster.
+
+A run has three phases: faults (the schedule plays), heal (every crashed node restarts,
+paused ones resume, partitions and slow links end) and drain (producers stop sending
+new records, everyone finishes; the liveness check wants every confirmed record acked
+within a bound).
+
+Fault kinds:
+
+* `crash`: a node's process dies and restarts `duration` later (unsynced writes lost);
+* `kill_leader`: the same, aimed at whoever leads when it fires;
+* `partition`: the nodes split into two sides for `duration` (a side may be one node);
+* `link_reset`: one Raft connection breaks (its in-flight messages are lost);
+* `slow_link`: one direction of a link gets `delay` extra latency for `duration`;
+* `pause`: SIGSTOP for `duration`, often past the node-down grace period;
+* `consumer_death`: a consumer's process dies; another takes its place later;
+* hostile, TCP never does this and PySyncObj assumes it does not happen:
+  `duplicate`, `reorder`, `drop` of single Raft messages for `duration`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .world import micros
+
+if TYPE_CHECKING:
+    import random
+
+    from .cluster import Cluster
+    from .workload import SimConsumer
+
+TCP_KINDS = (
+    "crash",
+    "kill_leader",
+    "partition",
+    "link_reset",
+    "slow_link",
+    "pause",
+    "consumer_death",
+)
+HOSTILE_KINDS = ("duplicate", "reorder", "drop")
+PROFILES: dict[str, tuple[str, ...]] = {
+    "default": TCP_KINDS,
+    "hostile": TCP_KINDS + HOSTILE_KINDS,
+    "crash": ("crash", "kill_leader"),
+    "network": ("partition", "link_reset", "slow_link"),
+    "none": (),
+}
+
+
+@attrs.frozen(kw_only=True)
+class Fault:
+    at_s: float
+    kind: str
+    nodes: tuple[str, ...] = ()
+    """The target node(s); for a partition, one side."""
+    duration_s: float = 0.0
+    amount: float = 0.0
+    """slow_link: extra seconds; duplicate/drop: probability; consumer_death: the slot."""
+
+    def describe(self) -> str:
+        parts = [f"{self.at_s:7.2f}s {self.kind}"]
+        if self.nodes:
+            parts.append(",".join(self.nodes))
+        if self.duration_s:
+            parts.append(f"for {self.duration_s:.2f}s")
+        if self.amount:
+            parts.append(f"({self.amount:g})")
+        return " ".join(parts)
+
+
+def kinds_of(profile: str) -> tuple[str, ...]:
+    """A profile name, or kinds separated by commas."""
+    if profile in PROFILES:
+        return PROFILES[profile]
+    kinds = tuple(k.strip() for k in profile.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in TCP_KINDS + HOSTILE_KINDS]
+    if unknown:
+        raise ValueError(f"unknown fault kinds {unknown}; profiles: {sorted(PROFILES)}")
+    return kinds
+
+
+def schedule(
+    rng: random.Random,
+    kinds: Sequence[str],
+    names: Sequence[str],
+    consumers: int,
+    *,
+    duration_s: float,
+    mean_interval_s: float = 2.0,
+) -> list[Fault]:
+    """Faults at random times in [1 s, duration - 1 s], about one per `mean_interval_s`."""
+    if not kinds or duration_s <= 2:
+        return []
+    count = max(1, round((duration_s - 2) / mean_interval_s))
+    times = sorted(rng.uniform(1.0, duration_s - 1.0) for _ in range(count))
+    faults = []
+    for at in times:
+        kind = kinds[rng.randrange(len(kinds))]
+        node = names[rng.randrange(len(names))]
+        other = names[rng.randrange(len(names))]
+        if kind in ("crash", "kill_leader"):
+            faults.append(Fault(at_s=at, kind=kind, nodes=(node,), duration_s=rng.uniform(0.2, 8)))
+        elif kind == "partition":
+            side = tuple(n for n in names if rng.random() < 0.5) or (node,)
+            faults.append(Fault(at_s=at, kind=kind, nodes=side, duration_s=rng.uniform(0.5, 10)))
+        elif kind in ("link_reset", "slow_link"):
+            if other == node:
+                other = names[(names.index(node) + 1) % len(names)]
+            faults.append(
+                Fault(
+                    at_s=at,
+                    kind=kind,
+                    nodes=(node, other),
+                    duration_s=rng.uniform(0.5, 5) if kind == "slow_link" else 0.0,
+                    amount=round(rng.uniform(0.02, 0.4), 3) if kind == "slow_link" else 0.0,
+                )
+            )
+        elif kind == "pause":
+            faults.append(Fault(at_s=at, kind=kind, nodes=(node,), duration_s=rng.uniform(0.5, 9)))
+        elif kind == "consumer_death":
+            faults.append(Fault(at_s=at, kind=kind, amount=rng.randrange(max(consumers, 1))))
+        else:
+            amount = round(rng.uniform(0.01, 0.2), 3) if kind != "reorder" else 0.0
+            faults.append(Fault(at_s=at, kind=kind, duration_s=rng.uniform(0.5, 4), amount=amount))
+    return faults
+
+
+class Injector:
+    """Plays a fault schedule on a cluster; `heal()` ends every fault still running."""
+
+    def __init__(
+        self, cluster: Cluster, consumers: Sequence[SimConsumer], history: Any = None
+    ) -> None:
+        self.cluster = cluster
+        self.world = cluster.world
+        self.network = cluster.network
+        self.consumers = list(consumers)
+        self.history = history
+        self.injected: Counter[str] = Counter()
+        self.skipped: Counter[str] = Counter()
+        self._down_until: dict[str, int] = {}
+        self._partitions = 0
+        self._healed = False
+
+    def play(self, faults: Sequence[Fault]) -> None:
+        for fault in faults:
+            self.world.at(micros(fault.at_s), self._fire, fault)
+
+    def _done(self, fault: Fault, detail: str = "") -> None:
+        self.injected[fault.kind] += 1
+        self.world.trace(f"fault {fault.describe()} {detail}")
+        if self.history is not None:
+            self.history.fault(fault, detail)
+
+    def _fire(self, fault: Fault) -> None:
+        if self._healed:
+            return
+        cluster, network = self.cluster, self.network
+        kind = fault.kind
+        end = self.world.now_us + micros(fault.duration_s)
+        if kind in ("crash", "kill_leader"):
+            target = None
+            if kind == "kill_leader":
+                leader = cluster.leader()
+                target = leader.name if leader is not None else None
+            elif cluster.nodes[fault.nodes[0]] is not None:
+                target = fault.nodes[0]
+            if target is None:
+                self.skipped[kind] += 1
+                return
+            cluster.crash(target)
+            self._down_until[target] = end
+            self.world.at(end, self._restart, target, end)
+            self._done(fault, target)
+        elif kind == "partition":
+            side = list(fault.nodes)
+            rest = [n for n in cluster.names if n not in side]
+            network.partition([side, rest])
+            self._partitions += 1
+            self.world.at(end, self._end_partition, self._partitions)
+            self._done(fault)
+        elif kind == "link_reset":
+            a, b = fault.nodes
+            network.reset(a, b)
+            self._done(fault)
+        elif kind == "slow_link":
+            a, b = fault.nodes
+            network.extra_delay_us[(a, b)] = micros(fault.amount)
+            self.world.at(end, network.extra_delay_us.pop, (a, b), None)
+            self._done(fault)
+        elif kind == "pause":
+            name = fault.nodes[0]
+            node = cluster.nodes[name]
+            if node is None or node.paused:
+                self.skipped[kind] += 1
+                return
+            cluster.pause(name)
+            self.world.at(end, cluster.resume, name)
+            self._done(fault)
+        elif kind == "consumer_death":
+            consumer = self.consumers[int(fault.amount)] if self.consumers else None
+            if consumer is None or not consumer.die():
+                self.skipped[kind] += 1
+                return
+            self._done(fault, consumer.id or "")
+        elif kind == "duplicate":
+            network.duplicate_p = fault.amount
+            self.world.at(end, setattr, network, "duplicate_p", 0.0)
+            self._done(fault)
+        elif kind == "drop":
+            network.drop_p = fault.amount
+            self.world.at(end, setattr, network, "drop_p", 0.0)
+            self._done(fault)
+        elif kind == "reorder":
+            network.reorder = True
+            self.world.at(end, setattr, network, "reorder", False)
+            self._done(fault)
+
+    def _restart(self, name: str, until: int) -> None:
+        if self._down_until.get(name) == until and self.cluster.nodes[name] is None:
+            del self._down_until[name]
+            self.cluster.start(name)
+
+    def _end_partition(self, number: int) -> None:
+        if number == self._partitions:  # a later partition replaced this one
+            self.network.partition([list(self.cluster.names)])
+
+    def heal(self) -> None:
+        """The end of the fault phase: everything runs and talks again."""
+        self._healed = True
+        self.world.trace("heal")
+        self.network.heal()
+        for name in self.cluster.names:
+            if self.cluster.nodes[name] is None:
+                self._down_until.pop(name, None)
+                self.cluster.start(name)
+            else:
+                self.cluster.resume(name)

@@ -1,0 +1,127 @@
+"""What a run did, kept for the summary and the timeline picture.
+
+Per replica: its applied log index over time, when it led, how many deliveries it sent
+itself (its consumers are local) and how many it only tracked (another replica sends
+them), per second; the service queue after each consumer change. For the whole run:
+the faults and the failure commands the leaders proposed. Sizes are bounded so a long
+run does not keep everything.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from quorumq import scenarios
+from quorumq.machine import (
+    Applied,
+    Cancel,
+    Command,
+    Deliver,
+    Down,
+    NodeDown,
+    NodeUp,
+    Subscribe,
+)
+
+from .world import US, World, seconds
+
+if TYPE_CHECKING:
+    from .node import SimNode
+
+MAX_EVENTS = 2000
+"""Service-queue changes and faults kept for the picture."""
+
+
+@attrs.define
+class Lane:
+    """One replica's line in the timeline, in 1-second buckets."""
+
+    index: dict[int, int] = attrs.field(factory=dict)
+    sent: dict[int, int] = attrs.field(factory=dict)
+    tracked: dict[int, int] = attrs.field(factory=dict)
+    led: list[list[float]] = attrs.field(factory=list)
+    """[start, end] seconds of each leadership; end is -1 while it lasts."""
+    down: list[list[float]] = attrs.field(factory=list)
+    """[start, end] seconds while crashed (-1 while it lasts)."""
+
+
+@attrs.frozen
+class SqChange:
+    at_s: float
+    node: str
+    index: int
+    what: str
+    service_queue: tuple[str, ...]
+
+
+class History:
+    def __init__(self, world: World, names: list[str], queue: str) -> None:
+        self.world = world
+        self.queue = queue
+        self.lanes = {n: Lane() for n in names}
+        self.sq_changes: list[SqChange] = []
+        self.faults: list[tuple[float, str]] = []
+        self.failure_commands: list[tuple[float, str, str]] = []
+        self.leader_changes = 0
+
+    def _bucket(self) -> int:
+        return self.world.now_us // US
+
+    def on_applied(
+        self, node: SimNode, index: int, crc: int, command: Command, applied: Applied
+    ) -> None:
+        lane = self.lanes[node.name]
+        b = self._bucket()
+        lane.index[b] = index
+        if index > node.replay_until:
+            for e in applied.effects:
+                if type(e) is Deliver:
+                    counts = lane.sent if e.node == node.name else lane.tracked
+                    counts[b] = counts.get(b, 0) + 1
+        if (
+            isinstance(command, Subscribe | Down | NodeDown | NodeUp | Cancel)
+            and len(self.sq_changes) < MAX_EVENTS
+            and self.queue in node.machine.queues()
+        ):
+            self.sq_changes.append(
+                SqChange(
+                    seconds(self.world.now_us),
+                    node.name,
+                    index,
+                    describe(command),
+                    node.machine.service_queue(self.queue),
+                )
+            )
+
+    def on_leadership(self, node: SimNode, leader: bool) -> None:
+        lane = self.lanes[node.name]
+        now = seconds(self.world.now_us)
+        if leader:
+            self.leader_changes += 1
+            lane.led.append([now, -1.0])
+        elif lane.led and lane.led[-1][1] < 0:
+            lane.led[-1][1] = now
+
+    def on_failure_command(self, node: SimNode, command: Any) -> None:
+        if len(self.failure_commands) < MAX_EVENTS:
+            self.failure_commands.append((seconds(self.world.now_us), node.name, describe(command)))
+
+    def fault(self, fault: Any, detail: str) -> None:
+        if len(self.faults) < MAX_EVENTS:
+            self.faults.append((fault.at_s, f"{fault.describe()} {detail}".strip()))
+
+    def on_node(self, name: str, running: bool) -> None:
+        down = self.lanes[name].down
+        if not running:
+            down.append([seconds(self.world.now_us), -1.0])
+        elif down and down[-1][1] < 0:
+            down[-1][1] = seconds(self.world.now_us)
+
+
+def describe(command: Command) -> str:
+    """A short label: 'subscribe c1@A', 'down c1', 'node_down B'."""
+    if isinstance(command, NodeDown | NodeUp):
+        return f"{'node_down' if isinstance(command, NodeDown) else 'node_up'} {command.node}"
+    return scenarios.describe(command)

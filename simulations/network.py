@@ -1,0 +1,280 @@
+"""The in-memory network between simulated Raft members, with TCP's shape.
+
+Each pair of nodes has one connection, as PySyncObj's TCP transport does. A connection
+is up or down; each time it comes up it gets a new epoch, and a message still in flight
+from an older epoch is lost, like the bytes of a closed socket. On an up connection,
+messages arrive in order (unless the hostile `reorder` fault is on).
+
+* A crashed node's connections drop at once: its peers see the socket close.
+* A partition stalls traffic on the cut connections; after `connection_timeout` of
+  silence they drop (what was stalled is lost). A partition healed sooner lets the
+  stalled messages through, late, as TCP's retransmissions would.
+* Arriving messages wait in the node's socket buffer until its next tick reads them
+  (`poll`, called by PySyncObj at the end of each tick, as its real poller is). A
+  paused node (SIGSTOP) does not tick: its messages wait, and its connections drop
+  after `connection_timeout`.
+* Dropped connections come back after a retry delay, once both ends are running and
+  not cut off.
+
+Every message is pickled on send and unpickled on arrival (PySyncObj's own wire
+format; no port is involved), so no object is shared between members.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from pysyncobj.node import Node
+from pysyncobj.transport import Transport
+
+from .world import World, micros
+
+
+class StableNode(Node):  # type: ignore[misc]
+    """A PySyncObj node whose hash does not depend on PYTHONHASHSEED: PySyncObj iterates
+    sets of nodes to send, so the hash decides the order of messages."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._stable_hash = zlib.crc32(name.encode())
+
+    def __hash__(self) -> int:
+        return self._stable_hash
+
+
+class SimTransport(Transport):  # type: ignore[misc]
+    """PySyncObj's transport for one member: `send` goes into the network."""
+
+    def __init__(self, network: Network, name: str) -> None:
+        super().__init__(None, None, [])
+        self.network = network
+        self.name = name
+
+    def send(self, node: Any, message: Any) -> bool:
+        return self.network.send(self.name, str(node.id), message)
+
+
+Pair = tuple[str, str]
+
+
+def _pair(a: str, b: str) -> Pair:
+    return (a, b) if a < b else (b, a)
+
+
+class Network:
+    def __init__(
+        self,
+        world: World,
+        names: list[str],
+        *,
+        latency_s: tuple[float, float] = (0.0002, 0.001),
+        connection_timeout_s: float = 2.0,
+        retry_s: tuple[float, float] = (0.05, 0.5),
+    ) -> None:
+        self.world = world
+        self.names = list(names)
+        self.random = world.stream("network")
+        self.latency_us = (micros(latency_s[0]), micros(latency_s[1]))
+        self.connection_timeout_us = micros(connection_timeout_s)
+        self.retry_us = (micros(retry_s[0]), micros(retry_s[1]))
+        self.nodes = {n: StableNode(n) for n in names}
+        self.transports: dict[str, SimTransport] = {}
+        """Running members' transports (a crashed node has none)."""
+        self.on_arrival: Callable[[str], None] = lambda name: None
+        """Called after a message is handed to a member (the simulator wakes it)."""
+        self.paused: set[str] = set()
+        self.inbox: dict[str, list[tuple[str, int, bytes]]] = {n: [] for n in names}
+        """Messages arrived at a node and not read yet."""
+        self.cut: set[Pair] = set()
+        self.epoch: dict[Pair, int] = {}
+        self.up: set[Pair] = set()
+        self.stalled: dict[Pair, list[tuple[str, str, int, bytes]]] = {}
+        self._last_arrival: dict[tuple[str, str], int] = {}
+        self.extra_delay_us: dict[tuple[str, str], int] = {}
+        """Slow links (a `delay` fault): added to every message's latency, order kept."""
+        self.duplicate_p = 0.0
+        self.drop_p = 0.0
+        self.reorder = False
+        """Hostile faults TCP never makes: PySyncObj assumes they do not happen."""
+        self.sent = 0
+        self.bytes_sent = 0
+
+    # ------------------------------------------------------------ membership
+
+    def attach(self, name: str, transport: SimTransport) -> None:
+        """A member starts: its connections come up after a retry delay."""
+        self.transports[name] = transport
+        self.inbox[name] = []
+        for other in self.names:
+            if other != name:
+                self._connect_later(_pair(name, other))
+
+    def detach(self, name: str) -> None:
+        """A member crashes: its connections drop now."""
+        self.transports.pop(name, None)
+        self.paused.discard(name)
+        self.inbox[name] = []
+        for other in self.names:
+            if other != name:
+                self._drop(_pair(name, other))
+
+    def pause(self, name: str) -> None:
+        self.paused.add(name)
+        for other in self.names:
+            if other != name:
+                self._drop_after_timeout(_pair(name, other))
+
+    def resume(self, name: str) -> None:
+        """A paused member runs again (it reads what waited for it on its next tick)."""
+        self.paused.discard(name)
+        for other in self.names:
+            if other != name:
+                self._connect_later(_pair(name, other))
+
+    def partition(self, groups: list[list[str]]) -> None:
+        """Cut every connection between nodes of different groups (and heal the rest)."""
+        side = {n: i for i, g in enumerate(groups) for n in g}
+        cut = {
+            _pair(a, b)
+            for a in self.names
+            for b in self.names
+            if a < b and side.get(a, -1) != side.get(b, -2)
+        }
+        for pair in sorted(cut - self.cut):
+            self.cut.add(pair)
+            self._drop_after_timeout(pair)
+        for pair in sorted(self.cut - cut):
+            self._heal(pair)
+
+    def heal(self) -> None:
+        for pair in sorted(self.cut):
+            self._heal(pair)
+        self.extra_delay_us.clear()
+        self.duplicate_p = self.drop_p = 0.0
+        self.reorder = False
+
+    def reset(self, a: str, b: str) -> None:
+        """The connection between `a` and `b` breaks (in-flight messages are lost)."""
+        pair = _pair(a, b)
+        self._drop(pair)
+        self._connect_later(pair)
+
+    def is_up(self, a: str, b: str) -> bool:
+        return _pair(a, b) in self.up
+
+    # ------------------------------------------------------------ connections
+
+    def _heal(self, pair: Pair) -> None:
+        self.cut.discard(pair)
+        stalled = self.stalled.pop(pair, [])
+        if pair in self.up:
+            for src, dst, epoch, data in stalled:
+                self._schedule(src, dst, epoch, data)
+        else:
+            self._connect_later(pair)
+
+    def _wanted(self, pair: Pair) -> bool:
+        a, b = pair
+        return (
+            a in self.transports
+            and b in self.transports
+            and a not in self.paused
+            and b not in self.paused
+            and pair not in self.cut
+        )
+
+    def _connect_later(self, pair: Pair) -> None:
+        self.world.after(self.random.randint(*self.retry_us), self._connect, pair)
+
+    def _connect(self, pair: Pair) -> None:
+        if pair in self.up or not self._wanted(pair):
+            return
+        self.up.add(pair)
+        self.epoch[pair] = self.epoch.get(pair, 0) + 1
+        a, b = pair
+        self.world.trace(f"connect {a} {b}")
+        self.transports[a]._onNodeConnected(self.nodes[b])
+        self.transports[b]._onNodeConnected(self.nodes[a])
+        self.on_arrival(a)
+        self.on_arrival(b)
+
+    def _drop(self, pair: Pair) -> None:
+        self.stalled.pop(pair, None)
+        if pair not in self.up:
+            return
+        self.up.discard(pair)
+        self.epoch[pair] += 1
+        a, b = pair
+        self.world.trace(f"disconnect {a} {b}")
+        for me, other in ((a, b), (b, a)):
+            transport = self.transports.get(me)
+            if transport is not None:
+                transport._onNodeDisconnected(self.nodes[other])
+
+    def _drop_after_timeout(self, pair: Pair) -> None:
+        epoch = self.epoch.get(pair, 0)
+
+        def timeout() -> None:
+            if self.epoch.get(pair, 0) == epoch and not self._wanted(pair):
+                self._drop(pair)
+                self._connect_later(pair)
+
+        self.world.after(self.connection_timeout_us, timeout)
+
+    # --------------------------------------------------------------- traffic
+
+    def send(self, src: str, dst: str, message: Any) -> bool:
+        pair = _pair(src, dst)
+        if pair not in self.up:
+            return False
+        data = pickle.dumps(message)
+        self.sent += 1
+        self.bytes_sent += len(data)
+        epoch = self.epoch[pair]
+        if pair in self.cut:
+            self.stalled.setdefault(pair, []).append((src, dst, epoch, data))
+            return True
+        if self.drop_p and self.random.random() < self.drop_p:
+            return True
+        self._schedule(src, dst, epoch, data)
+        if self.duplicate_p and self.random.random() < self.duplicate_p:
+            self._schedule(src, dst, epoch, data)
+        return True
+
+    def _schedule(self, src: str, dst: str, epoch: int, data: bytes) -> None:
+        low, high = self.latency_us
+        when = self.world.now_us + low + int(self.random.random() * (high - low))
+        when += self.extra_delay_us.get((src, dst), 0)
+        if self.reorder:
+            when += self.random.randint(0, 20_000)
+        else:
+            when = max(when, self._last_arrival.get((src, dst), 0))
+            self._last_arrival[(src, dst)] = when
+        self.world.at(when, self._arrive, src, dst, epoch, data)
+
+    def _arrive(self, src: str, dst: str, epoch: int, data: bytes) -> None:
+        if self.epoch.get(_pair(src, dst)) != epoch or dst not in self.transports:
+            return  # the connection it travelled on is gone
+        self.inbox[dst].append((src, epoch, data))
+        if dst not in self.paused:
+            self.on_arrival(dst)
+
+    def read(self, dst: str) -> int:
+        """Hand `dst` every message waiting for it, in arrival order; how many."""
+        waiting = self.inbox[dst]
+        if not waiting:
+            return 0
+        self.inbox[dst] = []
+        transport = self.transports[dst]
+        handled = 0
+        for src, epoch, data in waiting:
+            if self.epoch.get(_pair(src, dst)) != epoch:
+                continue  # the connection closed before the node read it
+            message = pickle.loads(data)
+            self.world.trace(f"msg {src} {dst} {message.get('type')}")
+            transport._onMessageReceived(self.nodes[src], message)
+            handled += 1
+        return handled

@@ -1,0 +1,459 @@
+# ruff: noqa: N802  (SimJournal implements PySyncObj's camelCase Journal interface)
+"""One simulated quorumq node: a Raft member running the real rules, the real queue
+machine, and the duties of the node's server towards its clients.
+
+* `SimMember` is `quorumq.raft.rules.RaftRules` (the same Raft rules a real node runs)
+  on an in-memory journal and the simulated network, ticked by the simulator.
+* `SimJournal` is the node's disk: it survives a crash; entries written after the last
+  durability point (`make_durable`) are lost by it, as unsynced writes are.
+* `SimNode` is what `quorumq.replica.Replica` and `quorumq.server.node.NodeServer` do
+  for one node: apply committed entries to the machine, run only this node's effects
+  (`local_effects`), turn a delivery to a consumer it does not have into `Down`, and as
+  leader propose `NodeDown`/`NodeUp` (`failure_commands`). Entries replayed from the
+  node's own journal at start-up run no effects.
+
+`Variant` holds the test-only switches of the negative controls: another machine, or
+another effect filter. The default is the real thing.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from pysyncobj import FAIL_REASON, SyncObjConf
+
+from quorumq.codec import CodecError, decode_entry, encode_entry
+from quorumq.machine import (
+    Ack,
+    Command,
+    ConsumerDown,
+    Deliver,
+    Down,
+    Effect,
+    Error,
+    ErrorCode,
+    Machine,
+    Meta,
+    Nack,
+    NodeDown,
+    Reply,
+)
+from quorumq.raft.member import NOT_APPLIED
+from quorumq.raft.rules import Entry, RaftRules
+from quorumq.replica import failure_commands, local_effects
+
+from .network import Network, SimTransport
+from .world import World, micros
+
+if TYPE_CHECKING:
+    from .workload import SimConsumer
+
+TICK_COST_US = 100
+PER_MESSAGE_COST_US = 20
+"""Simulated CPU time of a tick: what arrives meanwhile waits for the next tick, so
+proposals group into one AppendEntries under load, as they do on a real node."""
+
+SETTLE_ATTEMPTS = 20
+"""As the real server: an ack or nack is proposed again this often after a failure."""
+
+EffectFilter = Callable[..., tuple[Effect, ...]]
+
+
+@attrs.frozen(kw_only=True)
+class Variant:
+    """What a node runs. The defaults are quorumq's; tests swap in broken ones."""
+
+    name: str = "real"
+    machine: Callable[[], Machine] = Machine
+    effect_filter: EffectFilter = local_effects
+    """(effects, node, proxy=, replicas=) -> the effects this node runs."""
+    down_stale_consumers: bool = True
+    """A restarted node proposes `Down` for the consumers of its earlier runs once it has
+    caught up. The real server (quorumq/server/node.py) does not do this yet: a node
+    restarted within the node-down grace period leaves them in the queue holding their
+    messages forever (found by seed 2, see `AS_IS`). Proposed fix, modelled here."""
+    retry_down: bool = True
+    """A `Down` the node proposes for a closed consumer is proposed again when a leader
+    change loses it. The real server proposes it once, with no callback: a lost `Down`
+    leaves the dead consumer holding its messages forever (found by seed 7, `AS_IS`).
+    Proposed fix, modelled here."""
+    retry_unknown_nack: bool = True
+    """A requeueing `Nack` whose outcome is unknown (leader change) is proposed again if
+    this node's replica, caught up, shows the consumer still holding the messages. The
+    real server gives up on it and tells no one: if it was lost, the live consumer holds
+    the message until it disconnects (found by seed 27, `AS_IS`). Proposed fix."""
+
+
+REAL = Variant()
+AS_IS = Variant(
+    name="as-is", down_stale_consumers=False, retry_down=False, retry_unknown_nack=False
+)
+"""The node's server exactly as quorumq/server/node.py is today."""
+
+
+# ---------------------------------------------------------------------- disk
+
+
+class SimJournal:
+    """PySyncObj's Journal interface in memory, with a durable prefix.
+
+    Term and vote are durable at once (the real journal writes them with fsync before
+    use); the commit index is stored lazily, about once a second, as the real one is."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.durable_count = 0
+        self.term = 0
+        self.voted_for: str | None = None
+        self.commit_index = 1
+        self._stored_commit_index = 1
+        self.last_index_at_open = 0
+
+    def reopen(self) -> SimJournal:
+        """The journal a restarted node finds: what was durable, and nothing else."""
+        del self.entries[self.durable_count :]
+        self.commit_index = self._stored_commit_index
+        self.last_index_at_open = self.entries[-1][1] if self.entries else 0
+        return self
+
+    def make_durable(self) -> None:
+        self.durable_count = len(self.entries)
+
+    def add(self, command: bytes, idx: int, term: int) -> None:
+        self.entries.append((bytes(command), idx, term))
+
+    def clear(self) -> None:
+        self.entries = []
+        self.durable_count = 0
+
+    def deleteEntriesFrom(self, entry_from: int) -> None:
+        del self.entries[entry_from:]
+        self.durable_count = min(self.durable_count, len(self.entries))
+
+    def deleteEntriesTo(self, entry_to: int) -> None:
+        del self.entries[:entry_to]
+        self.durable_count = max(0, self.durable_count - entry_to)
+
+    def __getitem__(self, item: int | slice) -> Any:
+        return self.entries[item]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _destroy(self) -> None:
+        pass
+
+    def setRaftCommitIndex(self, index: int) -> None:
+        self.commit_index = index
+
+    def getRaftCommitIndex(self) -> int:
+        return self.commit_index
+
+    def setCurrentTerm(self, term: int, voted_for: str | None) -> None:
+        self.term = term
+        self.voted_for = voted_for
+
+    def getCurrentTerm(self) -> int:
+        return self.term
+
+    def getVotedForNodeId(self) -> str | None:
+        return self.voted_for
+
+    def onOneSecondTimer(self) -> None:
+        self._stored_commit_index = self.commit_index
+
+
+# -------------------------------------------------------------------- member
+
+
+class SimPoller:
+    """PySyncObj's poller for a simulated member: `poll`, at the end of each tick,
+    reads the messages that arrived since the last one."""
+
+    def __init__(self, network: Network, name: str) -> None:
+        self.network = network
+        self.name = name
+        self.handled = 0
+
+    def poll(self, _timeout: float) -> None:
+        self.handled = self.read()
+
+    def read(self) -> int:
+        return self.network.read(self.name)
+
+    def subscribe(self, *_args: Any) -> None:
+        raise NotImplementedError("a simulated member has no descriptors to poll")
+
+    def unsubscribe(self, *_args: Any) -> None:
+        raise NotImplementedError("a simulated member has no descriptors to poll")
+
+
+class SimMember(RaftRules):
+    """The real Raft rules on the simulated network and journal, ticked by the simulator."""
+
+    def __init__(
+        self,
+        network: Network,
+        name: str,
+        journal: SimJournal,
+        *,
+        apply: Callable[[int, bytes], Any],
+        on_tick: Callable[[], None],
+        raft_timeouts: tuple[float, float],
+    ) -> None:
+        self.journal = journal
+        self._apply = apply
+        self._on_tick = on_tick
+        self.transport = SimTransport(network, name)
+        conf = SyncObjConf(
+            autoTick=False,
+            journalFile=f"sim:{name}",
+            logCompactionMinEntries=10**12,
+            logCompactionMinTime=10**12,
+            raftMinTimeout=raft_timeouts[0],
+            raftMaxTimeout=raft_timeouts[1],
+            appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
+            leaderFallbackTimeout=max(2.0, raft_timeouts[1] * 2),
+            appendEntriesBatchSizeBytes=4 * 1024 * 1024,
+            commandsWaitLeader=True,
+        )
+        others = [network.nodes[n] for n in network.names if n != name]
+        super().__init__(network.nodes[name], others, conf, transport=self.transport)
+        self.poller = SimPoller(network, name)
+        self._poller = self.poller
+        self.addOnTickCallback(self._tick_callback)
+
+    def _tick_callback(self) -> None:
+        self.journal.make_durable()  # the no-op of a new term, as RaftMember's tick syncs
+        self.push_commit_index()
+        self._on_tick()
+
+    def apply_raw(self, index: int, payload: bytes) -> Any:
+        return self._apply(index, payload)
+
+    def make_durable(self) -> None:
+        self.journal.make_durable()
+
+
+# ---------------------------------------------------------------------- node
+
+ProposalCallback = Callable[[Reply | None, str | None], None]
+"""(reply, None) when applied here; (None, "not_applied" | "unknown") otherwise."""
+
+
+class SimNode:
+    """One run (incarnation) of a node: a Raft member, its machine, its server duties."""
+
+    def __init__(
+        self,
+        sim: Any,
+        name: str,
+        incarnation: int,
+        journal: SimJournal,
+        *,
+        grace_s: float,
+        raft_timeouts: tuple[float, float],
+        tick_s: float = 0.05,
+    ) -> None:
+        self.sim = sim
+        self.world: World = sim.world
+        self.name = name
+        self.incarnation = incarnation
+        self.variant: Variant = sim.variant
+        self.machine = self.variant.machine()
+        self.replicas = frozenset(sim.names)
+        self.grace_s = grace_s
+        self.tick_us = micros(tick_s)
+        self.consumers: dict[str, SimConsumer] = {}
+        """Consumers connected to this node, by id."""
+        self._downed: set[str] = set()
+        self._pending_duties: set[tuple[str, str]] = set()
+        self._downing: set[str] = set()
+        self.member = SimMember(
+            sim.network,
+            name,
+            journal,
+            apply=self._apply,
+            on_tick=self._on_tick,
+            raft_timeouts=raft_timeouts,
+        )
+        self.replay_until = journal.last_index_at_open
+        self.alive = True
+        self.paused = False
+        self._tick_at: int | None = None
+        self._busy_until = 0
+        self._consumer_counter = 0
+        self.was_leader = False
+
+    # ------------------------------------------------------------------ ticks
+
+    def wake(self, delay_us: int = 0) -> None:
+        """Tick at now + delay, once the last tick's CPU time is over (sooner ticks
+        replace later ones)."""
+        when = max(self.world.now_us + delay_us, self._busy_until)
+        if self._tick_at is not None and self._tick_at <= when:
+            return
+        self._tick_at = when
+        self.world.at(when, self._tick, when)
+
+    def _tick(self, when: int) -> None:
+        if self._tick_at != when:
+            return  # replaced by a sooner tick
+        self._tick_at = None
+        if not self.alive or self.paused:
+            return  # a resumed node is woken again
+        # the wait in the last tick's poll ends: it reads what arrived, then ticks again
+        handled = self.member.poller.read()
+        self.member.doTick(0)
+        handled += self.member.poller.handled
+        self._busy_until = when + TICK_COST_US + PER_MESSAGE_COST_US * handled
+        leader = self.member.is_leader()
+        if leader != self.was_leader:
+            self.was_leader = leader
+            self.sim.on_leadership(self, leader)
+        self.wake(self.tick_us)
+
+    # -------------------------------------------------------------- proposing
+
+    def propose(self, command: Command, callback: ProposalCallback | None) -> None:
+        """Submit a command through this node's member (it forwards to the leader)."""
+        payload = encode_entry(self.world.now_ms, command)
+        if callback is None:
+            self.member.propose(payload, None)
+        else:
+
+            def done(result: Any, reason: int) -> None:
+                if reason == FAIL_REASON.SUCCESS:
+                    callback(result, None)
+                else:
+                    callback(None, "not_applied" if reason in NOT_APPLIED else "unknown")
+
+            self.member.propose(payload, done)
+        self.wake()
+
+    def settle(self, command: Ack | Nack, attempt: int = 1) -> None:
+        """As the real server: propose an ack or nack, and again if a failure lost it
+        (an ack is safe to repeat; a requeueing nack only when surely not applied)."""
+
+        def done(reply: Reply | None, error: str | None) -> None:
+            repeat = error == "not_applied" or (error == "unknown" and isinstance(command, Ack))
+            if repeat and attempt < SETTLE_ATTEMPTS and self.alive:
+                self.settle(command, attempt + 1)
+            elif error == "unknown" and self.variant.retry_unknown_nack and self.alive:
+                self._nack_if_still_held(command, attempt)
+
+        self.propose(command, done)
+
+    def _nack_if_still_held(self, command: Ack | Nack, attempt: int) -> None:
+        """Once this replica has caught up: nack again what the consumer still holds."""
+        if not self.alive or attempt >= SETTLE_ATTEMPTS:
+            return
+        member = self.member
+        if member.raftLastApplied < member.raftCommitIndex or member._getLeader() is None:
+            self.world.after(micros(0.1), self._nack_if_still_held, command, attempt)
+            return
+        if command.queue in self.machine.queues():
+            held = set(self.machine.unacked(command.queue, command.consumer))
+            if set(command.offsets) <= held:
+                self.settle(command, attempt + 1)
+
+    def new_consumer_id(self) -> str:
+        self._consumer_counter += 1
+        return f"{self.name}.{self.incarnation}.{self._consumer_counter}"
+
+    def consumer_gone(self, consumer: str) -> None:
+        """The consumer's connection closed: its messages go back (`Down`)."""
+        self.consumers.pop(consumer, None)
+        self._down(consumer)
+
+    def _down(self, consumer: str) -> None:
+        if consumer in self._downed:
+            return
+        self._downed.add(consumer)
+        if not self.variant.retry_down:
+            self.propose(Down(consumer=consumer), None)
+            return
+
+        def done(_reply: Reply | None, error: str | None) -> None:
+            if error is not None and self.alive:
+                self._downed.discard(consumer)
+                self._down(consumer)
+
+        self.propose(Down(consumer=consumer), done)
+
+    # --------------------------------------------------------------- applying
+
+    def _apply(self, index: int, payload: bytes) -> Reply:
+        try:
+            ts_ms, command = decode_entry(payload)
+        except CodecError as e:
+            return Error(code=ErrorCode.INVALID, message=f"undecodable log entry: {e}")
+        applied = self.machine.apply(Meta(index, ts_ms), command)
+        self.sim.on_applied(self, index, zlib.crc32(payload), command, applied)
+        if applied.effects and index > self.replay_until:
+            mine = self.variant.effect_filter(
+                applied.effects, self.name, proxy=self.member.is_leader(), replicas=self.replicas
+            )
+            if mine:
+                self._route(index, mine)
+        return applied.reply
+
+    def _route(self, index: int, effects: tuple[Effect, ...]) -> None:
+        for e in effects:
+            if type(e) is Deliver:
+                consumer = self.consumers.get(e.consumer)
+                if consumer is None and e.node != self.name:
+                    consumer = self.sim.consumer_by_id(e.consumer)  # proxied by the leader
+                if consumer is None or not consumer.connected:
+                    self._down(e.consumer)
+                    continue
+                self.sim.send_to_client(consumer.receive, self, index, e)
+            elif type(e) is ConsumerDown:
+                self._downed.discard(e.consumer)
+                consumer = self.consumers.pop(e.consumer, None)
+                if consumer is not None:
+                    self.sim.send_to_client(consumer.cancelled, self, e.consumer, e.reason)
+
+    # ---------------------------------------------------------- leader duties
+
+    def _on_tick(self) -> None:
+        if self.variant.down_stale_consumers and self.member.isReady():
+            self._down_stale_consumers()
+        self._leader_duties()
+
+    def _down_stale_consumers(self) -> None:
+        """`Down` for this node's consumers from its earlier runs (their connections died
+        with the process), proposed again until applied."""
+        mine = f"{self.name}.{self.incarnation}."
+        for queue in self.machine.queues():
+            for consumer in self.machine.consumers(queue):
+                if (
+                    consumer.startswith(f"{self.name}.")
+                    and not consumer.startswith(mine)
+                    and consumer not in self._downing
+                ):
+                    self._downing.add(consumer)
+                    self.propose(Down(consumer=consumer), self._down_stale_done(consumer))
+
+    def _down_stale_done(self, consumer: str) -> ProposalCallback:
+        def done(_reply: Reply | None, error: str | None) -> None:
+            if error is not None:
+                self._downing.discard(consumer)  # lost: propose it again next tick
+
+        return done
+
+    def _leader_duties(self) -> None:
+        member = self.member
+        if not member.is_leader() or not member.isReady():
+            return
+        for command in failure_commands(
+            member.peer_silence(), self.machine.down_nodes(), self.grace_s
+        ):
+            key = ("down" if isinstance(command, NodeDown) else "up", command.node)
+            if key not in self._pending_duties:
+                self._pending_duties.add(key)
+                self.sim.on_failure_command(self, command)
+                self.propose(command, lambda _r, _e, key=key: self._pending_duties.discard(key))

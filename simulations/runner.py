@@ -1,0 +1,310 @@
+"""One simulated run from one seed, and sweeps over many seeds.
+
+`run(RunConfig(seed=7))` builds the world, the cluster (N replicas of the real machine
+on the real PySyncObj), the workload, the fault schedule and the checker from the seed,
+plays the phases (faults, heal, drain) and returns a `Result`: counts, faults injected,
+violations, the verdict and the trace hash. The same seed gives the same trace hash in
+any process, under any PYTHONHASHSEED, on Python 3.11+.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import attrs
+
+from .checker import Checker, Violation
+from .cluster import Cluster
+from .faults import Fault, Injector, kinds_of, schedule
+from .history import History
+from .node import REAL, SimNode, Variant
+from .workload import QUEUE, SimConsumer, SimProducer, WorkloadConfig, declare, start_workload
+from .world import US, World, micros, patched_pysyncobj, seconds
+
+STEP_S = 0.01
+"""A step is 10 ms of simulated time; `steps` sets the length of the fault phase."""
+
+
+@attrs.frozen(kw_only=True)
+class RunConfig:
+    seed: int
+    nodes: int = 3
+    faults: str = "default"
+    steps: int = 3000
+    """Length of the fault phase, in 10 ms steps (3000: 30 simulated seconds)."""
+    fault_interval_s: float = 1.2
+    """Mean time between two faults."""
+    drain_s: float = 60.0
+    """Liveness bound: after heal, every confirmed record must be acked within this."""
+    converge_s: float = 120.0
+    """After the drain, every replica must reach the same applied index within this.
+    (PySyncObj repairs a follower's divergent log one entry per heartbeat.)"""
+    grace_s: float = 5.0
+    workload: WorkloadConfig = attrs.field(factory=WorkloadConfig)
+    variant: Variant = REAL
+    stop_at_violation: bool = True
+
+    def replay_command(self) -> str:
+        command = (
+            f"python -m simulations run --seed {self.seed} --nodes {self.nodes} "
+            f"--faults {self.faults} --steps {self.steps}"
+        )
+        if self.fault_interval_s != attrs.fields(RunConfig).fault_interval_s.default:
+            command += f" --fault-interval {self.fault_interval_s:g}"
+        if self.workload.rate != WorkloadConfig().rate:
+            command += f" --rate {self.workload.rate:g}"
+        if self.variant is not REAL:
+            command += f"  (variant: {self.variant.name})"
+        return command
+
+
+@attrs.frozen(kw_only=True)
+class Result:
+    config: RunConfig
+    sim_s: float
+    wall_s: float
+    faults: dict[str, int]
+    skipped_faults: dict[str, int]
+    counts: dict[str, int]
+    violations: tuple[Violation, ...]
+    violation_count: int
+    trace_hash: str
+    leader_changes: int
+    deliveries: int
+    redeliveries: int
+    raft_messages: int
+    events: int
+    drained_after_s: float | None
+    schedule: tuple[Fault, ...]
+    end_state: tuple[str, ...]
+    raft_log: dict[str, int]
+    converged_after_s: float
+    """PySyncObj's own warnings during the run, by message (kept out of the output)."""
+    history: Any = attrs.field(eq=False, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.violation_count == 0
+
+    @property
+    def fault_count(self) -> int:
+        return sum(self.faults.values())
+
+    def summary(self) -> str:
+        c = self.counts
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
+        lines = [
+            f"seed {self.config.seed}: {self.config.nodes} nodes, faults {self.config.faults}, "
+            f"variant {self.config.variant.name}",
+            f"simulated {self.sim_s:.1f} s in {self.wall_s:.1f} s wall "
+            f"({self.sim_s / max(self.wall_s, 1e-9):.0f}x), {self.events} events, "
+            f"{self.raft_messages} Raft messages, {self.leader_changes} leaderships",
+            f"faults ({self.fault_count}): {faults}",
+            f"records: published {c['published']}, confirmed {c['confirmed']}, "
+            f"received {c['received']}, acked {c['acked']}; deliveries {self.deliveries} "
+            f"({self.redeliveries} redelivered)",
+            f"lost {c['lost']}, unexpected {c['unexpected']}, duplicated {c['duplicated']}, "
+            f"recovered {c['recovered']}, unsettled {c['unsettled']}",
+            (
+                f"drained {self.drained_after_s:.1f} s after heal"
+                if self.drained_after_s is not None
+                else "not drained"
+            )
+            + f"; replicas converged {self.converged_after_s:.1f} s later",
+            f"trace {self.trace_hash}",
+        ]
+        for message, n in self.raft_log.items():
+            lines.append(f"PySyncObj logged {n}x: {message}")
+        if self.ok:
+            lines.append("verdict: PASS")
+        else:
+            lines.append(f"verdict: FAIL ({self.violation_count} violations)")
+            for v in self.violations[:10]:
+                lines.append(f"  {v.at_s:8.3f}s {v.kind}: {v.detail}")
+            lines.append("end state:")
+            lines += [f"  {line}" for line in self.end_state]
+            lines.append(f"replay: {self.config.replay_command()}")
+        return "\n".join(lines)
+
+
+def run(config: RunConfig) -> Result:
+    """Play one seed: faults, heal, drain; check everything; return the result."""
+    started = time.perf_counter()
+    world = World(config.seed)
+    cluster = Cluster(world, config.nodes, variant=config.variant, grace_s=config.grace_s)
+    checker = Checker(world)
+    history = History(world, cluster.names, QUEUE)
+    cluster.observers += [checker, history]
+    stop: Callable[[], bool] = (
+        (lambda: checker.violation_count > 0) if config.stop_at_violation else (lambda: False)
+    )
+    drained_at: int | None = None
+    raft_log = _CountingHandler()
+    with patched_pysyncobj(world, cluster.create_journal), raft_log.attached():
+        for name in cluster.names:
+            cluster.start(name)
+        declare(cluster)
+        world.run_until(30 * US, lambda: QUEUE in _queues(cluster))
+        clients = start_workload(cluster, checker, config.workload)
+        consumers = [c for c in clients if isinstance(c, SimConsumer)]
+        producers = [c for c in clients if isinstance(c, SimProducer)]
+        injector = Injector(cluster, consumers, history)
+        fault_phase_s = config.steps * STEP_S
+        faults = schedule(
+            world.stream("faults"),
+            kinds_of(config.faults),
+            cluster.names,
+            len(consumers),
+            duration_s=fault_phase_s,
+            mean_interval_s=config.fault_interval_s,
+        )
+        start = world.now_us
+        injector.play([attrs.evolve(f, at_s=f.at_s + seconds(start)) for f in faults])
+        heal_at = start + micros(fault_phase_s)
+        world.run_until(heal_at, stop)
+        injector.heal()
+        for p in producers:
+            p.producing = False
+        for c in consumers:
+            c.slow = False  # slowness is a fault too: it ends with the heal
+        drained = [False]
+
+        def probe() -> None:
+            if all(not p.unconfirmed for p in producers) and checker.settled_all():
+                drained[0] = True
+            else:
+                world.after(micros(0.25), probe)
+
+        probe()
+        world.run_until(heal_at + micros(config.drain_s), lambda: drained[0] or stop())
+        if drained[0]:
+            drained_at = world.now_us
+        converged = [False]
+
+        def converge_probe() -> None:
+            applied = {n.machine.last_index for n in cluster.running()}
+            if len(applied) == 1 and not any(
+                n.member.raftCommitIndex > min(applied) for n in cluster.running()
+            ):
+                converged[0] = True
+            else:
+                world.after(micros(0.25), converge_probe)
+
+        end = world.now_us
+        converge_probe()
+        world.run_until(end + micros(config.converge_s), lambda: converged[0] or stop())
+        converged_after = seconds(world.now_us - end)
+        counts = checker.finish(cluster.running(), drained[0])
+        end_state = tuple(describe_node(n) for n in cluster.running())
+    return Result(
+        config=config,
+        sim_s=seconds(world.now_us),
+        wall_s=time.perf_counter() - started,
+        faults=dict(sorted(injector.injected.items())),
+        skipped_faults=dict(sorted(injector.skipped.items())),
+        counts=counts,
+        violations=tuple(checker.violations),
+        violation_count=checker.violation_count,
+        trace_hash=world.trace_hash(),
+        leader_changes=history.leader_changes,
+        deliveries=checker.deliveries,
+        redeliveries=checker.redeliveries,
+        raft_messages=cluster.network.sent,
+        events=world.events_run,
+        drained_after_s=None if drained_at is None else seconds(drained_at - heal_at),
+        schedule=tuple(faults),
+        end_state=end_state,
+        raft_log=dict(sorted(raft_log.counts.items())),
+        converged_after_s=converged_after,
+        history=history,
+    )
+
+
+def describe_node(node: SimNode) -> str:
+    """One line: the node's Raft and queue state (for a failed run's report)."""
+    m, machine = node.member, node.machine
+    status = m.getStatus()
+    line = (
+        f"{node.name}#{node.incarnation}: state {status['state']} term {status['raft_term']} "
+        f"leader {status['leader']} commit {status['commit_idx']} applied "
+        f"{status['last_applied']} log {status['log_len']}"
+    )
+    if QUEUE in machine.queues():
+        stats = machine.stats(QUEUE)
+        line += (
+            f"; {QUEUE}: ready {stats.ready} unacked {stats.unacked} consumers "
+            f"{list(machine.consumers(QUEUE))} SQ {list(machine.service_queue(QUEUE))} "
+            f"down {sorted(machine.down_nodes())}"
+        )
+    return line
+
+
+def _queues(cluster: Cluster) -> Iterable[str]:
+    leader = cluster.leader()
+    return leader.machine.queues() if leader is not None else ()
+
+
+class _CountingHandler(logging.Handler):
+    """Counts PySyncObj's warnings during a run instead of printing them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage().split(" from index")[0]
+        self.counts[message] = self.counts.get(message, 0) + 1
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[None]:
+        log = logging.getLogger("pysyncobj")
+        propagate = log.propagate
+        log.addHandler(self)
+        log.propagate = False
+        try:
+            yield
+        finally:
+            log.removeHandler(self)
+            log.propagate = propagate
+
+
+@attrs.frozen(kw_only=True)
+class Outcome:
+    """What a sweep keeps of a run (it crosses process boundaries)."""
+
+    seed: int
+    ok: bool
+    sim_s: float
+    wall_s: float
+    faults: int
+    trace_hash: str
+    summary: str
+
+
+def outcome(config: RunConfig) -> Outcome:
+    result = run(config)
+    return Outcome(
+        seed=config.seed,
+        ok=result.ok,
+        sim_s=result.sim_s,
+        wall_s=result.wall_s,
+        faults=result.fault_count,
+        trace_hash=result.trace_hash,
+        summary=result.summary(),
+    )
+
+
+def sweep(configs: Iterable[RunConfig], jobs: int = 1) -> Iterator[Outcome]:
+    """Run configs, yielding outcomes in config order (in `jobs` processes). The caller
+    stops at the first failure."""
+    if jobs <= 1:
+        for config in configs:
+            yield outcome(config)
+        return
+    with ProcessPoolExecutor(jobs) as pool:
+        yield from pool.map(outcome, configs)

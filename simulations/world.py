@@ -1,0 +1,125 @@
+"""The simulated world every part of a run shares: one clock, one event queue, seeded
+random streams and the trace hash.
+
+Nothing here reads the real clock or the OS's randomness. Time is an integer count of
+microseconds (no float drift); events at the same time run in the order they were
+scheduled. Each part of a run (Raft's election timeouts, the network, the workload, the
+faults) draws from its own `random.Random`, derived from the run's seed, so changing
+one part's draws does not reshuffle the others.
+
+`patched_pysyncobj(world)` points PySyncObj's clock and random module at the world for
+the duration of a run, and restores them after: the simulator runs the real PySyncObj.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pysyncobj.dns_resolver
+import pysyncobj.syncobj
+import pysyncobj.tcp_connection
+import pysyncobj.transport
+
+US = 1_000_000
+"""Microseconds per second."""
+
+_CLOCK_MODULES = (
+    pysyncobj.syncobj,
+    pysyncobj.transport,
+    pysyncobj.tcp_connection,
+    pysyncobj.dns_resolver,
+)
+
+
+def seconds(us: int) -> float:
+    return us / US
+
+
+def micros(s: float) -> int:
+    return round(s * US)
+
+
+class World:
+    """Clock, event queue, random streams and trace of one simulated run."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.now_us = 0
+        self._queue: list[tuple[int, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._counter = 0
+        self.events_run = 0
+        self.raft_random = self.stream("raft")
+        self._trace = hashlib.sha256()
+        self.trace_lines = 0
+
+    def stream(self, name: str) -> random.Random:
+        """A random stream for one part of the run, fixed by the seed and the name."""
+        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+        return random.Random(int.from_bytes(digest[:8], "big"))
+
+    # ------------------------------------------------------------------ clock
+
+    def monotonic(self) -> float:
+        """The clock PySyncObj reads (seconds)."""
+        return self.now_us / US
+
+    @property
+    def now_ms(self) -> int:
+        return self.now_us // 1000
+
+    # ----------------------------------------------------------------- events
+
+    def at(self, when_us: int, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` at simulated time `when_us` (never before now)."""
+        self._counter += 1
+        heapq.heappush(self._queue, (max(when_us, self.now_us), self._counter, fn, args))
+
+    def after(self, delay_us: int, fn: Callable[..., None], *args: Any) -> None:
+        self.at(self.now_us + delay_us, fn, *args)
+
+    def run_until(self, until_us: int, stop: Callable[[], bool] | None = None) -> None:
+        """Run events up to `until_us` (or until `stop()` says so, checked between events)."""
+        queue = self._queue
+        while queue and queue[0][0] <= until_us:
+            when, _, fn, args = heapq.heappop(queue)
+            self.now_us = when
+            self.events_run += 1
+            fn(*args)
+            if stop is not None and stop():
+                return
+        self.now_us = max(self.now_us, until_us)
+
+    # ------------------------------------------------------------------ trace
+
+    def trace(self, line: str) -> None:
+        """Add one event to the run's trace hash (same seed, same hash, anywhere)."""
+        self._trace.update(f"{self.now_us} {line}\n".encode())
+        self.trace_lines += 1
+
+    def trace_hash(self) -> str:
+        return self._trace.hexdigest()
+
+
+@contextlib.contextmanager
+def patched_pysyncobj(world: World, create_journal: Callable[[str], Any]) -> Iterator[None]:
+    """PySyncObj on the world's clock and random stream, with journals from
+    `create_journal`, until the block ends."""
+    saved_clocks = [(m, m.monotonicTime) for m in _CLOCK_MODULES]
+    saved_random = pysyncobj.syncobj.random
+    saved_journal = pysyncobj.syncobj.createJournal
+    try:
+        for module, _ in saved_clocks:
+            module.monotonicTime = world.monotonic
+        pysyncobj.syncobj.random = world.raft_random
+        pysyncobj.syncobj.createJournal = create_journal
+        yield
+    finally:
+        for module, clock in saved_clocks:
+            module.monotonicTime = clock
+        pysyncobj.syncobj.random = saved_random
+        pysyncobj.syncobj.createJournal = saved_journal
