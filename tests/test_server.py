@@ -30,15 +30,21 @@ def _config(root: Path) -> NodeConfig:
     return NodeConfig(replica=replica, listen_port=0)
 
 
-async def _serve(root: Path, body: object) -> None:
-    server = NodeServer(_config(root))
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(server.serve)
-        host, port = listeners[0].socket.getsockname()[:2]
-        try:
-            await body(f"{host}:{port}")  # type: ignore[operator]
-        finally:
-            nursery.cancel_scope.cancel()
+def _serve_with(server: NodeServer, body: object) -> None:
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(server.serve)
+            host, port = listeners[0].socket.getsockname()[:2]
+            try:
+                await body(f"{host}:{port}")  # type: ignore[operator]
+            finally:
+                nursery.cancel_scope.cancel()
+
+    trio.run(run)
+
+
+def _serve(root: Path, body: object) -> None:
+    _serve_with(NodeServer(_config(root)), body)
 
 
 def test_a_one_node_group_serves_publish_subscribe_and_status(tmp_path: Path) -> None:
@@ -57,7 +63,7 @@ def test_a_one_node_group_serves_publish_subscribe_and_status(tmp_path: Path) ->
                 status = await client.status()
                 assert status["node"] == "solo" and status["is_leader"]
 
-    trio.run(_serve, tmp_path, body)
+    _serve(tmp_path, body)
 
 
 @settings(
@@ -79,7 +85,7 @@ def test_random_bytes_never_take_the_server_down(tmp_path: Path, garbage: list[b
                 assert (await client.status())["node"] == "solo"
 
     root = tmp_path / f"run-{abs(hash(tuple(garbage)))}"
-    trio.run(_serve, root, body)
+    _serve(root, body)
 
 
 def test_a_down_lost_on_its_way_to_the_log_is_proposed_again(tmp_path: Path) -> None:
@@ -112,29 +118,7 @@ def test_a_down_lost_on_its_way_to_the_log_is_proposed_again(tmp_path: Path) -> 
                 assert again is not None and again.body == b"held" and again.redelivered
         assert lost
 
-    async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(server.serve)
-            host, port = listeners[0].socket.getsockname()[:2]
-            try:
-                await body(f"{host}:{port}")
-            finally:
-                nursery.cancel_scope.cancel()
-
-    trio.run(run)
-
-
-def _serve_with(server: NodeServer, body: object) -> None:
-    async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(server.serve)
-            host, port = listeners[0].socket.getsockname()[:2]
-            try:
-                await body(f"{host}:{port}")  # type: ignore[operator]
-            finally:
-                nursery.cancel_scope.cancel()
-
-    trio.run(run)
+    _serve_with(server, body)
 
 
 def test_a_nack_whose_outcome_is_lost_is_sent_again_only_if_it_did_not_land(

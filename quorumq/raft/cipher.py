@@ -33,6 +33,23 @@ _SALT = b"quorumq raft traffic v1"
 _ITERATIONS = 200_000
 
 
+class ThrottledWarning:
+    """A warning logged at most once every `every_s` seconds: a peer that keeps knocking
+    with the wrong secret makes one line, not a flood."""
+
+    def __init__(self, log: logging.Logger, message: str, every_s: float = 5.0) -> None:
+        self._log = log
+        self._message = message
+        self._every_s = every_s
+        self._last = -every_s
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self._last > self._every_s:
+            self._last = now
+            self._log.warning(self._message)
+
+
 class AuthenticationError(ValueError):
     """Data that this cluster secret did not seal (another secret, or tampered with)."""
 
@@ -44,7 +61,11 @@ class RaftCipher:
         keys = hashlib.pbkdf2_hmac("sha256", secret.encode(), _SALT, _ITERATIONS, dklen=64)
         self._cipher = algorithms.AES(keys[:32])
         self._mac_key = keys[32:]
-        self._last_warning = 0.0
+        self._refused = ThrottledWarning(
+            logger,
+            "refused Raft traffic that failed authentication: a peer uses another "
+            "cluster secret (or is not a quorumq node); connection dropped",
+        )
 
     def encrypt_at_time(self, data: bytes, timestamp: int) -> bytes:
         iv = os.urandom(16)
@@ -73,12 +94,3 @@ class RaftCipher:
             raise AuthenticationError("the message failed authentication")
         decryptor = Cipher(self._cipher, modes.CTR(sealed[9:_HEADER])).decryptor()
         return decryptor.update(sealed[_HEADER:]) + decryptor.finalize()
-
-    def _refused(self) -> None:
-        now = time.monotonic()
-        if now - self._last_warning > 5.0:
-            self._last_warning = now
-            logger.warning(
-                "refused Raft traffic that failed authentication: a peer uses another "
-                "cluster secret (or is not a quorumq node); connection dropped"
-            )

@@ -43,7 +43,7 @@ from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.tcp_connection import TcpConnection
 from pysyncobj.transport import TCPTransport
 
-from .cipher import RaftCipher
+from .cipher import RaftCipher, ThrottledWarning
 from .journal import DurableJournal, fsync_directory
 from .rules import MAX_COMMAND_BYTES, RAW_COMMAND, RaftRules, decode_snapshot, encode_snapshot
 
@@ -72,10 +72,13 @@ class _Transport(TCPTransport):  # type: ignore[misc]
     dialling side, that is a connection accepted and then closed before the peer's key
     came back: log it, so the node with the wrong secret says so whichever side dials."""
 
-    _last_warning = 0.0
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._handshaking: set[int] = set()
+        self._hung_up = ThrottledWarning(
+            logger,
+            "a Raft peer hung up during the handshake: it failed authentication: "
+            "a peer uses another cluster secret (or is not a quorumq node)",
+        )
         super().__init__(*args, **kwargs)
 
     def _onOutgoingConnected(self, conn: Any) -> None:
@@ -90,13 +93,7 @@ class _Transport(TCPTransport):  # type: ignore[misc]
     def _onDisconnected(self, conn: Any) -> None:
         if id(conn) in self._handshaking:
             self._handshaking.discard(id(conn))
-            now = time.monotonic()
-            if now - self._last_warning > 5.0:
-                self._last_warning = now
-                logger.warning(
-                    "a Raft peer hung up during the handshake: it failed authentication: "
-                    "a peer uses another cluster secret (or is not a quorumq node)"
-                )
+            self._hung_up()
         super()._onDisconnected(conn)
 
 
