@@ -26,10 +26,11 @@ import argparse
 import collections
 import contextlib
 import random
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -279,18 +280,21 @@ def run_chaos(
             w.start()
 
         started = time.monotonic()
-        while time.monotonic() - started < duration_s:
-            time.sleep(rng.uniform(1.0, 5.0))
-            kind = rng.choices(
-                ["kill_leader", "kill_node", "pause_node", "kill_consumer"],
-                weights=[35, 20, 25, 20],
-            )[0]
-            try:
-                _inject(cluster, slots, kind, rng, node_down_grace, log)
-            except Exception as e:  # a fault that could not be injected is not counted
-                log(f"  fault {kind} not injected: {e}")
-                continue
-            faults[kind] += 1
+        interrupted = threading.Event()
+        with _stop_on_interrupt(interrupted, log):
+            while time.monotonic() - started < duration_s and not interrupted.is_set():
+                if interrupted.wait(rng.uniform(1.0, 5.0)):
+                    break
+                kind = rng.choices(
+                    ["kill_leader", "kill_node", "pause_node", "kill_consumer"],
+                    weights=[35, 20, 25, 20],
+                )[0]
+                try:
+                    _inject(cluster, slots, kind, rng, node_down_grace, log)
+                except Exception as e:  # a fault that could not be injected is not counted
+                    log(f"  fault {kind} not injected: {e}")
+                    continue
+                faults[kind] += 1
         faulted_s = time.monotonic() - started
 
         for w in workers:
@@ -327,6 +331,26 @@ def run_chaos(
         replicas_agree=replicas_agree,
         drained=drained,
     )
+
+
+@contextlib.contextmanager
+def _stop_on_interrupt(interrupted: threading.Event, log: Callable[[str], None]) -> Iterator[None]:
+    """Ctrl-C ends the fault phase (the run still heals, drains and reports); a second
+    Ctrl-C interrupts as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_interrupt(_signum: int, _frame: object) -> None:
+        log("  interrupted: no more faults; healing and draining (Ctrl-C again to abort)")
+        interrupted.set()
+        signal.signal(signal.SIGINT, previous)
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _inject(
