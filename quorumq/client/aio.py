@@ -14,7 +14,6 @@ subscribes the consumers again.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager, suppress
@@ -36,6 +35,7 @@ from .core import (
     read_continues_at,
     read_frame,
     read_result,
+    report_node_error,
 )
 from .session import (
     REWIND_DELAY,
@@ -48,8 +48,6 @@ from .session import (
     Resubscribe,
     RewindLater,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class _Answer:
@@ -180,7 +178,7 @@ class AsyncClient:
                 while True:
                     for frame in decoder.frames():
                         if frame["t"] == "error" and not isinstance(frame.get("id"), int):
-                            logger.warning("node reports %s: %s", frame["code"], frame["message"])
+                            report_node_error(frame)
                             continue
                         self._handle(self._session.receive(frame))
                     data = await stream.receive_some(262144)

@@ -31,6 +31,7 @@ from .core import (
     read_continues_at,
     read_frame,
     read_result,
+    report_node_error,
 )
 from .session import (
     REWIND_DELAY,
@@ -196,7 +197,7 @@ class Client:
                 try:
                     for frame in decoder.frames():
                         if frame["t"] == "error" and not isinstance(frame.get("id"), int):
-                            logger.warning("node reports %s: %s", frame["code"], frame["message"])
+                            report_node_error(frame)
                             continue
                         with self._lock:
                             events = self._session.receive(frame)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -10,6 +11,8 @@ import attrs
 
 from ..machine.views import StreamMessage
 from ..protocol import PROTOCOL_VERSION, ProtocolError, auth_proof
+
+logger = logging.getLogger("quorumq.client")
 
 RETRIABLE = frozenset({"not_applied", "outcome_unknown"})
 """Error codes after which resending the same (producer, seq) is safe and right."""
@@ -229,3 +232,13 @@ def parse_endpoints(endpoints: str | list[str] | tuple[str, ...]) -> list[tuple[
     if not parsed:
         raise ValueError("no endpoints given")
     return parsed
+
+
+def report_node_error(frame: dict[str, Any]) -> None:
+    """Log an error frame that answers no request (acks and nacks carry no id). A settle
+    refused because its consumer is gone is expected after a failover: the message
+    comes back to the queue anyway, so it is not worth a warning."""
+    if frame.get("code") == "settle_failed":
+        logger.info("the node refused an ack or nack: %s", frame["message"])
+    else:
+        logger.warning("node reports %s: %s", frame["code"], frame["message"])
