@@ -9,7 +9,10 @@ that are its own to run and hands them to `on_effects`:
 
 Effects are not run for entries replayed from this node's journal at start-up (they
 may have run before the crash; the consumer connections they name are gone), so
-effects run at most once per process, and clients tolerate a redelivery.
+effects run at most once per process, and clients tolerate a redelivery. Only entries
+that are still the ones on disk at start-up count as replayed: a node that led before
+its restart may hold an uncommitted tail that the new leader's log replaces, and the
+entries that replace it (say, a delivery to a consumer that just connected here) are new.
 
 `on_effects` runs on the Raft thread: hand the work over (trio token, bounded queue),
 never block there. The machine is only mutated on that thread, under `lock`; other
@@ -224,8 +227,12 @@ class Replica:
             raft_timeouts=config.raft_timeouts,
             compaction_entries=config.compaction_entries,
         )
-        self.replay_until = self.member.journal.last_index_at_open
-        """Log entries up to this index are replayed from this node's journal: no effects."""
+
+    @property
+    def replay_until(self) -> int:
+        """Log entries up to this index are replayed from this node's journal: no effects.
+        It drops when the journal is truncated: an entry that replaces one of ours is new."""
+        return self.member.journal.replay_until
 
     # -------------------------------------------------------------- proposing
 

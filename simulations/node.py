@@ -111,12 +111,16 @@ class SimJournal:
         self.commit_index = 1
         self._stored_commit_index = 1
         self.last_index_at_open = 0
+        self.replay_until = 0
+        """As the real journal's: entries up to here were on disk at start-up and still
+        are. A truncation or a clear lowers it."""
 
     def reopen(self) -> SimJournal:
         """The journal a restarted node finds: what was durable, and nothing else."""
         del self.entries[self.durable_count :]
         self.commit_index = self._stored_commit_index
         self.last_index_at_open = self.entries[-1][1] if self.entries else 0
+        self.replay_until = self.last_index_at_open
         return self
 
     def make_durable(self) -> None:
@@ -126,10 +130,13 @@ class SimJournal:
         self.entries.append((bytes(command), idx, term))
 
     def clear(self) -> None:
+        self.replay_until = 0
         self.entries = []
         self.durable_count = 0
 
     def deleteEntriesFrom(self, entry_from: int) -> None:
+        if entry_from < len(self.entries):
+            self.replay_until = min(self.replay_until, self.entries[entry_from][1] - 1)
         del self.entries[entry_from:]
         self.durable_count = min(self.durable_count, len(self.entries))
 
@@ -280,13 +287,18 @@ class SimNode:
             on_tick=self._on_tick,
             raft_timeouts=raft_timeouts,
         )
-        self.replay_until = journal.last_index_at_open
         self.alive = True
         self.paused = False
         self._tick_at: int | None = None
         self._busy_until = 0
         self._consumer_counter = 0
         self.was_leader = False
+
+    @property
+    def replay_until(self) -> int:
+        """Entries up to here are replayed from this node's own journal: no effects (as
+        `Replica.replay_until`, which drops when the journal is truncated)."""
+        return self.member.journal.replay_until
 
     # ------------------------------------------------------------------ ticks
 

@@ -133,6 +133,42 @@ def test_restart_from_data_dirs_restores_state_without_replaying_effects(
     assert reply == Enqueued(offset=0, count=20, duplicate=True)  # the retry is recognised
 
 
+def test_entries_that_replace_a_restarted_leaders_uncommitted_tail_run_their_effects(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulator (seeds 24, 155): a leader cut off from its followers takes
+    proposals it cannot commit, and is restarted with them on disk. The new leader's log
+    replaces that tail; the entries in its place were treated as replayed (their index
+    was below the journal's end at start-up), so a delivery to a consumer connected to
+    the restarted node was never sent, and the live consumer held it, and its key,
+    forever."""
+    cluster = Cluster(tmp_path, node_down_grace_s=60.0)
+    try:
+        old = cluster.leader()
+        cluster.replicas[old.node_id].submit(Declare(queue="q"))
+        wait_for(cluster.converged, "convergence")
+        followers = [n for n in "ABC" if n != old.node_id]
+        for node in followers:
+            cluster.stop(node)
+        end = old.member.journal[-1][1]
+        for i in range(20):  # appended, never committed: no follower answers
+            old.propose(Enqueue(queue="q", body=b"lost %d" % i))
+        wait_for(lambda: old.member.journal[-1][1] >= end + 20, "the uncommitted tail on disk")
+        cluster.stop(old.node_id)
+        for node in followers:
+            cluster.start(node)
+        new = cluster.leader()
+        new.submit(Subscribe(queue="q", consumer="here", node=old.node_id))
+        assert new.submit(Enqueue(queue="q", body=b"kept")) == Enqueued(offset=0)
+        restarted = cluster.start(old.node_id)
+        assert restarted.member.journal.last_index_at_open >= end + 20
+        assert new.status()["commit_index"] < end + 20  # the delivery replaces the tail
+        wait_for(cluster.converged, "the restarted node caught up")
+        assert deliveries(cluster.executed[old.node_id]) == [("here", 0)]
+    finally:
+        cluster.close()
+
+
 def test_state_survives_log_compaction_and_restart(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, compaction_entries=30)
     try:

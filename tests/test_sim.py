@@ -21,11 +21,12 @@ from simulations.workload import WorkloadConfig
 from simulations.world import World
 
 CI_SEEDS = range(200)
-OPEN_FAILURES = {24, 155}
-"""Seeds of the CI sweep that fail today, not yet diagnosed: confirmed records never
-reach a consumer although the queue ends empty ("lost"). Replay with
-`python -m simulations run --seed 24 --steps 2400 --fault-interval 0.6 --rate 10`.
-The sweep test fails if this set changes either way (a new failure, or a fix)."""
+OPEN_FAILURES: set[int] = set()
+"""Seeds of the CI sweep that fail today, not yet diagnosed. Replay one with
+`python -m simulations run --seed N --steps 2400 --fault-interval 0.6 --rate 10`.
+The sweep test fails if this set changes either way (a new failure, or a fix).
+(24 and 155 failed until a restarted ex-leader ran the effects of the entries that
+replaced its uncommitted journal tail: see `DurableJournal.replay_until`.)"""
 CI_WORKLOAD = WorkloadConfig(rate=10)
 
 

@@ -76,7 +76,11 @@ class DurableJournal:
         self._meta_dirty = False
         self._fd = self._open()
         self.last_index_at_open = self._entries[-1][1] if self._entries else 0
-        """Entries up to here were on disk before this process: applying them is replay."""
+        self.replay_until = self.last_index_at_open
+        """Entries up to here were on disk before this process and still are: applying
+        them is replay. A truncation lowers it, since what a leader writes in place of a
+        truncated entry is a new entry (a restarted ex-leader's uncommitted tail is
+        replaced by the new leader's log), and so does `clear` (a snapshot install)."""
 
     # ------------------------------------------------------------------ files
 
@@ -142,6 +146,7 @@ class DurableJournal:
         self._dirty = True
 
     def clear(self) -> None:
+        self.replay_until = 0
         os.ftruncate(self._fd, 4)
         self._entries = []
         self._ends = []
@@ -150,6 +155,7 @@ class DurableJournal:
     def deleteEntriesFrom(self, entry_from: int) -> None:
         if entry_from >= len(self._entries):
             return
+        self.replay_until = min(self.replay_until, self._entries[entry_from][1] - 1)
         os.ftruncate(self._fd, self._ends[entry_from - 1] if entry_from else 4)
         del self._entries[entry_from:]
         del self._ends[entry_from:]
