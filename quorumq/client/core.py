@@ -183,9 +183,16 @@ def check_hello_answer(answer: dict[str, Any]) -> None:
 
 
 def read_frame(
-    queue: str, position: int, end: int, bucket: int | None, buckets: int | None
+    queue: str,
+    position: int,
+    end: int,
+    bucket: int | None,
+    buckets: int | None,
+    wait: float | None = None,
 ) -> dict[str, Any]:
-    return {
+    """A `read` request; with `wait` (seconds) the node waits that long for its replica
+    to apply the whole range, and answers `lagging` if it cannot."""
+    frame: dict[str, Any] = {
         "t": "read",
         "queue": queue,
         "start": position,
@@ -193,6 +200,9 @@ def read_frame(
         "bucket": bucket,
         "buckets": buckets,
     }
+    if wait is not None:
+        frame["wait_ms"] = round(wait * 1000)
+    return frame
 
 
 def read_continues_at(reply: dict[str, Any], position: int, end: int) -> int | None:

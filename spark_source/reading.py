@@ -1,0 +1,153 @@
+"""Reading a range of a queue's stream view into Arrow, on whichever node answers.
+
+This is what runs in Spark's executors, on a pickled copy of the reader: everything it
+needs travels in the `BucketRange` partition, and it keeps no state between calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import StructType
+
+import quorumq
+from quorumq.client import QuorumqError, ReadResult, ServerError
+
+from .options import ReadOptions
+
+logger = logging.getLogger(__name__)
+
+ARROW_BATCH_ROWS = 50_000
+"""Rows per Arrow record batch handed to Spark."""
+
+
+class DataLossError(RuntimeError):
+    """Offsets a query was to read were trimmed by the queue's retention first."""
+
+
+class BucketRange(InputPartition):  # type: ignore[misc]
+    """One input partition: offsets [start, end) of the queue, key bucket `bucket` of
+    `buckets`. Rows of one key share a bucket, so they stay in offset order here."""
+
+    def __init__(self, options: ReadOptions, start: int, end: int, bucket: int, buckets: int):
+        super().__init__(bucket)
+        self.options = options
+        self.start = start
+        self.end = end
+        self.bucket = bucket
+        self.buckets = buckets
+
+    def __repr__(self) -> str:
+        return (
+            f"BucketRange({self.options.queue!r}, [{self.start}, {self.end}), "
+            f"bucket {self.bucket} of {self.buckets})"
+        )
+
+
+def plan(options: ReadOptions, start: int, end: int, buckets: int) -> list[BucketRange]:
+    """One partition per key bucket; none for an empty range."""
+    if end <= start:
+        return []
+    return [BucketRange(options, start, end, b, buckets) for b in range(buckets)]
+
+
+def rotated(endpoints: Sequence[str], first: int) -> list[str]:
+    """Endpoints starting at `first` (mod their count): partitions spread over replicas."""
+    n = len(endpoints)
+    return [endpoints[(first + i) % n] for i in range(n)]
+
+
+def read_range(
+    options: ReadOptions,
+    start: int,
+    end: int,
+    bucket: int | None = None,
+    buckets: int | None = None,
+    *,
+    prefer: int = 0,
+) -> ReadResult:
+    """The committed messages of [start, end) (a range some node reported as committed),
+    whole, from the first node that has them; a node that lags or is down is skipped."""
+    errors = []
+    for endpoint in rotated(options.endpoints, prefer):
+        try:
+            with quorumq.connect([endpoint], options.token, connect_timeout=5.0) as client:
+                return client.read(
+                    options.queue, start, end, bucket, buckets, wait=options.read_wait_seconds
+                )
+        except ServerError as e:
+            if e.code not in ("lagging", "not_applied", "outcome_unknown"):
+                raise
+            errors.append(f"{endpoint}: {e}")
+        except QuorumqError as e:
+            errors.append(f"{endpoint}: {e}")
+    raise QuorumqError(
+        f"no node could serve offsets [{start}, {end}) of queue {options.queue!r}: "
+        + "; ".join(errors)
+    )
+
+
+def check_retained(options: ReadOptions, start: int, end: int, first_retained: int) -> None:
+    """Fail (or, with failOnDataLoss=false, log) when retention trimmed part of a range."""
+    if first_retained <= start or start >= end:
+        return
+    lost_until = min(first_retained, end)
+    message = (
+        f"offsets [{start}, {lost_until}) of queue {options.queue!r} were trimmed by the "
+        f"queue's retention before this query read them (the queue now starts at offset "
+        f"{first_retained})"
+    )
+    if options.fail_on_data_loss:
+        raise DataLossError(
+            message + "; set the option failOnDataLoss=false to skip them and go on"
+        )
+    logger.warning("%s; skipped (failOnDataLoss=false)", message)
+
+
+def arrow_batches(
+    result: ReadResult, options: ReadOptions, bucket: int, schema: StructType
+) -> Iterator[pa.RecordBatch]:
+    """The rows as Arrow record batches matching `schema` exactly."""
+    arrow_schema = to_arrow_schema(schema, timezone="UTC")
+    messages = result.messages
+    for lo in range(0, len(messages), ARROW_BATCH_ROWS):
+        chunk = messages[lo : lo + ARROW_BATCH_ROWS]
+        n = len(chunk)
+        columns: dict[str, Any] = {
+            "offset": [m.offset for m in chunk],
+            "key": [m.key for m in chunk],
+            "value": [m.body for m in chunk],
+            "timestamp": pa.array([m.ts_ms * 1000 for m in chunk], pa.int64()),
+            "queue": [options.queue] * n,
+            "partition": [bucket] * n,
+        }
+        if "headers" in arrow_schema.names:
+            columns["headers"] = [list(m.headers.items()) if m.headers else None for m in chunk]
+        arrays = []
+        for field in arrow_schema:
+            data = columns[field.name]
+            if isinstance(data, pa.Array):
+                arrays.append(data.cast(field.type))
+            else:
+                arrays.append(pa.array(data, type=field.type))
+        yield pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
+
+
+def read_partition(partition: BucketRange, schema: StructType) -> Iterator[pa.RecordBatch]:
+    """An input partition's rows, in offset order (executor side)."""
+    options = partition.options
+    result = read_range(
+        options,
+        partition.start,
+        partition.end,
+        partition.bucket,
+        partition.buckets,
+        prefer=partition.bucket,
+    )
+    check_retained(options, partition.start, partition.end, result.first_retained)
+    yield from arrow_batches(result, options, partition.bucket, schema)
