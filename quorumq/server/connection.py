@@ -438,15 +438,15 @@ class Connection:
         while (applied := self._applied_end(queue)) < end:
             if trio.current_time() >= deadline:
                 if applied < 0:
-                    self.error(frame["id"], "unknown_queue", f"no queue {queue!r}")
+                    where = f"does not know queue {queue!r}"
                 else:
-                    self.error(
-                        frame["id"],
-                        "lagging",
-                        f"node {self.node.node_id} has applied {queue!r} up to offset "
-                        f"{applied}, short of the requested end {end} after waiting "
-                        f"{wait_ms} ms; ask another node",
-                    )
+                    where = f"has applied {queue!r} up to offset {applied}, short of {end}"
+                self.error(
+                    frame["id"],
+                    "lagging",
+                    f"node {self.node.node_id} {where} after waiting {wait_ms} ms; "
+                    "ask another node",
+                )
                 return
             await trio.sleep(delay)
             delay = min(2 * delay, 0.02)

@@ -1,0 +1,67 @@
+"""The reads the Spark source stands on, against real node processes: a replica answers
+only what it has applied (committed), and when asked for a range known to be committed
+it waits for the whole of it, or says it lags; it never answers part of it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from quorumq.client import ServerError
+from quorumq.embedded import Cluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(3) as c:
+        c.leader()
+        yield c
+
+
+def test_a_lagging_replica_says_so_and_then_serves_the_whole_range(cluster: Cluster) -> None:
+    leader = cluster.leader()
+    lagging = next(n for n in cluster.nodes if n != leader)
+    others = [n for n in cluster.nodes if n != lagging]
+    writer = cluster.client(leader)
+    writer.declare("lag")
+    cluster.client(lagging).read("lag", 0, 0, wait=10)  # the declaration reached it
+    cluster.kill(lagging)
+    offsets = writer.publish_batch("lag", [b"m%d" % i for i in range(200)])
+    assert offsets == list(range(200))  # committed by the other two
+    for node in others:
+        cluster.pause(node)
+    try:
+        cluster.restart(lagging)  # serving, but nobody can bring it up to date
+        reader = cluster.client(lagging)
+        with pytest.raises(ServerError, match=r"lagging: node \w does not know queue 'lag'"):
+            reader.read("lag", 0, 200, wait=0.5)
+        with pytest.raises(ServerError, match="unknown_queue"):  # without wait: at once
+            reader.read("lag", 0, 200)
+    finally:
+        for node in others:
+            cluster.resume(node)
+    whole = reader.read("lag", 0, 200, wait=20)
+    assert [m.body for m in whole] == [b"m%d" % i for i in range(200)]
+    assert reader.node == lagging
+
+
+def test_a_range_larger_than_a_frame_is_read_in_pages(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.declare("big")
+    body = b"x" * 4000
+    for _ in range(4):
+        client.publish_batch("big", [body] * 250)  # 4 MB in all
+    read = client.read("big", 0, 1000, wait=10)
+    assert [m.offset for m in read] == list(range(1000))
+    bucket = client.read("big", 0, 1000, 1, 3, wait=10)
+    assert [m.offset for m in bucket] == list(range(1, 1000, 3))  # keyless: offset % 3
+
+
+def test_reads_of_a_missing_queue_or_a_wrong_bucket_end_in_a_clear_error(cluster: Cluster) -> None:
+    with pytest.raises(ServerError, match="does not know queue 'no-such-queue'"):
+        cluster.client().read("no-such-queue", 0, 10, wait=0.2)
+    with pytest.raises(ServerError, match=r"invalid: bucket must be in \[0, 2\)"):
+        cluster.client().read("big", 0, 10, 5, 2)
