@@ -28,6 +28,7 @@ READ_OPTIONS = frozenset(
         "endingoffsets",
         "maxoffsetspertrigger",
         "minoffsetspertrigger",
+        "maxtriggerdelay",
         "partitions",
         "failondataloss",
         "includeheaders",
@@ -42,6 +43,7 @@ CAMEL_CASE = (
     "endingOffsets",
     "maxOffsetsPerTrigger",
     "minOffsetsPerTrigger",
+    "maxTriggerDelay",
     "failOnDataLoss",
     "includeHeaders",
     "groupIdPrefix",
@@ -68,6 +70,8 @@ class ReadOptions:
     """Batch reads only: "latest" or an offset (exclusive)."""
     max_offsets_per_trigger: int | None = None
     min_offsets_per_trigger: int | None = None
+    max_trigger_delay_s: float = 15 * 60.0
+    """With minOffsetsPerTrigger: run a smaller batch once new data waited this long."""
     partitions: int | None = None
     """Key buckets, one input partition each; None: the session's default parallelism."""
     fail_on_data_loss: bool = True
@@ -155,6 +159,29 @@ def _offset_spec(
     return offset
 
 
+DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _duration(found: dict[str, str], name: str, default: float) -> float:
+    """Seconds from "500ms", "30s", "15m", "1h" (or plain seconds)."""
+    raw = found.get(name.lower())
+    if raw is None:
+        return default
+    text = raw.strip().lower()
+    number, scale = text, 1.0
+    for unit in ("ms", "s", "m", "h"):
+        if text.endswith(unit):
+            number, scale = text[: -len(unit)], DURATION_UNITS[unit]
+            break
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise OptionError(f"option {name!r} must be a duration such as 30s or 15m, got {raw!r}")
+    return value
+
+
 def read_options(options: Mapping[str, str], *, batch: bool) -> ReadOptions:
     """Check a read's options; `batch` for `spark.read` (which may name an end)."""
     found = _lower(options, READ_OPTIONS, "read")
@@ -164,7 +191,7 @@ def read_options(options: Mapping[str, str], *, batch: bool) -> ReadOptions:
     if not batch and "endingoffsets" in found:
         raise OptionError("option 'endingOffsets' is for batch reads (spark.read) only")
     if batch:
-        for name in ("maxOffsetsPerTrigger", "minOffsetsPerTrigger"):
+        for name in ("maxOffsetsPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay"):
             if name.lower() in found:
                 raise OptionError(f"option {name!r} is for streaming reads only")
         if starting == "latest":
@@ -196,6 +223,7 @@ def read_options(options: Mapping[str, str], *, batch: bool) -> ReadOptions:
         ending_offsets=ending,
         max_offsets_per_trigger=maximum,
         min_offsets_per_trigger=minimum,
+        max_trigger_delay_s=_duration(found, "maxTriggerDelay", 15 * 60.0),
         partitions=_int(found, "partitions", minimum=1),
         fail_on_data_loss=_bool(found, "failOnDataLoss", True),
         include_headers=_bool(found, "includeHeaders", False),

@@ -16,6 +16,7 @@ so it reads the same rows again.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -106,6 +107,8 @@ class QuorumqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow): 
         self.schema = schema
         self.ends = QueueEnds(options)
         self.available_now_end: int | None = None
+        self.waiting_since: float | None = None
+        """When new offsets, fewer than minOffsetsPerTrigger, were first seen."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "ends": None}  # executors never plan
@@ -137,11 +140,25 @@ class QuorumqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow): 
             minimum = self.options.min_offsets_per_trigger
             if isinstance(limit, ReadMinRows):
                 minimum = limit.min_rows
-            if minimum is not None and end - begin < minimum and self.available_now_end is None:
-                end = begin  # wait for more
+            if minimum is not None and self.available_now_end is None:
+                end = self._enough(begin, end, minimum)
             if maximum is not None:
                 end = min(end, begin + maximum)
         return {"group": start["group"], "offset": end}
+
+    def _enough(self, begin: int, end: int, minimum: int) -> int:
+        """`end`, or `begin` (no batch yet) while fewer than `minimum` new offsets have
+        waited less than maxTriggerDelay, as the Kafka source does."""
+        if end - begin >= minimum or end == begin:
+            self.waiting_since = None
+            return end
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        if now - self.waiting_since >= self.options.max_trigger_delay_s:
+            self.waiting_since = None
+            return end
+        return begin
 
     def reportLatestOffset(self) -> dict[str, Any] | None:  # noqa: N802
         return None

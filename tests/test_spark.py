@@ -288,9 +288,6 @@ def test_queue_to_spark_to_queue_restarted_midway_has_each_input_once(
     [
         ({"maxOffsetPerTrigger": "10"}, "unknown quorumq read option(s) ['maxoffsetpertrigger']"),
         ({"maxOffsetsPerTrigger": "ten"}, "option 'maxOffsetsPerTrigger' must be an integer"),
-        ({"startingOffsets": "oldest"}, "option 'startingOffsets' must be earliest, latest"),
-        ({"failOnDataLoss": "yes"}, "option 'failOnDataLoss' must be true or false"),
-        ({"endingOffsets": "5"}, "option 'endingOffsets' is for batch reads"),
     ],
 )
 def test_bad_options_fail_at_query_start_naming_the_option(

@@ -60,3 +60,23 @@ def test_a_bad_sink_option_is_named() -> None:
         write_options({**BASE, "startingOffsets": "earliest"})
     with pytest.raises(OptionError, match="option 'endpoints' is required"):
         write_options({"queue": "q"})
+
+
+def test_min_offsets_per_trigger_waits_at_most_max_trigger_delay() -> None:
+    from pyspark.sql.streaming.datasource import ReadMaxRows, ReadMinRows
+
+    from spark_source.source import QuorumqStreamReader
+
+    def reader(**extra: str) -> QuorumqStreamReader:
+        options = read_options({**BASE, **extra}, batch=False)
+        return QuorumqStreamReader(options, 2, None)  # type: ignore[arg-type]
+
+    patient = reader(minOffsetsPerTrigger="10", maxTriggerDelay="1h")
+    assert isinstance(patient.getDefaultReadLimit(), ReadMinRows)
+    assert patient._enough(0, 5, 10) == 0  # too few: no batch yet
+    assert patient._enough(0, 12, 10) == 12
+    impatient = reader(minOffsetsPerTrigger="10", maxTriggerDelay="0s")
+    assert impatient._enough(0, 5, 10) == 5  # waited long enough
+    assert isinstance(reader(maxOffsetsPerTrigger="7").getDefaultReadLimit(), ReadMaxRows)
+    with pytest.raises(OptionError, match="'maxTriggerDelay' must be a duration"):
+        reader(maxTriggerDelay="soon")
