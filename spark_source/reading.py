@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.datasource import InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StructType
@@ -114,20 +116,21 @@ def arrow_batches(
 ) -> Iterator[pa.RecordBatch]:
     """The rows as Arrow record batches matching `schema` exactly."""
     arrow_schema = to_arrow_schema(schema, timezone="UTC")
-    messages = result.messages
-    for lo in range(0, len(messages), ARROW_BATCH_ROWS):
-        chunk = messages[lo : lo + ARROW_BATCH_ROWS]
+    rows = result.rows
+    for lo in range(0, len(rows), ARROW_BATCH_ROWS):
+        chunk = rows[lo : lo + ARROW_BATCH_ROWS]
+        offsets, keys, bodies, headers, ts_ms = (list(map(itemgetter(i), chunk)) for i in range(5))
         n = len(chunk)
         columns: dict[str, Any] = {
-            "offset": [m.offset for m in chunk],
-            "key": [m.key for m in chunk],
-            "value": [m.body for m in chunk],
-            "timestamp": pa.array([m.ts_ms * 1000 for m in chunk], pa.int64()),
+            "offset": offsets,
+            "key": keys,
+            "value": bodies,
+            "timestamp": pc.multiply(pa.array(ts_ms, pa.int64()), 1000),  # ms -> us
             "queue": [options.queue] * n,
             "partition": [bucket] * n,
         }
         if "headers" in arrow_schema.names:
-            columns["headers"] = [list(m.headers.items()) if m.headers else None for m in chunk]
+            columns["headers"] = [list(h.items()) if h else None for h in headers]
         arrays = []
         for field in arrow_schema:
             data = columns[field.name]
