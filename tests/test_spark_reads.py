@@ -4,12 +4,15 @@ it waits for the whole of it, or says it lags; it never answers part of it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from quorumq.client import ServerError
 from quorumq.embedded import Cluster
+
+from .helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +68,34 @@ def test_reads_of_a_missing_queue_or_a_wrong_bucket_end_in_a_clear_error(cluster
         cluster.client().read("no-such-queue", 0, 10, wait=0.2)
     with pytest.raises(ServerError, match=r"invalid: bucket must be in \[0, 2\)"):
         cluster.client().read("big", 0, 10, 5, 2)
+
+
+def test_starting_timestamp_finds_the_first_message_enqueued_at_or_after_it(
+    cluster: Cluster,
+) -> None:
+    from spark_source.options import read_options
+    from spark_source.source import QueueEnds
+
+    client = cluster.client()
+    client.declare("times")
+    client.publish_batch("times", [b"early-%d" % i for i in range(40)])
+    early_ts = client.read("times", 39, 40).rows[0][4]
+    wait_for(lambda: time.time() * 1000 > early_ts + 2, "the clock to move on")
+    client.publish_batch("times", [b"late-%d" % i for i in range(25)])
+    late_ts = client.read("times", 40, 41).rows[0][4]
+    assert late_ts > early_ts
+
+    def start_at(timestamp_ms: int) -> int:
+        options = {"endpoints": ",".join(cluster.endpoints), "queue": "times"}
+        ends = QueueEnds(
+            read_options({**options, "startingTimestamp": str(timestamp_ms)}, batch=False)
+        )
+        try:
+            return ends.resolve_start()
+        finally:
+            ends.close()
+
+    assert start_at(0) == 0
+    assert start_at(early_ts + 1) == 40
+    assert start_at(late_ts) == 40
+    assert start_at(late_ts + 10**6) == 65  # later than everything: the end
