@@ -18,7 +18,8 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StructType
 
 import quorumq
-from quorumq.client import QuorumqError, ReadResult, ServerError
+from quorumq.client import Client, QuorumqError, ReadResult, ServerError
+from quorumq.client.core import Row
 
 from .options import ReadOptions
 
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 ARROW_BATCH_ROWS = 50_000
 """Rows per Arrow record batch handed to Spark."""
+CHUNK_OFFSETS = 20_000
+"""Offsets read per request to a node: Spark takes one chunk while the next is read."""
+RETRY_ELSEWHERE = frozenset({"lagging", "not_applied", "outcome_unknown"})
+"""Errors after which another node may well answer the same read."""
 
 
 class DataLossError(RuntimeError):
@@ -64,7 +69,7 @@ def rotated(endpoints: Sequence[str], first: int) -> list[str]:
     return [endpoints[(first + i) % n] for i in range(n)]
 
 
-def read_range(
+def read_chunks(
     options: ReadOptions,
     start: int,
     end: int,
@@ -72,26 +77,57 @@ def read_range(
     buckets: int | None = None,
     *,
     prefer: int = 0,
-) -> ReadResult:
-    """The committed messages of [start, end) (a range some node reported as committed),
-    whole, from the first node that has them; a node that lags or is down is skipped."""
-    errors = []
-    for endpoint in rotated(options.endpoints, prefer):
-        try:
-            with quorumq.connect([endpoint], options.token, connect_timeout=5.0) as client:
-                return client.read(
-                    options.queue, start, end, bucket, buckets, wait=options.read_wait_seconds
+) -> Iterator[tuple[int, int, ReadResult]]:
+    """The committed messages of [start, end) (a range some node reported committed) as
+    (lo, hi, result) chunks of `CHUNK_OFFSETS` offsets, each whole, in order. Chunks
+    let Spark take one while the next is read. A node that lags or is down is left for
+    the next one; the read fails only when every node failed the same chunk."""
+    endpoints = rotated(options.endpoints, prefer)
+    client: Client | None = None
+    node = 0
+    errors: list[str] = []
+    position = start
+    try:
+        while position < end:
+            hi = min(end, position + CHUNK_OFFSETS)
+            endpoint = endpoints[node % len(endpoints)]
+            try:
+                if client is None:
+                    client = quorumq.connect([endpoint], options.token, connect_timeout=1.0)
+                result = client.read(
+                    options.queue, position, hi, bucket, buckets, wait=options.read_wait_seconds
                 )
-        except ServerError as e:
-            if e.code not in ("lagging", "not_applied", "outcome_unknown"):
-                raise
-            errors.append(f"{endpoint}: {e}")
-        except QuorumqError as e:
-            errors.append(f"{endpoint}: {e}")
-    raise QuorumqError(
-        f"no node could serve offsets [{start}, {end}) of queue {options.queue!r}: "
-        + "; ".join(errors)
-    )
+            except QuorumqError as e:
+                if isinstance(e, ServerError) and e.code not in RETRY_ELSEWHERE:
+                    raise
+                errors.append(f"{endpoint}: {e}")
+                if len(errors) >= len(endpoints):
+                    raise QuorumqError(
+                        f"no node could serve offsets [{position}, {hi}) of queue "
+                        f"{options.queue!r}: " + "; ".join(errors)
+                    ) from None
+                if client is not None:
+                    client.close()
+                    client = None
+                node += 1
+                continue
+            errors.clear()
+            yield position, hi, result
+            position = hi
+    finally:
+        if client is not None:
+            client.close()
+
+
+def read_range(
+    options: ReadOptions,
+    start: int,
+    end: int,
+    bucket: int | None = None,
+    buckets: int | None = None,
+) -> list[Row]:
+    """The rows of a (small) committed range, from whichever node has them."""
+    return [row for _, _, r in read_chunks(options, start, end, bucket, buckets) for row in r.rows]
 
 
 def check_retained(options: ReadOptions, start: int, end: int, first_retained: int) -> None:
@@ -112,11 +148,10 @@ def check_retained(options: ReadOptions, start: int, end: int, first_retained: i
 
 
 def arrow_batches(
-    result: ReadResult, options: ReadOptions, bucket: int, schema: StructType
+    rows: list[Row], options: ReadOptions, bucket: int, schema: StructType
 ) -> Iterator[pa.RecordBatch]:
     """The rows as Arrow record batches matching `schema` exactly."""
     arrow_schema = to_arrow_schema(schema, timezone="UTC")
-    rows = result.rows
     for lo in range(0, len(rows), ARROW_BATCH_ROWS):
         chunk = rows[lo : lo + ARROW_BATCH_ROWS]
         offsets, keys, bodies, headers, ts_ms = (list(map(itemgetter(i), chunk)) for i in range(5))
@@ -144,7 +179,7 @@ def arrow_batches(
 def read_partition(partition: BucketRange, schema: StructType) -> Iterator[pa.RecordBatch]:
     """An input partition's rows, in offset order (executor side)."""
     options = partition.options
-    result = read_range(
+    chunks = read_chunks(
         options,
         partition.start,
         partition.end,
@@ -152,5 +187,6 @@ def read_partition(partition: BucketRange, schema: StructType) -> Iterator[pa.Re
         partition.buckets,
         prefer=partition.bucket,
     )
-    check_retained(options, partition.start, partition.end, result.first_retained)
-    yield from arrow_batches(result, options, partition.bucket, schema)
+    for lo, hi, result in chunks:
+        check_retained(options, lo, hi, result.first_retained)
+        yield from arrow_batches(result.rows, options, partition.bucket, schema)

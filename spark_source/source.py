@@ -87,8 +87,8 @@ class QueueEnds:
         lo, hi = bounds.first_retained, bounds.next_offset
         while lo < hi:
             mid = (lo + hi) // 2
-            found = read_range(self.options, mid, mid + 1).messages
-            if not found or found[0].ts_ms < timestamp_ms:  # trimmed meanwhile: the answer is later
+            found = read_range(self.options, mid, mid + 1)  # [offset, key, body, headers, ts_ms]
+            if not found or found[0][4] < timestamp_ms:  # (none: trimmed meanwhile, so later)
                 lo = mid + 1
             else:
                 hi = mid

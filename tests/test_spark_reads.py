@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from quorumq.client import ServerError
+from quorumq.client import QuorumqError, ServerError
 from quorumq.embedded import Cluster
 
 from .helpers import wait_for
@@ -99,3 +99,30 @@ def test_starting_timestamp_finds_the_first_message_enqueued_at_or_after_it(
     assert start_at(early_ts + 1) == 40
     assert start_at(late_ts) == 40
     assert start_at(late_ts + 10**6) == 65  # later than everything: the end
+
+
+def test_a_partition_read_moves_past_a_dead_node_and_fails_clearly_when_all_are(
+    cluster: Cluster,
+) -> None:
+    from spark_source.options import read_options
+    from spark_source.reading import read_chunks
+
+    client = cluster.client()
+    client.declare("dead")
+    client.publish_batch("dead", [b"m%d" % i for i in range(30)])
+    options = read_options(
+        {"endpoints": ",".join(cluster.endpoints), "queue": "dead", "readWaitSeconds": "5"},
+        batch=False,
+    )
+    victim = cluster.nodes[0]
+    cluster.kill(victim)
+    try:
+        chunks = list(read_chunks(options, 0, 30, prefer=0))  # prefers the dead node
+        assert [row[0] for _, _, r in chunks for row in r.rows] == list(range(30))
+        nowhere = read_options(
+            {"endpoints": cluster.endpoint(victim), "queue": "dead"}, batch=False
+        )
+        with pytest.raises(QuorumqError, match=r"no node could serve offsets \[0, 30\)"):
+            list(read_chunks(nowhere, 0, 30))
+    finally:
+        cluster.restart(victim)
