@@ -240,7 +240,7 @@ def test_queue_to_spark_to_queue_restarted_midway_has_each_input_once(
     marker = checkpoint / "failed-once"
 
     @udf("binary")
-    def fail_once_at_250(offset, value):  # type: ignore[no-untyped-def]  # hints make a pandas UDF
+    def fail_once_at_250(offset, value):  # no type hints: with them Spark makes a pandas UDF
         if offset == 250 and not marker.exists():  # in an executor: the task dies
             marker.touch()
             raise RuntimeError("task killed mid-batch")
