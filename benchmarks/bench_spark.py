@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     n = args.messages
+    load_before = os.getloadavg()[0]
     spark = session()
     results: dict[str, list[float]] = {}
     try:
@@ -145,7 +146,7 @@ def main() -> None:
     print(
         f"\n{n:,} messages of {VALUE_BYTES} bytes, {args.repeat} interleaved rounds; "
         f"{platform.machine()}, {os.cpu_count()} cores, CPython {platform.python_version()}, "
-        f"load average {os.getloadavg()[0]:.1f} at the end\n"
+        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n"
     )
     print("| read | median rows/s | min-max | vs plain client |")
     print("|---|---:|---:|---:|")
