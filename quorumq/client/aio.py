@@ -294,11 +294,19 @@ class AsyncClient:
         offset: int = (await self._wait(answer))["offset"]
         return offset
 
-    async def publish_batch(self, queue: str, messages: Iterable[MessageLike]) -> list[int]:
+    async def publish_batch(
+        self,
+        queue: str,
+        messages: Iterable[MessageLike],
+        *,
+        producer: str | None = None,
+        first_seq: int | None = None,
+    ) -> list[int]:
+        """As the blocking client's `publish_batch` (including a caller's own producer)."""
         rows = batch_rows(messages)
-        answer = await self._issue(self._session.publish_batch, queue, rows)
-        first: int = (await self._wait(answer))["offset"]
-        return list(range(first, first + len(rows)))
+        answer = await self._issue(self._session.publish_batch, queue, rows, producer, first_seq)
+        first: int | None = (await self._wait(answer))["offset"]
+        return [] if first is None else list(range(first, first + len(rows)))
 
     def paused_keys(self) -> set[str]:
         return set(self.producer.paused)
@@ -318,11 +326,13 @@ class AsyncClient:
         end: int,
         bucket: int | None = None,
         buckets: int | None = None,
+        *,
+        wait: float | None = None,
     ) -> ReadResult:
         frames = []
         position: int | None = start
         while position is not None:
-            reply = await self._request(read_frame(queue, position, end, bucket, buckets))
+            reply = await self._request(read_frame(queue, position, end, bucket, buckets, wait))
             frames.append(reply)
             position = read_continues_at(reply, position, end)
         return read_result(frames)

@@ -342,13 +342,26 @@ class Client:
         offset: int = self._wait(self.publish_async(queue, body, key, headers))["offset"]
         return offset
 
-    def publish_batch(self, queue: str, messages: Iterable[MessageLike]) -> list[int]:
-        """Publish messages as one log entry (all land, in order, or none); their offsets."""
+    def publish_batch(
+        self,
+        queue: str,
+        messages: Iterable[MessageLike],
+        *,
+        producer: str | None = None,
+        first_seq: int | None = None,
+    ) -> list[int]:
+        """Publish messages as one log entry (all land, in order, or none); their offsets.
+
+        By default the batch takes this client's next sequence numbers. A caller that
+        replays its input after a crash passes its own `producer` id and `first_seq`,
+        derived from that input: a resent batch is then recognised and not enqueued
+        again. Its offsets come back while the queue remembers them (the last 1,024
+        sequence numbers of the producer); an older resend returns an empty list."""
         rows = batch_rows(messages)
         with self._lock:
-            future = self._track(self._session.publish_batch(queue, rows))
-        first: int = self._wait(future)["offset"]
-        return list(range(first, first + len(rows)))
+            future = self._track(self._session.publish_batch(queue, rows, producer, first_seq))
+        first: int | None = self._wait(future)["offset"]
+        return [] if first is None else list(range(first, first + len(rows)))
 
     def paused_keys(self) -> set[str]:
         return set(self.producer.paused)
@@ -370,13 +383,21 @@ class Client:
         end: int,
         bucket: int | None = None,
         buckets: int | None = None,
+        *,
+        wait: float | None = None,
     ) -> ReadResult:
         """Stream view: retained messages with offsets in [start, end) that this node has
-        committed (and in `bucket` of `buckets` by key), in offset order."""
+        committed (and in `bucket` of `buckets` by key), in offset order.
+
+        Without `wait` the result stops where this node's replica is (`next_offset`).
+        With `wait` (seconds) the range is known to be committed (say `end` came from
+        `status`): a node whose replica lags waits for it, and past `wait` the read
+        fails with `ServerError` code `lagging` (ask another node); it never returns
+        part of the range."""
         frames = []
         position: int | None = start
         while position is not None:
-            reply = self._request(read_frame(queue, position, end, bucket, buckets))
+            reply = self._request(read_frame(queue, position, end, bucket, buckets, wait))
             frames.append(reply)
             position = read_continues_at(reply, position, end)
         return read_result(frames)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -39,23 +40,36 @@ class ConnectionLostError(QuorumqError):
     """No endpoint could be reached (or the connection broke and could not be restored)."""
 
 
+Row = list[Any]
+"""[offset, key, body, headers, ts_ms] of one message, as the node sends it."""
+
+
 @attrs.frozen(kw_only=True)
 class ReadResult:
-    """`messages` with offsets in the requested range (and bucket) that are retained.
+    """Messages with offsets in the requested range (and bucket) that are retained.
 
     `first_retained` > the range's start means retention trimmed part of it;
-    `next_offset` is where the queue ended on the replica that answered.
+    `next_offset` is where the queue ended on the replica that answered. `rows` are
+    the raw [offset, key, body, headers, ts_ms] lists, for bulk readers that build
+    columns (the Spark source); `messages` makes objects of them on first use.
     """
 
-    messages: tuple[StreamMessage, ...]
+    rows: list[Row]
     first_retained: int
     next_offset: int
+
+    @functools.cached_property
+    def messages(self) -> tuple[StreamMessage, ...]:
+        return tuple(
+            StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t)
+            for o, k, b, h, t in self.rows
+        )
 
     def __iter__(self) -> Iterator[StreamMessage]:
         return iter(self.messages)
 
     def __len__(self) -> int:
-        return len(self.messages)
+        return len(self.rows)
 
 
 @attrs.frozen(kw_only=True)
@@ -172,12 +186,9 @@ def delivery_from(frame: dict[str, Any], queue: str, settle: Callable[..., Any])
 
 
 def read_result(frames: list[dict[str, Any]]) -> ReadResult:
-    rows = [r for f in frames for r in f["messages"]]
     last = frames[-1]
     return ReadResult(
-        messages=tuple(
-            StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t) for o, k, b, h, t in rows
-        ),
+        rows=[r for f in frames for r in f["messages"]],
         first_retained=last["first_retained"],
         next_offset=last["next_offset"],
     )
@@ -199,9 +210,16 @@ def check_hello_answer(answer: dict[str, Any]) -> None:
 
 
 def read_frame(
-    queue: str, position: int, end: int, bucket: int | None, buckets: int | None
+    queue: str,
+    position: int,
+    end: int,
+    bucket: int | None,
+    buckets: int | None,
+    wait: float | None = None,
 ) -> dict[str, Any]:
-    return {
+    """A `read` request; with `wait` (seconds) the node waits that long for its replica
+    to apply the whole range, and answers `lagging` if it cannot."""
+    frame: dict[str, Any] = {
         "t": "read",
         "queue": queue,
         "start": position,
@@ -209,6 +227,9 @@ def read_frame(
         "bucket": bucket,
         "buckets": buckets,
     }
+    if wait is not None:
+        frame["wait_ms"] = round(wait * 1000)
+    return frame
 
 
 def read_continues_at(reply: dict[str, Any], position: int, end: int) -> int | None:

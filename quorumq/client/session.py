@@ -128,10 +128,22 @@ class ClientSession:
         frame = publish_frame(0, queue, body, key, headers, producer, seq)
         return self.request(frame, idempotent=True)
 
-    def publish_batch(self, queue: str, rows: list[list[Any]]) -> tuple[int, dict[str, Any]]:
+    def publish_batch(
+        self,
+        queue: str,
+        rows: list[list[Any]],
+        producer: str | None = None,
+        first_seq: int | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """A batch under this client's producer id, or under the caller's `producer` and
+        `first_seq` (a caller that derives them from its input, so that a replay of the
+        same input is recognised by the queue)."""
+        if (producer is None) != (first_seq is None):
+            raise ValueError("producer and first_seq go together")
         for _, key, _ in rows:
             self.producer.check(key)
-        producer, first_seq = self.producer.take(queue, len(rows))
+        if producer is None or first_seq is None:
+            producer, first_seq = self.producer.take(queue, len(rows))
         frame = {
             "t": "publish_batch",
             "queue": queue,

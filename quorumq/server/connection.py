@@ -58,8 +58,15 @@ logger = logging.getLogger(__name__)
 RECEIVE_CHUNK = 256 * 1024
 CLOSE_FLUSH_SECONDS = 5.0
 """How long a closing connection may take to send what it has queued."""
-MAX_READ_BYTES = 4 * 1024 * 1024
-"""A `read` reply carries at most about this many body bytes; the client asks again."""
+READ_REPLY_BYTES = 768 * 1024
+"""A `read` reply carries about this many bytes of messages at most (one larger message
+goes alone), so it stays within the clients' frame limit; the client asks again."""
+READ_SPAN = 8192
+"""Offsets one `read` reply looks at: bounds how long a read holds the replica's lock."""
+READ_ROW_OVERHEAD = 32
+"""Bytes a row costs in a reply besides its body, key and headers (a generous guess)."""
+MAX_READ_WAIT_MS = 30_000
+"""The longest a `read` may ask its node to wait for the replica to apply its range."""
 
 
 class ClosingError(Exception):
@@ -96,6 +103,7 @@ class Connection:
         self.close_reason = ""
         self._consumer_counter = 0
         self._nursery: trio.Nursery | None = None
+        """Runs this connection's tasks: the writer, and reads waiting for the replica."""
 
     # ------------------------------------------------------------------ tasks
 
@@ -395,27 +403,88 @@ class Connection:
         acks.clear()
 
     def _read(self, frame: Frame) -> None:
+        """Stream view rows of [start, end) (in a key bucket), from this node's replica.
+
+        Everything a replica has applied is committed, so a read never sees uncommitted
+        data. Without `wait_ms` the reply covers what this replica has applied so far.
+        With `wait_ms` the caller says the whole range is committed (it learned `end`
+        from some node): a replica that lags waits for it, on a trio task, polling the
+        machine, so neither the trio loop nor the Raft thread blocks; past the wait it
+        answers `lagging`, and the client asks another node. It never answers part of
+        the range in that case.
+        """
+        start, end = frame["start"], frame["end"]
+        bucket, buckets = frame["bucket"], frame["buckets"]
+        wait_ms = frame.get("wait_ms")
+        if start < 0 or end < start:
+            raise ValueError(f"read range [{start}, {end}) is not a range of offsets")
+        if (bucket is None) != (buckets is None):
+            raise ValueError("bucket and buckets go together")
+        if buckets is not None and not 0 <= bucket < buckets:
+            raise ValueError(f"bucket must be in [0, {buckets}), got {bucket}")
+        if wait_ms is not None and (
+            type(wait_ms) is not int or not 0 <= wait_ms <= MAX_READ_WAIT_MS
+        ):
+            raise ValueError(f"wait_ms must be an integer from 0 to {MAX_READ_WAIT_MS}")
+        if wait_ms is None or self._applied_end(frame["queue"]) >= end:
+            self._answer_read(frame)
+        else:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._read_when_applied, frame, wait_ms)
+
+    def _applied_end(self, queue: str) -> int:
+        """The offset after the last message this replica has applied to `queue`; -1
+        when it has not applied the queue's declaration (yet)."""
+        try:
+            return self.node.replica.query(lambda m: m.stats(queue).next_offset)
+        except UnknownQueueError:
+            return -1
+
+    async def _read_when_applied(self, frame: Frame, wait_ms: int) -> None:
+        queue, end = frame["queue"], frame["end"]
+        deadline = trio.current_time() + wait_ms / 1000
+        delay = 0.001
+        while (applied := self._applied_end(queue)) < end:
+            if trio.current_time() >= deadline:
+                if applied < 0:
+                    where = f"does not know queue {queue!r}"
+                else:
+                    where = f"has applied {queue!r} up to offset {applied}, short of {end}"
+                self.error(
+                    frame["id"],
+                    "lagging",
+                    f"node {self.node.node_id} {where} after waiting {wait_ms} ms; "
+                    "ask another node",
+                )
+                return
+            await trio.sleep(delay)
+            delay = min(2 * delay, 0.02)
+        self._answer_read(frame)
+
+    def _answer_read(self, frame: Frame) -> None:
         queue, start, end = frame["queue"], frame["start"], frame["end"]
         bucket, buckets = frame["bucket"], frame["buckets"]
 
-        def read(m: Any) -> tuple[Any, Any]:
+        def page(m: Any) -> tuple[list[list[Any]], Any, int]:
             stats = m.stats(queue)
-            return m.read(queue, start, min(end, stats.next_offset), bucket, buckets), stats
+            limit = min(end, stats.next_offset, max(start, stats.first_retained) + READ_SPAN)
+            rows: list[list[Any]] = []
+            size = 0
+            for msg in m.read(queue, start, limit, bucket, buckets):
+                row_size = len(msg.body) + READ_ROW_OVERHEAD + len(msg.key or "")
+                if msg.headers:
+                    row_size += sum(len(k) + len(v) for k, v in msg.headers.items())
+                if rows and size + row_size > READ_REPLY_BYTES:
+                    return rows, stats, msg.offset
+                rows.append([msg.offset, msg.key, msg.body, msg.headers, msg.ts_ms])
+                size += row_size
+            return rows, stats, max(start, limit)
 
         try:
-            messages, stats = self.node.replica.query(read)
+            rows, stats, covered = self.node.replica.query(page)
         except UnknownQueueError as e:
             self.error(frame["id"], "unknown_queue", str(e))
             return
-        rows = []
-        size = 0
-        covered = max(start, min(end, stats.next_offset))
-        for m in messages:
-            if size > MAX_READ_BYTES:
-                covered = m.offset
-                break
-            rows.append([m.offset, m.key, m.body, m.headers, m.ts_ms])
-            size += len(m.body)
         self.push(
             {
                 "t": "reply",

@@ -1,0 +1,108 @@
+"""The `quorumq` streaming sink: rows (`key`, `value`, optional `headers`) into a queue.
+
+Effectively once without two-phase commit: every task writes under its own idempotent
+producer id, `spark-<query id>-<batch id>-<partition>`, with sequence numbers counting
+its rows from 0. The query id survives restarts from the checkpoint, and a replayed
+micro-batch re-reads exactly the same input range, so a replayed task sends the same
+producer id and sequence numbers again, and the queue answers the resends as
+duplicates instead of enqueueing them twice. A task that died half-way resends what
+landed (recognised) and goes on with the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+from pyspark import TaskContext
+from pyspark.sql.datasource import DataSourceStreamWriter, WriterCommitMessage
+from pyspark.sql.types import BinaryType, MapType, StringType, StructType
+
+import quorumq
+
+from .options import OptionError, WriteOptions
+
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
+BATCH_ID_PROPERTY = "streaming.sql.batchId"
+
+
+@attrs.frozen
+class PartitionWritten(WriterCommitMessage):  # type: ignore[misc]
+    """What one task wrote: its producer id and how many rows."""
+
+    producer: str
+    rows: int
+
+
+def check_sink_schema(schema: StructType) -> None:
+    """`value` (binary or string) is required; `key` (string) and `headers`
+    (map<string,string>) are optional; any other column is refused by name."""
+    types = {f.name: f.dataType for f in schema.fields}
+    if "value" not in types:
+        raise OptionError(f"the quorumq sink needs a 'value' column; got {sorted(types)}")
+    extra = sorted(set(types) - {"key", "value", "headers"})
+    if extra:
+        raise OptionError(f"the quorumq sink writes key, value and headers; drop or rename {extra}")
+    if not isinstance(types["value"], BinaryType | StringType):
+        raise OptionError(f"column 'value' must be binary or string, not {types['value']}")
+    if "key" in types and not isinstance(types["key"], StringType):
+        raise OptionError(f"column 'key' must be a string, not {types['key']}")
+    headers = types.get("headers")
+    if headers is not None and not (
+        isinstance(headers, MapType)
+        and isinstance(headers.keyType, StringType)
+        and isinstance(headers.valueType, StringType)
+    ):
+        raise OptionError(f"column 'headers' must be map<string,string>, not {headers}")
+
+
+def task_producer() -> str:
+    """This task's producer id: the query, the micro-batch and the partition."""
+    context = TaskContext.get()
+    if context is None:
+        raise RuntimeError("the quorumq sink writes only inside a Spark task")
+    query = context.getLocalProperty(QUERY_ID_PROPERTY)
+    batch = context.getLocalProperty(BATCH_ID_PROPERTY)
+    if not query or batch is None:
+        raise RuntimeError("the quorumq sink writes only from a streaming query (writeStream)")
+    return f"spark-{query}-{batch}-{context.partitionId()}"
+
+
+def message_of(row: Any) -> tuple[bytes, str | None, Mapping[str, str] | None]:
+    fields = row.asDict()
+    value = fields["value"]
+    if value is None:
+        raise ValueError("the quorumq sink cannot write a row whose value is null")
+    body = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+    headers = fields.get("headers")
+    return body, fields.get("key"), dict(headers) if headers else None
+
+
+class QuorumqStreamWriter(DataSourceStreamWriter):  # type: ignore[misc]
+    def __init__(self, options: WriteOptions, schema: StructType) -> None:
+        check_sink_schema(schema)
+        self.options = options
+
+    def write(self, iterator: Iterator[Any]) -> PartitionWritten:
+        producer = task_producer()
+        options = self.options
+        seq = 0
+        with quorumq.connect(list(options.endpoints), options.token) as client:
+            chunk: list[tuple[bytes, str | None, Mapping[str, str] | None]] = []
+            for row in iterator:
+                chunk.append(message_of(row))
+                if len(chunk) >= options.batch_rows:
+                    client.publish_batch(options.queue, chunk, producer=producer, first_seq=seq)
+                    seq += len(chunk)
+                    chunk = []
+            if chunk:
+                client.publish_batch(options.queue, chunk, producer=producer, first_seq=seq)
+                seq += len(chunk)
+        return PartitionWritten(producer, seq)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
+        """Every task's rows are confirmed by the queue already: nothing left to do."""
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
+        """Rows that landed stay; a replay of the batch is recognised as duplicates."""

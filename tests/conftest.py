@@ -1,0 +1,36 @@
+"""Fixtures shared across test modules."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local SparkSession for every Spark test (start-up takes 12-20 s here), with
+    the `quorumq` format registered. Its Python workers run this interpreter."""
+    from pyspark.sql import SparkSession
+
+    import spark_source
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("quorumq-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.streaming.stopTimeout", "10s")
+        .config("spark.driver.memory", "1g")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    spark_source.register(session)
+    try:
+        yield session
+    finally:
+        session.stop()

@@ -1,0 +1,304 @@
+"""The Spark source and sink against a real 3-node cluster, in one local SparkSession.
+
+Each test uses its own queues on one module-wide cluster and its own checkpoint
+directory. A query that must fail is awaited and its error message checked."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quorumq.embedded import Cluster
+from quorumq.machine.views import bucket_of
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+QUERY_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(3) as c:
+        c.leader()
+        yield c
+
+
+@pytest.fixture
+def checkpoint() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="quorumq-spark-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def endpoints(cluster: Cluster) -> str:
+    return ",".join(cluster.endpoints)
+
+
+def fill(cluster: Cluster, queue: str, count: int, keys: int = 7, **options: Any) -> None:
+    client = cluster.client()
+    client.declare(queue, **options)
+    for lo in range(0, count, 500):
+        batch = [
+            (b"v%d" % i, f"k{i % keys}", {"n": str(i)}) for i in range(lo, min(count, lo + 500))
+        ]
+        client.publish_batch(queue, batch)
+
+
+def stream(spark: Any, cluster: Cluster, queue: str, **options: str) -> Any:
+    reader = spark.readStream.format("quorumq").option("endpoints", endpoints(cluster))
+    reader = reader.option("queue", queue)
+    for name, value in options.items():
+        reader = reader.option(name, value)
+    return reader.load()
+
+
+def run_batches(
+    frame: Any, checkpoint: Path, on_batch: Callable[[Any, int], None], **trigger: Any
+) -> None:
+    """Run a query with `foreachBatch(on_batch)` until it has read all (availableNow)."""
+    query = (
+        frame.writeStream.foreachBatch(on_batch)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(**(trigger or {"availableNow": True}))
+        .start()
+    )
+    try:
+        assert query.awaitTermination(QUERY_TIMEOUT_S), "the query did not finish"
+    finally:
+        query.stop()
+
+
+def query_error(start: Callable[[], Any]) -> str:
+    """The error message of a query that fails, at start or while running."""
+    try:
+        query = start()
+        try:
+            query.awaitTermination(QUERY_TIMEOUT_S)
+        finally:
+            query.stop()
+    except Exception as e:  # Spark wraps the Python error in its own exception types
+        return str(e)
+    raise AssertionError("the query did not fail")
+
+
+def test_rate_limited_batches_cover_exactly_the_expected_ranges(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    fill(cluster, "ranges", 100)
+    batches: dict[int, list[int]] = {}
+
+    def record(frame: Any, batch_id: int) -> None:
+        batches[batch_id] = [r.offset for r in frame.select("offset").collect()]
+
+    source = stream(spark, cluster, "ranges", startingOffsets="earliest", maxOffsetsPerTrigger="30")
+    run_batches(source, checkpoint, record)
+    ranges = [(min(o), max(o) + 1, len(o)) for _, o in sorted(batches.items())]
+    assert ranges == [(0, 30, 30), (30, 60, 30), (60, 90, 30), (90, 100, 10)]
+    groups = cluster.client().status()["queues"]["ranges"]["committed_offsets"]
+    (group,) = groups
+    assert group.startswith("spark-quorumq-")
+    assert groups[group] == 90  # Spark commits a batch's end when it plans the next one
+
+    # the same checkpoint goes on from 100: new messages only
+    fill_more = cluster.client()
+    fill_more.publish_batch("ranges", [b"late-%d" % i for i in range(5)])
+    batches.clear()
+    run_batches(source, checkpoint, record)
+    assert sorted(o for offsets in batches.values() for o in offsets) == list(range(100, 105))
+
+
+def test_each_key_stays_in_one_partition_in_offset_order(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    from pyspark.sql.functions import spark_partition_id
+
+    fill(cluster, "order", 600, keys=13)
+    rows: list[Any] = []
+
+    def record(frame: Any, _batch_id: int) -> None:
+        with_task = frame.withColumn("task", spark_partition_id())
+        rows.extend(with_task.select("offset", "key", "partition", "task").collect())
+
+    source = stream(
+        spark,
+        cluster,
+        "order",
+        startingOffsets="earliest",
+        partitions="3",
+        maxOffsetsPerTrigger="250",
+    )
+    run_batches(source, checkpoint, record)
+    assert sorted(r.offset for r in rows) == list(range(600))
+    by_task: dict[int, list[Any]] = {}
+    for r in rows:  # collect() keeps each input partition's rows in their order
+        by_task.setdefault(r.task, []).append(r)
+        assert r.partition == bucket_of(r.key, r.offset, 3)
+    for task_rows in by_task.values():
+        per_key: dict[str, list[int]] = {}
+        for r in task_rows:
+            per_key.setdefault(r.key, []).append(r.offset)
+        assert all(offsets == sorted(offsets) for offsets in per_key.values())
+    tasks_of_key: dict[str, set[tuple[int, int]]] = {}
+    assert {r.partition for r in rows} == {0, 1, 2}
+    for r in rows:
+        tasks_of_key.setdefault(r.key, set()).add(r.partition)
+    assert all(len(buckets) == 1 for buckets in tasks_of_key.values())
+
+
+def test_a_query_killed_mid_batch_rereads_the_same_range_after_restart(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    fill(cluster, "replay", 200)
+    sink: dict[int, list[int]] = {}  # idempotent: a replayed batch overwrites its entry
+    attempts: list[tuple[int, int, int]] = []
+
+    def crash_in_second_batch(frame: Any, batch_id: int) -> None:
+        offsets = sorted(r.offset for r in frame.select("offset").collect())
+        attempts.append((batch_id, offsets[0], offsets[-1]))
+        if batch_id == 1 and len(attempts) == 2:
+            raise RuntimeError("killed mid-batch")
+        sink[batch_id] = offsets
+
+    source = stream(spark, cluster, "replay", startingOffsets="earliest", maxOffsetsPerTrigger="70")
+    message = query_error(
+        lambda: (
+            source.writeStream.foreachBatch(crash_in_second_batch)
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+    )
+    assert "killed mid-batch" in message
+    run_batches(source, checkpoint, crash_in_second_batch)
+    assert attempts == [(0, 0, 69), (1, 70, 139), (1, 70, 139), (2, 140, 199)]
+    everything = [o for _, offsets in sorted(sink.items()) for o in offsets]
+    assert everything == list(range(200))  # each offset exactly once
+    assert len(cluster.client().status()["queues"]["replay"]["committed_offsets"]) == 1
+
+
+def test_fail_on_data_loss_fails_clearly_or_skips_what_retention_trimmed(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    fill(cluster, "trimmed", 100, retention_messages=40)
+    source = stream(spark, cluster, "trimmed", startingOffsets="10")
+    message = query_error(
+        lambda: (
+            source.writeStream.foreachBatch(lambda frame, _b: frame.count())
+            .option("checkpointLocation", str(checkpoint / "strict"))
+            .trigger(availableNow=True)
+            .start()
+        )
+    )
+    assert "offsets [10, 60) of queue 'trimmed' were trimmed" in message
+    assert "failOnDataLoss=false" in message
+
+    got: list[int] = []
+    lenient = stream(spark, cluster, "trimmed", startingOffsets="10", failOnDataLoss="false")
+    run_batches(
+        lenient,
+        checkpoint / "lenient",
+        lambda f, _b: got.extend(r.offset for r in f.select("offset").collect()),
+    )
+    assert sorted(got) == list(range(60, 100))
+
+
+def test_batch_read_of_an_offset_range(spark: Any, cluster: Cluster) -> None:
+    fill(cluster, "batch", 50)
+    frame = (
+        spark.read.format("quorumq")
+        .option("endpoints", endpoints(cluster))
+        .option("queue", "batch")
+        .option("startingOffsets", "10")
+        .option("endingOffsets", "40")
+        .option("includeHeaders", "true")
+        .load()
+    )
+    assert frame.columns == ["offset", "key", "value", "headers", "timestamp", "queue", "partition"]
+    rows = sorted(frame.collect(), key=lambda r: r.offset)
+    assert [r.offset for r in rows] == list(range(10, 40))
+    assert [bytes(r.value) for r in rows] == [b"v%d" % i for i in range(10, 40)]
+    assert all(r.headers == {"n": str(r.offset)} and r.queue == "batch" for r in rows)
+    assert all(r.key == f"k{r.offset % 7}" and r.timestamp is not None for r in rows)
+    everything = spark.read.format("quorumq").option("endpoints", endpoints(cluster))
+    assert everything.option("queue", "batch").load().count() == 50
+
+
+def test_queue_to_spark_to_queue_restarted_midway_has_each_input_once(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    from pyspark.sql.functions import col, udf
+
+    fill(cluster, "pipe-in", 300)
+    cluster.client().declare("pipe-out")
+    marker = checkpoint / "failed-once"
+
+    @udf("binary")
+    def fail_once_at_250(offset, value):  # no type hints: with them Spark makes a pandas UDF
+        if offset == 250 and not marker.exists():  # in an executor: the task dies
+            marker.touch()
+            raise RuntimeError("task killed mid-batch")
+        return b"out-" + bytes(value)
+
+    def start() -> Any:
+        source = stream(
+            spark, cluster, "pipe-in", startingOffsets="earliest", maxOffsetsPerTrigger="100"
+        )
+        return (
+            source.select(col("key"), fail_once_at_250(col("offset"), col("value")).alias("value"))
+            .writeStream.format("quorumq")
+            .option("endpoints", endpoints(cluster))
+            .option("queue", "pipe-out")
+            .option("batchRows", "10")
+            .option("checkpointLocation", str(checkpoint / "cp"))
+            .trigger(availableNow=True)
+            .start()
+        )
+
+    def output() -> list[Any]:
+        return list(cluster.client().read("pipe-out", 0, 10_000))
+
+    assert "task killed mid-batch" in query_error(start)  # in the third batch, [200, 300)
+    assert len(output()) >= 200
+    query = start()  # replays the third batch: what landed before the crash is recognised
+    assert query.awaitTermination(QUERY_TIMEOUT_S)
+    assert len(output()) == 300
+    # a crash after the sink wrote a whole batch but before Spark recorded it: replayed
+    for name in ("2", ".2.crc"):
+        (checkpoint / "cp" / "commits" / name).unlink()
+    query = start()
+    assert query.awaitTermination(QUERY_TIMEOUT_S)
+    assert (checkpoint / "cp" / "commits" / "2").exists()
+    out = output()
+    bodies = [m.body for m in out]
+    assert sorted(bodies) == sorted(b"out-v%d" % i for i in range(300))  # each exactly once
+    for key in {m.key for m in out}:  # and each key's messages in their input order
+        numbers = [int(m.body[5:]) for m in out if m.key == key]
+        assert numbers == sorted(numbers)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"maxOffsetPerTrigger": "10"}, "unknown quorumq read option(s) ['maxoffsetpertrigger']"),
+        ({"maxOffsetsPerTrigger": "ten"}, "option 'maxOffsetsPerTrigger' must be an integer"),
+    ],
+)
+def test_bad_options_fail_at_query_start_naming_the_option(
+    spark: Any, cluster: Cluster, checkpoint: Path, options: dict[str, str], expected: str
+) -> None:
+    message = query_error(
+        lambda: (
+            stream(spark, cluster, "ranges", **options)
+            .writeStream.foreachBatch(lambda _f, _b: None)
+            .option("checkpointLocation", str(checkpoint))
+            .start()
+        )
+    )
+    assert expected in message

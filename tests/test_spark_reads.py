@@ -1,0 +1,128 @@
+"""The reads the Spark source stands on, against real node processes: a replica answers
+only what it has applied (committed), and when asked for a range known to be committed
+it waits for the whole of it, or says it lags; it never answers part of it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from quorumq.client import QuorumqError, ServerError
+from quorumq.embedded import Cluster
+
+from .helpers import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(3) as c:
+        c.leader()
+        yield c
+
+
+def test_a_lagging_replica_says_so_and_then_serves_the_whole_range(cluster: Cluster) -> None:
+    leader = cluster.leader()
+    lagging = next(n for n in cluster.nodes if n != leader)
+    others = [n for n in cluster.nodes if n != lagging]
+    writer = cluster.client(leader)
+    writer.declare("lag")
+    cluster.client(lagging).read("lag", 0, 0, wait=10)  # the declaration reached it
+    cluster.kill(lagging)
+    offsets = writer.publish_batch("lag", [b"m%d" % i for i in range(200)])
+    assert offsets == list(range(200))  # committed by the other two
+    for node in others:
+        cluster.pause(node)
+    try:
+        cluster.restart(lagging)  # serving, but nobody can bring it up to date
+        reader = cluster.client(lagging)
+        with pytest.raises(ServerError, match=r"lagging: node \w does not know queue 'lag'"):
+            reader.read("lag", 0, 200, wait=0.5)
+        with pytest.raises(ServerError, match="unknown_queue"):  # without wait: at once
+            reader.read("lag", 0, 200)
+    finally:
+        for node in others:
+            cluster.resume(node)
+    whole = reader.read("lag", 0, 200, wait=20)
+    assert [m.body for m in whole] == [b"m%d" % i for i in range(200)]
+    assert reader.node == lagging
+
+
+def test_a_range_larger_than_a_frame_is_read_in_pages(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.declare("big")
+    body = b"x" * 4000
+    for _ in range(4):
+        client.publish_batch("big", [body] * 250)  # 4 MB in all
+    read = client.read("big", 0, 1000, wait=10)
+    assert [m.offset for m in read] == list(range(1000))
+    bucket = client.read("big", 0, 1000, 1, 3, wait=10)
+    assert [m.offset for m in bucket] == list(range(1, 1000, 3))  # keyless: offset % 3
+
+
+def test_reads_of_a_missing_queue_or_a_wrong_bucket_end_in_a_clear_error(cluster: Cluster) -> None:
+    with pytest.raises(ServerError, match="does not know queue 'no-such-queue'"):
+        cluster.client().read("no-such-queue", 0, 10, wait=0.2)
+    with pytest.raises(ServerError, match=r"invalid: bucket must be in \[0, 2\)"):
+        cluster.client().read("big", 0, 10, 5, 2)
+
+
+def test_starting_timestamp_finds_the_first_message_enqueued_at_or_after_it(
+    cluster: Cluster,
+) -> None:
+    from spark_source.options import read_options
+    from spark_source.source import QueueEnds
+
+    client = cluster.client()
+    client.declare("times")
+    client.publish_batch("times", [b"early-%d" % i for i in range(40)])
+    early_ts = client.read("times", 39, 40).rows[0][4]
+    wait_for(lambda: time.time() * 1000 > early_ts + 2, "the clock to move on")
+    client.publish_batch("times", [b"late-%d" % i for i in range(25)])
+    late_ts = client.read("times", 40, 41).rows[0][4]
+    assert late_ts > early_ts
+
+    def start_at(timestamp_ms: int) -> int:
+        options = {"endpoints": ",".join(cluster.endpoints), "queue": "times"}
+        ends = QueueEnds(
+            read_options({**options, "startingTimestamp": str(timestamp_ms)}, batch=False)
+        )
+        try:
+            return ends.resolve_start()
+        finally:
+            ends.close()
+
+    assert start_at(0) == 0
+    assert start_at(early_ts + 1) == 40
+    assert start_at(late_ts) == 40
+    assert start_at(late_ts + 10**6) == 65  # later than everything: the end
+
+
+def test_a_partition_read_moves_past_a_dead_node_and_fails_clearly_when_all_are(
+    cluster: Cluster,
+) -> None:
+    from spark_source.options import read_options
+    from spark_source.reading import read_chunks
+
+    client = cluster.client()
+    client.declare("dead")
+    client.publish_batch("dead", [b"m%d" % i for i in range(30)])
+    options = read_options(
+        {"endpoints": ",".join(cluster.endpoints), "queue": "dead", "readWaitSeconds": "5"},
+        batch=False,
+    )
+    victim = cluster.nodes[0]
+    cluster.kill(victim)
+    try:
+        chunks = list(read_chunks(options, 0, 30, prefer=0))  # prefers the dead node
+        assert [row[0] for _, _, r in chunks for row in r.rows] == list(range(30))
+        nowhere = read_options(
+            {"endpoints": cluster.endpoint(victim), "queue": "dead"}, batch=False
+        )
+        with pytest.raises(QuorumqError, match=r"no node could serve offsets \[0, 30\)"):
+            list(read_chunks(nowhere, 0, 30))
+    finally:
+        cluster.restart(victim)
