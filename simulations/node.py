@@ -41,6 +41,7 @@ from quorumq.machine import (
     NodeDown,
     Reply,
 )
+from quorumq.raft.journal import ReplayBoundary
 from quorumq.raft.member import NOT_APPLIED
 from quorumq.raft.rules import Entry, RaftRules
 from quorumq.replica import failure_commands, local_effects
@@ -111,32 +112,33 @@ class SimJournal:
         self.commit_index = 1
         self._stored_commit_index = 1
         self.last_index_at_open = 0
-        self.replay_until = 0
-        """As the real journal's: entries up to here were on disk at start-up and still
-        are. A truncation or a clear lowers it."""
+        self._replay = ReplayBoundary([])
 
     def reopen(self) -> SimJournal:
         """The journal a restarted node finds: what was durable, and nothing else."""
         del self.entries[self.durable_count :]
         self.commit_index = self._stored_commit_index
         self.last_index_at_open = self.entries[-1][1] if self.entries else 0
-        self.replay_until = self.last_index_at_open
+        self._replay = ReplayBoundary(self.entries)
         return self
+
+    @property
+    def replay_until(self) -> int:
+        """As the real journal's: entries on disk at start-up, still the same entries."""
+        return self._replay.until
 
     def make_durable(self) -> None:
         self.durable_count = len(self.entries)
 
     def add(self, command: bytes, idx: int, term: int) -> None:
+        self._replay.added(idx, term)
         self.entries.append((bytes(command), idx, term))
 
     def clear(self) -> None:
-        self.replay_until = 0
         self.entries = []
         self.durable_count = 0
 
     def deleteEntriesFrom(self, entry_from: int) -> None:
-        if entry_from < len(self.entries):
-            self.replay_until = min(self.replay_until, self.entries[entry_from][1] - 1)
         del self.entries[entry_from:]
         self.durable_count = min(self.durable_count, len(self.entries))
 

@@ -91,17 +91,21 @@ def test_commit_index_is_stored_lazily(tmp_path: Path) -> None:
     assert DurableJournal(path).getRaftCommitIndex() == 42
 
 
-def test_replay_boundary_is_the_end_at_open_and_drops_below_a_truncation(tmp_path: Path) -> None:
+def test_replay_boundary_is_the_end_at_open_and_drops_where_an_entry_is_replaced(
+    tmp_path: Path,
+) -> None:
     path = str(tmp_path / "raft.log")
     j = DurableJournal(path)
     _fill(j, 1, 8)
     j._destroy()
     again = DurableJournal(path)
     assert again.replay_until == 8  # entries 1-8 were on disk before this process
+    again.deleteEntriesFrom(3)  # PySyncObj deletes and adds back the same entries ...
+    _fill(again, 4, 5)
+    assert again.replay_until == 8  # ... which stay replayed
     again.deleteEntriesFrom(5)  # a new leader's log replaces index 6 on
     _fill(again, 6, 10, term=2)
     assert again.replay_until == 5  # 6-10 are new entries, not a replay
-    again.deleteEntriesFrom(9)  # past the boundary: it stays
+    again.clear()  # a snapshot install, then the leader's entries: the same ones stay
+    _fill(again, 4, 5)
     assert again.replay_until == 5
-    again.clear()  # a snapshot install: whatever comes after it is new
-    assert again.replay_until == 0

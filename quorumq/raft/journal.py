@@ -62,6 +62,31 @@ def _record(entry: Entry) -> bytes:
     return _HEAD.pack(len(body), zlib.crc32(body)) + body
 
 
+class ReplayBoundary:
+    """Which entries applied by this process are replayed from its own journal.
+
+    Those on disk when the process started, as long as they are still the same entries
+    (same index and term: Raft's log matching). A node that led while cut off can hold
+    an uncommitted tail that the new leader's log replaces: an entry added in place of
+    one of another term is new, and so is every entry after it. (PySyncObj also deletes
+    and adds back identical entries, on a stale reset or a snapshot install: those stay
+    replayed.) Entries below the first index on disk at start-up were compacted into the
+    snapshot, so they were committed: the same."""
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.first = entries[0][1] if entries else 0
+        self.terms = [term for _, _, term in entries]
+        self.until = entries[-1][1] if entries else 0
+        """Entries up to this index are replayed."""
+
+    def added(self, idx: int, term: int) -> None:
+        """The journal got entry (idx, term)."""
+        pos = idx - self.first
+        if idx <= self.until and pos >= 0 and self.terms[pos] != term:
+            self.until = idx - 1
+            del self.terms[pos:]
+
+
 class DurableJournal:
     """PySyncObj's Journal interface (duck-typed) on a checksummed, fsynced file."""
 
@@ -76,11 +101,13 @@ class DurableJournal:
         self._meta_dirty = False
         self._fd = self._open()
         self.last_index_at_open = self._entries[-1][1] if self._entries else 0
-        self.replay_until = self.last_index_at_open
-        """Entries up to here were on disk before this process and still are: applying
-        them is replay. A truncation lowers it, since what a leader writes in place of a
-        truncated entry is a new entry (a restarted ex-leader's uncommitted tail is
-        replaced by the new leader's log), and so does `clear` (a snapshot install)."""
+        self._replay = ReplayBoundary(self._entries)
+
+    @property
+    def replay_until(self) -> int:
+        """Applying entries up to here is replay: they were on disk before this process
+        and are still the same entries (`ReplayBoundary`)."""
+        return self._replay.until
 
     # ------------------------------------------------------------------ files
 
@@ -139,6 +166,7 @@ class DurableJournal:
 
     def add(self, command: bytes, idx: int, term: int) -> None:
         entry = (bytes(command), idx, term)
+        self._replay.added(idx, term)
         record = _record(entry)
         os.write(self._fd, record)
         self._entries.append(entry)
@@ -146,7 +174,6 @@ class DurableJournal:
         self._dirty = True
 
     def clear(self) -> None:
-        self.replay_until = 0
         os.ftruncate(self._fd, 4)
         self._entries = []
         self._ends = []
@@ -155,7 +182,6 @@ class DurableJournal:
     def deleteEntriesFrom(self, entry_from: int) -> None:
         if entry_from >= len(self._entries):
             return
-        self.replay_until = min(self.replay_until, self._entries[entry_from][1] - 1)
         os.ftruncate(self._fd, self._ends[entry_from - 1] if entry_from else 4)
         del self._entries[entry_from:]
         del self._ends[entry_from:]
