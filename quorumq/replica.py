@@ -227,6 +227,7 @@ class Replica:
             raft_timeouts=config.raft_timeouts,
             compaction_entries=config.compaction_entries,
         )
+        self.member.start()
 
     @property
     def replay_until(self) -> int:

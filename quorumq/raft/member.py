@@ -228,6 +228,10 @@ class RaftMember(RaftRules):
         self.addOnTickCallback(self._tick_callback)
         self._poller.subscribe(self._wake_r, self._drain_wake, POLL_EVENT_TYPE.READ)
         self._thread = threading.Thread(target=self._tick_loop, name=f"raft-{address}", daemon=True)
+
+    def start(self) -> None:
+        """Start ticking (a separate step, so the owner is set up before the first tick
+        calls back into it)."""
         self._thread.start()
 
     # ------------------------------------------------------------ tick thread
@@ -251,7 +255,9 @@ class RaftMember(RaftRules):
             return
         self._stopping.set()
         self._wake()
-        if threading.current_thread() is not self._thread:
+        if self._thread.ident is None:  # never started: tear down here
+            self._tick_loop()
+        elif threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
 
     def _wake(self) -> None:
