@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -439,8 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout
-    print(f"uptime: {uptime.strip()}", flush=True)
+    print(f"load average {_load()}", flush=True)
     results = run(args, argv)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compare.json").write_text(json.dumps(results, indent=1) + "\n")
