@@ -88,7 +88,8 @@ def publish_confirm(cluster: Cluster, producers: int, messages: int, window: int
 def _consume_in_thread(
     consumer: Consumer, on_delivery: Callable[[Delivery], None]
 ) -> Callable[[], None]:
-    """Ack every delivery of `consumer` in a thread after `on_delivery`; returns its stop."""
+    """Ack every delivery of `consumer` in a thread after `on_delivery`; returns a stop
+    that ends the thread and closes the consumer's client."""
     stop = threading.Event()
 
     def run() -> None:
@@ -104,6 +105,7 @@ def _consume_in_thread(
     def stop_and_join() -> None:
         stop.set()
         thread.join(timeout=10)
+        consumer.client.close()
 
     return stop_and_join
 
@@ -135,6 +137,7 @@ def end_to_end(cluster: Cluster, messages: int, window: int) -> float:
     elapsed = time.perf_counter() - began
     for stop in stops:
         stop()
+    producer.close()
     if not finished:
         raise RuntimeError(f"only {received[0]} of {messages} messages delivered in 300 s")
     return messages / elapsed
@@ -176,6 +179,7 @@ def paced(cluster: Cluster, rate: int, seconds: float, kill_at: float | None = N
     with contextlib.suppress(RuntimeError):
         wait_until(trace.all_delivered, 60, "deliveries", interval=0.02)
     stop()
+    client.close()
     if kill_at is not None:
         cluster.restart(leader)
     return trace

@@ -176,9 +176,9 @@ def _measure(
     rss = max([peak_rss_mb(pid) for pid in s.server_pids().values()] + [0.0])
     results["peak_rss_mb"][s.name] = max(results["peak_rss_mb"].get(s.name, 0.0), rss)
     if isinstance(value, Trace):
-        results["latency_samples"].setdefault(workload, {}).setdefault(s.name, []).extend(
-            latency_sample(value, 1000)
-        )
+        if workload != "failover":
+            samples = results["latency_samples"].setdefault(workload, {})
+            samples.setdefault(s.name, []).extend(latency_sample(value))
         value = value.analyse()
         shown = ", ".join(f"{k} {v:.4g}" for k, v in value.items())
     else:
@@ -376,8 +376,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     throughput = [
         w for w in results["runs"] if w.startswith("publish_confirm") or w == "end_to_end"
     ]
-    latencies = sorted(results["latency_samples"], key=lambda w: (w == "failover", w))
-    latencies = [w for w in latencies if w != "failover"]
+    latencies = sorted(results["latency_samples"], key=lambda w: int(w.split("_")[1]))
     fig, axes = plt.subplots(1, 1 + len(latencies), figsize=(5 + 4.5 * len(latencies), 4.5))
     axes = list(axes) if latencies else [axes]
     width = 0.8 / max(1, len(names))

@@ -204,11 +204,13 @@ def percentile(ordered: Sequence[float], pct: float) -> float:
     return ordered[rank]
 
 
-def latency_sample(trace: Trace, limit: int = 2000) -> list[float]:
-    """Up to `limit` evenly spaced publish->delivery latencies (ms), for the CDF plot."""
+def latency_sample(trace: Trace, limit: int = 500) -> list[float]:
+    """About `limit` evenly spaced publish->delivery latencies (ms, to 0.01), always with
+    the largest, for the CDF plot."""
     ordered = sorted((t - trace.sent[i]) * 1e3 for i, t in trace.first_delivery.items())
     step = max(1, len(ordered) // limit)
-    return ordered[::step]
+    sample = ordered[::step] + ordered[-1:]
+    return [round(v, 2) for v in sample]
 
 
 # ------------------------------------------------------ asyncio publish drivers
