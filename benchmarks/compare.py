@@ -30,6 +30,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -422,6 +423,16 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _json(results: dict[str, Any]) -> str:
+    """Indented JSON with every list of numbers on one line (the latency samples)."""
+    text = json.dumps(results, indent=1)
+    return re.sub(r"\[\s*(-?[0-9.e+-]+(?:,\s*-?[0-9.e+-]+)*)\s*\]", _one_line, text) + "\n"
+
+
+def _one_line(match: re.Match[str]) -> str:
+    return "[" + ", ".join(v.strip() for v in match.group(1).split(",")) + "]"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks compare", description=__doc__.splitlines()[0]
@@ -440,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average {_load()}", flush=True)
     results = run(args, argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compare.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / "compare.json").write_text(_json(results))
     page = report(results)
     (args.out / "compare.md").write_text(page)
     print()
