@@ -34,7 +34,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -118,6 +118,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "latency_samples": {},
         "peak_rss_mb": {},
         "cpu_s_per_100k": {},
+        "idle_cpu_percent": {},
     }
     workloads: list[tuple[str, int, Callable[[System], Any]]] = []
     for p in producers:
@@ -148,12 +149,27 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             systems[key] = _start(key, stack)
             s = systems[key]
             results["systems"][s.name] = {"version": s.version, "durability": s.durability}
+        _idle_cpu(results, systems.values(), args.idle_seconds)
         for r in range(args.repeat):
             for workload, messages, measure in workloads:
                 for s in systems.values():
                     _measure(results, r, workload, messages, s, measure)
     results["machine"]["load_after"] = _load()
     return results
+
+
+def _idle_cpu(results: dict[str, Any], systems: Iterable[System], seconds: float) -> None:
+    """CPU the idle servers take (all three together, % of one core): they all stay up
+    during the whole run, so this is what each system costs the others in the background."""
+    if seconds <= 0:
+        return
+    pids = {s.name: list(s.server_pids().values()) for s in systems}
+    before = {name: sum(cpu_seconds(p) for p in ps) for name, ps in pids.items()}
+    time.sleep(seconds)
+    for name, ps in pids.items():
+        spent = sum(cpu_seconds(p) for p in ps) - before[name]
+        results["idle_cpu_percent"][name] = 100 * spent / seconds
+        print(f"idle {name:<15} {100 * spent / seconds:.1f}% of a core", flush=True)
 
 
 def _measure(
@@ -263,11 +279,14 @@ def table(results: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     rows = _rows(results["settings"])
     rows += [("peak RSS per server process, MiB", "", "rss", "mb")]
+    if results.get("idle_cpu_percent"):
+        rows += [("idle CPU of the 3 servers, % of a core", "", "idle", "cpu")]
     for workload in results["cpu_s_per_100k"]:
         rows.append((f"server CPU s per 100,000 msgs, {workload}", workload, "cpu", "cpu"))
     for label, workload, field, kind in rows:
-        if field == "rss":
-            per = {n: [results["peak_rss_mb"][n]] for n in names if n in results["peak_rss_mb"]}
+        if field in ("rss", "idle"):
+            key = "peak_rss_mb" if field == "rss" else "idle_cpu_percent"
+            per = {n: [results[key][n]] for n in names if n in results[key]}
         elif field == "cpu":
             per = results["cpu_s_per_100k"][workload]
         else:
@@ -437,15 +456,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks compare", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--systems", default="quorumq,rabbitmq,nats")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--messages", type=int, default=20_000)
-    parser.add_argument("--window", type=int, default=1000)
-    parser.add_argument("--producers", default="1,16", help="producer counts, comma-separated")
-    parser.add_argument("--rates", default="1000,5000", help="paced rates, comma-separated")
-    parser.add_argument("--latency-seconds", type=float, default=5.0)
-    parser.add_argument("--failover-seconds", type=float, default=6.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    add = parser.add_argument
+    add("--systems", default="quorumq,rabbitmq,nats", help="comma-separated, in run order")
+    add("--repeat", type=int, default=3, help="interleaved runs of every workload")
+    add("--messages", type=int, default=20_000, help="messages per throughput run")
+    add("--window", type=int, default=1000, help="unconfirmed publishes / consumer prefetch")
+    add("--producers", default="1,16", help="producer process counts, comma-separated")
+    add("--rates", default="1000,5000", help="paced latency rates in msg/s, comma-separated")
+    add("--latency-seconds", type=float, default=5.0, help="length of a paced latency run")
+    add("--failover-seconds", type=float, default=6.0, help="paced run; the kill is at 1/3")
+    add("--idle-seconds", type=float, default=10.0, help="idle CPU sample after start-up")
+    add("--out", type=Path, default=RESULTS, help="where compare.json/.md/.png go")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     print(f"load average {_load()}", flush=True)

@@ -22,10 +22,10 @@ def test_comparison_measures_every_quorumq_workload_and_skips_missing_peers(
 ) -> None:
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
     small = ["--repeat", "1", "--messages", "600", "--producers", "1,2", "--rates", "300"]
-    short = ["--latency-seconds", "1", "--failover-seconds", "3", "--out", str(tmp_path)]
+    short = ["--latency-seconds", "1", "--failover-seconds", "3", "--idle-seconds", "0.5"]
     command = [sys.executable, "-m", "benchmarks", "compare", "--systems", "quorumq,rabbitmq,nats"]
     result = subprocess.run(
-        [*command, *small, *short],
+        [*command, *small, *short, "--out", str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -53,6 +53,7 @@ def test_comparison_measures_every_quorumq_workload_and_skips_missing_peers(
     assert 0 < failover["confirms_resumed_s"] < 30
     assert 0 < failover["deliveries_resumed_s"] < 30
     assert results["peak_rss_mb"]["quorumq"] > 10
+    assert results["idle_cpu_percent"]["quorumq"] >= 0
     assert all(v[0] > 0 for v in results["cpu_s_per_100k"]["end_to_end"].values())
     assert not math.isnan(results["machine"]["load_after"]["load1"])
 
