@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -316,7 +317,10 @@ class _Channel:
         import pika
 
         tag, ok = frame.method.delivery_tag, isinstance(frame.method, pika.spec.Basic.Ack)
-        tags = [t for t in self._pending if t <= tag] if frame.method.multiple else [tag]
+        if frame.method.multiple:  # tags only grow, and the dict keeps them in order
+            tags = list(itertools.takewhile(lambda t: t <= tag, self._pending))
+        else:
+            tags = [tag]
         for t in tags:
             future = self._pending.pop(t, None)
             if future is not None and not future.done():
