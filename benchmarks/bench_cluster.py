@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from importlib.metadata import version
 from typing import Any
 
-from quorumq.client import Client, Consumer, Delivery
+from quorumq.client import Client, Consumer, Delivery, QuorumqError
 from quorumq.embedded import Cluster, free_ports
 
 from .peers.common import (
@@ -197,6 +197,15 @@ class QuorumqSystem:
 
     def server_pids(self) -> dict[str, int]:
         return {n: self.cluster.pid(n) for n in self.cluster.nodes if self.cluster.alive(n)}
+
+    def raft_term(self) -> int:
+        """The highest Raft term a live node reports: its growth counts elections."""
+        terms = []
+        for node in self.cluster.nodes:
+            if self.cluster.alive(node):
+                with contextlib.suppress(QuorumqError, OSError):
+                    terms.append(int(self.cluster.status(node)["term"]))
+        return max(terms, default=0)
 
     def publish_confirm(self, producers: int, messages: int, window: int) -> float:
         return publish_confirm(self.cluster, producers, messages, window)

@@ -31,8 +31,10 @@ import math
 import os
 import platform
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -59,12 +61,15 @@ class System(Protocol):
     def paced(self, rate: int, seconds: float, kill_at: float | None = None) -> Trace: ...
 
 
-def _start(key: str, stack: contextlib.ExitStack) -> System:
+def _start(key: str, stack: contextlib.ExitStack, root: Path) -> System:
+    """Start `key`'s 3 servers with their data and logs under `root / key`."""
+    data = root / key
+    data.mkdir()
     if key == "quorumq":
-        return QuorumqSystem(stack.enter_context(Cluster(3, node_down_grace=30.0)))
+        return QuorumqSystem(stack.enter_context(Cluster(3, str(data), node_down_grace=30.0)))
     if key == "rabbitmq":
-        return RabbitSystem(stack.enter_context(RabbitCluster()))
-    return NatsSystem(stack.enter_context(NatsCluster()))
+        return RabbitSystem(stack.enter_context(RabbitCluster(root=str(data))))
+    return NatsSystem(stack.enter_context(NatsCluster(root=str(data))))
 
 
 _MISSING: dict[str, Callable[[], str | None]] = {
@@ -119,6 +124,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "peak_rss_mb": {},
         "cpu_s_per_100k": {},
         "idle_cpu_percent": {},
+        "elections": {},
+        "failures": [],
     }
     workloads: list[tuple[str, int, Callable[[System], Any]]] = []
     for p in producers:
@@ -142,11 +149,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             lambda s: s.paced(1000, args.failover_seconds, kill_at=args.failover_seconds / 3),
         )
     )
+    root = Path(tempfile.mkdtemp(prefix="quorumq-compare-"))
     with contextlib.ExitStack() as stack:
         systems = {}
         for key in keys:
             print(f"starting {key} ...", flush=True)
-            systems[key] = _start(key, stack)
+            systems[key] = _start(key, stack, root)
             s = systems[key]
             results["systems"][s.name] = {"version": s.version, "durability": s.durability}
         _idle_cpu(results, systems.values(), args.idle_seconds)
@@ -155,6 +163,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                 for s in systems.values():
                     _measure(results, r, workload, messages, s, measure)
     results["machine"]["load_after"] = _load()
+    if results["failures"]:
+        print(f"{len(results['failures'])} runs failed; servers' data and logs kept in {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     return results
 
 
@@ -182,9 +194,21 @@ def _measure(
 ) -> None:
     pids = s.server_pids()
     cpu_before = {pid: cpu_seconds(pid) for pid in pids.values()}
+    term = getattr(s, "raft_term", None)
+    term_before = term() if term is not None else 0
     began = time.monotonic()
-    value = measure(s)
+    try:
+        value = measure(s)
+    except Exception as e:  # one failed run must not cost the others: reported, not hidden
+        error = f"{type(e).__name__}: {e}"
+        results["failures"].append({"run": r + 1, "workload": workload, "system": s.name})
+        results["failures"][-1]["error"] = error
+        print(f"run {r + 1} {workload:<20} {s.name:<15} FAILED {error}", flush=True)
+        return
     took = time.monotonic() - began
+    if term is not None:
+        elections = results["elections"].setdefault(workload, {}).setdefault(s.name, [])
+        elections.append(term() - term_before)
     if messages:  # a throughput run (no process killed): server CPU per message
         spent = sum(cpu_seconds(pid) - cpu_before[pid] for pid in pids.values())
         results["cpu_s_per_100k"].setdefault(workload, {}).setdefault(s.name, []).append(
@@ -279,6 +303,8 @@ def table(results: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     rows = _rows(results["settings"])
     rows += [("peak RSS per server process, MiB", "", "rss", "mb")]
+    for workload in results["elections"]:
+        rows.append((f"Raft elections during {workload} (all runs)", workload, "elections", "sum"))
     if results.get("idle_cpu_percent"):
         rows += [("idle CPU of the 3 servers, % of a core", "", "idle", "cpu")]
     for workload in results["cpu_s_per_100k"]:
@@ -289,6 +315,8 @@ def table(results: dict[str, Any]) -> str:
             per = {n: [results[key][n]] for n in names if n in results[key]}
         elif field == "cpu":
             per = results["cpu_s_per_100k"][workload]
+        elif field == "elections":
+            per = results["elections"][workload]
         else:
             per = {n: _values(results, workload, field, n) for n in names}
         if not any(per.get(n) for n in names):
@@ -319,7 +347,12 @@ def report(results: dict[str, Any]) -> str:
         out.append(f"- **{name}** ({info['version']}): {info['durability']}")
     for key, reason in results["skipped"].items():
         out.append(f"- **{key}**: not measured ({reason})")
-    out += ["", table(results), "", *targets(results)]
+    out += ["", table(results), ""]
+    for f in results["failures"]:
+        out.append(f"- run {f['run']} of {f['workload']} on {f['system']} failed: {f['error']}")
+    if results["failures"]:
+        out.append("")
+    out += targets(results)
     return "\n".join(out) + "\n"
 
 

@@ -40,6 +40,7 @@ def test_comparison_measures_every_quorumq_workload_and_skips_missing_peers(
 
     results = json.loads((tmp_path / "compare.json").read_text())
     assert list(results["systems"]) == ["quorumq"]
+    assert results["failures"] == []
     runs = {workload: by_system["quorumq"] for workload, by_system in results["runs"].items()}
     for workload in ("publish_confirm_1", "publish_confirm_2", "end_to_end"):
         assert runs[workload][0] > 0, workload
@@ -52,6 +53,7 @@ def test_comparison_measures_every_quorumq_workload_and_skips_missing_peers(
     assert failover["unmarked_duplicates"] == 0
     assert 0 < failover["confirms_resumed_s"] < 30
     assert 0 < failover["deliveries_resumed_s"] < 30
+    assert results["elections"]["failover"]["quorumq"][0] >= 1  # the kill forced one
     assert results["peak_rss_mb"]["quorumq"] > 10
     assert results["idle_cpu_percent"]["quorumq"] >= 0
     assert all(v[0] > 0 for v in results["cpu_s_per_100k"]["end_to_end"].values())
