@@ -457,17 +457,19 @@ def plot(results: dict[str, Any], path: Path) -> bool:
             sample = sorted(results["latency_samples"][w].get(name, []))
             if sample:
                 ys = [(i + 1) / len(sample) for i in range(len(sample))]
-                ax.plot(sample, ys, label=name)
+                achieved = statistics.median(_values(results, w, "achieved_rate", name))
+                ax.plot(sample, ys, label=f"{name} ({achieved:,.0f} msg/s sent)")
         ax.set_xscale("log")
         ax.set_xlabel("publish -> delivery, ms (log)")
         ax.set_ylabel("fraction of messages")
         ax.set_title(f"latency at {w.split('_')[1]} msg/s")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    load = results["machine"]["load_before"]["load1"]
+        ax.legend(fontsize="small", loc="lower right")
+    m = results["machine"]
     fig.suptitle(
-        f"3 servers per system on one {results['machine']['cpus']}-CPU host (load {load:.1f}); "
-        f"median of {results['settings']['repeat']} interleaved runs"
+        f"3 servers per system on one {m['cpus']}-CPU host, load average "
+        f"{m['load_before']['load1']:.1f} at the start, {m['load_after']['load1']:.1f} at the end; "
+        f"{results['settings']['repeat']} interleaved runs (bars: median, min-max; CDFs: pooled)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -500,8 +502,14 @@ def main(argv: list[str] | None = None) -> None:
     add("--failover-seconds", type=float, default=6.0, help="paced run; the kill is at 1/3")
     add("--idle-seconds", type=float, default=10.0, help="idle CPU sample after start-up")
     add("--out", type=Path, default=RESULTS, help="where compare.json/.md/.png go")
+    add("--report-only", type=Path, help="only write the table and plot of this compare.json")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if args.report_only is not None:
+        results = json.loads(args.report_only.read_text())
+        (args.report_only.parent / "compare.md").write_text(report(results))
+        plot(results, args.report_only.parent / "compare.png")
+        return
     print(f"load average {_load()}", flush=True)
     results = run(args, argv)
     args.out.mkdir(parents=True, exist_ok=True)
