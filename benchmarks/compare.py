@@ -303,8 +303,9 @@ def table(results: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     rows = _rows(results["settings"])
     rows += [("peak RSS per server process, MiB", "", "rss", "mb")]
-    for workload in results["elections"]:
-        rows.append((f"Raft elections during {workload} (all runs)", workload, "elections", "sum"))
+    if results["elections"]:
+        rows.append(("Raft elections during the failover runs (all runs)", "", "kill", "sum"))
+        rows.append(("Raft elections during every other run", "", "no-kill", "sum"))
     if results.get("idle_cpu_percent"):
         rows += [("idle CPU of the 3 servers, % of a core", "", "idle", "cpu")]
     for workload in results["cpu_s_per_100k"]:
@@ -315,8 +316,12 @@ def table(results: dict[str, Any]) -> str:
             per = {n: [results[key][n]] for n in names if n in results[key]}
         elif field == "cpu":
             per = results["cpu_s_per_100k"][workload]
-        elif field == "elections":
-            per = results["elections"][workload]
+        elif field in ("kill", "no-kill"):
+            per = {}
+            for w, by_system in results["elections"].items():
+                if (w == "failover") == (field == "kill"):
+                    for n, counts in by_system.items():
+                        per.setdefault(n, []).extend(counts)
         else:
             per = {n: _values(results, workload, field, n) for n in names}
         if not any(per.get(n) for n in names):
