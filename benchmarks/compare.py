@@ -149,6 +149,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             lambda s: s.paced(1000, args.failover_seconds, kill_at=args.failover_seconds / 3),
         )
     )
+    if args.only:
+        chosen = set(args.only.split(","))
+        unknown = chosen - {w for w, _, _ in workloads}
+        if unknown:
+            raise SystemExit(f"unknown workloads {sorted(unknown)}: {[w for w, _, _ in workloads]}")
+        workloads = [w for w in workloads if w[0] in chosen]
     root = Path(tempfile.mkdtemp(prefix="quorumq-compare-"))
     with contextlib.ExitStack() as stack:
         systems = {}
@@ -505,6 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     add("--rates", default="1000,5000", help="paced latency rates in msg/s, comma-separated")
     add("--latency-seconds", type=float, default=5.0, help="length of a paced latency run")
     add("--failover-seconds", type=float, default=6.0, help="paced run; the kill is at 1/3")
+    add("--only", default="", help="run only these workloads (comma-separated names)")
     add("--idle-seconds", type=float, default=10.0, help="idle CPU sample after start-up")
     add("--out", type=Path, default=RESULTS, help="where compare.json/.md/.png go")
     add("--report-only", type=Path, help="only write the table and plot of this compare.json")
