@@ -10,14 +10,15 @@ machine hits both alike:
   each keeping up to `--window` publishes in flight;
 * end to end: publish -> deliver -> ack msg/s, consumers on the two followers;
 * confirm latency p50/p99 at a fixed 1,000 msg/s (one producer, paced);
-* failover: leader SIGKILL while publishing at 1,000 msg/s -> first confirm after it;
+* failover: leader SIGKILL while publishing at 1,000 msg/s -> first confirm of a
+  message sent after it;
 * baseline: PySyncObj's own `batteries.ReplQueue`, 3 processes, pipelined `put`s.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import contextlib
 import os
 import platform
 import statistics
@@ -27,152 +28,193 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from importlib.metadata import version
 from typing import Any
 
-from quorumq.client import Client
+from quorumq.client import Client, Consumer, Delivery, QuorumqError
 from quorumq.embedded import Cluster, free_ports
 
-PAYLOAD = 100
+from .peers.common import (
+    PAYLOAD,
+    Trace,
+    message_body,
+    message_index,
+    run_producer_processes,
+    wait_until,
+)
+
+DURABILITY = "fsync=always: every replica fdatasyncs an entry before acknowledging it"
 
 
-def _producer(
-    endpoint: str, queue: str, n: int, window: int, start: Any, out: Any
-) -> None:  # runs in a child process
-    client = Client([endpoint])
-    payloads = [os.urandom(PAYLOAD) for _ in range(256)]
-    start.wait()
-    began = time.perf_counter()
+def _producer(endpoint: str, queue: str, n: int, window: int, start: Any, out: Any) -> None:
+    """One producer process (see `run_producer_processes`)."""
+    try:
+        client = Client([endpoint])
+        out.put("ready")
+        start.wait()
+        publish_windowed(client, queue, range(n), window)
+        client.close()
+        out.put(n)
+    except Exception as e:
+        out.put(f"{type(e).__name__}: {e}")
+
+
+def publish_windowed(client: Client, queue: str, indexes: Iterable[int], window: int) -> None:
+    """Publish the numbered messages with at most `window` unconfirmed (in halves)."""
     in_flight: list[Future[dict[str, Any]]] = []
-    for i in range(n):
-        in_flight.append(client.publish_async(queue, payloads[i & 255] + i.to_bytes(8, "big")))
+    for i in indexes:
+        in_flight.append(client.publish_async(queue, message_body(i)))
         if len(in_flight) >= window:
             for f in in_flight[: window // 2]:
                 f.result(60)
             del in_flight[: window // 2]
     for f in in_flight:
         f.result(60)
-    out.put(time.perf_counter() - began)
-    client.close()
 
 
 def publish_confirm(cluster: Cluster, producers: int, messages: int, window: int) -> float:
+    """msg/s of `producers` processes (spread over the nodes) publishing and confirming."""
     queue = f"pc-{producers}-{time.monotonic_ns()}"
     with cluster.client() as c:
         c.declare(queue)
-    ctx = mp.get_context("spawn")
-    start, out = ctx.Event(), ctx.Queue()
     per = messages // producers
-    procs = [
-        ctx.Process(
-            target=_producer,
-            args=(cluster.endpoint(cluster.nodes[i % 3]), queue, per, window, start, out),
-        )
-        for i in range(producers)
-    ]
-    for p in procs:
-        p.start()
-    time.sleep(1.0 + 0.1 * producers)  # let every producer connect
-    began = time.perf_counter()
-    start.set()
-    for _ in procs:
-        out.get(timeout=300)
-    elapsed = time.perf_counter() - began
-    for p in procs:
-        p.join(timeout=30)
-    return per * producers / elapsed
+    live = [n for n in cluster.nodes if cluster.alive(n)]
+    args = [(cluster.endpoint(live[i % len(live)]), queue, per, window) for i in range(producers)]
+    return run_producer_processes(_producer, args)
+
+
+def _consume_in_thread(
+    consumer: Consumer, on_delivery: Callable[[Delivery], None]
+) -> Callable[[], None]:
+    """Ack every delivery of `consumer` in a thread after `on_delivery`; returns a stop
+    that ends the thread and closes the consumer's client."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            d = consumer.get(timeout=0.1)
+            if d is not None:
+                on_delivery(d)
+                d.ack()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def stop_and_join() -> None:
+        stop.set()
+        thread.join(timeout=10)
+        consumer.client.close()
+
+    return stop_and_join
 
 
 def end_to_end(cluster: Cluster, messages: int, window: int) -> float:
+    """publish -> deliver -> ack msg/s: producer on the leader, consumers on the followers."""
     queue = f"e2e-{time.monotonic_ns()}"
     leader = cluster.leader()
     followers = [n for n in cluster.nodes if n != leader]
     producer = cluster.client(leader)
     producer.declare(queue)
-    done = threading.Event()
     received = [0]
     lock = threading.Lock()
+    done = threading.Event()
 
-    def consume(node: str) -> None:
-        consumer = cluster.client(node).subscribe(queue, prefetch=window)
-        while not done.is_set():
-            d = consumer.get(timeout=0.2)
-            if d is None:
-                continue
-            d.ack()
-            with lock:
-                received[0] += 1
-                if received[0] >= messages:
-                    done.set()
+    def count(_d: Delivery) -> None:
+        with lock:
+            received[0] += 1
+            if received[0] >= messages:
+                done.set()
 
-    threads = [threading.Thread(target=consume, args=(f,), daemon=True) for f in followers]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    payload = os.urandom(PAYLOAD)
+    stops = [
+        _consume_in_thread(cluster.client(f).subscribe(queue, prefetch=window), count)
+        for f in followers
+    ]
     began = time.perf_counter()
-    in_flight: list[Future[dict[str, Any]]] = []
-    for i in range(messages):
-        in_flight.append(producer.publish_async(queue, payload + i.to_bytes(8, "big")))
-        if len(in_flight) >= window:
-            for f in in_flight[: window // 2]:
-                f.result(60)
-            del in_flight[: window // 2]
-    done.wait(120)
+    publish_windowed(producer, queue, range(messages), window)
+    finished = done.wait(300)
     elapsed = time.perf_counter() - began
-    for t in threads:
-        t.join(timeout=5)
+    for stop in stops:
+        stop()
+    producer.close()
+    if not finished:
+        raise RuntimeError(f"only {received[0]} of {messages} messages delivered in 300 s")
     return messages / elapsed
 
 
-def paced_latency(
-    cluster: Cluster, rate: int, seconds: float, kill_leader_at: float | None = None
-) -> dict[str, float]:
-    """Publish at `rate` msg/s; confirm latencies, and with a kill, the failover time."""
+def paced(cluster: Cluster, rate: int, seconds: float, kill_at: float | None = None) -> Trace:
+    """Publish at `rate` msg/s to the leader with a consumer on a follower; with
+    `kill_at`, SIGKILL the leader that many seconds in (and restart it afterwards)."""
     queue = f"lat-{time.monotonic_ns()}"
     leader = cluster.leader()
+    follower = next(n for n in cluster.nodes if n != leader)
     client = cluster.client(leader, timeout=60.0)
     client.declare(queue)
-    latencies: list[float] = []
-    confirms: list[float] = []
-    lock = threading.Lock()
+    trace = Trace(rate)
+    stop = _consume_in_thread(
+        cluster.client(follower).subscribe(queue, prefetch=1000),
+        lambda d: trace.on_delivery(message_index(d.body), d.redelivered),
+    )
     futures = []
-    payload = os.urandom(PAYLOAD)
     began = time.perf_counter()
-    killed_at = None
-    n = int(rate * seconds)
-    for i in range(n):
-        due = began + i / rate
-        now = time.perf_counter()
-        if due > now:
-            time.sleep(due - now)
-        if kill_leader_at is not None and killed_at is None and now - began >= kill_leader_at:
+    for i in range(int(rate * seconds)):
+        delay = began + i / rate - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        if (
+            kill_at is not None
+            and trace.killed_at is None
+            and time.perf_counter() - began >= kill_at
+        ):
             cluster.kill(leader)
-            killed_at = time.perf_counter()
-        sent = time.perf_counter()
-
-        def on_done(f: Future[dict[str, Any]], sent: float = sent) -> None:
-            t = time.perf_counter()
-            with lock:
-                latencies.append(t - sent)
-                confirms.append(t)
-
-        f = client.publish_async(queue, payload + i.to_bytes(8, "big"))
-        f.add_done_callback(on_done)
+            trace.killed_at = time.perf_counter()
+        trace.sent.append(time.perf_counter())
+        f = client.publish_async(queue, message_body(i))
+        f.add_done_callback(lambda f, i=i: trace.on_confirm(i) if f.exception() is None else None)
         futures.append(f)
     for f in futures:
-        f.result(60)
-    lat = sorted(latencies)
-    result = {
-        "p50_ms": lat[len(lat) // 2] * 1e3,
-        "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
-    }
-    if killed_at is not None:
-        after = [t for t in confirms if t > killed_at]
-        result["failover_s"] = min(after) - killed_at
+        with contextlib.suppress(Exception):  # an unconfirmed message is counted, not raised
+            f.result(60)
+    with contextlib.suppress(RuntimeError):
+        wait_until(trace.all_delivered, 60, "deliveries", interval=0.02)
+    stop()
+    client.close()
+    if kill_at is not None:
         cluster.restart(leader)
-    return result
+    return trace
+
+
+class QuorumqSystem:
+    """The comparison's workloads against an embedded 3-node `Cluster`."""
+
+    name = "quorumq"
+    durability = DURABILITY
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.version = f"quorumq {version('quorumq')}"
+
+    def server_pids(self) -> dict[str, int]:
+        return {n: self.cluster.pid(n) for n in self.cluster.nodes if self.cluster.alive(n)}
+
+    def raft_term(self) -> int:
+        """The highest Raft term a live node reports: its growth counts elections."""
+        terms = []
+        for node in self.cluster.nodes:
+            if self.cluster.alive(node):
+                with contextlib.suppress(QuorumqError, OSError):
+                    terms.append(int(self.cluster.status(node)["term"]))
+        return max(terms, default=0)
+
+    def publish_confirm(self, producers: int, messages: int, window: int) -> float:
+        return publish_confirm(self.cluster, producers, messages, window)
+
+    def end_to_end(self, messages: int, window: int) -> float:
+        return end_to_end(self.cluster, messages, window)
+
+    def paced(self, rate: int, seconds: float, kill_at: float | None = None) -> Trace:
+        return paced(self.cluster, rate, seconds, kill_at)
 
 
 # ------------------------------------------------------------- the baseline
@@ -282,15 +324,18 @@ def main() -> None:
                 "end-to-end msg/s, consumers on followers",
                 lambda: end_to_end(cluster, args.messages, args.window),
             )
-            lat = paced_latency(cluster, 1000, args.latency_seconds)
-            results.setdefault("confirm p50 ms @1000/s", []).append(lat["p50_ms"])
-            results.setdefault("confirm p99 ms @1000/s", []).append(lat["p99_ms"])
-            print(f"  latency @1000/s: p50 {lat['p50_ms']:.2f} ms, p99 {lat['p99_ms']:.2f} ms")
-            fail = paced_latency(cluster, 1000, 4.0, kill_leader_at=1.5)
-            results.setdefault("failover s (leader kill -> next confirm)", []).append(
-                fail["failover_s"]
+            lat = paced(cluster, 1000, args.latency_seconds).analyse()
+            results.setdefault("confirm p50 ms @1000/s", []).append(lat["confirm_p50_ms"])
+            results.setdefault("confirm p99 ms @1000/s", []).append(lat["confirm_p99_ms"])
+            print(
+                f"  latency @1000/s: p50 {lat['confirm_p50_ms']:.2f} ms, "
+                f"p99 {lat['confirm_p99_ms']:.2f} ms"
             )
-            print(f"  failover: {fail['failover_s']:.2f} s", flush=True)
+            fail = paced(cluster, 1000, 4.0, kill_at=1.5).analyse()
+            results.setdefault("failover s (leader kill -> next confirm)", []).append(
+                fail["confirms_resumed_s"]
+            )
+            print(f"  failover: {fail['confirms_resumed_s']:.2f} s", flush=True)
     print()
     print("| measure | median (min-max) |")
     print("|---|---:|")

@@ -1,0 +1,64 @@
+"""The comparison benchmark, small: quorumq alone, every workload once, in seconds.
+
+The peers are hidden from it (PATH holds only this Python's directory), so it also
+checks that a missing RabbitMQ or NATS is reported with its install command and
+does not fail the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_comparison_measures_every_quorumq_workload_and_skips_missing_peers(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    small = ["--repeat", "1", "--messages", "600", "--producers", "1,2", "--rates", "300"]
+    short = ["--latency-seconds", "1", "--failover-seconds", "3", "--idle-seconds", "0.5"]
+    command = [sys.executable, "-m", "benchmarks", "compare", "--systems", "quorumq,rabbitmq,nats"]
+    result = subprocess.run(
+        [*command, *small, *short, "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "skipping rabbitmq: " in out and "apt-get install -y rabbitmq-server" in out, out
+    assert "skipping nats: " in out and "apt-get install -y nats-server" in out, out
+
+    results = json.loads((tmp_path / "compare.json").read_text())
+    assert list(results["systems"]) == ["quorumq"]
+    assert results["failures"] == []
+    runs = {workload: by_system["quorumq"] for workload, by_system in results["runs"].items()}
+    for workload in ("publish_confirm_1", "publish_confirm_2", "end_to_end"):
+        assert runs[workload][0] > 0, workload
+    latency = runs["latency_300"][0]
+    assert latency["sent"] == 300
+    assert 0 < latency["deliver_p50_ms"] <= latency["deliver_p99_ms"] <= latency["deliver_p999_ms"]
+    failover = runs["failover"][0]
+    assert failover["unconfirmed"] == 0
+    assert failover["lost"] == 0
+    assert failover["unmarked_duplicates"] == 0
+    assert 0 < failover["confirms_resumed_s"] < 30
+    assert 0 < failover["deliveries_resumed_s"] < 30
+    assert results["elections"]["failover"]["quorumq"][0] >= 1  # the kill forced one
+    assert results["peak_rss_mb"]["quorumq"] > 10
+    assert results["idle_cpu_percent"]["quorumq"] >= 0
+    assert all(v[0] > 0 for v in results["cpu_s_per_100k"]["end_to_end"].values())
+    assert not math.isnan(results["machine"]["load_after"]["load1"])
+
+    page = (tmp_path / "compare.md").read_text()
+    assert "| publish-confirm msg/s, 1 producer | " in page
+    assert "- **rabbitmq**: not measured (RabbitMQ is not installed" in page
