@@ -55,7 +55,6 @@ class Cluster:
         self.consumers: dict[str, Any] = {}
         """Every consumer id ever subscribed -> its client (for proxied deliveries)."""
         self.client_random = world.stream("clients")
-        self._deferred: dict[str, list[tuple[Callable[..., None], tuple[Any, ...]]]] = {}
         self._opening: SimJournal | None = None
         self._links: dict[tuple[Any, ...], int] = {}
         self.clients: list[Any] = []
@@ -102,7 +101,6 @@ class Cluster:
             return
         node.alive = False
         self.nodes[name] = None
-        self._deferred.pop(name, None)
         self.network.detach(name)
         self.world.trace(f"crash {name}")
         for o in self.observers:
@@ -128,8 +126,6 @@ class Cluster:
         node.paused = False
         self.world.trace(f"resume {name}")
         self.network.resume(name)
-        for fn, args in self._deferred.pop(name, []):
-            fn(*args)
         node.wake()
 
     def running(self) -> list[SimNode]:
@@ -171,16 +167,15 @@ class Cluster:
         client = getattr(fn, "__self__", None)
         self.world.at(self._link_arrival((node, client, "down")), arrive)
 
-    def send_to_node(self, client: Any, node: SimNode, fn: Callable[..., None], *args: Any) -> None:
-        """A request from `client` to `node`; a paused node reads it when resumed."""
+    def send_to_node(
+        self, client: Any, node: SimNode, fn: Callable[..., None] | None, *args: Any
+    ) -> None:
+        """A frame from `client` to `node`, read on the node's next tick (`fn` None: an
+        ack or nack, gathered with others read at once)."""
 
         def arrive() -> None:
-            if not node.alive:
-                return
-            if node.paused:
-                self._deferred.setdefault(node.name, []).append((fn, args))
-            else:
-                fn(*args)
+            if node.alive:
+                node.receive(client, fn, *args)
 
         self.world.at(self._link_arrival((node, client, "up")), arrive)
 

@@ -289,12 +289,12 @@ class SimConsumer(Client):
             return
         if self.random.random() < self.config.nack_p:
             nack = Nack(queue=QUEUE, consumer=delivery.consumer, offsets=[delivery.offset])
-            self.cluster.send_to_node(self, node, node.settle, nack)
+            self.cluster.send_to_node(self, node, None, nack)
             return
-        # one offset per ack, as the client sends them: an ack naming an offset the
-        # consumer no longer holds (returned with its key) is refused whole
+        # one offset per ack frame, as the client sends them; the node gathers the acks
+        # it reads at once into one Ack, as the server does
         ack = Ack(queue=QUEUE, consumer=delivery.consumer, offsets=[delivery.offset])
-        self.cluster.send_to_node(self, node, node.settle, ack)
+        self.cluster.send_to_node(self, node, None, ack)
 
     def cancelled(self, node: SimNode, consumer: str, reason: str) -> None:
         """The queue removed this consumer (its node was marked down): subscribe again."""

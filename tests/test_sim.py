@@ -223,6 +223,18 @@ def test_the_server_as_it_is_strands_messages_after_a_restart_within_grace() -> 
     assert run(RunConfig(seed=2, variant=REAL)).ok
 
 
+def test_the_server_as_it_is_strands_a_gathered_ack_refused_for_one_offset() -> None:
+    """Bug found by the simulator once it gathered acks as the server does (seed 1, no
+    faults, 1,000 records/s): an `Ack` of two offsets, one of them returned by the
+    consumer's own nack of an earlier message of its key, is refused whole; the other
+    offset stays held. See `Variant.resettle_refused_batch`."""
+    config = RunConfig(seed=1, faults="none", steps=100, workload=WorkloadConfig(rate=1000))
+    as_is = run(attrs.evolve(config, variant=AS_IS))
+    assert not as_is.ok
+    assert {v.kind for v in as_is.violations} & {"unsettled", "liveness"}
+    assert run(config).ok
+
+
 # ------------------------------------------------------------------- CI sweep
 
 
