@@ -162,3 +162,23 @@ def test_a_consumer_that_stops_reading_is_cut_off_and_its_messages_go_elsewhere(
 def test_a_client_with_no_reachable_node_says_so() -> None:
     with pytest.raises(ConnectionLostError, match="no quorumq node answered"):
         Client(["127.0.0.1:1"], connect_timeout=0.3)
+
+
+def test_an_ack_refused_for_one_offset_still_settles_the_others(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.declare("strand")
+    client.publish("strand", b"a")
+    client.publish("strand", b"b")
+    consumer_client = cluster.client()
+    consumer = consumer_client.subscribe("strand", prefetch=2)
+    held = [consumer.get(timeout=10) for _ in range(2)]
+    assert all(held)
+    # one ack frame naming a held offset and one the consumer does not hold (as when a
+    # nack took a key's later messages back and the client acks one of those with others)
+    consumer_client._send(
+        {"t": "ack", "consumer": consumer.id, "offsets": [held[0].offset, 10**6]}  # type: ignore[union-attr]
+    )
+    wait_for(
+        lambda: client.status()["queues"]["strand"]["unacked"] == 1,
+        "the held offset acked although the frame named one that is not held",
+    )

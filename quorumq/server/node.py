@@ -205,10 +205,19 @@ class NodeServer:
         goes again for the offsets the consumer still holds on this replica (an ack is
         safe to repeat; a requeueing nack repeated after all is one more marked
         redelivery). A repeat refused because the offsets are no longer held means the
-        first attempt did land: nothing to report."""
+        first attempt did land: nothing to report.
+
+        The machine refuses an ack or nack whole if one offset is not held (a nack of a
+        keyed message takes back the key's later messages the consumer holds, and the
+        client may ack one of those in the same read as others). The refusal is
+        reported, and the offsets still held are settled again, so none is stranded."""
 
         def done(reply: Reply | None, error: ProposalError | None) -> None:
-            if attempt > 1 and isinstance(reply, Error) and reply.code == ErrorCode.NOT_HELD:
+            if isinstance(reply, Error) and reply.code == ErrorCode.NOT_HELD:
+                if attempt == 1:  # say which, then settle the offsets still held
+                    self._soon(self._answer, conn, None, reply, None, None)
+                if len(command.offsets) > 1 and attempt < SETTLE_ATTEMPTS:
+                    self._soon(self._settle_held, command, conn, attempt + 1)
                 return
             if attempt < SETTLE_ATTEMPTS:
                 if isinstance(error, NotAppliedError):
