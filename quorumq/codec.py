@@ -31,6 +31,8 @@ from .machine import (
     Enqueued,
     Error,
     ErrorCode,
+    ForgetProducers,
+    Forgotten,
     Message,
     Nack,
     NodeDown,
@@ -47,8 +49,10 @@ VERSION = 1
 # command tags: never renumber
 _DECLARE, _ENQUEUE, _ENQUEUE_BATCH, _SUBSCRIBE, _CANCEL, _ACK, _NACK = 1, 2, 3, 4, 5, 6, 7
 _DOWN, _NODE_DOWN, _NODE_UP, _COMMIT_OFFSET, _TICK = 8, 9, 10, 11, 12
+_FORGET_PRODUCERS = 13
 # reply tags
 _OK, _DECLARED, _ENQUEUED, _ERROR = 100, 101, 102, 103
+_FORGOTTEN = 104
 # envelope tags
 _ENTRY = 200
 
@@ -118,6 +122,8 @@ def _command_fields(cmd: Command) -> list[Any]:
             return [_NODE_UP, cmd.node]
         case CommitOffset():
             return [_COMMIT_OFFSET, cmd.queue, cmd.group, cmd.offset]
+        case ForgetProducers():
+            return [_FORGET_PRODUCERS, cmd.queue, cmd.prefix]
         case Tick():
             return [_TICK]
     raise TypeError(f"not a command: {cmd!r}")
@@ -150,6 +156,7 @@ _COMMAND_BUILDERS: dict[int, tuple[int, Callable[..., Command]]] = {
     _NODE_UP: (1, lambda n: NodeUp(node=n)),
     _COMMIT_OFFSET: (3, lambda q, g, o: CommitOffset(queue=q, group=g, offset=o)),
     _TICK: (0, Tick),
+    _FORGET_PRODUCERS: (2, lambda q, p: ForgetProducers(queue=q, prefix=p)),
 }
 
 
@@ -200,6 +207,8 @@ def encode_reply(reply: Reply) -> bytes:
             return _pack([VERSION, _DECLARED, reply.created])
         case Enqueued():
             return _pack([VERSION, _ENQUEUED, reply.offset, reply.count, reply.duplicate])
+        case Forgotten():
+            return _pack([VERSION, _FORGOTTEN, reply.count])
         case Error():
             return _pack([VERSION, _ERROR, reply.code.value, reply.message, reply.expected_seq])
     raise TypeError(f"not a reply: {reply!r}")
@@ -215,6 +224,8 @@ def decode_reply(data: bytes) -> Reply:
             return Declared(created=args[0])
         if tag == _ENQUEUED and len(args) == 3:
             return Enqueued(offset=args[0], count=args[1], duplicate=args[2])
+        if tag == _FORGOTTEN and len(args) == 1 and type(args[0]) is int:
+            return Forgotten(count=args[0])
         if tag == _ERROR and len(args) == 3:
             return Error(code=ErrorCode(args[0]), message=args[1], expected_seq=args[2])
     except (TypeError, ValueError) as e:

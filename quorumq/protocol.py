@@ -72,6 +72,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "buckets": (_I, _N),
     },
     "commit_offset": {"id": (_I,), "queue": (_S,), "group": (_S,), "offset": (_I,)},
+    "forget_producers": {"id": (_I,), "queue": (_S,), "prefix": (_S,)},
     "status": {"id": (_I,)},
     "add_member": {"id": (_I,), "node": (_S,), "raft_address": (_S,)},
     "remove_member": {"id": (_I,), "node": (_S,)},

@@ -7,10 +7,15 @@ micro-batch re-reads exactly the same input range, so a replayed task sends the 
 producer id and sequence numbers again, and the queue answers the resends as
 duplicates instead of enqueueing them twice. A task that died half-way resends what
 landed (recognised) and goes on with the rest.
+
+Spark runs batch b only once batch b-1 is in the checkpoint's commit log, so when batch
+b commits, batch b-1 can never be replayed: `commit` then has the queue forget b-1's
+producers (prefix `spark-<query id>-<b-1>-`), and only the latest batch's stay.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,19 +25,34 @@ from pyspark.sql.datasource import DataSourceStreamWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, MapType, StringType, StructType
 
 import quorumq
+from quorumq.client import QuorumqError, ServerError
+from quorumq.client.core import RETRIABLE
 
 from .options import OptionError, WriteOptions
 
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
 
+logger = logging.getLogger(__name__)
+
+FORGET_ATTEMPTS = 3
+"""Tries to forget a batch's producers when a leader change loses the command (it is
+idempotent, so a repeat is harmless)."""
+
 
 @attrs.frozen
 class PartitionWritten(WriterCommitMessage):  # type: ignore[misc]
-    """What one task wrote: its producer id and how many rows."""
+    """What one task wrote: its query, its producer id and how many rows."""
 
+    query: str
     producer: str
     rows: int
+
+
+def batch_prefix(query: str, batch: int | str) -> str:
+    """The producer-id prefix of one micro-batch's tasks. The closing dash keeps batch 1
+    from matching batches 10, 11, ... (the query id is a fixed-length UUID)."""
+    return f"spark-{query}-{batch}-"
 
 
 def check_sink_schema(schema: StructType) -> None:
@@ -57,8 +77,8 @@ def check_sink_schema(schema: StructType) -> None:
         raise OptionError(f"column 'headers' must be map<string,string>, not {headers}")
 
 
-def task_producer() -> str:
-    """This task's producer id: the query, the micro-batch and the partition."""
+def task_producer() -> tuple[str, str]:
+    """This task's query id and producer id (the query, the micro-batch, the partition)."""
     context = TaskContext.get()
     if context is None:
         raise RuntimeError("the quorumq sink writes only inside a Spark task")
@@ -66,7 +86,7 @@ def task_producer() -> str:
     batch = context.getLocalProperty(BATCH_ID_PROPERTY)
     if not query or batch is None:
         raise RuntimeError("the quorumq sink writes only from a streaming query (writeStream)")
-    return f"spark-{query}-{batch}-{context.partitionId()}"
+    return query, f"{batch_prefix(query, batch)}{context.partitionId()}"
 
 
 def message_of(row: Any) -> tuple[bytes, str | None, Mapping[str, str] | None]:
@@ -85,7 +105,7 @@ class QuorumqStreamWriter(DataSourceStreamWriter):  # type: ignore[misc]
         self.options = options
 
     def write(self, iterator: Iterator[Any]) -> PartitionWritten:
-        producer = task_producer()
+        query, producer = task_producer()
         options = self.options
         seq = 0
         with quorumq.connect(list(options.endpoints), options.token) as client:
@@ -99,10 +119,29 @@ class QuorumqStreamWriter(DataSourceStreamWriter):  # type: ignore[misc]
             if chunk:
                 client.publish_batch(options.queue, chunk, producer=producer, first_seq=seq)
                 seq += len(chunk)
-        return PartitionWritten(producer, seq)
+        return PartitionWritten(query, producer, seq)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
-        """Every task's rows are confirmed by the queue already: nothing left to do."""
+        """Every task's rows are confirmed by the queue already. The batch before this
+        one can no longer be replayed: forget its producers. A failure to forget is only
+        logged (they expire after 7 days of silence anyway)."""
+        queries = {m.query for m in messages if isinstance(m, PartitionWritten)}
+        if batchId < 1 or len(queries) != 1:
+            return
+        (query,) = queries
+        prefix = batch_prefix(query, batchId - 1)
+        options = self.options
+        error: QuorumqError | None = None
+        for _ in range(FORGET_ATTEMPTS):
+            try:
+                with quorumq.connect(list(options.endpoints), options.token) as client:
+                    client.forget_producers(options.queue, prefix)
+                return
+            except QuorumqError as e:
+                error = e
+                if isinstance(e, ServerError) and e.code not in RETRIABLE:
+                    break
+        logger.warning("could not forget the producers %s* of %s: %s", prefix, options.queue, error)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
         """Rows that landed stay; a replay of the batch is recognised as duplicates."""

@@ -81,6 +81,18 @@ def test_keys_stay_in_order_across_two_consumers(cluster: Cluster) -> None:
     assert seen == sent
 
 
+def test_the_blocking_client_forgets_producers_by_prefix(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.declare("forget")
+    client.publish_batch("forget", [b"a", b"b"], producer="batch-1-0", first_seq=0)
+    client.publish_batch("forget", [b"c"], producer="batch-11-0", first_seq=0)
+    assert client.forget_producers("forget", "batch-1-") == 1
+    assert client.status()["queues"]["forget"]["producers"] == 1
+    assert client.publish_batch("forget", [b"a"], producer="batch-1-0", first_seq=0) == [3]
+    with pytest.raises(ServerError, match="invalid"):
+        client.forget_producers("forget", "")
+
+
 def test_an_oversized_message_is_refused_and_the_node_keeps_serving(cluster: Cluster) -> None:
     client = cluster.client()
     client.declare("big")

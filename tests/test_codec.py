@@ -32,6 +32,8 @@ from quorumq.machine import (
     Enqueued,
     Error,
     ErrorCode,
+    ForgetProducers,
+    Forgotten,
     Message,
     Nack,
     NodeDown,
@@ -82,6 +84,7 @@ commands = st.one_of(
     st.builds(NodeDown, node=names),
     st.builds(NodeUp, node=names),
     st.builds(CommitOffset, queue=names, group=names, offset=st.integers(0, 2**40)),
+    st.builds(ForgetProducers, queue=names, prefix=names),
     st.just(Tick()),
 )
 replies = st.one_of(
@@ -93,6 +96,7 @@ replies = st.one_of(
         count=st.integers(1, 1000),
         duplicate=st.booleans(),
     ),
+    st.builds(Forgotten, count=st.integers(0, 2**40)),
     st.builds(
         Error,
         code=st.sampled_from(list(ErrorCode)),
@@ -158,3 +162,9 @@ def test_encoding_is_stable() -> None:
     assert encode_entry(7, Enqueue(queue="q", body=b"x", key="k", producer="p", seq=3)) == (
         b"\x94\x01\xcc\xc8\x07\x97\x02\xa1q\xc4\x01x\xa1k\xc0\xa1p\x03"
     )
+
+
+def test_new_tags_are_pinned() -> None:
+    # added after VERSION 1 shipped: the next free tags, never renumbered
+    assert encode_command(ForgetProducers(queue="q", prefix="p-")) == b"\x94\x01\x0d\xa1q\xa2p-"
+    assert encode_reply(Forgotten(count=3)) == b"\x93\x01\x68\x03"

@@ -20,6 +20,8 @@ from quorumq.machine import (
     Enqueued,
     Error,
     ErrorCode,
+    ForgetProducers,
+    Forgotten,
     Machine,
     Message,
     Meta,
@@ -611,6 +613,69 @@ def test_silent_producer_is_forgotten_after_expiry(d: Driver) -> None:
     _enq(d, 0)
     d(Tick(), ts_ms=PRODUCER_EXPIRY_MS + 1)
     assert _enq(d, 9) == Enqueued(offset=1)
+
+
+def _enq_as(d: Driver, producer: str, seq: int) -> object:
+    return d(Enqueue(queue="q", body=b"x", producer=producer, seq=seq)).reply
+
+
+def test_forgotten_producer_starts_afresh_so_its_old_seq_is_accepted_as_new(d: Driver) -> None:
+    assert _enq_as(d, "spark-q-9-0", 0) == Enqueued(offset=0)
+    assert d(ForgetProducers(queue="q", prefix="spark-q-9-")).reply == Forgotten(count=1)
+    # the documented trade-off: only forget a producer that will never resend
+    assert _enq_as(d, "spark-q-9-0", 0) == Enqueued(offset=1)
+    assert d.machine.ready("q") == (0, 1)
+
+
+def test_forgetting_producers_leaves_those_of_other_prefixes_alone(d: Driver) -> None:
+    for producer in ("spark-q-9-0", "spark-q-9-1", "spark-q-10-0", "spark-q-99-0", "other"):
+        _enq_as(d, producer, 0)
+    assert d(ForgetProducers(queue="q", prefix="spark-q-9-")).reply == Forgotten(count=2)
+    assert d.machine.producers("q") == ("other", "spark-q-10-0", "spark-q-99-0")
+    assert d.machine.stats("q").producers == 3
+    assert _enq_as(d, "spark-q-10-0", 0) == Enqueued(offset=2, duplicate=True)
+
+
+def test_forgetting_producers_is_per_queue(d: Driver) -> None:
+    d(Declare(queue="other"))
+    _enq_as(d, "p", 0)
+    d(Enqueue(queue="other", body=b"x", producer="p", seq=0))
+    assert d(ForgetProducers(queue="other", prefix="p")).reply == Forgotten(count=1)
+    assert d.machine.producers("q") == ("p",)
+    assert d.machine.producers("other") == ()
+
+
+def test_forgetting_producers_that_are_not_there_forgets_none(d: Driver) -> None:
+    _enq_as(d, "p", 0)
+    assert d(ForgetProducers(queue="q", prefix="nobody")).reply == Forgotten(count=0)
+    assert d.machine.producers("q") == ("p",)
+
+
+def test_forgetting_producers_with_an_empty_prefix_is_refused(d: Driver) -> None:
+    _enq_as(d, "p", 0)
+    reply = d(ForgetProducers(queue="q", prefix="")).reply
+    assert _error_code(reply) is ErrorCode.INVALID
+    assert d.machine.producers("q") == ("p",)
+
+
+def test_forgetting_producers_of_an_unknown_queue_is_refused(d: Driver) -> None:
+    reply = d(ForgetProducers(queue="nope", prefix="p")).reply
+    assert _error_code(reply) is ErrorCode.UNKNOWN_QUEUE
+
+
+def test_forgotten_producers_stay_forgotten_in_snapshot_and_digest(d: Driver) -> None:
+    _enq_as(d, "a-1", 0)
+    _enq_as(d, "b-1", 0)
+    before = Machine.restore(d.machine.snapshot())
+    d(ForgetProducers(queue="q", prefix="a-"))
+    restored = Machine.restore(d.machine.snapshot())
+    assert restored.producers("q") == ("b-1",)
+    assert restored.digest() == d.machine.digest()
+    # the same state with the producer still remembered digests differently
+    replay = Driver(before)
+    replay(Tick())
+    assert replay.machine.last_index == d.machine.last_index
+    assert replay.machine.digest() != d.machine.digest()
 
 
 # ----------------------------------------------------------------------- batches

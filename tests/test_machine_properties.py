@@ -11,7 +11,8 @@ public queries:
 * per consumer, first deliveries of unkeyed messages come in increasing offset order;
   per key, first deliveries come in increasing order, every held message of a key is
   held by one consumer and is older than every ready message of that key;
-* a retried idempotent enqueue never gets a second offset;
+* a retried idempotent enqueue never gets a second offset; a forgotten producer
+  starts afresh, and the others are untouched;
 * with single active consumer, only the oldest live subscriber receives;
 * the stream view at an offset never changes;
 * a second machine fed the same log, and one restored from a snapshot taken mid-way
@@ -52,6 +53,8 @@ from quorumq.machine import (
     Enqueued,
     Error,
     ErrorCode,
+    ForgetProducers,
+    Forgotten,
     Machine,
     Message,
     Meta,
@@ -477,6 +480,19 @@ class QueueMachineRules(RuleBasedStateMachine):
         else:
             assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.INVALID
 
+    @rule(queue=st.sampled_from(QUEUES), prefix=st.sampled_from(["", "p", *PRODUCERS, "x"]))
+    def forget_producers(self, queue: str, prefix: str) -> None:
+        applied = self.apply(ForgetProducers(queue=queue, prefix=prefix))
+        assert applied.effects == ()
+        if not prefix:
+            assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.INVALID
+            return
+        gone = [s for s in self.producer_last if s[0] == queue and s[1].startswith(prefix)]
+        assert applied.reply == Forgotten(count=len(gone))
+        for slot in gone:  # its next enqueue starts afresh, at any seq
+            del self.producer_last[slot]
+            del self.producer_offsets[slot]
+
     @rule()
     def snapshot_round_trip(self) -> None:
         snapshot = self.machine.snapshot()
@@ -493,6 +509,12 @@ class QueueMachineRules(RuleBasedStateMachine):
             assert set(self.machine.consumers(q)) == set(self.consumers[q])
             for c in self.consumers[q]:
                 assert list(self.machine.unacked(q, c)) == self.held_by(q, c), (q, c)
+
+    @invariant()
+    def producers_match_the_model(self) -> None:
+        for q in QUEUES:
+            mine = sorted(p for queue, p in self.producer_last if queue == q)
+            assert list(self.machine.producers(q)) == mine
 
     @invariant()
     def no_message_is_lost(self) -> None:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import quorumq.aio
-from quorumq.client import QuorumqError
+from quorumq.client import QuorumqError, ServerError
 from quorumq.embedded import free_ports
 from quorumq.replica import ReplicaConfig
 from quorumq.server import NodeConfig, NodeServer
@@ -62,6 +62,34 @@ def test_a_one_node_group_serves_publish_subscribe_and_status(tmp_path: Path) ->
                     await delivery.ack()  # it would spoil the batch of acks it travels in
                 status = await client.status()
                 assert status["node"] == "solo" and status["is_leader"]
+
+    _serve(tmp_path, body)
+
+
+def test_forget_producers_forgets_by_prefix_and_the_status_counts_what_is_left(
+    tmp_path: Path,
+) -> None:
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as client:
+            with trio.fail_after(10):
+                await client.declare("q")
+                for producer in ("job-9-0", "job-9-1", "job-10-0"):
+                    await client.publish_batch("q", [b"x"], producer=producer, first_seq=0)
+                assert (await client.status())["queues"]["q"]["producers"] == 3
+                assert await client.forget_producers("q", "job-9-") == 2
+                assert await client.forget_producers("q", "job-9-") == 0
+                assert (await client.status())["queues"]["q"]["producers"] == 1
+                # forgotten: seq 0 is new again; remembered: seq 0 is a duplicate
+                assert await client.publish_batch("q", [b"y"], producer="job-9-0", first_seq=0) == [
+                    3
+                ]
+                assert await client.publish_batch(
+                    "q", [b"y"], producer="job-10-0", first_seq=0
+                ) == [2]
+                with pytest.raises(ServerError, match="invalid"):
+                    await client.forget_producers("q", "")
+                with pytest.raises(ServerError, match="unknown_queue"):
+                    await client.forget_producers("nope", "job-")
 
     _serve(tmp_path, body)
 

@@ -283,6 +283,37 @@ def test_queue_to_spark_to_queue_restarted_midway_has_each_input_once(
         assert numbers == sorted(numbers)
 
 
+def test_the_sink_forgets_each_batchs_producers_once_the_next_batch_commits(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    fill(cluster, "forget-in", 120)
+    client = cluster.client()
+    client.declare("forget-out")
+    source = stream(
+        spark, cluster, "forget-in", startingOffsets="earliest", maxOffsetsPerTrigger="30"
+    )
+    query = (
+        source.select("key", "value")
+        .writeStream.format("quorumq")
+        .option("endpoints", endpoints(cluster))
+        .option("queue", "forget-out")
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert query.awaitTermination(QUERY_TIMEOUT_S), "the query did not finish"
+        last = query.lastProgress["batchId"]
+    finally:
+        query.stop()
+    assert last == 3  # four batches of 30, each written by 2 partitions (7 keys in 2 buckets)
+    assert len(client.read("forget-out", 0, 1000)) == 120
+    # only the last batch's producers are left: it may still be replayed
+    assert client.status()["queues"]["forget-out"]["producers"] == 2
+    assert client.forget_producers("forget-out", f"spark-{query.id}-{last}-") == 2
+    assert client.forget_producers("forget-out", f"spark-{query.id}-") == 0
+
+
 @pytest.mark.parametrize(
     ("options", "expected"),
     [

@@ -342,6 +342,14 @@ class AsyncClient:
             {"t": "commit_offset", "queue": queue, "group": group, "offset": offset}
         )
 
+    async def forget_producers(self, queue: str, prefix: str) -> int:
+        """Forget the idempotent producers of `queue` whose id starts with `prefix` (not
+        empty); return how many. Only for producers that will never resend: a forgotten
+        producer's next publish is accepted as new, whatever its sequence number."""
+        frame = {"t": "forget_producers", "queue": queue, "prefix": prefix}
+        reply = await self._request(frame)
+        return int(reply["forgotten"])
+
     async def add_member(self, node: str, raft_address: str) -> dict[str, str]:
         """Add a replica to the cluster (start its node first, with the current members and
         itself as peers). Returns the members once the change is committed."""

@@ -405,6 +405,13 @@ class Client:
     def commit_offset(self, queue: str, group: str, offset: int) -> None:
         self._request({"t": "commit_offset", "queue": queue, "group": group, "offset": offset})
 
+    def forget_producers(self, queue: str, prefix: str) -> int:
+        """Forget the idempotent producers of `queue` whose id starts with `prefix` (not
+        empty); return how many. Only for producers that will never resend: a forgotten
+        producer's next publish is accepted as new, whatever its sequence number."""
+        reply = self._request({"t": "forget_producers", "queue": queue, "prefix": prefix})
+        return int(reply["forgotten"])
+
     def add_member(self, node: str, raft_address: str) -> dict[str, str]:
         """Add a replica to the cluster (start its node first, with the current members and
         itself as peers). Returns the members once the change is committed."""

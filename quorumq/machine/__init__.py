@@ -13,6 +13,7 @@ from .commands import (
     Down,
     Enqueue,
     EnqueueBatch,
+    ForgetProducers,
     Message,
     Nack,
     NodeDown,
@@ -23,7 +24,7 @@ from .commands import (
 )
 from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect
 from .machine import Applied, Machine, Meta, UnknownQueueError
-from .replies import OK, Declared, Enqueued, Error, ErrorCode, Ok, Reply
+from .replies import OK, Declared, Enqueued, Error, ErrorCode, Forgotten, Ok, Reply
 from .views import QueueStats, StreamMessage, bucket_of
 
 __all__ = [
@@ -46,6 +47,8 @@ __all__ = [
     "Enqueued",
     "Error",
     "ErrorCode",
+    "ForgetProducers",
+    "Forgotten",
     "Machine",
     "Message",
     "Meta",

@@ -202,6 +202,19 @@ class CommitOffset:
 
 
 @attrs.frozen(kw_only=True)
+class ForgetProducers:
+    """Forget the idempotent producers of `queue` whose id starts with `prefix`.
+
+    For producers that can never resend (a Spark batch once a later one is committed):
+    a forgotten producer's next enqueue is accepted as new, whatever its seq. An empty
+    prefix is refused, so nobody forgets every producer by accident.
+    """
+
+    queue: str = attrs.field(validator=_str)
+    prefix: str = attrs.field(validator=_str)
+
+
+@attrs.frozen(kw_only=True)
 class Tick:
     """Moves time (message TTL, producer expiry) when nothing else does."""
 
@@ -218,5 +231,6 @@ Command: TypeAlias = (
     | NodeDown
     | NodeUp
     | CommitOffset
+    | ForgetProducers
     | Tick
 )

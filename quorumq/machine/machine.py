@@ -24,6 +24,7 @@ from .commands import (
     Down,
     Enqueue,
     EnqueueBatch,
+    ForgetProducers,
     Message,
     Nack,
     NodeDown,
@@ -34,7 +35,7 @@ from .commands import (
 )
 from .effects import ConsumerDown, DeadLettered, Dropped, Effect
 from .queue import ConsumerState, ProducerState, QueueState, Record
-from .replies import OK, Declared, Enqueued, Error, ErrorCode, Reply
+from .replies import OK, Declared, Enqueued, Error, ErrorCode, Forgotten, Reply
 from .views import QueueStats, StreamMessage, bucket_of
 
 PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
@@ -399,6 +400,14 @@ class Machine:
         q.commits[cmd.group] = cmd.offset
         return OK
 
+    def _forget_producers(self, cmd: ForgetProducers, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        if not cmd.prefix:
+            return _error(ErrorCode.INVALID, "an empty prefix would forget every producer")
+        return Forgotten(count=q.forget_producers(cmd.prefix))
+
     def _tick(self, cmd: Tick, effects: list[Any]) -> Reply:
         now = self._now
         for q in self._queues.values():
@@ -460,7 +469,12 @@ class Machine:
             consumers=len(q.consumers),
             next_offset=q.next_offset,
             first_retained=q.first_retained,
+            producers=len(q.producers),
         )
+
+    def producers(self, queue: str) -> tuple[str, ...]:
+        """Ids of the idempotent producers `queue` remembers, sorted."""
+        return tuple(sorted(self._get(queue).producers))
 
     def committed_offset(self, queue: str, group: str) -> int | None:
         return self._get(queue).commits.get(group)
@@ -617,6 +631,7 @@ _HANDLERS: dict[type, Callable[[Machine, Any, list[Any]], Reply]] = {
     NodeDown: Machine._node_down,
     NodeUp: Machine._node_up,
     CommitOffset: Machine._commit_offset,
+    ForgetProducers: Machine._forget_producers,
     Tick: Machine._tick,
 }
 

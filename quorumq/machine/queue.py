@@ -191,6 +191,13 @@ class QueueState:
     def first_retained(self) -> int:
         return self.stream_base + self.stream_head
 
+    def forget_producers(self, prefix: str) -> int:
+        """Drop the state of every producer whose id starts with `prefix`; return how many."""
+        gone = [p for p in self.producers if p.startswith(prefix)]
+        for producer in gone:
+            del self.producers[producer]
+        return len(gone)
+
     # ------------------------------------------------------------- enqueueing
 
     def append(

@@ -48,6 +48,13 @@ class Enqueued:
 
 
 @attrs.frozen(kw_only=True)
+class Forgotten:
+    """`count` producers were forgotten (0 when none matched)."""
+
+    count: int
+
+
+@attrs.frozen(kw_only=True)
 class Error:
     code: ErrorCode
     message: str
@@ -55,4 +62,4 @@ class Error:
     """With OUT_OF_ORDER: the sequence number the queue expects next from this producer."""
 
 
-Reply: TypeAlias = Ok | Declared | Enqueued | Error
+Reply: TypeAlias = Ok | Declared | Enqueued | Forgotten | Error

@@ -28,6 +28,8 @@ class QueueStats:
     next_offset: int
     first_retained: int
     """Lowest offset still in the stream view; equal to `next_offset` when it is empty."""
+    producers: int
+    """Idempotent producers remembered (until forgotten or silent for 7 days)."""
 
 
 def bucket_of(key: str | None, offset: int, buckets: int) -> int:

@@ -33,6 +33,8 @@ from ..machine import (
     EnqueueBatch,
     Enqueued,
     Error,
+    ForgetProducers,
+    Forgotten,
     Message,
     Nack,
     QueueOptions,
@@ -500,6 +502,10 @@ class Connection:
         command = CommitOffset(queue=frame["queue"], group=frame["group"], offset=frame["offset"])
         self._propose(frame["id"], command)
 
+    def _forget_producers(self, frame: Frame) -> None:
+        command = ForgetProducers(queue=frame["queue"], prefix=frame["prefix"])
+        self._propose(frame["id"], command)
+
     def _add_member(self, frame: Frame) -> None:
         self._membership(frame["id"], self.node.add_member(frame["node"], frame["raft_address"]))
 
@@ -525,6 +531,8 @@ class Connection:
 def _reply_fields(reply: Reply | None) -> dict[str, Any]:
     if isinstance(reply, Enqueued):
         return {"offset": reply.offset, "count": reply.count, "duplicate": reply.duplicate}
+    if isinstance(reply, Forgotten):
+        return {"forgotten": reply.count}
     created = getattr(reply, "created", None)
     return {} if created is None else {"created": created}
 
@@ -536,6 +544,7 @@ _HANDLERS: dict[str, Callable[[Connection, Frame], None]] = {
     "cancel": Connection._cancel,
     "read": Connection._read,
     "commit_offset": Connection._commit_offset,
+    "forget_producers": Connection._forget_producers,
     "status": Connection._status,
     "add_member": Connection._add_member,
     "remove_member": Connection._remove_member,
