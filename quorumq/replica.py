@@ -412,6 +412,7 @@ class Replica:
             "ready": member.isReady(),
             "down_nodes": down,
             "members": members,
+            "connected": member.connected(),
         }
 
     def stop(self) -> None:

@@ -114,6 +114,15 @@ def test_a_partition_read_moves_past_a_dead_node_and_fails_clearly_when_all_are(
         {"endpoints": ",".join(cluster.endpoints), "queue": "dead", "readWaitSeconds": "5"},
         batch=False,
     )
+    # every replica has applied the range (if the victim led, the others would otherwise
+    # wait for an election before they could serve it: a different test)
+    wait_for(
+        lambda: all(
+            cluster.status(n)["queues"].get("dead", {}).get("next_offset") == 30
+            for n in cluster.nodes
+        ),
+        "the range applied on every replica",
+    )
     victim = cluster.nodes[0]
     cluster.kill(victim)
     try:

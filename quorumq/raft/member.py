@@ -320,6 +320,10 @@ class RaftMember(RaftRules):
         """Propose removing the replica at `address` (a node cannot remove itself)."""
         self.removeNodeFromCluster(TCPNode(address), callback)
 
+    def connected(self) -> dict[str, bool]:
+        """Per peer name: whether this node has a live Raft connection to it."""
+        return {node_name(n): bool(self.isNodeConnected(n)) for n in self.otherNodes}
+
     def ask_leader_to_step_down(self) -> None:
         """Ask the leader (this node or another) to hand leadership to its most caught-up
         follower now (Raft's TimeoutNow). Best effort: watch the leader to see it happen."""

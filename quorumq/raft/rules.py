@@ -6,9 +6,11 @@
   from a tick callback). Commands that arrive together still go out in one
   AppendEntries (group commit). The default, batched append path is kept:
   `appendEntriesUseBatch=False` makes followers truncate applied entries.
-* the stale-ack fix: with several AppendEntries in flight, a late success reply must not
-  move the leader's `nextIndex` for that follower backwards (which makes the follower
-  delete and re-add entries it already applied).
+* the stale-reply fixes: with several AppendEntries in flight, a late success reply must
+  not move the leader's `nextIndex` for that follower backwards (which makes the follower
+  delete and re-add entries it already applied), and a late refusal must not move it
+  forwards (which undoes the search for the index where the logs agree: a follower with
+  a divergent tail under big entries never caught up).
 * durability points: a follower calls `make_durable` before it acknowledges entries, a
   leader after appending its own (before the next tick counts them toward commit).
   Real nodes fsync there; the simulator marks its in-memory journal durable.
@@ -103,12 +105,16 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         if (
             isinstance(message, dict)
             and message.get("type") == "next_node_idx"
-            and message.get("success")
-            and not message.get("reset")
             and before is not None
-            and next_index.get(node, 0) < before
         ):
-            next_index[node] = before  # a stale ack must not rewind nextIndex
+            now = next_index.get(node, 0)
+            if message.get("success") and not message.get("reset") and now < before:
+                next_index[node] = before  # a stale ack must not rewind nextIndex
+            elif message.get("reset") and not message.get("success") and now > before:
+                # a stale refusal must not undo the search for where the logs agree: with
+                # big entries several AppendEntries are in flight, and each refusal of an
+                # older one named a higher index, so a lagging follower never caught up
+                next_index[node] = before
 
     # --------------------------------------------------------------- applying
 
