@@ -498,16 +498,29 @@ class Machine:
         With `bucket` of `buckets`, only messages whose `bucket_of(key, offset, buckets)`
         is `bucket`. Offsets below `stats(queue).first_retained` were trimmed by retention.
         """
+        return tuple(
+            StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t)
+            for o, k, b, h, t in self.read_records(queue, start, end, bucket, buckets)
+        )
+
+    def read_records(
+        self,
+        queue: str,
+        start: int,
+        end: int,
+        bucket: int | None = None,
+        buckets: int | None = None,
+    ) -> list[Record]:
+        """`read` as the stored (offset, key, body, headers, ts_ms) tuples: what a node
+        serves to readers, without building an object per message under the lock."""
         if (bucket is None) != (buckets is None):
             raise ValueError("bucket and buckets go together")
         if buckets is not None and bucket is not None and not 0 <= bucket < buckets:
             raise ValueError(f"bucket must be in [0, {buckets}), got {bucket}")
         records = self._get(queue).read(start, end)
         if buckets is not None:
-            records = [r for r in records if bucket_of(r[1], r[0], buckets) == bucket]
-        return tuple(
-            StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t) for o, k, b, h, t in records
-        )
+            return [r for r in records if bucket_of(r[1], r[0], buckets) == bucket]
+        return records
 
     # ------------------------------------------------------ snapshot / digest
 

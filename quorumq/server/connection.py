@@ -467,18 +467,19 @@ class Connection:
         queue, start, end = frame["queue"], frame["start"], frame["end"]
         bucket, buckets = frame["bucket"], frame["buckets"]
 
-        def page(m: Any) -> tuple[list[list[Any]], Any, int]:
+        def page(m: Any) -> tuple[list[tuple[Any, ...]], Any, int]:
             stats = m.stats(queue)
             limit = min(end, stats.next_offset, max(start, stats.first_retained) + READ_SPAN)
-            rows: list[list[Any]] = []
+            rows: list[tuple[Any, ...]] = []
             size = 0
-            for msg in m.read(queue, start, limit, bucket, buckets):
-                row_size = len(msg.body) + READ_ROW_OVERHEAD + len(msg.key or "")
-                if msg.headers:
-                    row_size += sum(len(k) + len(v) for k, v in msg.headers.items())
+            for record in m.read_records(queue, start, limit, bucket, buckets):
+                offset, key, body, headers = record[0], record[1], record[2], record[3]
+                row_size = len(body) + READ_ROW_OVERHEAD + (len(key) if key else 0)
+                if headers:
+                    row_size += sum(len(k) + len(v) for k, v in headers.items())
                 if rows and size + row_size > READ_REPLY_BYTES:
-                    return rows, stats, msg.offset
-                rows.append([msg.offset, msg.key, msg.body, msg.headers, msg.ts_ms])
+                    return rows, stats, offset
+                rows.append(record)  # (offset, key, body, headers, ts_ms): packed as is
                 size += row_size
             return rows, stats, max(start, limit)
 
