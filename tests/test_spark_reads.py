@@ -116,13 +116,21 @@ def test_a_partition_read_moves_past_a_dead_node_and_fails_clearly_when_all_are(
     )
     # every replica has applied the range (if the victim led, the others would otherwise
     # wait for an election before they could serve it: a different test)
-    wait_for(
-        lambda: all(
-            cluster.status(n)["queues"].get("dead", {}).get("next_offset") == 30
-            for n in cluster.nodes
-        ),
-        "the range applied on every replica",
-    )
+    seen: dict[str, object] = {}
+
+    def applied_everywhere() -> bool:
+        seen.update({n: cluster.status(n) for n in cluster.nodes})
+        return all(
+            s["queues"].get("dead", {}).get("next_offset") == 30  # type: ignore[index]
+            for s in seen.values()
+        )
+
+    try:
+        wait_for(applied_everywhere, "the range applied on every replica", 30)
+    except AssertionError as e:
+        keep = ("leader", "term", "commit_index", "machine_index", "connected")
+        views = {n: {k: s[k] for k in keep} for n, s in seen.items()}  # type: ignore[index]
+        raise AssertionError(f"{e}; the replicas: {views}") from None
     victim = cluster.nodes[0]
     cluster.kill(victim)
     try:
