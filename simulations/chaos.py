@@ -245,6 +245,27 @@ def check(
     return len(first), lost, duplicated, unexpected, recovered, violations
 
 
+def duplicate_examples(received: list[Received], limit: int = 5) -> list[str]:
+    """Every reception of the first few records delivered twice without the mark."""
+    firsts: dict[tuple[int, int], list[Received]] = collections.defaultdict(list)
+    for r in received:
+        firsts[(r.producer, r.seq)].append(r)
+    lines = []
+    for (producer, seq), seen in firsts.items():
+        if sum(not r.redelivered for r in seen) > 1:
+            lines.append(
+                f"  record {producer}:{seq}: "
+                + "; ".join(
+                    f"offset {r.offset} to {r.consumer} via {r.node}"
+                    + (" (redelivered)" if r.redelivered else "")
+                    for r in seen
+                )
+            )
+            if len(lines) >= limit:
+                break
+    return lines
+
+
 def run_chaos(
     duration_s: float = 90.0,
     *,
@@ -313,6 +334,8 @@ def run_chaos(
 
     with lock:
         delivered, lost, duplicated, unexpected, recovered, violations = check(workers, received)
+        for line in duplicate_examples(received):
+            log(line)
         redeliveries = sum(1 for r in received if r.redelivered)
     return ChaosReport(
         seed=seed,
