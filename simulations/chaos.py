@@ -334,8 +334,9 @@ def run_chaos(
 
     with lock:
         delivered, lost, duplicated, unexpected, recovered, violations = check(workers, received)
-        for line in duplicate_examples(received):
-            log(line)
+        if duplicated:
+            for line in duplicate_examples(received):
+                log(line)
         redeliveries = sum(1 for r in received if r.redelivered)
     return ChaosReport(
         seed=seed,
