@@ -204,12 +204,19 @@ class Replica:
         self,
         config: ReplicaConfig,
         on_effects: Callable[[int, tuple[Effect, ...]], None] | None = None,
+        on_state_replaced: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
         self.lock = threading.Lock()
         self.machine = Machine()
         self._on_effects = on_effects
+        self._on_state_replaced = on_state_replaced
+        self._effects_through = 0
+        self.snapshots_loaded = 0
+        """Snapshots loaded by this process: its own at start-up, the leader's to catch up."""
+        """The highest log index applied by this process: a snapshot install can take the
+        machine back below it, and entries applied again must not run their effects again."""
         self._pending: set[tuple[str, str]] = set()
         self._in_flight: collections.deque[_Once] = collections.deque()
         """Proposals in submission order, to answer those PySyncObj never answers."""
@@ -290,10 +297,12 @@ class Replica:
             return Error(code=ErrorCode.INVALID, message=f"undecodable log entry: {e}")
         with self.lock:
             applied = self.machine.apply(Meta(index, ts_ms), command)
-        if self._on_effects is not None and applied.effects and index > self.replay_until:
-            mine = self._mine(applied.effects)
-            if mine:
-                self._on_effects(index, mine)
+        if index > self._effects_through:
+            self._effects_through = index
+            if self._on_effects is not None and applied.effects and index > self.replay_until:
+                mine = self._mine(applied.effects)
+                if mine:
+                    self._on_effects(index, mine)
         return applied.reply
 
     def _mine(self, effects: tuple[Effect, ...]) -> tuple[Effect, ...]:
@@ -306,9 +315,21 @@ class Replica:
             return self.machine.snapshot()
 
     def _restore(self, data: bytes) -> None:
+        """Load a snapshot: this node's own at start-up, or the leader's when this node
+        lags behind the leader's compacted log. The latter skips the entries between
+        (their effects never run here) or goes back before entries already applied
+        (their effects do not run again): `on_state_replaced` lets the node compare what
+        it sent with what the machine now says."""
         machine = Machine.restore(data)
         with self.lock:
+            before = self.machine.last_index
             self.machine = machine
+            self.snapshots_loaded += 1
+        logger.info(
+            "loaded a snapshot at index %d (applied before: %d)", machine.last_index, before
+        )
+        if self._on_state_replaced is not None:
+            self._on_state_replaced()
 
     # ---------------------------------------------------------- leader duties
 
@@ -413,6 +434,7 @@ class Replica:
             "down_nodes": down,
             "members": members,
             "connected": member.connected(),
+            "snapshots_loaded": self.snapshots_loaded,
         }
 
     def stop(self) -> None:

@@ -274,6 +274,9 @@ def run_chaos(
     rate: float = 100.0,
     node_down_grace: float = 2.0,
     drain_timeout_s: float = 120.0,
+    data_dir: str | None = None,
+    log_level: str = "warning",
+    compaction_entries: int = 50_000,
     log: Callable[[str], None] = print,
 ) -> ChaosReport:
     """Run a cluster under faults for `duration_s`, drain it and check what came out."""
@@ -286,7 +289,13 @@ def run_chaos(
         with lock:
             received.append(r)
 
-    with Cluster(3, node_down_grace=node_down_grace) as cluster:
+    with Cluster(
+        3,
+        data_dir,
+        node_down_grace=node_down_grace,
+        log_level=log_level,
+        compaction_entries=compaction_entries,
+    ) as cluster:
         setup = cluster.client()
         setup.declare(QUEUE)
         slots = [ConsumerSlot(cluster, node, record) for node in cluster.nodes]
@@ -459,6 +468,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=100.0, help="msg/s per producer")
     parser.add_argument("--node-down-grace", type=float, default=2.0, metavar="SECONDS")
     parser.add_argument("--quiet", action="store_true", help="no line per fault")
+    parser.add_argument(
+        "--data-dir", help="keep the nodes' data and logs here (default: a temporary dir)"
+    )
+    parser.add_argument("--log-level", default="warning", help="the nodes' log level")
+    parser.add_argument(
+        "--compaction-entries",
+        type=int,
+        default=50_000,
+        help="log entries between snapshots (lower: more snapshot installs)",
+    )
     args = parser.parse_args(argv)
     report = run_chaos(
         args.duration,
@@ -466,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         producers=args.producers,
         rate=args.rate,
         node_down_grace=args.node_down_grace,
+        data_dir=args.data_dir,
+        log_level=args.log_level,
+        compaction_entries=args.compaction_entries,
         log=(lambda _line: None) if args.quiet else print,
     )
     print(report.summary())

@@ -238,6 +238,25 @@ def test_nack_requeue_increments_delivery_count_each_time(d: Driver) -> None:
     assert counts == [1, 2, 3]
 
 
+def test_held_deliveries_are_the_deliveries_as_they_were_sent(d: Driver) -> None:
+    """A node that skips log entries by installing a snapshot sends these instead."""
+    d(Subscribe(queue="q", consumer="c1", node="A", prefetch=3))
+    sent = []
+    for i in range(4):
+        sent += delivered(d(Enqueue(queue="q", body=b"m%d" % i, key="k", headers={"h": "v"})))
+    sent += delivered(d(Nack(queue="q", consumer="c1", offsets=[1])))  # 1 and 2 come back
+    sent += delivered(d(Ack(queue="q", consumer="c1", offsets=[0])))  # credit: 3 goes
+    held = d.machine.held_deliveries("q", "c1")
+    assert held is not None
+    assert [e.offset for e in held] == list(d.machine.unacked("q", "c1")) == [1, 2, 3]
+    latest = {e.offset: e for e in sent}
+    assert list(held) == [latest[o] for o in (1, 2, 3)]
+    # 2 came back with 1 (a key tail): marked, but its own delivery did not fail
+    assert [(e.redelivered, e.delivery_count) for e in held] == [(True, 1), (True, 0), (False, 0)]
+    assert d.machine.held_deliveries("q", "nobody") is None
+    assert d.machine.held_deliveries("no such queue", "c1") is None
+
+
 def test_nack_without_requeue_drops_without_dead_letter_queue(d: Driver) -> None:
     d(Subscribe(queue="q", consumer="c1", node="A"))
     publish(d, 1)

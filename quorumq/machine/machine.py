@@ -33,7 +33,7 @@ from .commands import (
     Subscribe,
     Tick,
 )
-from .effects import ConsumerDown, DeadLettered, Dropped, Effect
+from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect
 from .queue import ConsumerState, ProducerState, QueueState, Record
 from .replies import OK, Declared, Enqueued, Error, ErrorCode, Forgotten, Reply
 from .views import QueueStats, StreamMessage, bucket_of
@@ -444,6 +444,18 @@ class Machine:
         """Offsets `consumer` holds on `queue` (empty if it holds none or is not there)."""
         c = self._get(queue).consumers.get(consumer)
         return tuple(sorted(c.unacked)) if c is not None else ()
+
+    def held_deliveries(self, queue: str, consumer: str) -> tuple[Deliver, ...] | None:
+        """The deliveries `consumer` holds on `queue`, with the fields they were sent
+        with; None if it is not a consumer of `queue` (removed, or not there yet).
+
+        A replica that catches up by installing a snapshot skips the log entries that
+        made these deliveries: its node sends them from here."""
+        q = self._queues.get(queue)
+        c = None if q is None else q.consumers.get(consumer)
+        if q is None or c is None:
+            return None
+        return q.held_deliveries(c)
 
     def consumers(self, queue: str) -> tuple[str, ...]:
         """Consumers on `queue`, in subscription order (cancelled ones that still hold too)."""

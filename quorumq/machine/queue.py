@@ -590,6 +590,28 @@ class QueueState:
         if skipped:
             sq.extendleft(reversed(skipped))
 
+    def held_deliveries(self, c: ConsumerState) -> tuple[Deliver, ...]:
+        """What `c` holds, as `dispatch` delivered it (the same fields, in offset order)."""
+        msgs, returns = self.msgs, self.returns
+        out = []
+        for off in sorted(c.unacked):
+            msg = msgs[off]
+            count = returns.get(off)
+            out.append(
+                Deliver(
+                    self.name,
+                    c.id,
+                    c.node,
+                    off,
+                    msg[1],
+                    msg[2],
+                    msg[3],
+                    count is not None,
+                    count or 0,
+                )
+            )
+        return tuple(out)
+
     def enforce_max_length(self) -> None:
         """Drop-head: keep at most `max_length` ready messages (dropped, not dead-lettered)."""
         limit = self.options.max_length

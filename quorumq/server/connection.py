@@ -18,7 +18,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -69,6 +69,9 @@ READ_ROW_OVERHEAD = 32
 """Bytes a row costs in a reply besides its body, key and headers (a generous guess)."""
 MAX_READ_WAIT_MS = 30_000
 """The longest a `read` may ask its node to wait for the replica to apply its range."""
+SENT_RECORD_MIN = 1024
+"""A consumer's record of deliveries is trimmed to what it holds past this many (or
+twice what it held at the last trim)."""
 
 
 class ClosingError(Exception):
@@ -99,6 +102,12 @@ class Connection:
         """consumer id -> queue, for consumers of this connection."""
         self.awaiting_reply: dict[str, list[Frame]] = {}
         """Deliveries to consumers whose subscribe reply is not sent yet (they follow it)."""
+        self.cancelling: set[str] = set()
+        """Consumers the client cancelled (they may still ack what they hold)."""
+        self._sent: dict[str, dict[int, int]] = {}
+        """Per consumer, offset -> delivery count of what it was sent and may still hold:
+        a delivery is sent once, whatever the replica replays or skips (`record_delivery`)."""
+        self._sent_limit: dict[str, int] = {}
         self.nonce = os.urandom(16)
         self.greeted = False
         self.closed = False
@@ -184,6 +193,38 @@ class Connection:
         self.queued += 1
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self.outbox_send.send_nowait(encode_frame(frame))
+
+    def record_delivery(self, consumer: str, offset: int, delivery_count: int) -> bool:
+        """Note that `consumer` is sent delivery (`offset`, `delivery_count`); False if it
+        was sent already (a message returned and delivered again has a higher count)."""
+        sent = self._sent.setdefault(consumer, {})
+        if sent.get(offset) == delivery_count:
+            return False
+        sent[offset] = delivery_count
+        return True
+
+    def was_delivered(self, consumer: str, offset: int, delivery_count: int) -> bool:
+        return self._sent.get(consumer, {}).get(offset) == delivery_count
+
+    def delivery_record_full(self, consumer: str) -> bool:
+        """The record of `consumer`'s deliveries needs trimming to what it still holds."""
+        return len(self._sent.get(consumer, ())) > self._sent_limit.get(consumer, SENT_RECORD_MIN)
+
+    def keep_deliveries(self, consumer: str, held: Iterable[int]) -> None:
+        """Forget the deliveries of `consumer` that the machine no longer has it hold."""
+        sent = self._sent.get(consumer)
+        if sent is None:
+            return
+        kept = {o: sent[o] for o in held if o in sent}
+        self._sent[consumer] = kept
+        self._sent_limit[consumer] = max(SENT_RECORD_MIN, 2 * len(kept))
+
+    def drop_consumer(self, consumer: str) -> None:
+        """`consumer` is gone from this connection."""
+        self.consumers.pop(consumer, None)
+        self.cancelling.discard(consumer)
+        self._sent.pop(consumer, None)
+        self._sent_limit.pop(consumer, None)
 
     def close(self, reason: str) -> None:
         """Take no more frames; the writer sends what is queued and closes the stream."""
@@ -377,6 +418,7 @@ class Connection:
         if queue is None:
             self.error(frame["id"], "unknown_consumer", f"no consumer {consumer!r} here")
             return
+        self.cancelling.add(consumer)
         self._propose(frame["id"], Cancel(queue=queue, consumer=consumer))
 
     def _gather_ack(self, acks: dict[tuple[str, bool, bool], list[int]], frame: Frame) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -89,7 +89,7 @@ class NodeServer:
         """Start the replica, listen for clients; `task_status.started(listeners)`."""
         self._token = trio.lowlevel.current_trio_token()
         self._replica = await trio.to_thread.run_sync(
-            lambda: Replica(self.config.replica, self._on_effects)
+            lambda: Replica(self.config.replica, self._on_effects, self._on_state_replaced)
         )
         try:
             self.listeners = await trio.open_tcp_listeners(
@@ -153,13 +153,20 @@ class NodeServer:
     def _on_effects(self, _index: int, effects: tuple[Effect, ...]) -> None:
         self._soon(self._route, effects)
 
-    def _route(self, effects: tuple[Effect, ...]) -> None:
+    def _on_state_replaced(self) -> None:
+        self._soon(self._resync_consumers)
+
+    def _route(self, effects: Iterable[Effect]) -> None:
         for e in effects:
             if type(e) is Deliver:
                 conn = self.consumers.get(e.consumer)
                 if conn is None or conn.closed:
                     self._down(e.consumer)
                     continue
+                if not conn.record_delivery(e.consumer, e.offset, e.delivery_count):
+                    continue  # sent already (`_resync_consumers` got there first)
+                if conn.delivery_record_full(e.consumer):
+                    self._prune_deliveries(conn, e.consumer)
                 frame = {
                     "t": "deliver",
                     "consumer": e.consumer,
@@ -180,8 +187,50 @@ class NodeServer:
                 self._downed.discard(e.consumer)
                 conn = self.consumers.pop(e.consumer, None)
                 if conn is not None:
-                    conn.consumers.pop(e.consumer, None)
+                    conn.drop_consumer(e.consumer)
                     conn.push({"t": "cancelled", "consumer": e.consumer, "reason": e.reason})
+
+    def _prune_deliveries(self, conn: Connection, consumer: str) -> None:
+        """Keep, of what `consumer` was sent, what the machine says it still holds."""
+        queue = conn.consumers[consumer]
+        conn.keep_deliveries(consumer, self.replica.query(lambda m: m.unacked(queue, consumer)))
+
+    def _resync_consumers(self) -> None:
+        """This node's replica jumped to the leader's snapshot: the log entries it skipped
+        never ran their effects here (and entries it applies again must not run twice).
+        Compare the machine with what each consumer here was sent: send the held
+        deliveries it was not sent, and cancel the consumers the machine removed (their
+        node was marked down meanwhile: the client subscribes again)."""
+        if self._replica is None:
+            return  # the node's own snapshot at start-up: nobody connected yet
+        served = [
+            (c, conn, conn.consumers[c])
+            for c, conn in self.consumers.items()
+            if not conn.closed and c in conn.consumers and c not in conn.cancelling
+        ]
+        held = self.replica.query(lambda m: [m.held_deliveries(q, c) for c, _, q in served])
+        for (c, conn, queue), deliveries in zip(served, held, strict=True):
+            if deliveries is None:
+                if c not in conn.awaiting_reply:  # else its Subscribe is not applied yet
+                    self._route(
+                        (
+                            ConsumerDown(
+                                queue=queue, consumer=c, node=self.node_id, reason="node_down"
+                            ),
+                        )
+                    )
+                continue
+            conn.keep_deliveries(c, [d.offset for d in deliveries])
+            missing = [
+                d for d in deliveries if not conn.was_delivered(c, d.offset, d.delivery_count)
+            ]
+            if missing:
+                logger.info(
+                    "consumer %s: sending %d deliveries the snapshot install skipped",
+                    c,
+                    len(missing),
+                )
+                self._route(missing)
 
     # ------------------------------------------------------------- proposing
 
@@ -248,7 +297,7 @@ class NodeServer:
         if consumer is not None:
             early = conn.awaiting_reply.pop(consumer, [])
             if failed:
-                conn.consumers.pop(consumer, None)
+                conn.drop_consumer(consumer)
                 self.consumers.pop(consumer, None)
             elif request_id is not None:
                 conn.push({"t": "reply", "id": request_id, "consumer": consumer})
