@@ -104,6 +104,7 @@ class QueueMachineRules(RuleBasedStateMachine):
         self.index = 0
         self.ts = 0
         self.log: list[tuple[Meta, Command]] = []
+        self.applied: list[Applied] = []
         self.snapshot: tuple[int, bytes] | None = None
         self.options: dict[str, QueueOptions] = {}
         self.body_counter = 0
@@ -129,7 +130,9 @@ class QueueMachineRules(RuleBasedStateMachine):
         self.ts = max(0, self.ts + dt)
         meta = Meta(self.index, self.ts)
         self.log.append((meta, command))
-        return self.machine.apply(meta, command)
+        applied = self.machine.apply(meta, command)
+        self.applied.append(applied)
+        return applied
 
     def body(self) -> bytes:
         self.body_counter += 1
@@ -552,15 +555,18 @@ class QueueMachineRules(RuleBasedStateMachine):
             assert all((m.key, m.body) == self.enqueued[(q, m.offset)] for m in got)
 
     def teardown(self) -> None:
+        """Replicas fed the same log, one from the start and one from a snapshot, make
+        the same decisions at every step (equal end states alone could hide two replicas
+        that delivered a message to different consumers, then saw both acked)."""
         replica = Machine()
-        for meta, command in self.log:
-            replica.apply(meta, command)
+        for (meta, command), applied in zip(self.log, self.applied, strict=True):
+            assert replica.apply(meta, command) == applied, (meta, command)
         assert replica.digest() == self.machine.digest()
         if self.snapshot is not None:
             at, snapshot = self.snapshot
             restored = Machine.restore(snapshot)
-            for meta, command in self.log[at:]:
-                restored.apply(meta, command)
+            for (meta, command), applied in zip(self.log[at:], self.applied[at:], strict=True):
+                assert restored.apply(meta, command) == applied, (meta, command)
             assert restored.digest() == self.machine.digest()
 
 

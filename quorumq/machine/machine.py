@@ -365,7 +365,9 @@ class Machine:
 
     def _down(self, cmd: Down, effects: list[Any]) -> Reply:
         touched = []
-        for name in list(self._consumer_queues.get(cmd.consumer, ())):
+        # by name: subscription order is not kept in a snapshot, and replicas restored
+        # from one must emit the same effects in the same order
+        for name in sorted(self._consumer_queues.get(cmd.consumer, ())):
             q = self._queues[name]
             self._remove(q, q.consumers[cmd.consumer], "down", effects)
             touched.append(q)
