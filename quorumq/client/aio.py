@@ -118,9 +118,11 @@ class AsyncClient:
 
     # -------------------------------------------------------------- connecting
 
-    async def _connect(self) -> tuple[trio.SocketStream, FrameDecoder]:
+    async def _connect(self, within: float) -> tuple[trio.SocketStream, FrameDecoder]:
+        """A handshaken connection to the next endpoint that answers, trying them in turn
+        for up to `within` seconds."""
         errors: list[str] = []
-        with trio.move_on_after(self.timeout if self._stream else self._connect_timeout):
+        with trio.move_on_after(within):
             while True:
                 for _ in range(len(self._endpoints)):
                     host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
@@ -194,7 +196,7 @@ class AsyncClient:
             lost = self._session.connection_lost()
             self._handle([e for e in lost if not isinstance(e, Resubscribe)])
             try:
-                stream, decoder = await self._connect()
+                stream, decoder = await self._connect(self.timeout)
             except QuorumqError as e:
                 ended: list[Event] = [
                     ConsumerEnded(r.consumer, f"connection lost: {e}")
@@ -380,7 +382,7 @@ async def connect(
     """A trio client connected to one of `endpoints`, for the `async with` block."""
     async with trio.open_nursery() as nursery:
         client = AsyncClient(endpoints, token, nursery, **options)
-        stream, decoder = await client._connect()
+        stream, decoder = await client._connect(client._connect_timeout)
         await client._install(stream)
         nursery.start_soon(client._run, stream, decoder)
         try:
