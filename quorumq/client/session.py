@@ -206,8 +206,15 @@ class ClientSession:
         return events
 
     def close(self) -> list[Event]:
+        """Everything pending fails (no answer will be read any more), every consumer ends."""
         self.closed = True
-        events: list[Event] = [ConsumerEnded(c, "client closed") for c in self.consumers.values()]
+        events: list[Event] = [
+            Failed(r, QuorumqError("the client is closed")) for r in sorted(self._pending)
+        ]
+        self._pending.clear()
+        self._unconfirmed.clear()
+        self._subscribing.clear()
+        events += [ConsumerEnded(c, "client closed") for c in self.consumers.values()]
         self.consumers.clear()
         return events
 
