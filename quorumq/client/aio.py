@@ -9,11 +9,12 @@ The client runs a reader task in its own nursery for as long as the `async with`
 Sends go through one lock held from the moment a sequence number is taken until the
 frame is written, so send order is sequence order. When the connection breaks, the
 reader connects to the next endpoint, resends every unconfirmed publish in order and
-subscribes the consumers again.
+subscribes the consumers again (through a leader change too, as the blocking client).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager, suppress
@@ -48,6 +49,8 @@ from .session import (
     Resubscribe,
     RewindLater,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class _Answer:
@@ -118,9 +121,11 @@ class AsyncClient:
 
     # -------------------------------------------------------------- connecting
 
-    async def _connect(self) -> tuple[trio.SocketStream, FrameDecoder]:
+    async def _connect(self, within: float) -> tuple[trio.SocketStream, FrameDecoder]:
+        """A handshaken connection to the next endpoint that answers, trying them in turn
+        for up to `within` seconds."""
         errors: list[str] = []
-        with trio.move_on_after(self.timeout if self._stream else self._connect_timeout):
+        with trio.move_on_after(within):
             while True:
                 for _ in range(len(self._endpoints)):
                     host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
@@ -168,6 +173,7 @@ class AsyncClient:
     async def _install(self, stream: trio.SocketStream) -> None:
         async with self._send_lock:
             self._stream = stream
+            self._session.connection_made()
             for frame in self._session.unconfirmed():
                 await self._write(frame)
 
@@ -194,7 +200,7 @@ class AsyncClient:
             lost = self._session.connection_lost()
             self._handle([e for e in lost if not isinstance(e, Resubscribe)])
             try:
-                stream, decoder = await self._connect()
+                stream, decoder = await self._connect(self.timeout)
             except QuorumqError as e:
                 ended: list[Event] = [
                     ConsumerEnded(r.consumer, f"connection lost: {e}")
@@ -236,9 +242,34 @@ class AsyncClient:
 
     async def _resubscribe(self, consumer: AsyncConsumer) -> None:
         try:
-            await self._wait(await self._issue(self._session.subscribe, consumer))
+            await self._subscribe_retrying(consumer)
         except QuorumqError as e:
-            consumer._stop(f"could not subscribe again: {e}")
+            if self._session.closed:
+                consumer._stop("client closed")
+            else:
+                logger.warning(
+                    "a consumer of %r ends: could not subscribe again: %s", consumer.queue, e
+                )
+                consumer._stop(f"could not subscribe again: {e}")
+
+    async def _subscribe_retrying(self, consumer: AsyncConsumer) -> None:
+        """Subscribe `consumer`. After a failure that a leader change or a lost connection
+        explains, again, with backoff, until the client's `timeout` has passed (the
+        session decides); raise the last error."""
+        deadline = trio.current_time() + self.timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self._wait(await self._issue(self._session.subscribe, consumer), deadline)
+                return
+            except QuorumqError as e:
+                time_left = deadline - trio.current_time()
+                delay = self._session.subscribe_retry_delay(e, attempt, time_left)
+                if delay is None:
+                    raise
+                logger.info("subscribing to %r again in %.2f s: %s", consumer.queue, delay, e)
+                await trio.sleep(delay)
 
     # ---------------------------------------------------------------- sending
 
@@ -257,8 +288,11 @@ class AsyncClient:
             await self._write(frame)
         return answer
 
-    async def _wait(self, answer: _Answer) -> dict[str, Any]:
-        with trio.move_on_after(self.timeout):
+    async def _wait(self, answer: _Answer, deadline: float | None = None) -> dict[str, Any]:
+        """The answer, by `deadline` (trio time; by default the client's `timeout` from now)."""
+        if deadline is None:
+            deadline = trio.current_time() + self.timeout
+        with trio.move_on_at(deadline):
             await answer.done.wait()
             if answer.error is not None:
                 raise answer.error
@@ -315,8 +349,9 @@ class AsyncClient:
         self.producer.paused.discard(key)
 
     async def subscribe(self, queue: str, prefetch: int = 100) -> AsyncConsumer:
+        """As the blocking client's `subscribe` (tried again through a leader change)."""
         consumer = AsyncConsumer(self, queue, prefetch)
-        await self._wait(await self._issue(self._session.subscribe, consumer))
+        await self._subscribe_retrying(consumer)
         return consumer
 
     async def read(
@@ -380,7 +415,7 @@ async def connect(
     """A trio client connected to one of `endpoints`, for the `async with` block."""
     async with trio.open_nursery() as nursery:
         client = AsyncClient(endpoints, token, nursery, **options)
-        stream, decoder = await client._connect()
+        stream, decoder = await client._connect(client._connect_timeout)
         await client._install(stream)
         nursery.start_soon(client._run, stream, decoder)
         try:

@@ -4,7 +4,9 @@ Publishing is idempotent: the client is a producer with an id and a sequence per
 so a resend (after a leader change, a timeout or a reconnect to another node) is
 recognised by the queue and never gets a second offset. When the connection breaks,
 the reader thread connects to the next endpoint, resends every unconfirmed publish in
-order and subscribes its consumers again (messages they held come back redelivered).
+order and subscribes its consumers again (messages they held come back redelivered). A
+subscribe that fails because of a leader change or a lost connection is tried again,
+with backoff, until the client's `timeout` has passed (`ClientSession.subscribe_retry_delay`).
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ class Client:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
             self._sock = sock
+            self._session.connection_made()
             self._generation += 1
             self.node = node
             generation = self._generation
@@ -268,9 +271,15 @@ class Client:
 
     def _resubscribe(self, consumer: Consumer) -> None:
         try:
-            self._wait(self._subscribe(consumer))
+            self._subscribe_retrying(consumer)
         except QuorumqError as e:
-            consumer._stop(f"could not subscribe again: {e}")
+            if self._session.closed:
+                consumer._stop("client closed")
+            else:
+                logger.warning(
+                    "a consumer of %r ends: could not subscribe again: %s", consumer.queue, e
+                )
+                consumer._stop(f"could not subscribe again: {e}")
 
     # ---------------------------------------------------------------- sending
 
@@ -292,9 +301,13 @@ class Client:
         self._send(frame)
         return future
 
-    def _wait(self, future: Future[dict[str, Any]]) -> dict[str, Any]:
+    def _wait(
+        self, future: Future[dict[str, Any]], deadline: float | None = None
+    ) -> dict[str, Any]:
+        """The answer, by `deadline` (monotonic; by default the client's `timeout` from now)."""
+        limit = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
-            return future.result(self.timeout)
+            return future.result(limit)
         except TimeoutError:
             raise ConnectionLostError(f"no answer within {self.timeout} s") from None
 
@@ -306,6 +319,27 @@ class Client:
     def _subscribe(self, consumer: Consumer) -> Future[dict[str, Any]]:
         with self._lock:
             return self._track(self._session.subscribe(consumer))
+
+    def _subscribe_retrying(self, consumer: Consumer) -> None:
+        """Subscribe `consumer`. After a failure that a leader change or a lost connection
+        explains, again, with backoff, until the client's `timeout` has passed (the
+        session decides); raise the last error."""
+        deadline = time.monotonic() + self.timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self._wait(self._subscribe(consumer), deadline)
+                return
+            except QuorumqError as e:
+                with self._lock:
+                    delay = self._session.subscribe_retry_delay(
+                        e, attempt, deadline - time.monotonic()
+                    )
+                if delay is None:
+                    raise
+                logger.info("subscribing to %r again in %.2f s: %s", consumer.queue, delay, e)
+                time.sleep(delay)
 
     def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
         with self._lock:
@@ -371,9 +405,13 @@ class Client:
         self.producer.paused.discard(key)
 
     def subscribe(self, queue: str, prefetch: int = 100) -> Consumer:
-        """Start receiving from `queue`; at most `prefetch` unacked deliveries at a time."""
+        """Start receiving from `queue`; at most `prefetch` unacked deliveries at a time.
+
+        A subscribe that fails because of a leader change, or because the connection
+        broke, is tried again until the client's `timeout` has passed; the consumer
+        subscribes again by itself, the same way, after its node goes away."""
         consumer = Consumer(self, queue, prefetch)
-        self._wait(self._subscribe(consumer))
+        self._subscribe_retrying(consumer)
         return consumer
 
     def read(

@@ -12,7 +12,13 @@ keeps what makes publishing idempotent and ordered:
   queue expects the refused sequence next): they fail too, and the queue gets a fresh
   producer id;
 * a subscription is registered when its reply is read, before the deliveries that
-  follow it on the same connection.
+  follow it on the same connection;
+* a subscribe (the user's, or a consumer's after its connection broke or its node was
+  cut off) that failed because of a leader change or a lost connection is tried again,
+  with backoff, until the client's timeout (`subscribe_retry_delay`). That is safe: a
+  Subscribe whose outcome was unknown but which landed leaves a consumer that no
+  connection serves, and its node proposes that consumer's Down, so what it was given
+  returns to the queue.
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ from .core import (
 
 REWIND_DELAY = 0.05
 """Seconds before resending a queue's unconfirmed publishes after a retriable failure."""
+
+SUBSCRIBE_RETRY_FIRST = 0.05
+"""Seconds before subscribing again after a first retriable failure; doubled after each."""
+SUBSCRIBE_RETRY_LONGEST = 1.0
+"""The longest wait between two attempts to subscribe."""
 
 
 class ConsumerLike(Protocol):
@@ -97,6 +108,10 @@ class ClientSession:
         self._subscribing: dict[int, Any] = {}
         self._rewinding: set[str] = set()
         self.closed = False
+        self.connected = False
+        """Between `connection_made` and `connection_lost`."""
+        self.lost: QuorumqError | None = None
+        """Why the client gave up reaching any node (`give_up`); it will not reconnect."""
 
     # --------------------------------------------------------------- outgoing
 
@@ -154,8 +169,35 @@ class ClientSession:
         return self.request(frame, idempotent=True)
 
     def subscribe(self, consumer: ConsumerLike) -> tuple[int, dict[str, Any]]:
+        """The subscribe request; `ConnectionLostError` while there is no connection (a
+        request sent then would be lost without an answer, and only publishes are sent
+        again on the next connection)."""
+        if not self.connected and not self.closed:
+            if self.lost is not None:
+                raise ConnectionLostError(str(self.lost))
+            raise ConnectionLostError("not connected: the client is reconnecting")
         frame = {"t": "subscribe", "queue": consumer.queue, "prefetch": consumer.prefetch}
         return self.request(frame, subscribing=consumer)
+
+    def subscribe_retry_delay(
+        self, error: QuorumqError, attempt: int, time_left: float
+    ) -> float | None:
+        """Seconds to wait before subscribing again after attempt number `attempt` (1, 2,
+        ...) failed with `error`, `time_left` seconds before the deadline; None: give up.
+
+        Tried again: a failure a leader change explains (`RETRIABLE`), and a lost
+        connection (the client reconnects meanwhile). Not: any other refusal (say
+        `unknown_queue`), a closed client, a client that gave up reaching any node, and
+        a wait that would end past the deadline."""
+        if self.closed or self.lost is not None:
+            return None
+        retriable = isinstance(error, ConnectionLostError) or (
+            isinstance(error, ServerError) and error.code in RETRIABLE
+        )
+        if not retriable:
+            return None
+        delay = min(SUBSCRIBE_RETRY_FIRST * 2 ** (attempt - 1), SUBSCRIBE_RETRY_LONGEST)
+        return delay if delay < time_left else None
 
     def settle_frame(self, delivery: Delivery, ack: bool, requeue: bool) -> dict[str, Any] | None:
         """The ack or nack to send; None for a delivery to an earlier subscription (it
@@ -183,9 +225,14 @@ class ClientSession:
 
     # ------------------------------------------------------------- connection
 
+    def connection_made(self) -> None:
+        """A new connection is in place (its unconfirmed publishes are being sent)."""
+        self.connected = True
+
     def connection_lost(self) -> list[Event]:
         """Requests that are not idempotent fail; consumers must subscribe again.
         (The unconfirmed publishes stay, to be sent again on the next connection.)"""
+        self.connected = False
         events: list[Event] = []
         for request_id in sorted(self._pending - set(self._unconfirmed)):
             self._pending.discard(request_id)
@@ -197,6 +244,8 @@ class ClientSession:
 
     def give_up(self, error: QuorumqError) -> list[Event]:
         """No node can be reached: everything pending fails, every consumer ends."""
+        self.connected = False
+        self.lost = error
         events: list[Event] = [Failed(r, error) for r in sorted(self._pending)]
         self._pending.clear()
         self._unconfirmed.clear()
@@ -206,8 +255,16 @@ class ClientSession:
         return events
 
     def close(self) -> list[Event]:
+        """Everything pending fails (no answer will be read any more), every consumer ends."""
         self.closed = True
-        events: list[Event] = [ConsumerEnded(c, "client closed") for c in self.consumers.values()]
+        self.connected = False
+        events: list[Event] = [
+            Failed(r, QuorumqError("the client is closed")) for r in sorted(self._pending)
+        ]
+        self._pending.clear()
+        self._unconfirmed.clear()
+        self._subscribing.clear()
+        events += [ConsumerEnded(c, "client closed") for c in self.consumers.values()]
         self.consumers.clear()
         return events
 
