@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -191,6 +192,55 @@ def test_entries_applied_again_after_an_older_snapshot_do_not_run_their_effects_
     assert b.status()["digest"] == digest
     assert deliveries(cluster.executed["B"]) == [("on-b", 0)]
     assert b.status()["snapshots_loaded"] == 1
+
+
+def test_a_follower_refuses_a_leader_snapshot_older_than_what_it_applied(tmp_path: Path) -> None:
+    """Found by the chaos run: a late refusal sent the leader back, the leader sent its
+    snapshot a second time, and the follower, which had applied 830 entries past it,
+    installed it and applied them again (deliveries included). The snapshot had also
+    replaced the follower's own, which its journal no longer followed."""
+    cluster = Cluster(tmp_path, compaction_entries=30)
+    try:
+        leader = cluster.leader()
+        leader.submit(Declare(queue="q"))
+        follower = next(r for n, r in cluster.replicas.items() if n != leader.node_id)
+        snapshot = tmp_path / follower.node_id / "snapshot"
+        for i in range(60):
+            leader.submit(Enqueue(queue="q", body=b"%d" % i))
+        wait_for(cluster.converged, "convergence")
+        wait_for(snapshot.exists, "a snapshot on the follower")
+        old = snapshot.read_bytes()
+        for i in range(60):
+            leader.submit(Enqueue(queue="q", body=b"more %d" % i))
+        wait_for(cluster.converged, "convergence")
+        wait_for(lambda: snapshot.read_bytes() != old, "a newer snapshot on the follower")
+        own, status = snapshot.read_bytes(), follower.status()
+        member = follower.member
+        leader_node = next(n for n in member.otherNodes if str(n.id) == leader.config.raft_address)
+        installed: list[bool] = []
+        fed = threading.Event()
+
+        def feed_the_old_snapshot() -> None:  # on the Raft thread, as a message would
+            member._message_from = leader_node
+            installed.append(member._SyncObj__serializer.setTransmissionData((old, True, True)))
+            fed.set()
+
+        member._calls.put(feed_the_old_snapshot)
+        member._wake()
+        assert fed.wait(10)
+        assert installed == [False]
+        assert snapshot.read_bytes() == own
+        assert not (tmp_path / follower.node_id / "snapshot.incoming").exists()
+        after = follower.status()
+        assert after["digest"] == status["digest"]
+        assert after["snapshots_loaded"] == status["snapshots_loaded"]
+        cluster.stop(follower.node_id)
+        restarted = cluster.start(follower.node_id)
+        wait_for(
+            lambda: restarted.status()["digest"] == status["digest"], "the follower back as it was"
+        )
+    finally:
+        cluster.close()
 
 
 def test_state_survives_log_compaction_and_restart(tmp_path: Path) -> None:

@@ -1,12 +1,14 @@
 """PySyncObj made safe and fast enough for a broker: the Raft member of a real node.
 
-The Raft rules it changes (prompt sends, the stale-ack fix, durability points, raw
-commands, our snapshot encoding) are in `rules.RaftRules`, shared with the simulator.
-What this module adds for a real node:
+The Raft rules it changes (prompt sends, the stale-reply fixes, truncation only at a
+conflict, durability points, raw commands, our snapshot encoding) are in
+`rules.RaftRules`, shared with the simulator. What this module adds for a real node:
 
 * durability: our `DurableJournal`; with `fsync="always"` a follower fsyncs before it
   acknowledges entries and a leader fsyncs its own entries before the next tick counts
-  them toward commit. Snapshots are written and fsynced by us.
+  them toward commit. Snapshots are written and fsynced by us. A snapshot from the
+  leader that is not ahead of what the node applied is refused (it would make the node
+  apply entries again, and replace the node's own snapshot).
 * a wake pipe: a submitted command wakes the tick loop at once.
 * our own tick thread (PySyncObj's stops when the thread that built the object exits).
 * Raft traffic: sealed with our cipher (`cipher.py`: AES-CTR + HMAC-SHA256, raw bytes)
@@ -70,13 +72,18 @@ class _Transport(TCPTransport):  # type: ignore[misc]
     A dialling node sends its key sealed with its cluster secret; a peer with another
     secret cannot open it and closes the connection without a word. Seen from the
     dialling side, that is a connection accepted and then closed before the peer's key
-    came back: log it, so the node with the wrong secret says so whichever side dials."""
+    came back, again at every retry: log it, so the node with the wrong secret says so
+    whichever side dials. (A peer that dies or restarts mid-handshake hangs up once.)"""
+
+    HANG_UPS_BEFORE_WARNING = 3
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._handshaking: set[int] = set()
+        self._hang_ups: dict[Any, int] = {}
+        """Per peer: handshakes in a row it hung up on."""
         self._hung_up = ThrottledWarning(
             logger,
-            "a Raft peer hung up during the handshake: it failed authentication: "
+            "a Raft peer keeps hanging up during the handshake: it failed authentication: "
             "a peer uses another cluster secret (or is not a quorumq node)",
         )
         super().__init__(*args, **kwargs)
@@ -87,13 +94,18 @@ class _Transport(TCPTransport):  # type: ignore[misc]
         super()._onOutgoingConnected(conn)
 
     def _onOutgoingMessageReceived(self, conn: Any, message: Any) -> None:
-        self._handshaking.discard(id(conn))
+        if id(conn) in self._handshaking:
+            self._handshaking.discard(id(conn))
+            self._hang_ups.pop(self._connToNode(conn), None)
         super()._onOutgoingMessageReceived(conn, message)
 
     def _onDisconnected(self, conn: Any) -> None:
         if id(conn) in self._handshaking:
             self._handshaking.discard(id(conn))
-            self._hung_up()
+            peer = self._connToNode(conn)
+            self._hang_ups[peer] = self._hang_ups.get(peer, 0) + 1
+            if self._hang_ups[peer] >= self.HANG_UPS_BEFORE_WARNING:
+                self._hung_up()
         super()._onDisconnected(conn)
 
 
@@ -151,6 +163,10 @@ NOT_APPLIED = {
 
 class RaftMember(RaftRules):
     """One Raft member: bytes in (`propose`), committed bytes out (`apply`), in log order."""
+
+    _message_from: Any = None
+    """The peer whose message is being handled (the tick thread handles one at a time)."""
+    _stale_snapshot = False
 
     def __init__(
         self,
@@ -225,6 +241,7 @@ class RaftMember(RaftRules):
                 raise OSError(f"cannot listen for Raft traffic on {address} (in use?)") from None
             raise
         self._close_snapshot_transmissions()
+        self._refuse_stale_snapshots()
         self.addOnTickCallback(self._tick_callback)
         self._poller.subscribe(self._wake_r, self._drain_wake, POLL_EVENT_TYPE.READ)
         self._thread = threading.Thread(target=self._tick_loop, name=f"raft-{address}", daemon=True)
@@ -296,14 +313,6 @@ class RaftMember(RaftRules):
         super()._applyCommand(command, callback, commandType)
         self._wake()
 
-    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
-        if isinstance(message, dict) and message.get("type") == STEP_DOWN:
-            if self._isLeader():
-                logger.info("handing leadership over, as %s asked", node)
-                self.transferLeadership(None, None)
-            return
-        super()._SyncObj__onMessageReceived(node, message)
-
     # ------------------------------------------------------------- membership
 
     def members(self) -> dict[str, str]:
@@ -363,6 +372,81 @@ class RaftMember(RaftRules):
         if self.fsync != "never":
             fsync_directory(self.data_dir)
         return (last, prev, {_named_node(a, n) for a, n in cluster})
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
+        if isinstance(message, dict) and message.get("type") == STEP_DOWN:
+            if self._isLeader():
+                logger.info("handing leadership over, as %s asked", node)
+                self.transferLeadership(None, None)
+            return
+        self._message_from = node
+        commit = self.raftCommitIndex
+        self._stale_snapshot = False
+        super()._SyncObj__onMessageReceived(node, message)
+        if self._stale_snapshot:  # PySyncObj then takes the commit index to the log's end
+            self._SyncObj__raftCommitIndex = commit
+            self._SyncObj__raftLog.setRaftCommitIndex(commit)
+
+    def _refuse_stale_snapshots(self) -> None:
+        """Receive the leader's snapshot beside ours, and install it only if it is ahead
+        of what this node applied.
+
+        A late refusal can send the leader back below what a follower holds, and the
+        leader then sends its snapshot again; a follower that installed it applied the
+        entries after it a second time, and ran their effects again: deliveries its
+        consumers had had. PySyncObj also writes the incoming snapshot over the node's
+        own first, so even a refused one would have broken the node's next start (its
+        journal no longer follows its snapshot). A stale snapshot is answered as what it
+        is: this node holds, committed, everything up to what it applied."""
+        serializer = self._SyncObj__serializer
+        path: str = serializer._Serializer__fileName
+        incoming_path = path + ".incoming"
+        incoming: list[Any] = [None]
+
+        def set_transmission_data(data: Any) -> bool:
+            if data is None:
+                return False
+            chunk, is_first, is_last = data
+            try:
+                if is_first:
+                    if incoming[0] is not None:
+                        incoming[0].close()
+                    incoming[0] = open(incoming_path, "wb")  # noqa: SIM115 - kept across chunks
+                elif incoming[0] is None:
+                    return False
+                incoming[0].write(chunk)
+                if not is_last:
+                    return False
+                f, incoming[0] = incoming[0], None
+                f.flush()
+                if self.fsync != "never":
+                    os.fsync(f.fileno())
+                f.close()
+                with open(incoming_path, "rb") as r:
+                    last = decode_snapshot(r.read(), incoming_path)[0]
+            except Exception:
+                logger.exception("receiving the leader's snapshot failed")
+                incoming[0] = None
+                return False
+            applied = self.raftLastApplied
+            if last[1] <= applied:
+                logger.info(
+                    "not installing the leader's snapshot at index %d: applied up to %d already",
+                    last[1],
+                    applied,
+                )
+                os.unlink(incoming_path)
+                self._stale_snapshot = True
+                self._SyncObj__sendNextNodeIdx(
+                    self._message_from, nextNodeIdx=applied + 1, success=True
+                )
+                return False
+            os.replace(incoming_path, path)
+            if self.fsync != "never":
+                fsync_directory(self.data_dir)
+            return True
+
+        serializer.setTransmissionData = set_transmission_data
 
     def _close_snapshot_transmissions(self) -> None:
         """PySyncObj opens the snapshot file to stream it to a lagging follower and drops

@@ -10,7 +10,12 @@
   not move the leader's `nextIndex` for that follower backwards (which makes the follower
   delete and re-add entries it already applied), and a late refusal must not move it
   forwards (which undoes the search for the index where the logs agree: a follower with
-  a divergent tail under big entries never caught up).
+  a divergent tail under big entries never caught up). A late refusal may still send the
+  leader back below what the follower holds: the follower's side copes (below).
+* truncation only where logs conflict: Raft cuts a follower's log only at an entry that
+  conflicts with the leader's; PySyncObj cuts everything after `prevLogIdx`, so a late
+  AppendEntries made a follower delete entries it had acknowledged (even applied) and
+  add fewer back. `trim_known_entries` rewrites such a message first.
 * durability points: a follower calls `make_durable` before it acknowledges entries, a
   leader after appending its own (before the next tick counts them toward commit).
   Real nodes fsync there; the simulator marks its in-memory journal durable.
@@ -50,6 +55,45 @@ path for bigger single commands is broken."""
 
 Entry = tuple[bytes, int, int]
 """A PySyncObj log entry: (command, index, term)."""
+
+
+def trim_known_entries(message: dict[str, Any], log: Any) -> dict[str, Any]:
+    """An AppendEntries `message` from the current leader, rewritten so that PySyncObj,
+    which truncates the follower's `log` after `prevLogIdx`, truncates only where the
+    log conflicts with the leader's (Raft's rule).
+
+    Entries the log already holds with the same term are dropped from the front of the
+    message. If nothing new is left and the log's last entry has the leader's term, the
+    message is checked against that last entry: only the leader makes entries of its
+    term, and it keeps them, so (log matching) the whole log is the leader's up to
+    there. Otherwise the message is left as it is: a tail of older terms cannot be
+    vouched for, and PySyncObj cuts it as before."""
+    if "prevLogIdx" not in message or "transmission" in message or not len(log):
+        return message
+    first, last = log[0][1], log[-1][1]
+    prev = message["prevLogIdx"]
+    if not first <= prev < last or log[prev - first][2] != message["prevLogTerm"]:
+        return message  # nothing to cut, or PySyncObj's refusal
+    entries = message.get("entries") or []
+    known = 0
+    for entry in entries:
+        idx = entry[1]
+        if idx > last or log[idx - first][2] != entry[2]:
+            break
+        known += 1
+    if known < len(entries):
+        if not known:
+            return message
+        agreed = entries[known - 1]
+        return {
+            **message,
+            "prevLogIdx": agreed[1],
+            "prevLogTerm": agreed[2],
+            "entries": entries[known:],
+        }
+    if log[-1][2] == message["term"]:
+        return {**message, "prevLogIdx": last, "prevLogTerm": log[-1][2], "entries": []}
+    return message
 
 
 class RaftRules(SyncObj):  # type: ignore[misc]
@@ -99,6 +143,12 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         )
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
+        if (
+            isinstance(message, dict)
+            and message.get("type") == "append_entries"
+            and message.get("term", -1) >= self.raftCurrentTerm
+        ):
+            message = trim_known_entries(message, self._SyncObj__raftLog)
         next_index = self._SyncObj__raftNextIndex
         before = next_index.get(node)
         super()._SyncObj__onMessageReceived(node, message)

@@ -1,0 +1,70 @@
+"""Raft rules quorumq adds to PySyncObj, tested on their own (the simulator's 200 seeds
+and the real-process tests run them inside whole clusters)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quorumq.raft.rules import trim_known_entries
+
+# a follower's log: (command, index, term); indexes 10-15, terms 1 1 2 2 3 3
+LOG = [(b"c%d" % i, i, term) for i, term in zip(range(10, 16), [1, 1, 2, 2, 3, 3], strict=True)]
+
+
+def append(prev: int, prev_term: int, entries: list[tuple[int, int]], term: int = 3) -> Any:
+    return {
+        "type": "append_entries",
+        "term": term,
+        "commit_index": 12,
+        "prevLogIdx": prev,
+        "prevLogTerm": prev_term,
+        "entries": [(b"c%d" % i, i, t) for i, t in entries],
+    }
+
+
+def test_a_late_message_holding_nothing_new_no_longer_cuts_the_log() -> None:
+    """PySyncObj would cut 13-15 (entries the follower acknowledged, maybe applied)."""
+    late = append(11, 1, [(12, 2)])
+    trimmed = trim_known_entries(late, LOG)
+    assert (trimmed["prevLogIdx"], trimmed["prevLogTerm"], trimmed["entries"]) == (15, 3, [])
+    assert trimmed["commit_index"] == 12
+
+
+def test_a_heartbeat_behind_the_log_end_no_longer_cuts_it() -> None:
+    trimmed = trim_known_entries(append(12, 2, []), LOG)
+    assert (trimmed["prevLogIdx"], trimmed["entries"]) == (15, [])
+
+
+def test_known_entries_are_dropped_and_new_ones_kept() -> None:
+    message = append(13, 2, [(14, 3), (15, 3), (16, 3), (17, 3)])
+    trimmed = trim_known_entries(message, LOG)
+    assert trimmed["prevLogIdx"] == 15 and trimmed["prevLogTerm"] == 3
+    assert [e[1] for e in trimmed["entries"]] == [16, 17]
+
+
+def test_a_conflict_still_cuts_the_log_where_it_starts() -> None:
+    """The leader of term 4 replaced 14-15 (term 3): the message goes from the conflict."""
+    message = append(12, 2, [(13, 2), (14, 4), (15, 4)], term=4)
+    trimmed = trim_known_entries(message, LOG)
+    assert (trimmed["prevLogIdx"], trimmed["prevLogTerm"]) == (13, 2)
+    assert [(e[1], e[2]) for e in trimmed["entries"]] == [(14, 4), (15, 4)]
+
+
+def test_a_tail_of_an_earlier_term_is_not_vouched_for() -> None:
+    """Nothing new, but the log ends in term 3 and the leader is of term 4: the tail may
+    conflict with the leader's log, so PySyncObj cuts it as before."""
+    message = append(12, 2, [(13, 2)], term=4)
+    assert trim_known_entries(message, LOG) is message
+
+
+def test_messages_with_nothing_to_cut_or_a_refusal_pass_unchanged() -> None:
+    for message in [
+        append(15, 3, [(16, 3)]),  # at the log's end
+        append(17, 3, [(18, 3)]),  # past it: PySyncObj refuses
+        append(12, 3, [(13, 3)]),  # prevLogTerm differs: PySyncObj refuses
+        append(8, 1, [(9, 1)]),  # before the log's first entry (compacted)
+        {**append(11, 1, []), "transmission": "start", "data": b""},
+    ]:
+        assert trim_known_entries(message, LOG) is message
+    empty = append(11, 1, [])
+    assert trim_known_entries(empty, []) is empty
