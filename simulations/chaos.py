@@ -178,12 +178,25 @@ class ConsumerSlot:
         self.lives += 1
         # connected to its own node only: it waits for that node through its restarts
         client = Client([self.cluster.endpoint(self.node)], self.cluster.token, timeout=120)
-        consumer = client.subscribe(QUEUE, prefetch=20)
         self._client, self._stop = client, threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(consumer, self.lives, self._stop), daemon=True
+            target=self._subscribe_and_run, args=(client, self.lives, self._stop), daemon=True
         )
         self._thread.start()
+
+    def _subscribe_and_run(self, client: Client, life: int, stop: threading.Event) -> None:
+        """Subscribe until the node takes it (a node marked down refuses until it is up
+        again), then consume; if the consumer ends (it could not subscribe again after
+        its node was cut off), the slot subscribes anew, as a new life."""
+        while not stop.is_set():
+            try:
+                consumer = client.subscribe(QUEUE, prefetch=20)
+            except QuorumqError:
+                stop.wait(0.2)
+                continue
+            self._run(consumer, life, stop)
+            self.lives += 1
+            life = self.lives
 
     def kill(self) -> None:
         """The consumer dies with what it holds (its connection closes, unacked)."""
