@@ -244,13 +244,7 @@ class AsyncClient:
         try:
             await self._subscribe_retrying(consumer)
         except QuorumqError as e:
-            if self._session.closed:
-                consumer._stop("client closed")
-            else:
-                logger.warning(
-                    "a consumer of %r ends: could not subscribe again: %s", consumer.queue, e
-                )
-                consumer._stop(f"could not subscribe again: {e}")
+            consumer._stop(self._session.resubscribe_failed(consumer.queue, e))
 
     async def _subscribe_retrying(self, consumer: AsyncConsumer) -> None:
         """Subscribe `consumer`. After a failure that a leader change or a lost connection

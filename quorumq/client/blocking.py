@@ -273,13 +273,7 @@ class Client:
         try:
             self._subscribe_retrying(consumer)
         except QuorumqError as e:
-            if self._session.closed:
-                consumer._stop("client closed")
-            else:
-                logger.warning(
-                    "a consumer of %r ends: could not subscribe again: %s", consumer.queue, e
-                )
-                consumer._stop(f"could not subscribe again: {e}")
+            consumer._stop(self._session.resubscribe_failed(consumer.queue, e))
 
     # ---------------------------------------------------------------- sending
 

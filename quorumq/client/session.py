@@ -23,6 +23,7 @@ keeps what makes publishing idempotent and ordered:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -38,6 +39,8 @@ from .core import (
     delivery_from,
     publish_frame,
 )
+
+logger = logging.getLogger(__name__)
 
 REWIND_DELAY = 0.05
 """Seconds before resending a queue's unconfirmed publishes after a retriable failure."""
@@ -198,6 +201,14 @@ class ClientSession:
             return None
         delay = min(SUBSCRIBE_RETRY_FIRST * 2 ** (attempt - 1), SUBSCRIBE_RETRY_LONGEST)
         return delay if delay < time_left else None
+
+    def resubscribe_failed(self, queue: str, error: QuorumqError) -> str:
+        """Why a consumer of `queue` ends after it could not subscribe again (said in
+        the log too, unless the client was closed)."""
+        if self.closed:
+            return "client closed"
+        logger.warning("a consumer of %r ends: could not subscribe again: %s", queue, error)
+        return f"could not subscribe again: {error}"
 
     def settle_frame(self, delivery: Delivery, ack: bool, requeue: bool) -> dict[str, Any] | None:
         """The ack or nack to send; None for a delivery to an earlier subscription (it
