@@ -87,6 +87,7 @@ def test_a_leader_change_or_a_lost_connection_is_worth_another_subscribe() -> No
     for error in (
         ServerError("not_applied", "no leader"),
         ServerError("outcome_unknown", "no outcome within 15.0 s"),
+        ServerError("node_down", "node 'B' is marked down; subscribe after it is up"),
         ConnectionLostError("the connection broke"),
         ConnectionLostError("not connected: the client is reconnecting"),
     ):

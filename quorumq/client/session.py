@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 REWIND_DELAY = 0.05
 """Seconds before resending a queue's unconfirmed publishes after a retriable failure."""
 
+SUBSCRIBE_RETRIABLE = RETRIABLE | {"node_down"}
+"""Error codes after which a subscribe is tried again."""
 SUBSCRIBE_RETRY_FIRST = 0.05
 """Seconds before subscribing again after a first retriable failure; doubled after each."""
 SUBSCRIBE_RETRY_LONGEST = 1.0
@@ -188,14 +190,15 @@ class ClientSession:
         """Seconds to wait before subscribing again after attempt number `attempt` (1, 2,
         ...) failed with `error`, `time_left` seconds before the deadline; None: give up.
 
-        Tried again: a failure a leader change explains (`RETRIABLE`), and a lost
+        Tried again: a failure a leader change explains (`RETRIABLE`), the node being
+        marked down (it is cut off from the leader; it is marked up when it is back), a lost
         connection (the client reconnects meanwhile). Not: any other refusal (say
         `unknown_queue`), a closed client, a client that gave up reaching any node, and
         a wait that would end past the deadline."""
         if self.closed or self.lost is not None:
             return None
         retriable = isinstance(error, ConnectionLostError) or (
-            isinstance(error, ServerError) and error.code in RETRIABLE
+            isinstance(error, ServerError) and error.code in SUBSCRIBE_RETRIABLE
         )
         if not retriable:
             return None

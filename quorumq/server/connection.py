@@ -102,6 +102,8 @@ class Connection:
         """consumer id -> queue, for consumers of this connection."""
         self.awaiting_reply: dict[str, list[Frame]] = {}
         """Deliveries to consumers whose subscribe reply is not sent yet (they follow it)."""
+        self.subscribe_requests: dict[str, int] = {}
+        """Request id of each subscribe not answered yet, by consumer."""
         self.cancelling: set[str] = set()
         """Consumers the client cancelled (they may still ack what they hold)."""
         self._sent: dict[str, dict[int, int]] = {}
@@ -222,6 +224,7 @@ class Connection:
     def drop_consumer(self, consumer: str) -> None:
         """`consumer` is gone from this connection."""
         self.consumers.pop(consumer, None)
+        self.subscribe_requests.pop(consumer, None)
         self.cancelling.discard(consumer)
         self._sent.pop(consumer, None)
         self._sent_limit.pop(consumer, None)
@@ -405,6 +408,7 @@ class Connection:
         queue = frame["queue"]
         self.consumers[consumer] = queue
         self.awaiting_reply[consumer] = []
+        self.subscribe_requests[consumer] = frame["id"]
         self.prefetch_allowance += frame["prefetch"]
         self.node.consumers[consumer] = self
         command = Subscribe(

@@ -206,12 +206,16 @@ class NodeServer:
         served = [
             (c, conn, conn.consumers[c])
             for c, conn in self.consumers.items()
-            if not conn.closed and c in conn.consumers and c not in conn.cancelling
+            if not conn.closed and c in conn.consumers
         ]
         held = self.replica.query(lambda m: [m.held_deliveries(q, c) for c, _, q in served])
         for (c, conn, queue), deliveries in zip(served, held, strict=True):
+            if c in conn.awaiting_reply and deliveries is not None:
+                # its Subscribe was among the skipped entries: PySyncObj will not answer it
+                self._answer(conn, conn.subscribe_requests.get(c), None, None, c)
             if deliveries is None:
-                if c not in conn.awaiting_reply:  # else its Subscribe is not applied yet
+                # not yet subscribed in the log, or cancelled by its client: nothing to say
+                if c not in conn.awaiting_reply and c not in conn.cancelling:
                     self._route(
                         (
                             ConsumerDown(
@@ -295,7 +299,10 @@ class NodeServer:
     ) -> None:
         failed = error is not None or isinstance(reply, Error)
         if consumer is not None:
-            early = conn.awaiting_reply.pop(consumer, [])
+            if consumer not in conn.awaiting_reply:
+                return  # answered already: the Subscribe was in a snapshot this node installed
+            early = conn.awaiting_reply.pop(consumer)
+            conn.subscribe_requests.pop(consumer, None)
             if failed:
                 conn.drop_consumer(consumer)
                 self.consumers.pop(consumer, None)
