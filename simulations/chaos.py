@@ -302,6 +302,14 @@ def run_chaos(
         with lock:
             received.append(r)
 
+    began = time.monotonic()
+    plain_log = log
+
+    def log(line: str) -> None:  # when, and how many confirms so far: a stall shows
+        confirmed = sum(len(w.confirmed) for w in workers)
+        plain_log(f"{time.monotonic() - began:6.1f}s {confirmed:7d} confirmed {line}")
+
+    workers: list[Producer] = []
     with Cluster(
         3,
         data_dir,
@@ -314,7 +322,6 @@ def run_chaos(
         slots = [ConsumerSlot(cluster, node, record) for node in cluster.nodes]
         for slot in slots:
             slot.start()
-        workers = []
         for i in range(producers):
             order = cluster.nodes[i % 3 :] + cluster.nodes[: i % 3]
             client = Client([cluster.endpoint(n) for n in order], cluster.token, timeout=120)
