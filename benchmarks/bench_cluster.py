@@ -234,6 +234,15 @@ _REPLQUEUE_NODE = textwrap.dedent(
 )
 
 
+REPLQUEUE_STALL_S = 60.0
+"""PySyncObj's ReplQueue sometimes never calls back a put (seen once under load): a run
+that waits this long for an answer is reported as stalled, not waited on forever."""
+
+
+class BaselineStalledError(RuntimeError):
+    pass
+
+
 def replqueue(messages: int, window: int) -> float:
     """PySyncObj's ReplQueue: two member processes and a third that puts, pipelined."""
     from pysyncobj import SyncObj, SyncObjConf
@@ -270,11 +279,13 @@ def replqueue(messages: int, window: int) -> float:
 
             payload = os.urandom(PAYLOAD)
             began = time.perf_counter()
-            for _ in range(messages):
-                in_flight.acquire()
+            for sent in range(messages):
+                if not in_flight.acquire(timeout=REPLQUEUE_STALL_S):
+                    raise BaselineStalledError(f"{sent - window} of {sent} puts answered")
                 queue.put(payload, callback=callback)
-            for _ in range(messages):
-                done.acquire(timeout=120)
+            for answered in range(messages):
+                if not done.acquire(timeout=REPLQUEUE_STALL_S):
+                    raise BaselineStalledError(f"{answered} of {messages} puts answered")
             elapsed = time.perf_counter() - began
             obj.destroy()
             return messages / elapsed
@@ -311,7 +322,10 @@ def main() -> None:
         cluster.leader()
         for r in range(args.repeat):
             print(f"run {r + 1}", flush=True)
-            record("ReplQueue puts/s", lambda: replqueue(args.messages, args.window))
+            try:
+                record("ReplQueue puts/s", lambda: replqueue(args.messages, args.window))
+            except BaselineStalledError as e:
+                print(f"  ReplQueue puts/s: stalled ({e}; no answer in {REPLQUEUE_STALL_S:.0f} s)")
             record(
                 "publish-confirm msg/s, 1 producer",
                 lambda: publish_confirm(cluster, 1, args.messages, args.window),
@@ -347,6 +361,8 @@ def main() -> None:
             )
         else:
             print(f"| {name} | {_summary(values)} |")
+    if "ReplQueue puts/s" not in results:
+        return
     rq = statistics.median(results["ReplQueue puts/s"])
     for name in ("publish-confirm msg/s, 1 producer", "publish-confirm msg/s, 16 producers"):
         print(f"ratio {name} / ReplQueue: {statistics.median(results[name]) / rq:.2f}x")
