@@ -6,9 +6,9 @@ conflict, durability points, raw commands, our snapshot encoding) are in
 
 * durability: our `DurableJournal`; with `fsync="always"` a follower fsyncs before it
   acknowledges entries and a leader fsyncs its own entries before the next tick counts
-  them toward commit. Snapshots are written and fsynced by us. A snapshot from the
-  leader that is not ahead of what the node applied is refused (it would make the node
-  apply entries again, and replace the node's own snapshot).
+  them toward commit. Snapshots are written and fsynced by us. The leader's snapshot is
+  received beside the node's own, and installed only if the shared rule takes it
+  (one not ahead of what the node applied would make it apply entries again).
 * a wake pipe: a submitted command wakes the tick loop at once.
 * our own tick thread (PySyncObj's stops when the thread that built the object exits).
 * Raft traffic: sealed with our cipher (`cipher.py`: AES-CTR + HMAC-SHA256, raw bytes)
@@ -163,10 +163,6 @@ NOT_APPLIED = {
 
 class RaftMember(RaftRules):
     """One Raft member: bytes in (`propose`), committed bytes out (`apply`), in log order."""
-
-    _message_from: Any = None
-    """The peer whose message is being handled (the tick thread handles one at a time)."""
-    _stale_snapshot = False
 
     def __init__(
         self,
@@ -379,25 +375,14 @@ class RaftMember(RaftRules):
                 logger.info("handing leadership over, as %s asked", node)
                 self.transferLeadership(None, None)
             return
-        self._message_from = node
-        commit = self.raftCommitIndex
-        self._stale_snapshot = False
         super()._SyncObj__onMessageReceived(node, message)
-        if self._stale_snapshot:  # PySyncObj then takes the commit index to the log's end
-            self._SyncObj__raftCommitIndex = commit
-            self._SyncObj__raftLog.setRaftCommitIndex(commit)
 
     def _refuse_stale_snapshots(self) -> None:
-        """Receive the leader's snapshot beside ours, and install it only if it is ahead
-        of what this node applied.
-
-        A late refusal can send the leader back below what a follower holds, and the
-        leader then sends its snapshot again; a follower that installed it applied the
-        entries after it a second time, and ran their effects again: deliveries its
-        consumers had had. PySyncObj also writes the incoming snapshot over the node's
-        own first, so even a refused one would have broken the node's next start (its
-        journal no longer follows its snapshot). A stale snapshot is answered as what it
-        is: this node holds, committed, everything up to what it applied."""
+        """Receive the leader's snapshot beside ours, and install it only if the shared
+        rule (`RaftRules.accept_leader_snapshot`) takes it: only if it is ahead of what
+        this node applied. PySyncObj writes the incoming snapshot over the node's own
+        first, so even a refused one would have broken the node's next start (its
+        journal no longer follows its snapshot)."""
         serializer = self._SyncObj__serializer
         path: str = serializer._Serializer__fileName
         incoming_path = path + ".incoming"
@@ -428,18 +413,8 @@ class RaftMember(RaftRules):
                 logger.exception("receiving the leader's snapshot failed")
                 incoming[0] = None
                 return False
-            applied = self.raftLastApplied
-            if last[1] <= applied:
-                logger.info(
-                    "not installing the leader's snapshot at index %d: applied up to %d already",
-                    last[1],
-                    applied,
-                )
+            if not self.accept_leader_snapshot(last[1]):
                 os.unlink(incoming_path)
-                self._stale_snapshot = True
-                self._SyncObj__sendNextNodeIdx(
-                    self._message_from, nextNodeIdx=applied + 1, success=True
-                )
                 return False
             os.replace(incoming_path, path)
             if self.fsync != "never":

@@ -22,6 +22,10 @@
 * raw commands: the log holds our codec's bytes under a command type of our own (4);
   nothing of ours is pickled. `apply_raw(index, payload)` gets the entry's Raft index.
 * snapshots in our own encoding (`encode_snapshot` / `decode_snapshot`).
+* stale snapshots refused: a leader sent back below what a follower holds (a late
+  refusal) sends its snapshot again; a follower that installed it applied the entries
+  after it a second time. Whoever stores the incoming snapshot asks
+  `accept_leader_snapshot` first; a stale one is answered as what it is.
 
 The reasons, measured, are in docs/pysyncobj-notes.md. camelCase names here are
 PySyncObj's; they stay inside quorumq/raft.
@@ -98,9 +102,14 @@ def trim_known_entries(message: dict[str, Any], log: Any) -> dict[str, Any]:
 
 class RaftRules(SyncObj):  # type: ignore[misc]
     """PySyncObj with quorumq's Raft rules. Subclasses give `apply_raw` and
-    `make_durable`, and call `push_commit_index` from a tick callback."""
+    `make_durable`, call `push_commit_index` from a tick callback, and ask
+    `accept_leader_snapshot` before they install a snapshot from the leader."""
 
     _sent_commit = 0
+    _message_from: Any = None
+    """The peer whose message is being handled (the tick thread handles one at a time)."""
+    _stale_snapshot = False
+    """The message being handled carried the last chunk of a stale snapshot."""
 
     def apply_raw(self, index: int, payload: bytes) -> Any:
         """Apply one committed raw command; what it returns goes to the proposer's callback."""
@@ -151,7 +160,13 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             message = trim_known_entries(message, self._SyncObj__raftLog)
         next_index = self._SyncObj__raftNextIndex
         before = next_index.get(node)
+        self._message_from = node
+        commit = self.raftCommitIndex
+        self._stale_snapshot = False
         super()._SyncObj__onMessageReceived(node, message)
+        if self._stale_snapshot:  # PySyncObj then takes the commit index to the log's end
+            self._SyncObj__raftCommitIndex = commit
+            self._SyncObj__raftLog.setRaftCommitIndex(commit)
         if (
             isinstance(message, dict)
             and message.get("type") == "next_node_idx"
@@ -165,6 +180,29 @@ class RaftRules(SyncObj):  # type: ignore[misc]
                 # big entries several AppendEntries are in flight, and each refusal of an
                 # older one named a higher index, so a lagging follower never caught up
                 next_index[node] = before
+
+    def accept_leader_snapshot(self, last_index: int) -> bool:
+        """The leader's snapshot, up to `last_index`, has arrived whole: whether to install
+        it. One not ahead of what this node applied is refused and answered.
+
+        A late refusal can send the leader back below what a follower holds, and the
+        leader then sends its snapshot again; a follower that installed it applied the
+        entries after it a second time, and ran their effects again: deliveries its
+        consumers had had. A stale snapshot is answered as what it is: this node holds,
+        committed, everything up to what it applied. (PySyncObj would then take the
+        commit index to the log's end: `_SyncObj__onMessageReceived` puts it back.)
+        The caller keeps its own snapshot as it is."""
+        applied = self.raftLastApplied
+        if last_index > applied:
+            return True
+        logger.info(
+            "not installing the leader's snapshot at index %d: applied up to %d already",
+            last_index,
+            applied,
+        )
+        self._stale_snapshot = True
+        self._SyncObj__sendNextNodeIdx(self._message_from, nextNodeIdx=applied + 1, success=True)
+        return False
 
     # --------------------------------------------------------------- applying
 
