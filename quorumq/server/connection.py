@@ -18,11 +18,12 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ..deliveries import SentDeliveries
 from ..machine import (
     Ack,
     Cancel,
@@ -69,9 +70,6 @@ READ_ROW_OVERHEAD = 32
 """Bytes a row costs in a reply besides its body, key and headers (a generous guess)."""
 MAX_READ_WAIT_MS = 30_000
 """The longest a `read` may ask its node to wait for the replica to apply its range."""
-SENT_RECORD_MIN = 1024
-"""A consumer's record of deliveries is trimmed to what it holds past this many (or
-twice what it held at the last trim)."""
 
 
 class ClosingError(Exception):
@@ -106,10 +104,9 @@ class Connection:
         """Request id of each subscribe not answered yet, by consumer."""
         self.cancelling: set[str] = set()
         """Consumers the client cancelled (they may still ack what they hold)."""
-        self._sent: dict[str, dict[int, int]] = {}
-        """Per consumer, offset -> delivery count of what it was sent and may still hold:
-        a delivery is sent once, whatever the replica replays or skips (`record_delivery`)."""
-        self._sent_limit: dict[str, int] = {}
+        self._sent: dict[str, SentDeliveries] = {}
+        """Per consumer, what it was sent and may still hold: a delivery is sent once,
+        whatever the replica replays or skips."""
         self.nonce = os.urandom(16)
         self.greeted = False
         self.closed = False
@@ -196,30 +193,12 @@ class Connection:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self.outbox_send.send_nowait(encode_frame(frame))
 
-    def record_delivery(self, consumer: str, offset: int, delivery_count: int) -> bool:
-        """Note that `consumer` is sent delivery (`offset`, `delivery_count`); False if it
-        was sent already (a message returned and delivered again has a higher count)."""
-        sent = self._sent.setdefault(consumer, {})
-        if sent.get(offset) == delivery_count:
-            return False
-        sent[offset] = delivery_count
-        return True
-
-    def was_delivered(self, consumer: str, offset: int, delivery_count: int) -> bool:
-        return self._sent.get(consumer, {}).get(offset) == delivery_count
-
-    def delivery_record_full(self, consumer: str) -> bool:
-        """The record of `consumer`'s deliveries needs trimming to what it still holds."""
-        return len(self._sent.get(consumer, ())) > self._sent_limit.get(consumer, SENT_RECORD_MIN)
-
-    def keep_deliveries(self, consumer: str, held: Iterable[int]) -> None:
-        """Forget the deliveries of `consumer` that the machine no longer has it hold."""
+    def sent_to(self, consumer: str) -> SentDeliveries:
+        """What `consumer` of this connection was sent and may still hold."""
         sent = self._sent.get(consumer)
         if sent is None:
-            return
-        kept = {o: sent[o] for o in held if o in sent}
-        self._sent[consumer] = kept
-        self._sent_limit[consumer] = max(SENT_RECORD_MIN, 2 * len(kept))
+            sent = self._sent[consumer] = SentDeliveries()
+        return sent
 
     def drop_consumer(self, consumer: str) -> None:
         """`consumer` is gone from this connection."""
@@ -227,7 +206,6 @@ class Connection:
         self.subscribe_requests.pop(consumer, None)
         self.cancelling.discard(consumer)
         self._sent.pop(consumer, None)
-        self._sent_limit.pop(consumer, None)
 
     def close(self, reason: str) -> None:
         """Take no more frames; the writer sends what is queued and closes the stream."""

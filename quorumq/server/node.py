@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import trio
 
+from ..deliveries import missing as missing_deliveries
 from ..machine import (
     Ack,
     Command,
@@ -163,9 +164,10 @@ class NodeServer:
                 if conn is None or conn.closed:
                     self._down(e.consumer)
                     continue
-                if not conn.record_delivery(e.consumer, e.offset, e.delivery_count):
+                sent = conn.sent_to(e.consumer)
+                if not sent.record(e.offset, e.delivery_count):
                     continue  # sent already (`_resync_consumers` got there first)
-                if conn.delivery_record_full(e.consumer):
+                if sent.full():
                     self._prune_deliveries(conn, e.consumer)
                 frame = {
                     "t": "deliver",
@@ -193,7 +195,8 @@ class NodeServer:
     def _prune_deliveries(self, conn: Connection, consumer: str) -> None:
         """Keep, of what `consumer` was sent, what the machine says it still holds."""
         queue = conn.consumers[consumer]
-        conn.keep_deliveries(consumer, self.replica.query(lambda m: m.unacked(queue, consumer)))
+        held = self.replica.query(lambda m: m.unacked(queue, consumer))
+        conn.sent_to(consumer).keep(held)
 
     def _resync_consumers(self) -> None:
         """This node's replica jumped to the leader's snapshot: the log entries it skipped
@@ -213,7 +216,8 @@ class NodeServer:
             if c in conn.awaiting_reply and deliveries is not None:
                 # its Subscribe was among the skipped entries: PySyncObj will not answer it
                 self._answer(conn, conn.subscribe_requests.get(c), None, None, c)
-            if deliveries is None:
+            missing = missing_deliveries(deliveries, conn.sent_to(c))
+            if missing is None:
                 # not yet subscribed in the log, or cancelled by its client: nothing to say
                 if c not in conn.awaiting_reply and c not in conn.cancelling:
                     self._route(
@@ -224,10 +228,6 @@ class NodeServer:
                         )
                     )
                 continue
-            conn.keep_deliveries(c, [d.offset for d in deliveries])
-            missing = [
-                d for d in deliveries if not conn.was_delivered(c, d.offset, d.delivery_count)
-            ]
             if missing:
                 logger.info(
                     "consumer %s: sending %d deliveries the snapshot install skipped",
