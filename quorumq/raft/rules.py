@@ -26,6 +26,11 @@
   refusal) sends its snapshot again; a follower that installed it applied the entries
   after it a second time. Whoever stores the incoming snapshot asks
   `accept_leader_snapshot` first; a stale one is answered as what it is.
+* the commit index moves with a snapshot only when it is installed: PySyncObj moves a
+  follower's commit index to the leader's (within its own log) on every message of a
+  snapshot transfer, though the message checks nothing of the log. A follower with an
+  uncommitted tail of an earlier term (an old leader back from a crash) applied that
+  tail, entries no other replica has, while the snapshot was on its way.
 
 The reasons, measured, are in docs/pysyncobj-notes.md. camelCase names here are
 PySyncObj's; they stay inside quorumq/raft.
@@ -108,8 +113,6 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     _sent_commit = 0
     _message_from: Any = None
     """The peer whose message is being handled (the tick thread handles one at a time)."""
-    _stale_snapshot = False
-    """The message being handled carried the last chunk of a stale snapshot."""
 
     def apply_raw(self, index: int, payload: bytes) -> Any:
         """Apply one committed raw command; what it returns goes to the proposer's callback."""
@@ -161,10 +164,16 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         next_index = self._SyncObj__raftNextIndex
         before = next_index.get(node)
         self._message_from = node
-        commit = self.raftCommitIndex
-        self._stale_snapshot = False
+        snapshot_chunk = (
+            isinstance(message, dict)
+            and message.get("type") == "append_entries"
+            and "serialized" in message
+        )
+        commit, applied = self.raftCommitIndex, self.raftLastApplied
         super()._SyncObj__onMessageReceived(node, message)
-        if self._stale_snapshot:  # PySyncObj then takes the commit index to the log's end
+        if snapshot_chunk and self.raftLastApplied == applied:
+            # no snapshot was installed: the commit index stays (PySyncObj takes it to
+            # the leader's, within this log, which this message did not check)
             self._SyncObj__raftCommitIndex = commit
             self._SyncObj__raftLog.setRaftCommitIndex(commit)
         if (
@@ -189,9 +198,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         leader then sends its snapshot again; a follower that installed it applied the
         entries after it a second time, and ran their effects again: deliveries its
         consumers had had. A stale snapshot is answered as what it is: this node holds,
-        committed, everything up to what it applied. (PySyncObj would then take the
-        commit index to the log's end: `_SyncObj__onMessageReceived` puts it back.)
-        The caller keeps its own snapshot as it is."""
+        committed, everything up to what it applied. The caller keeps its own snapshot
+        as it is (and the commit index stays: `_SyncObj__onMessageReceived`)."""
         applied = self.raftLastApplied
         if last_index > applied:
             return True
@@ -200,7 +208,6 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             last_index,
             applied,
         )
-        self._stale_snapshot = True
         self._SyncObj__sendNextNodeIdx(self._message_from, nextNodeIdx=applied + 1, success=True)
         return False
 
