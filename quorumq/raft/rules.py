@@ -26,6 +26,8 @@
   refusal) sends its snapshot again; a follower that installed it applied the entries
   after it a second time. Whoever stores the incoming snapshot asks
   `accept_leader_snapshot` first; a stale one is answered as what it is.
+* compaction finishes in the tick that writes the snapshot (no tick without a snapshot
+  to send, in which PySyncObj spins sending empty snapshot messages).
 * the commit index moves with a snapshot only when it is installed: PySyncObj moves a
   follower's commit index to the leader's (within its own log) on every message of a
   snapshot transfer, though the message checks nothing of the log. A follower with an
@@ -189,6 +191,16 @@ class RaftRules(SyncObj):  # type: ignore[misc]
                 # big entries several AppendEntries are in flight, and each refusal of an
                 # older one named a higher index, so a lagging follower never caught up
                 next_index[node] = before
+
+    def _SyncObj__tryLogCompaction(self) -> None:
+        super()._SyncObj__tryLogCompaction()
+        # Our serializers write the snapshot at once, on this thread (no fork), but
+        # PySyncObj only learns it is done, and compacts the journal behind it, on its
+        # next call, a tick later. Until then it has no snapshot to send: a leader that
+        # sent a follower behind its compacted log its snapshot meanwhile spun for a
+        # whole appendEntriesPeriod sending it empty snapshot messages (the simulator,
+        # whose clock stands still during a tick, spun for ever). Finish it now.
+        super()._SyncObj__tryLogCompaction()
 
     def accept_leader_snapshot(self, last_index: int) -> bool:
         """The leader's snapshot, up to `last_index`, has arrived whole: whether to install
