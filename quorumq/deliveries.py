@@ -1,11 +1,18 @@
-"""What a node sent its consumers: a delivery goes out once, whatever the replica does.
+"""What a node sent its consumers, and what a snapshot load left unsent.
 
-A node sends a consumer the deliveries its replica's effects name (`Replica`). A
-snapshot load changes what the machine says a consumer holds without the log entries
-that made it so: a follower that catches up from the leader's snapshot skips the
-entries that assigned messages to its consumers, and their effects never run there.
-So the node keeps, per consumer, what it sent (`SentDeliveries`), and after a snapshot
-load sends what the machine says the consumer holds and was not sent (`missing`).
+A node sends a consumer the deliveries its replica's effects name (`Replica`), once
+per log entry. A snapshot load changes what the machine says a consumer holds without
+the log entries that made it so: a follower that catches up from the leader's
+snapshot skips the entries that assigned messages to its consumers, and their effects
+never run there. So the node keeps, per consumer, what it sent (`SentDeliveries`);
+after a snapshot load it sends what the machine says the consumer holds and was not
+sent (`missing`), and skips the effects of the entries the machine had applied when
+it looked (they are sent then, or no longer held).
+
+A delivery is not known by its offset and delivery count alone: a consumer's nack of
+a keyed message takes the key's later messages it holds back with it and delivers
+them again, to the same consumer as often as not, with the same delivery count (and
+marked redelivered). Those go out again like any other delivery.
 
 Shared by the trio server (`quorumq.server.node`) and the simulator's model of it
 (`simulations.node`), so the simulator runs this code. No I/O here.
@@ -23,24 +30,28 @@ twice what it held at the last trim)."""
 
 
 class SentDeliveries:
-    """The deliveries sent to one consumer that it may still hold: offset -> delivery
-    count. A message returned and delivered again has a higher count: a new delivery."""
+    """The deliveries sent to one consumer that it may still hold, by offset."""
 
-    __slots__ = ("_limit", "_sent")
+    __slots__ = ("_limit", "_sent", "resynced_through")
 
     def __init__(self) -> None:
-        self._sent: dict[int, int] = {}
+        self._sent: dict[int, tuple[int, bool]] = {}
+        """offset -> (delivery count, redelivered) of the last delivery sent."""
         self._limit = SENT_RECORD_MIN
+        self.resynced_through = 0
+        """`missing` compared the machine at this log index: the deliveries made by
+        entries up to here are sent, or no longer held."""
 
-    def record(self, offset: int, delivery_count: int) -> bool:
-        """Note that delivery (`offset`, `delivery_count`) is sent; False if it was already."""
-        if self._sent.get(offset) == delivery_count:
-            return False
-        self._sent[offset] = delivery_count
-        return True
+    def record(self, delivery: Deliver) -> None:
+        """Note that `delivery` is sent."""
+        self._sent[delivery.offset] = (delivery.delivery_count, delivery.redelivered)
 
-    def was_sent(self, offset: int, delivery_count: int) -> bool:
-        return self._sent.get(offset) == delivery_count
+    def was_sent(self, delivery: Deliver) -> bool:
+        return self._sent.get(delivery.offset) == (delivery.delivery_count, delivery.redelivered)
+
+    def covers(self, index: int) -> bool:
+        """The effects of log entry `index` are sent already, or stale (`missing`)."""
+        return index <= self.resynced_through
 
     def full(self) -> bool:
         """The record wants trimming (`keep`) to what the consumer still holds."""
@@ -53,12 +64,16 @@ class SentDeliveries:
         self._limit = max(SENT_RECORD_MIN, 2 * len(self._sent))
 
 
-def missing(held: tuple[Deliver, ...] | None, sent: SentDeliveries) -> tuple[Deliver, ...] | None:
-    """After a snapshot load: of the deliveries the machine says a consumer holds
-    (`Machine.held_deliveries`), those it was not sent; the record keeps only what is
-    held. None if the machine has no such consumer: it was removed meanwhile (its node
-    was marked down: cancel it), or its `Subscribe` is not applied yet (wait)."""
+def missing(
+    held: tuple[Deliver, ...] | None, sent: SentDeliveries, index: int
+) -> tuple[Deliver, ...] | None:
+    """After a snapshot load, with the machine at log `index`: of the deliveries it says
+    a consumer holds (`Machine.held_deliveries`), those the consumer was not sent. The
+    record keeps only what is held, and covers the entries up to `index`. None if the
+    machine has no such consumer: it was removed meanwhile (its node was marked down:
+    cancel it), or its `Subscribe` is not applied yet (wait)."""
     if held is None:
         return None
     sent.keep([d.offset for d in held])
-    return tuple(d for d in held if not sent.was_sent(d.offset, d.delivery_count))
+    sent.resynced_through = max(sent.resynced_through, index)
+    return tuple(d for d in held if not sent.was_sent(d))

@@ -151,13 +151,14 @@ class NodeServer:
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(fn, *args)
 
-    def _on_effects(self, _index: int, effects: tuple[Effect, ...]) -> None:
-        self._soon(self._route, effects)
+    def _on_effects(self, index: int, effects: tuple[Effect, ...]) -> None:
+        self._soon(self._route, effects, index)
 
     def _on_state_replaced(self) -> None:
         self._soon(self._resync_consumers)
 
-    def _route(self, effects: Iterable[Effect]) -> None:
+    def _route(self, effects: Iterable[Effect], index: int | None = None) -> None:
+        """Run this node's effects of log entry `index` (None: `_resync_consumers`'s)."""
         for e in effects:
             if type(e) is Deliver:
                 conn = self.consumers.get(e.consumer)
@@ -165,8 +166,9 @@ class NodeServer:
                     self._down(e.consumer)
                     continue
                 sent = conn.sent_to(e.consumer)
-                if not sent.record(e.offset, e.delivery_count):
-                    continue  # sent already (`_resync_consumers` got there first)
+                if index is not None and sent.covers(index):
+                    continue  # `_resync_consumers` got there first
+                sent.record(e)
                 if sent.full():
                     self._prune_deliveries(conn, e.consumer)
                 frame = {
@@ -211,12 +213,14 @@ class NodeServer:
             for c, conn in self.consumers.items()
             if not conn.closed and c in conn.consumers
         ]
-        held = self.replica.query(lambda m: [m.held_deliveries(q, c) for c, _, q in served])
+        index, held = self.replica.query(
+            lambda m: (m.last_index, [m.held_deliveries(q, c) for c, _, q in served])
+        )
         for (c, conn, queue), deliveries in zip(served, held, strict=True):
             if c in conn.awaiting_reply and deliveries is not None:
                 # its Subscribe was among the skipped entries: PySyncObj will not answer it
                 self._answer(conn, conn.subscribe_requests.get(c), None, None, c)
-            missing = missing_deliveries(deliveries, conn.sent_to(c))
+            missing = missing_deliveries(deliveries, conn.sent_to(c), index)
             if missing is None:
                 # not yet subscribed in the log, or cancelled by its client: nothing to say
                 if c not in conn.awaiting_reply and c not in conn.cancelling:
