@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
 from pysyncobj import FAIL_REASON
@@ -56,12 +56,13 @@ from .raft.member import NOT_APPLIED, Fsync, RaftMember
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+E = TypeVar("E")
 
 TICK_EVERY_S = 1.0
+"""How often the leader proposes `Tick` while some queue has a message TTL."""
 PROPOSAL_TIMEOUT_S = 15.0
 """A proposal with no outcome after this long is answered "outcome unknown" (PySyncObj
 never calls back for some, e.g. when a snapshot install skips past their index)."""
-"""How often the leader proposes `Tick` while some queue has a message TTL."""
 
 
 def local_effects(
@@ -91,21 +92,45 @@ def failure_commands(
     return commands
 
 
-class _Once:
+class _Once(Generic[E]):
     """A proposal's callback, called at most once: by PySyncObj or by the timeout."""
 
     __slots__ = ("callback", "deadline")
 
-    def __init__(
-        self, callback: Callable[[Reply | None, ProposalError | None], None], deadline: float
-    ) -> None:
-        self.callback: Callable[[Reply | None, ProposalError | None], None] | None = callback
+    def __init__(self, callback: Callable[[Reply | None, E | None], None], deadline: float) -> None:
+        self.callback: Callable[[Reply | None, E | None], None] | None = callback
         self.deadline = deadline
 
-    def __call__(self, reply: Reply | None, error: ProposalError | None) -> None:
+    def __call__(self, reply: Reply | None, error: E | None) -> None:
         callback, self.callback = self.callback, None
         if callback is not None:
             callback(reply, error)
+
+
+class InFlight(Generic[E]):
+    """Proposals waiting for an outcome, in submission order. Each is answered once: by
+    PySyncObj, or with an "outcome unknown" error once `timeout_s` has passed without
+    one (PySyncObj never answers some, e.g. when a snapshot install skips past their
+    index). Shared with the simulator's model of a node, which has its own clock and
+    error type."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._queue: collections.deque[_Once[E]] = collections.deque()
+
+    def track(
+        self, callback: Callable[[Reply | None, E | None], None], now: float
+    ) -> Callable[[Reply | None, E | None], None]:
+        """`callback`, to be called at most once, from now on watched for its deadline."""
+        once: _Once[E] = _Once(callback, now + self.timeout_s)
+        self._queue.append(once)
+        return once
+
+    def expire(self, now: float, error: Callable[[], E]) -> None:
+        """Answer `error()` to the proposals past their deadline (forget the answered)."""
+        queue = self._queue
+        while queue and (queue[0].callback is None or queue[0].deadline < now):
+            queue.popleft()(None, error())
 
 
 def _membership_done(
@@ -213,12 +238,12 @@ class Replica:
         self._on_effects = on_effects
         self._on_state_replaced = on_state_replaced
         self._effects_through = 0
-        self.snapshots_loaded = 0
-        """Snapshots loaded by this process: its own at start-up, the leader's to catch up."""
         """The highest log index applied by this process: a snapshot install can take the
         machine back below it, and entries applied again must not run their effects again."""
+        self.snapshots_loaded = 0
+        """Snapshots loaded by this process: its own at start-up, the leader's to catch up."""
         self._pending: set[tuple[str, str]] = set()
-        self._in_flight: collections.deque[_Once] = collections.deque()
+        self._in_flight: InFlight[ProposalError] = InFlight(config.proposal_timeout_s)
         """Proposals in submission order, to answer those PySyncObj never answers."""
         self._last_tick_proposal = 0.0
         self.member = RaftMember(
@@ -255,8 +280,7 @@ class Replica:
             self.member.propose(payload, None)
             return
 
-        once = _Once(callback, time.monotonic() + self.config.proposal_timeout_s)
-        self._in_flight.append(once)
+        once = self._in_flight.track(callback, time.monotonic())
 
         def done(result: Any, reason: int) -> None:
             if reason == FAIL_REASON.SUCCESS:
@@ -338,12 +362,10 @@ class Replica:
         self._leader_duties()
 
     def _expire_proposals(self) -> None:
-        now = time.monotonic()
-        in_flight = self._in_flight
-        while in_flight and (in_flight[0].callback is None or in_flight[0].deadline < now):
-            in_flight.popleft()(
-                None, OutcomeUnknownError(f"no outcome within {self.config.proposal_timeout_s} s")
-            )
+        timeout = self.config.proposal_timeout_s
+        self._in_flight.expire(
+            time.monotonic(), lambda: OutcomeUnknownError(f"no outcome within {timeout} s")
+        )
 
     def _leader_duties(self) -> None:
         """Turn silence and time into log commands (as leader)."""
