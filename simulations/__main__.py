@@ -28,6 +28,7 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
         fault_interval_s=args.fault_interval,
         workload=WorkloadConfig(rate=args.rate),
         variant=AS_IS if args.as_is else REAL,
+        compaction_entries=args.compaction,
     )
 
 
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         help="mean seconds between faults",
     )
     common.add_argument("--rate", type=float, default=WorkloadConfig().rate, help="records/s")
+    common.add_argument(
+        "--compaction",
+        type=int,
+        metavar="ENTRIES",
+        help="compact a node's log into a snapshot past this many entries (default: never)",
+    )
     common.add_argument(
         "--as-is",
         action="store_true",

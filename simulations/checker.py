@@ -4,6 +4,8 @@ As entries are applied (cheap checks, every entry):
 
 * every replica applies the same command at the same log index, and replicas at an
   equal applied index have equal state digests (sampled every `digest_every` entries);
+* a replica's state never goes back: a snapshot it loads is ahead of what it applied
+  (`rollback`; a stale one would make it apply entries, and run effects, again);
 * an independent model of holds, fed the log in order (the first replica to apply an
   index feeds it): a message is given to one consumer at a time (no message held by
   two live consumers); an acked message is never delivered again; `redelivered` is
@@ -15,7 +17,11 @@ As entries are applied (cheap checks, every entry):
 As consumers receive (the clients' view):
 
 * a record received twice unmarked is a duplicate (`duplicated`); a body nobody
-  published is `unexpected`.
+  published is `unexpected`;
+* a consumer receives each delivery the log made as often as the log made it, and no
+  more (`resent`: effects run twice, say a log entry applied again). A delivery is
+  (consumer, offset, delivery count, redelivered mark): a nack of a keyed message can
+  give the key's later messages to the same consumer again with the same count.
 
 At the end (Jepsen's total-queue counts, after heal and drain):
 
@@ -93,6 +99,10 @@ class Checker:
         self.key_of: dict[int, str | None] = {}
         self.deliveries = 0
         self.redeliveries = 0
+        self.made: dict[tuple[str, int, int, bool], int] = {}
+        """Per delivery (consumer, offset, count, mark): how many times the log made it."""
+        self.got: dict[tuple[str, int, int, bool], int] = {}
+        """Per delivery: how many times its consumer received it."""
 
     def violation(self, kind: str, detail: str) -> None:
         self.violation_count += 1
@@ -126,6 +136,15 @@ class Checker:
             return
         record.received += 1
         record.offsets.add(delivery.offset)
+        key = _delivery_key(delivery)
+        got = self.got[key] = self.got.get(key, 0) + 1
+        if got > self.made.get(key, 0):
+            self.violation(
+                "resent",
+                f"{delivery.consumer} received offset {delivery.offset} (count "
+                f"{delivery.delivery_count}) via {node} {got} times; the log made it "
+                f"{self.made.get(key, 0)} times",
+            )
         if not delivery.redelivered:
             record.received_unmarked += 1
             if record.received_unmarked == 2:
@@ -161,6 +180,14 @@ class Checker:
 
     def on_node(self, name: str, running: bool) -> None:
         pass
+
+    def on_snapshot_loaded(self, node: SimNode, applied: int, index: int) -> None:
+        if index < applied:
+            self.violation(
+                "rollback",
+                f"{node.name} loaded a snapshot at index {index} after applying up to "
+                f"{applied}: it applies entries again",
+            )
 
     def _release(self, offset: int) -> None:
         consumer = self.holder.pop(offset, None)
@@ -204,6 +231,8 @@ class Checker:
     def _delivered(self, e: Deliver) -> None:
         offset = e.offset
         self.deliveries += 1
+        key = _delivery_key(e)
+        self.made[key] = self.made.get(key, 0) + 1
         self.redeliveries += e.redelivered
         self.body_of[offset] = e.body
         self.key_of[offset] = e.key
@@ -276,3 +305,7 @@ class Checker:
         if len(set(indexes.values())) > 1 or len(set(digests.values())) > 1:
             self.violation("converge", f"replicas end apart: applied indexes {indexes}")
         return counts
+
+
+def _delivery_key(d: Deliver) -> tuple[str, int, int, bool]:
+    return (d.consumer, d.offset, d.delivery_count, d.redelivered)

@@ -7,13 +7,14 @@ failure commands) to its observers: the checker and the history.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from quorumq.machine import Applied, Command, NodeDown, NodeUp
 
 from .network import Network
-from .node import REAL, SimJournal, SimNode, Variant
+from .node import REAL, SimDisk, SimJournal, SimNode, SimSerializer, Variant
 from .world import World, micros
 
 CLIENT_LATENCY_S = (0.0002, 0.001)
@@ -30,6 +31,8 @@ class Observer(Protocol):
 
     def on_node(self, name: str, running: bool) -> None: ...
 
+    def on_snapshot_loaded(self, node: SimNode, applied: int, index: int) -> None: ...
+
 
 class Cluster:
     def __init__(
@@ -40,36 +43,57 @@ class Cluster:
         variant: Variant = REAL,
         grace_s: float = 5.0,
         raft_timeouts: tuple[float, float] = (0.25, 0.6),
+        compaction_entries: int | None = None,
     ) -> None:
         self.world = world
         self.names = [chr(ord("A") + i) for i in range(n)]
         self.variant = variant
         self.grace_s = grace_s
         self.raft_timeouts = raft_timeouts
+        self.compaction_entries = compaction_entries
+        """PySyncObj's `logCompactionMinEntries` (None: it never compacts)."""
         self.network = Network(world, self.names)
         self.network.on_arrival = self._woken
-        self.disks = {name: SimJournal() for name in self.names}
+        self.disks = {name: SimDisk(name) for name in self.names}
+        self.snapshot_counts: Counter[str] = Counter()
+        """Snapshots written, sent, installed and refused, all nodes together."""
         self.nodes: dict[str, SimNode | None] = dict.fromkeys(self.names)
         self.incarnations = dict.fromkeys(self.names, 0)
         self.observers: list[Observer] = []
         self.consumers: dict[str, Any] = {}
         """Every consumer id ever subscribed -> its client (for proxied deliveries)."""
         self.client_random = world.stream("clients")
-        self._opening: SimJournal | None = None
+        self._opening: str | None = None
+        """The node starting: PySyncObj asks for its journal and serializer."""
         self._links: dict[tuple[Any, ...], int] = {}
         self.clients: list[Any] = []
         """Producers and consumers: each has `node` (the node it is connected to, or None)
         and `connection_lost(node)`."""
 
-    # --------------------------------------------------------------- journals
+    # ------------------------------------------------------------------ disks
 
     def create_journal(self, path: str) -> SimJournal:
-        """PySyncObj's `createJournal`, patched for a run: the disk of the node starting."""
-        journal = self._opening
-        if journal is None or not path.startswith("sim:"):
-            raise RuntimeError(f"a journal for {path!r} was asked outside a node start")
-        self._opening = None
-        return journal
+        """PySyncObj's `createJournal`, patched for a run: the journal of the node starting."""
+        return self._disk_of_starting(path).journal
+
+    def create_serializer(
+        self,
+        path: str,
+        batch_size: int,
+        _use_fork: bool,
+        write: Callable[[Any], bytes],
+        read: Callable[[bytes], Any],
+        _checker: Any,
+    ) -> SimSerializer:
+        """PySyncObj's `Serializer`, patched for a run: the snapshot store of the node starting."""
+        disk = self._disk_of_starting(path)
+        return SimSerializer(disk, batch_size, write, read, self.snapshot_counts)
+
+    def _disk_of_starting(self, path: str) -> SimDisk:
+        name = self._opening
+        if name is None or path.split("/", maxsplit=1)[0] != f"sim:{name}":
+            raise RuntimeError(f"{path!r} was asked for outside a node start")
+        return self.disks[name]
 
     # ------------------------------------------------------------------ nodes
 
@@ -77,15 +101,19 @@ class Cluster:
         """Start (or restart) a node from what its disk holds."""
         assert self.nodes[name] is None, f"{name} is running"
         self.incarnations[name] += 1
-        self._opening = self.disks[name].reopen()
-        node = SimNode(
-            self,
-            name,
-            self.incarnations[name],
-            self.disks[name],
-            grace_s=self.grace_s,
-            raft_timeouts=self.raft_timeouts,
-        )
+        self._opening = name
+        try:
+            node = SimNode(
+                self,
+                name,
+                self.incarnations[name],
+                self.disks[name].reopen(),
+                grace_s=self.grace_s,
+                raft_timeouts=self.raft_timeouts,
+                compaction_entries=self.compaction_entries,
+            )
+        finally:
+            self._opening = None
         self.nodes[name] = node
         self.network.attach(name, node.member.transport)
         self.world.trace(f"start {name} {node.incarnation}")
@@ -191,6 +219,13 @@ class Cluster:
         self.world.trace(f"leader {node.name} {leader} {node.member.raftCurrentTerm}")
         for o in self.observers:
             o.on_leadership(node, leader)
+
+    def on_snapshot_loaded(self, node: SimNode, applied: int, index: int) -> None:
+        """`node`, which had applied the log up to `applied`, loaded a snapshot up to `index`."""
+        self.snapshot_counts["loaded"] += 1
+        self.world.trace(f"snapshot {node.name} {applied} {index}")
+        for o in self.observers:
+            o.on_snapshot_loaded(node, applied, index)
 
     def on_failure_command(self, node: SimNode, command: NodeDown | NodeUp) -> None:
         self.world.trace(f"propose {node.name} {command}")

@@ -112,6 +112,9 @@ class History:
         if len(self.faults) < MAX_EVENTS:
             self.faults.append((fault.at_s, f"{fault.describe()} {detail}".strip()))
 
+    def on_snapshot_loaded(self, node: SimNode, applied: int, index: int) -> None:
+        pass
+
     def on_node(self, name: str, running: bool) -> None:
         down = self.lanes[name].down
         if not running:

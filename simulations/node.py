@@ -4,13 +4,25 @@ machine, and the duties of the node's server towards its clients.
 
 * `SimMember` is `quorumq.raft.rules.RaftRules` (the same Raft rules a real node runs)
   on an in-memory journal and the simulated network, ticked by the simulator.
-* `SimJournal` is the node's disk: it survives a crash; entries written after the last
-  durability point (`make_durable`) are lost by it, as unsynced writes are.
+* `SimDisk` is the node's disk: its journal and its snapshot survive a crash. The
+  journal (`SimJournal`) loses the entries written after the last durability point
+  (`make_durable`), as unsynced writes are lost; a snapshot is stored whole, synced, as
+  the real node stores it.
+* `SimSerializer` is PySyncObj's snapshot store on that disk: log compaction
+  (`logCompactionMinEntries`) writes the machine's snapshot there, at once and on the
+  tick (no fork), as the real node's serializer does; the leader sends it in chunks
+  to a follower behind its compacted log, through the simulated network; the follower
+  installs it only if the shared Raft rules take it (`accept_leader_snapshot`). A
+  restarted node loads its own snapshot, then its journal.
 * `SimNode` is what `quorumq.replica.Replica` and `quorumq.server.node.NodeServer` do
   for one node: apply committed entries to the machine, run only this node's effects
   (`local_effects`), turn a delivery to a consumer it does not have into `Down`, and as
   leader propose `NodeDown`/`NodeUp` (`failure_commands`). Entries replayed from the
-  node's own journal at start-up run no effects.
+  node's own journal at start-up run no effects, nor do entries applied a second time.
+  A delivery goes to a consumer once (`quorumq.deliveries`, shared with the server);
+  after a snapshot load the node sends what the machine says its consumers hold and
+  were not sent, and cancels those the machine removed (`_resync_consumers`, as
+  `NodeServer._resync_consumers`).
 
 `Variant` holds the test-only switches of the negative controls: another machine, or
 another effect filter. The default is the real thing.
@@ -19,13 +31,17 @@ another effect filter. The default is the real thing.
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 from pysyncobj import FAIL_REASON, SyncObjConf
+from pysyncobj.config import SERIALIZER_STATE
 
 from quorumq.codec import CodecError, decode_entry, encode_entry
+from quorumq.deliveries import SentDeliveries
+from quorumq.deliveries import missing as missing_deliveries
 from quorumq.machine import (
     Ack,
     Command,
@@ -40,11 +56,12 @@ from quorumq.machine import (
     Nack,
     NodeDown,
     Reply,
+    Subscribe,
 )
 from quorumq.raft.journal import ReplayBoundary
 from quorumq.raft.member import NOT_APPLIED
-from quorumq.raft.rules import Entry, RaftRules
-from quorumq.replica import failure_commands, local_effects
+from quorumq.raft.rules import Entry, RaftRules, decode_snapshot, encode_snapshot
+from quorumq.replica import PROPOSAL_TIMEOUT_S, InFlight, failure_commands, local_effects
 
 from .network import Network, SimTransport
 from .world import World, micros
@@ -186,6 +203,117 @@ class SimJournal:
         self._stored_commit_index = self.commit_index
 
 
+class SimDisk:
+    """A node's durable storage: what a restarted node finds."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.journal = SimJournal()
+        self.snapshot: bytes | None = None
+        """The node's snapshot (`encode_snapshot` bytes): written whole and synced before
+        PySyncObj compacts the journal behind it, as the real node writes its file."""
+
+    def reopen(self) -> SimDisk:
+        """The disk a restarted node finds (the journal's unsynced tail is gone)."""
+        self.journal.reopen()
+        return self
+
+
+class SimSerializer:
+    """PySyncObj's `Serializer` (its snapshot store) for a simulated member, on the
+    node's `SimDisk`, behaving as PySyncObj's does with a serializer of ours (the real
+    node's configuration, which never forks):
+
+    * `serialize` writes the snapshot at once, on the tick; PySyncObj learns it is
+      done, and compacts the journal, from `checkSerializing` (which `RaftRules` calls
+      again at once). A new snapshot starts every transfer over.
+    * the leader sends a follower behind its compacted log the snapshot it has now,
+      in chunks of `logCompactionBatchSize` (the first flagged, then an empty last one);
+    * the follower gathers the chunks in memory (lost if it crashes) and stores the
+      snapshot only once whole and taken by `accept` (the shared rule that refuses a
+      stale one), as `RaftMember` does with its ".incoming" file.
+
+    `write(data)` turns PySyncObj's (last entry, previous entry, members) into the
+    snapshot's bytes; `read(bytes)` loads them and gives that triple back."""
+
+    def __init__(
+        self,
+        disk: SimDisk,
+        batch_size: int,
+        write: Callable[[Any], bytes],
+        read: Callable[[bytes], Any],
+        counts: Counter[str],
+    ) -> None:
+        self.disk = disk
+        self.batch_size = batch_size
+        self._write = write
+        self._read = read
+        self.counts = counts
+        self.accept: Callable[[bytes], bool] = lambda _data: True
+        self._written: int | None = None
+        """The index of the snapshot written and not yet reported to PySyncObj."""
+        self._sending: dict[Any, tuple[bytes, int]] = {}
+        """Per follower: the snapshot being sent to it and how many bytes are sent."""
+        self._receiving: bytearray | None = None
+
+    def checkSerializing(self) -> tuple[int, int | None]:
+        written, self._written = self._written, None
+        if written is None:
+            return SERIALIZER_STATE.NOT_SERIALIZING, None
+        self._sending = {}  # as PySyncObj's: transfers start over with the new snapshot
+        return SERIALIZER_STATE.SUCCESS, written
+
+    def serialize(self, data: Any, index: int) -> None:
+        if self._written is not None:
+            return
+        self.disk.snapshot = self._write(data[1:])
+        self._written = index
+        self.counts["written"] += 1
+
+    def deserialize(self) -> Any:
+        assert self.disk.snapshot is not None
+        return (None, *self._read(self.disk.snapshot))
+
+    def getTransmissionData(self, follower: Any) -> tuple[bytes, bool, bool] | None:
+        if self._written is not None or self.disk.snapshot is None:
+            # PySyncObj's would answer None (still serializing, or no snapshot file to
+            # open), and PySyncObj then sends empty snapshot messages until
+            # appendEntriesPeriod has passed: for ever on the simulated clock, which
+            # stands still during a tick. Say so instead.
+            raise RuntimeError(f"{self.disk.name} was asked to send a snapshot it does not have")
+        snapshot, sent = self._sending.get(follower) or (self.disk.snapshot, 0)
+        chunk = snapshot[sent : sent + self.batch_size]
+        last = not chunk
+        if last:
+            self._sending.pop(follower, None)
+            self.counts["sent"] += 1
+        else:
+            self._sending[follower] = (snapshot, sent + len(chunk))
+        return chunk, sent == 0, last
+
+    def setTransmissionData(self, data: tuple[bytes, bool, bool] | None) -> bool:
+        if data is None:
+            return False
+        chunk, first, last = data
+        if first:
+            self._receiving = bytearray()
+        elif self._receiving is None:
+            return False
+        self._receiving += chunk
+        if not last:
+            return False
+        snapshot, self._receiving = bytes(self._receiving), None
+        if not self.accept(snapshot):
+            self.counts["refused"] += 1
+            return False
+        self.disk.snapshot = snapshot
+        self.counts["installed"] += 1
+        return True
+
+    def cancelTransmisstion(self, follower: Any) -> None:  # sic: PySyncObj's spelling
+        self._sending.pop(follower, None)
+
+
 # -------------------------------------------------------------------- member
 
 
@@ -212,26 +340,37 @@ class SimPoller:
 
 
 class SimMember(RaftRules):
-    """The real Raft rules on the simulated network and journal, ticked by the simulator."""
+    """The real Raft rules on the simulated network and disk, ticked by the simulator."""
 
     def __init__(
         self,
         network: Network,
         name: str,
-        journal: SimJournal,
+        disk: SimDisk,
         *,
         apply: Callable[[int, bytes], Any],
+        snapshot: Callable[[], bytes],
+        restore: Callable[[bytes, int], None],
         on_tick: Callable[[], None],
         raft_timeouts: tuple[float, float],
+        compaction_entries: int | None = None,
     ) -> None:
-        self.journal = journal
+        self.name = name
+        self.network = network
+        self.disk = disk
+        self.journal = disk.journal
         self._apply = apply
+        self._snapshot = snapshot
+        self._restore = restore
         self._on_tick = on_tick
         self.transport = SimTransport(network, name)
         conf = SyncObjConf(
             autoTick=False,
             journalFile=f"sim:{name}",
-            logCompactionMinEntries=10**12,
+            fullDumpFile=f"sim:{name}/snapshot",
+            serializer=self._write_snapshot,
+            deserializer=self._read_snapshot,
+            logCompactionMinEntries=compaction_entries or 10**12,
             logCompactionMinTime=10**12,
             raftMinTimeout=raft_timeouts[0],
             raftMaxTimeout=raft_timeouts[1],
@@ -244,7 +383,18 @@ class SimMember(RaftRules):
         super().__init__(network.nodes[name], others, conf, transport=self.transport)
         self.poller = SimPoller(network, name)
         self._poller = self.poller
+        self.serializer: SimSerializer = self._SyncObj__serializer
+        self.serializer.accept = self._leader_snapshot_arrived
         self.addOnTickCallback(self._tick_callback)
+
+    def _onTick(self, time_to_wait: float = 0.0) -> None:
+        if self._SyncObj__needLoadDumpFile:
+            # PySyncObj looks for its snapshot file on the real disk at the first tick:
+            # this node's is on its simulated disk
+            self._SyncObj__needLoadDumpFile = False
+            if self.disk.snapshot is not None:
+                self._SyncObj__loadDumpFile(clearJournal=False)
+        super()._onTick(time_to_wait)
 
     def _tick_callback(self) -> None:
         self.journal.make_durable()  # the no-op of a new term, as RaftMember's tick syncs
@@ -256,6 +406,27 @@ class SimMember(RaftRules):
 
     def make_durable(self) -> None:
         self.journal.make_durable()
+
+    # -------------------------------------------------------------- snapshots
+
+    def _write_snapshot(self, data: tuple[Entry, Entry, Any]) -> bytes:
+        """As `RaftMember._write_snapshot`, to bytes (a node's name is its Raft address)."""
+        last, prev, cluster = data
+        members = [(str(n.id), str(n.id)) for n in cluster]
+        return encode_snapshot(last, prev, members, self._snapshot())
+
+    def _read_snapshot(self, data: bytes) -> tuple[Entry, Entry, set[Any]]:
+        last, prev, members, machine = decode_snapshot(data, f"{self.name}'s snapshot")
+        self._restore(machine, last[1])
+        return last, prev, {self.network.nodes[address] for address, _ in members}
+
+    def _leader_snapshot_arrived(self, data: bytes) -> bool:
+        try:
+            last = decode_snapshot(data, "the leader's snapshot")[0]
+        except ValueError:  # its chunks came out of order (the hostile `reorder` fault)
+            self.serializer.counts["garbled"] += 1
+            return False
+        return self.accept_leader_snapshot(last[1])
 
 
 # ---------------------------------------------------------------------- node
@@ -272,10 +443,11 @@ class SimNode:
         sim: Any,
         name: str,
         incarnation: int,
-        journal: SimJournal,
+        disk: SimDisk,
         *,
         grace_s: float,
         raft_timeouts: tuple[float, float],
+        compaction_entries: int | None = None,
         tick_s: float = 0.05,
     ) -> None:
         self.sim = sim
@@ -289,19 +461,34 @@ class SimNode:
         self.tick_us = micros(tick_s)
         self.consumers: dict[str, SimConsumer] = {}
         """Consumers connected to this node, by id."""
+        self._queue_of: dict[str, str] = {}
+        """The queue of each consumer connected here."""
+        self._subscribing: set[str] = set()
+        """Consumers whose subscribe is not answered yet."""
+        self._sent: dict[str, SentDeliveries] = {}
+        """What each consumer connected here was sent and may still hold."""
+        self._effects_through = 0
+        """The highest log index this run applied: a snapshot install can take the machine
+        back below it, and entries applied again must not run their effects again."""
+        self.snapshots_loaded = 0
         self._downed: set[str] = set()
         self._pending_duties: set[tuple[str, str]] = set()
         self._downing: set[str] = set()
         self._stale_scanned: tuple[int, int] | None = None
         """(applied index, `Down`s lost) at the last scan for stale consumers."""
         self._downs_lost = 0
+        self._in_flight: InFlight[str] = InFlight(PROPOSAL_TIMEOUT_S)
+        """As the replica's: a proposal PySyncObj never answers is "unknown" after 15 s."""
         self.member = SimMember(
             sim.network,
             name,
-            journal,
+            disk,
             apply=self._apply,
+            snapshot=self._snapshot,
+            restore=self._restore,
             on_tick=self._on_tick,
             raft_timeouts=raft_timeouts,
+            compaction_entries=compaction_entries,
         )
         self.alive = True
         self.paused = False
@@ -404,12 +591,13 @@ class SimNode:
         if callback is None:
             self.member.propose(payload, None)
         else:
+            once = self._in_flight.track(callback, self.world.monotonic())
 
             def done(result: Any, reason: int) -> None:
                 if reason == FAIL_REASON.SUCCESS:
-                    callback(result, None)
+                    once(result, None)
                 else:
-                    callback(None, "not_applied" if reason in NOT_APPLIED else "unknown")
+                    once(None, "not_applied" if reason in NOT_APPLIED else "unknown")
 
             self.member.propose(payload, done)
         self.wake()
@@ -462,10 +650,30 @@ class SimNode:
         self._consumer_counter += 1
         return f"{self.name}.{self.incarnation}.{self._consumer_counter}"
 
+    def subscribe(self, client: SimConsumer, command: Subscribe, reply: ProposalCallback) -> None:
+        """A subscribe frame arrives (as `Connection._subscribe`): the consumer is served
+        here from now on; its `Subscribe` is proposed."""
+        consumer = command.consumer
+        self.consumers[consumer] = client
+        self._queue_of[consumer] = command.queue
+        self._subscribing.add(consumer)
+
+        def done(result: Reply | None, error: str | None) -> None:
+            self._subscribing.discard(consumer)
+            reply(result, error)
+
+        self.propose(command, done)
+
     def consumer_gone(self, consumer: str) -> None:
         """The consumer's connection closed: its messages go back (`Down`)."""
-        self.consumers.pop(consumer, None)
+        self._forget(consumer)
         self._down(consumer)
+
+    def _forget(self, consumer: str) -> None:
+        self.consumers.pop(consumer, None)
+        self._queue_of.pop(consumer, None)
+        self._subscribing.discard(consumer)
+        self._sent.pop(consumer, None)
 
     def _down(self, consumer: str) -> None:
         if consumer in self._downed:
@@ -491,15 +699,59 @@ class SimNode:
             return Error(code=ErrorCode.INVALID, message=f"undecodable log entry: {e}")
         applied = self.machine.apply(Meta(index, ts_ms), command)
         self.sim.on_applied(self, index, zlib.crc32(payload), command, applied)
-        if applied.effects and index > self.replay_until:
-            mine = self.variant.effect_filter(
-                applied.effects, self.name, proxy=self.member.is_leader(), replicas=self.replicas
-            )
-            if mine:
-                self._route(index, mine)
+        if index > self._effects_through:
+            self._effects_through = index
+            if applied.effects and index > self.replay_until:
+                mine = self.variant.effect_filter(
+                    applied.effects,
+                    self.name,
+                    proxy=self.member.is_leader(),
+                    replicas=self.replicas,
+                )
+                if mine:
+                    self._route(index, mine)
         return applied.reply
 
-    def _route(self, index: int, effects: tuple[Effect, ...]) -> None:
+    def _snapshot(self) -> bytes:
+        return self.machine.snapshot()
+
+    def _restore(self, data: bytes, last_index: int) -> None:
+        """A snapshot load (as `Replica._restore`), up to log index `last_index`: this
+        node's own at start-up, or the leader's when this node is behind the leader's
+        compacted log. The node then compares what its consumers were sent with what the
+        machine says they hold, soon, as the server's trio thread does."""
+        applied = self.member.raftLastApplied
+        self.machine = type(self.machine).restore(data)
+        self.snapshots_loaded += 1
+        self.sim.on_snapshot_loaded(self, applied, last_index)
+        self.world.after(0, self._resync_consumers)
+
+    def _resync_consumers(self) -> None:
+        """As `NodeServer._resync_consumers`: send each consumer served here the held
+        deliveries the snapshot skipped, and cancel those the machine removed."""
+        if not self.alive:
+            return
+        index = self.machine.last_index
+        for consumer, queue in list(self._queue_of.items()):
+            held = self.machine.held_deliveries(queue, consumer)
+            missing = missing_deliveries(held, self._sent_to(consumer), index)
+            if missing is None:
+                if consumer not in self._subscribing:  # else its Subscribe is not applied yet
+                    down = ConsumerDown(
+                        queue=queue, consumer=consumer, node=self.name, reason="node_down"
+                    )
+                    self._route(None, (down,))
+            elif missing:
+                self._route(None, missing)
+
+    def _sent_to(self, consumer: str) -> SentDeliveries:
+        sent = self._sent.get(consumer)
+        if sent is None:
+            sent = self._sent[consumer] = SentDeliveries()
+        return sent
+
+    def _route(self, index: int | None, effects: tuple[Effect, ...]) -> None:
+        """Run this node's effects of log entry `index` (None: `_resync_consumers`'s)."""
         for e in effects:
             if type(e) is Deliver:
                 consumer = self.consumers.get(e.consumer)
@@ -508,16 +760,24 @@ class SimNode:
                 if consumer is None or not consumer.connected:
                     self._down(e.consumer)
                     continue
+                sent = self._sent_to(e.consumer)
+                if index is not None and sent.covers(index):
+                    continue  # `_resync_consumers` got there first
+                sent.record(e)
+                if sent.full() and e.queue in self.machine.queues():
+                    sent.keep(self.machine.unacked(e.queue, e.consumer))
                 self.sim.send_to_client(consumer.receive, self, index, e)
             elif type(e) is ConsumerDown:
                 self._downed.discard(e.consumer)
-                consumer = self.consumers.pop(e.consumer, None)
+                consumer = self.consumers.get(e.consumer)
+                self._forget(e.consumer)
                 if consumer is not None:
                     self.sim.send_to_client(consumer.cancelled, self, e.consumer, e.reason)
 
     # ---------------------------------------------------------- leader duties
 
     def _on_tick(self) -> None:
+        self._in_flight.expire(self.world.monotonic(), lambda: "unknown")
         if self.variant.down_stale_consumers and self.member.isReady():
             self._down_stale_consumers()
         self._leader_duties()

@@ -45,6 +45,10 @@ class RunConfig:
     """After the drain, every replica must reach the same applied index within this.
     (PySyncObj repairs a follower's divergent log one entry per heartbeat.)"""
     grace_s: float = 5.0
+    compaction_entries: int | None = None
+    """PySyncObj's `logCompactionMinEntries`: a node writes a snapshot and compacts its
+    journal when it holds more entries than this (None: never, as the real node's
+    50,000 within a run). Small values make lagging followers install snapshots."""
     workload: WorkloadConfig = attrs.field(factory=WorkloadConfig)
     variant: Variant = REAL
     stop_at_violation: bool = True
@@ -58,6 +62,8 @@ class RunConfig:
             command += f" --fault-interval {self.fault_interval_s:g}"
         if self.workload.rate != WorkloadConfig().rate:
             command += f" --rate {self.workload.rate:g}"
+        if self.compaction_entries is not None:
+            command += f" --compaction {self.compaction_entries}"
         if self.variant is not REAL:
             command += f"  (variant: {self.variant.name})"
         return command
@@ -83,8 +89,11 @@ class Result:
     schedule: tuple[Fault, ...]
     end_state: tuple[str, ...]
     raft_log: dict[str, int]
-    converged_after_s: float
     """PySyncObj's own warnings during the run, by message (kept out of the output)."""
+    converged_after_s: float
+    snapshots: dict[str, int]
+    """Snapshots written (compactions), sent to followers, installed and refused (stale),
+    and loaded (the leader's, or a node's own at start-up)."""
     history: Any = attrs.field(eq=False, repr=False)
 
     @property
@@ -118,6 +127,10 @@ class Result:
             + f"; replicas converged {self.converged_after_s:.1f} s later",
             f"trace {self.trace_hash}",
         ]
+        if self.snapshots:
+            lines.insert(
+                -1, "snapshots: " + ", ".join(f"{k} {v}" for k, v in self.snapshots.items())
+            )
         for message, n in self.raft_log.items():
             lines.append(f"PySyncObj logged {n}x: {message}")
         if self.ok:
@@ -136,7 +149,13 @@ def run(config: RunConfig) -> Result:
     """Play one seed: faults, heal, drain; check everything; return the result."""
     started = time.perf_counter()
     world = World(config.seed)
-    cluster = Cluster(world, config.nodes, variant=config.variant, grace_s=config.grace_s)
+    cluster = Cluster(
+        world,
+        config.nodes,
+        variant=config.variant,
+        grace_s=config.grace_s,
+        compaction_entries=config.compaction_entries,
+    )
     checker = Checker(world)
     history = History(world, cluster.names, QUEUE)
     cluster.observers += [checker, history]
@@ -145,7 +164,10 @@ def run(config: RunConfig) -> Result:
     )
     drained_at: int | None = None
     raft_log = _CountingHandler()
-    with patched_pysyncobj(world, cluster.create_journal), raft_log.attached():
+    with (
+        patched_pysyncobj(world, cluster.create_journal, cluster.create_serializer),
+        raft_log.attached(),
+    ):
         for name in cluster.names:
             cluster.start(name)
         declare(cluster)
@@ -221,6 +243,7 @@ def run(config: RunConfig) -> Result:
         end_state=end_state,
         raft_log=dict(sorted(raft_log.counts.items())),
         converged_after_s=converged_after,
+        snapshots=dict(sorted(cluster.snapshot_counts.items())),
         history=history,
     )
 

@@ -245,13 +245,12 @@ class SimConsumer(Client):
         consumer = node.new_consumer_id()
         self.node, self.id, self.connected = node, consumer, True
         self.cluster.consumers[consumer] = self
-        node.consumers[consumer] = self
         command = Subscribe(
             queue=QUEUE, consumer=consumer, node=node.name, prefetch=self.config.prefetch
         )
 
         def propose() -> None:
-            node.propose(command, reply)
+            node.subscribe(self, command, reply)
 
         def reply(result: Reply | None, error: str | None) -> None:
             self.cluster.send_to_client(self._on_subscribed, node, consumer, result, error)
@@ -276,7 +275,7 @@ class SimConsumer(Client):
         if node is not None and consumer is not None:
             self.cluster.send_to_node(self, node, node.consumer_gone, consumer)
 
-    def receive(self, node: SimNode, index: int, delivery: Deliver) -> None:
+    def receive(self, node: SimNode, index: int | None, delivery: Deliver) -> None:
         if not self.connected or delivery.consumer != self.id:
             return
         self.checker.received(delivery, node.name)

@@ -7,8 +7,9 @@ scheduled. Each part of a run (Raft's election timeouts, the network, the worklo
 faults) draws from its own `random.Random`, derived from the run's seed, so changing
 one part's draws does not reshuffle the others.
 
-`patched_pysyncobj(world)` points PySyncObj's clock and random module at the world for
-the duration of a run, and restores them after: the simulator runs the real PySyncObj.
+`patched_pysyncobj(world, ...)` points PySyncObj's clock and random module at the world,
+and its journal and snapshot store at the simulated disks, for the duration of a run,
+and restores them after: the simulator runs the real PySyncObj.
 """
 
 from __future__ import annotations
@@ -106,20 +107,28 @@ class World:
 
 
 @contextlib.contextmanager
-def patched_pysyncobj(world: World, create_journal: Callable[[str], Any]) -> Iterator[None]:
+def patched_pysyncobj(
+    world: World,
+    create_journal: Callable[[str], Any],
+    create_serializer: Callable[..., Any],
+) -> Iterator[None]:
     """PySyncObj on the world's clock and random stream, with journals from
-    `create_journal`, until the block ends."""
+    `create_journal` and snapshot stores from `create_serializer` (in place of its
+    `Serializer`, on files), until the block ends."""
     saved_clocks = [(m, m.monotonicTime) for m in _CLOCK_MODULES]
     saved_random = pysyncobj.syncobj.random
     saved_journal = pysyncobj.syncobj.createJournal
+    saved_serializer = pysyncobj.syncobj.Serializer
     try:
         for module, _ in saved_clocks:
             module.monotonicTime = world.monotonic
         pysyncobj.syncobj.random = world.raft_random
         pysyncobj.syncobj.createJournal = create_journal
+        pysyncobj.syncobj.Serializer = create_serializer
         yield
     finally:
         for module, clock in saved_clocks:
             module.monotonicTime = clock
         pysyncobj.syncobj.random = saved_random
         pysyncobj.syncobj.createJournal = saved_journal
+        pysyncobj.syncobj.Serializer = saved_serializer

@@ -6,16 +6,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
 import attrs
 import pytest
+from pysyncobj.config import SERIALIZER_STATE
 
 from quorumq.machine import Applied, Down, Machine, Meta, Tick
 from quorumq.machine.commands import Command
+from quorumq.raft.rules import RaftRules, encode_snapshot
+from quorumq.replica import InFlight
 from simulations.__main__ import main
 from simulations.faults import PROFILES, kinds_of, schedule
-from simulations.node import AS_IS, REAL, SimJournal, Variant
+from simulations.node import AS_IS, REAL, SimDisk, SimJournal, SimNode, SimSerializer, Variant
 from simulations.runner import RunConfig, outcome, run
 from simulations.workload import WorkloadConfig
 from simulations.world import World
@@ -23,16 +27,29 @@ from simulations.world import World
 CI_SEEDS = range(200)
 OPEN_FAILURES: set[int] = set()
 """Seeds of the CI sweep that fail today, not yet diagnosed. Replay one with
-`python -m simulations run --seed N --steps 2400 --fault-interval 0.6 --rate 10`.
+`python -m simulations run --seed N --steps 2400 --fault-interval 0.6 --rate 10`
+(and `--compaction 30` or `100` for the seeds that compact: `CI_COMPACTION`).
 The sweep test fails if this set changes either way (a new failure, or a fix).
 (24 and 155 failed until a restarted ex-leader ran the effects of the entries that
 replaced its uncommitted journal tail: see `DurableJournal.replay_until`.)"""
 CI_WORKLOAD = WorkloadConfig(rate=10)
+CI_COMPACTION = (None, 30, None, 100)
+"""Seed N compacts the log past `CI_COMPACTION[N % 4]` entries (None: never, as a real
+node within 24 s): half the seeds write snapshots every few seconds, and a follower
+that falls behind (crash, pause, partition) catches up by installing the leader's.
+Replay one with `--compaction 30`."""
 
 
 def ci_config(seed: int, **changes: object) -> RunConfig:
-    """What CI sweeps: 24 s of faults, one every 0.6 s on average, 10 records/s."""
-    config = RunConfig(seed=seed, steps=2400, fault_interval_s=0.6, workload=CI_WORKLOAD)
+    """What CI sweeps: 24 s of faults, one every 0.6 s on average, 10 records/s, log
+    compaction on half the seeds."""
+    config = RunConfig(
+        seed=seed,
+        steps=2400,
+        fault_interval_s=0.6,
+        workload=CI_WORKLOAD,
+        compaction_entries=CI_COMPACTION[seed % len(CI_COMPACTION)],
+    )
     return attrs.evolve(config, **changes)
 
 
@@ -60,6 +77,54 @@ def test_journal_truncation_shrinks_the_durable_prefix() -> None:
     journal.deleteEntriesFrom(2)
     journal.add(b"y", 3, 2)
     assert [e[1] for e in journal.reopen()] == [1, 2]
+
+
+def _snapshot(last: int) -> bytes:
+    return encode_snapshot((b"x", last, 1), (b"x", last - 1, 1), [("A", "A")], b"machine")
+
+
+def _serializer(disk: SimDisk, counts: Counter[str]) -> SimSerializer:
+    return SimSerializer(disk, 4, lambda data: _snapshot(data[0][1]), lambda b: b, counts)
+
+
+def test_a_snapshot_is_written_at_once_and_survives_a_crash() -> None:
+    disk, counts = SimDisk("A"), Counter[str]()
+    serializer = _serializer(disk, counts)
+    assert serializer.checkSerializing() == (SERIALIZER_STATE.NOT_SERIALIZING, None)
+    serializer.serialize((None, (b"x", 9, 1), (b"x", 8, 1), set()), 8)
+    assert serializer.checkSerializing() == (SERIALIZER_STATE.SUCCESS, 8)
+    assert disk.reopen().snapshot == _snapshot(9)
+    assert counts["written"] == 1
+
+
+def test_a_snapshot_goes_to_a_follower_in_chunks_and_is_kept_only_if_accepted() -> None:
+    counts: Counter[str] = Counter()
+    leader, follower = SimDisk("A"), SimDisk("B")
+    leader.snapshot = _snapshot(9)
+    sending, receiving = _serializer(leader, counts), _serializer(follower, counts)
+    offered: list[bytes] = []
+
+    def refuse(data: bytes) -> bool:
+        offered.append(data)
+        return False
+
+    def transfer() -> bool:
+        while True:
+            chunk = sending.getTransmissionData("B")
+            assert chunk is not None
+            if receiving.setTransmissionData(chunk):
+                return True
+            if chunk[2]:
+                return False
+
+    receiving.accept = refuse
+    assert not transfer()  # refused (stale): the follower keeps what it had
+    assert follower.snapshot is None
+    receiving.accept = lambda data: True
+    assert transfer()
+    assert follower.snapshot == leader.snapshot
+    assert offered == [leader.snapshot]  # whole, from the chunks
+    assert (counts["sent"], counts["refused"], counts["installed"]) == (2, 1, 1)
 
 
 def test_world_runs_events_in_time_then_scheduling_order() -> None:
@@ -146,14 +211,17 @@ def test_cli_scenario_replays_the_rabbitmq_post(
 _TRACE_SNIPPET = (
     "from simulations.runner import run, RunConfig;"
     "from simulations.workload import WorkloadConfig;"
-    "r = run(RunConfig(seed=11, steps=1200, fault_interval_s=0.6,"
-    " workload=WorkloadConfig(rate=10)));"
-    "print(r.trace_hash, r.ok)"
+    "w = WorkloadConfig(rate=10);"
+    "a = run(RunConfig(seed=11, steps=1200, fault_interval_s=0.6, workload=w));"
+    "b = run(RunConfig(seed=10, steps=1200, fault_interval_s=0.6, workload=w,"
+    " compaction_entries=30));"
+    "print(a.trace_hash, a.ok, b.trace_hash, b.ok, b.snapshots['installed'])"
 )
 
 
 @pytest.mark.slow
 def test_same_seed_same_trace_across_processes_and_hash_seeds() -> None:
+    """Seed 10 with compaction writes, sends, installs and refuses snapshots."""
     hashes = set()
     for hash_seed in ("0", "1", "4242"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
@@ -166,8 +234,11 @@ def test_same_seed_same_trace_across_processes_and_hash_seeds() -> None:
             timeout=300,
         )
         hashes.add(done.stdout.strip())
-    here = run(ci_config(11, steps=1200))
-    assert hashes == {f"{here.trace_hash} {here.ok}"}
+    a = run(ci_config(11, steps=1200, compaction_entries=None))
+    b = run(ci_config(10, steps=1200, compaction_entries=30))
+    assert b.snapshots["installed"] >= 2 and b.snapshots["refused"] >= 1
+    expected = f"{a.trace_hash} {a.ok} {b.trace_hash} {b.ok} {b.snapshots['installed']}"
+    assert hashes == {expected}
 
 
 def test_different_seeds_give_different_runs() -> None:
@@ -233,6 +304,52 @@ def test_the_server_as_it_is_strands_a_gathered_ack_refused_for_one_offset() -> 
     assert not as_is.ok
     assert {v.kind for v in as_is.violations} & {"unsettled", "liveness"}
     assert run(config).ok
+
+
+# ------------------------------------------- snapshot installs (negative controls)
+# Each breaks one fix of the snapshot path, as it was before, and the seed that catches
+# it in the CI sweep must fail; the real thing passes.
+
+
+def _kinds(config: RunConfig) -> set[str]:
+    return {v.kind for v in run(config).violations}
+
+
+def test_a_node_that_installs_a_snapshot_must_send_what_it_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without `_resync_consumers` (as `NodeServer._resync_consumers` before 16ae555), a
+    consumer on a follower that caught up from the leader's snapshot holds messages it
+    was never sent (seeds 1, 7, 25, 39, ... of the sweep)."""
+    assert run(ci_config(1)).ok
+    monkeypatch.setattr(SimNode, "_resync_consumers", lambda self: None)
+    assert _kinds(ci_config(1)) & {"lost", "liveness"}
+
+
+def test_a_follower_must_refuse_a_leader_snapshot_older_than_what_it_applied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the refusal (`RaftRules.accept_leader_snapshot`) a follower goes back to
+    an older state (seeds 11, 13, 17, ... of the sweep); without the refusal and the
+    replica's guard against running an entry's effects twice too, it delivers again
+    what its consumer had (seed 133)."""
+    assert run(ci_config(11)).ok and run(ci_config(133)).ok
+    monkeypatch.setattr(RaftRules, "accept_leader_snapshot", lambda self, last_index: True)
+    assert "rollback" in _kinds(ci_config(11))
+    never = property(lambda self: 0, lambda self, index: None)  # every entry runs its effects
+    monkeypatch.setattr(SimNode, "_effects_through", never, raising=False)
+    kinds = _kinds(ci_config(133, stop_at_violation=False))
+    assert {"rollback", "resent", "duplicated"} <= kinds
+
+
+def test_a_proposal_pysyncobj_never_answers_must_time_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `Down` proposed by an ex-leader whose entry a snapshot install then skipped is
+    never answered by PySyncObj: without the replica's 15 s timeout nobody proposes it
+    again, and the dead consumer keeps its messages (seed 1 with compaction)."""
+    monkeypatch.setattr(InFlight, "expire", lambda self, now, error: None)
+    assert _kinds(ci_config(1)) & {"lost", "unsettled", "liveness"}
 
 
 # ------------------------------------------------------------------- CI sweep
