@@ -19,10 +19,11 @@ machine, and the duties of the node's server towards its clients.
   (`local_effects`), turn a delivery to a consumer it does not have into `Down`, and as
   leader propose `NodeDown`/`NodeUp` (`failure_commands`). Entries replayed from the
   node's own journal at start-up run no effects, nor do entries applied a second time.
-  A delivery goes to a consumer once (`quorumq.deliveries`, shared with the server);
-  after a snapshot load the node sends what the machine says its consumers hold and
-  were not sent, and cancels those the machine removed (`_resync_consumers`, as
-  `NodeServer._resync_consumers`).
+  The node keeps what it sent each consumer (`quorumq.deliveries`, the server's code);
+  after a snapshot load it sends what the machine says its consumers hold and were not
+  sent, and cancels those the machine removed (`_resync_consumers`, as
+  `NodeServer._resync_consumers`). A proposal PySyncObj never answers is answered
+  "unknown" after 15 s (`quorumq.replica.InFlight`, the replica's code).
 
 `Variant` holds the test-only switches of the negative controls: another machine, or
 another effect filter. The default is the real thing.

@@ -105,8 +105,8 @@ class Connection:
         self.cancelling: set[str] = set()
         """Consumers the client cancelled (they may still ack what they hold)."""
         self._sent: dict[str, SentDeliveries] = {}
-        """Per consumer, what it was sent and may still hold: a delivery is sent once,
-        whatever the replica replays or skips."""
+        """Per consumer, what it was sent and may still hold: after a snapshot load the
+        node sends what the machine says it holds and was not sent (`quorumq.deliveries`)."""
         self.nonce = os.urandom(16)
         self.greeted = False
         self.closed = False
