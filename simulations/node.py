@@ -44,6 +44,7 @@ from quorumq.codec import CodecError, decode_entry, encode_entry
 from quorumq.deliveries import SentDeliveries
 from quorumq.deliveries import missing as missing_deliveries
 from quorumq.machine import (
+    OK,
     Ack,
     Command,
     ConsumerDown,
@@ -464,8 +465,8 @@ class SimNode:
         """Consumers connected to this node, by id."""
         self._queue_of: dict[str, str] = {}
         """The queue of each consumer connected here."""
-        self._subscribing: set[str] = set()
-        """Consumers whose subscribe is not answered yet."""
+        self._subscribing: dict[str, ProposalCallback] = {}
+        """Consumers whose subscribe is not answered yet, and where the answer goes."""
         self._sent: dict[str, SentDeliveries] = {}
         """What each consumer connected here was sent and may still hold."""
         self._effects_through = 0
@@ -657,11 +658,12 @@ class SimNode:
         consumer = command.consumer
         self.consumers[consumer] = client
         self._queue_of[consumer] = command.queue
-        self._subscribing.add(consumer)
+        self._subscribing[consumer] = reply
 
         def done(result: Reply | None, error: str | None) -> None:
-            self._subscribing.discard(consumer)
-            reply(result, error)
+            answer = self._subscribing.pop(consumer, None)
+            if answer is not None:  # else answered already (`_resync_consumers`)
+                answer(result, error)
 
         self.propose(command, done)
 
@@ -673,7 +675,7 @@ class SimNode:
     def _forget(self, consumer: str) -> None:
         self.consumers.pop(consumer, None)
         self._queue_of.pop(consumer, None)
-        self._subscribing.discard(consumer)
+        self._subscribing.pop(consumer, None)
         self._sent.pop(consumer, None)
 
     def _down(self, consumer: str) -> None:
@@ -735,6 +737,9 @@ class SimNode:
         index = self.machine.last_index
         for consumer, queue in list(self._queue_of.items()):
             held = self.machine.held_deliveries(queue, consumer)
+            if held is not None and consumer in self._subscribing:
+                # its Subscribe was among the skipped entries: PySyncObj will not answer it
+                self._subscribing.pop(consumer)(OK, None)
             missing = missing_deliveries(held, self._sent_to(consumer), index)
             if missing is None:
                 if consumer not in self._subscribing:  # else its Subscribe is not applied yet
