@@ -570,11 +570,30 @@ def test_producer_retry_is_answered_with_original_offset(d: Driver) -> None:
 
 
 def test_producer_seq_gap_is_refused_with_expected_seq(d: Driver) -> None:
-    _enq(d, 5)
-    reply = _enq(d, 7)
+    _enq(d, 0)
+    reply = _enq(d, 2)
     assert _error_code(reply) is ErrorCode.OUT_OF_ORDER
-    assert reply.expected_seq == 6  # type: ignore[union-attr]
+    assert reply.expected_seq == 1  # type: ignore[union-attr]
     assert d.machine.stats("q").next_offset == 1
+
+
+def test_a_new_producer_starts_at_seq_0_so_its_first_batch_cannot_be_overtaken(
+    d: Driver,
+) -> None:
+    """Simulator seed 215: a producer's second batch reached the log before its first
+    (the first went through a leader that died); the queue took the second as the
+    producer's start, then called the first a duplicate: confirmed, never enqueued."""
+    overtaking = EnqueueBatch(
+        queue="q", messages=[Message(body=b"c"), Message(body=b"d")], producer="p", first_seq=2
+    )
+    refused = d(overtaking).reply
+    assert _error_code(refused) is ErrorCode.OUT_OF_ORDER
+    assert refused.expected_seq == 0  # type: ignore[union-attr]
+    first = EnqueueBatch(
+        queue="q", messages=[Message(body=b"a"), Message(body=b"b")], producer="p", first_seq=0
+    )
+    assert d(first).reply == Enqueued(offset=0, count=2)
+    assert d(overtaking).reply == Enqueued(offset=2, count=2)
 
 
 def test_producer_batch_retry_is_a_duplicate_not_a_second_batch(d: Driver) -> None:
@@ -634,7 +653,10 @@ def test_silent_producer_is_forgotten_after_expiry(d: Driver) -> None:
 
     _enq(d, 0)
     d(Tick(), ts_ms=PRODUCER_EXPIRY_MS + 1)
-    assert _enq(d, 9) == Enqueued(offset=1)
+    assert d.machine.producers("q") == ()
+    refused = _enq(d, 9)  # a forgotten producer starts again at 0, as a new one
+    assert _error_code(refused) is ErrorCode.OUT_OF_ORDER
+    assert _enq(d, 0) == Enqueued(offset=1)
 
 
 def _enq_as(d: Driver, producer: str, seq: int) -> object:

@@ -238,9 +238,10 @@ class QueueMachineRules(RuleBasedStateMachine):
             assert reply.offset == self.producer_offsets[slot].get(seq)
             assert applied.effects == ()
             return
-        if last is not None and seq != last + 1:
+        expected = 0 if last is None else last + 1  # a new producer starts at 0
+        if seq != expected:
             assert isinstance(reply, Error) and reply.code is ErrorCode.OUT_OF_ORDER, reply
-            assert reply.expected_seq == last + 1
+            assert reply.expected_seq == expected
             return
         if self.refused_as_full(queue, reply, n, ready_before):
             return

@@ -203,7 +203,19 @@ class Machine:
         if producer is None or seq is None:
             return _error(ErrorCode.INVALID, "producer and seq go together")
         state = q.producers.get(producer)
-        if state is None or seq == state.last_seq + 1:
+        if state is None:
+            if seq == 0:
+                return None
+            # a producer starts at 0: a later batch that overtook its first (forwarded
+            # through another node across a leader change) would make the first look
+            # like a duplicate, confirmed and never enqueued (simulator seed 215)
+            return _error(
+                ErrorCode.OUT_OF_ORDER,
+                f"producer {producer!r} is new to {q.name!r} (or forgotten): its first seq "
+                f"must be 0, not {seq}",
+                0,
+            )
+        if seq == state.last_seq + 1:
             return None
         last = state.last_seq
         if seq + count - 1 <= last:
