@@ -352,6 +352,15 @@ def test_a_proposal_pysyncobj_never_answers_must_time_out(
     assert _kinds(ci_config(1)) & {"lost", "unsettled", "liveness"}
 
 
+def test_a_producers_first_batch_overtaken_by_its_second_is_not_lost() -> None:
+    """Seeds 215, 315 and 382 (no compaction) lost confirmed records: a producer's
+    second batch reached the log before its first, the queue took it as the producer's
+    start, and the first was confirmed as a duplicate, never enqueued."""
+    for seed in (215, 315, 382):
+        outcome = run(ci_config(seed, compaction_entries=None))
+        assert outcome.ok, outcome.summary
+
+
 # ------------------------------------------------------------------- CI sweep
 
 
