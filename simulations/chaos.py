@@ -355,6 +355,9 @@ def run_chaos(
             cluster.resume(node)
         log("  faults over: draining")
         drained = _drain(cluster, workers, received, lock, drain_timeout_s)
+        if not drained:
+            for line in _stuck(cluster, workers, received, lock):
+                log(line)
         for slot in slots:
             slot.stop()
         replicas_agree = _replicas_agree(cluster)
@@ -455,6 +458,32 @@ def _drain(
                 return True
         time.sleep(0.2)
     return False
+
+
+def _stuck(
+    cluster: Cluster, workers: list[Producer], received: list[Received], lock: threading.Lock
+) -> list[str]:
+    """What a drain that did not finish was waiting for: records never received, and
+    what each node says the queue holds and for whom."""
+    with lock:
+        seen = {(r.producer, r.seq) for r in received}
+    missing = sorted(
+        (w.number, s) for w in workers for s in w.confirmed if (w.number, s) not in seen
+    )
+    lines = [f"  not drained: {len(missing)} confirmed records never received {missing[:10]}"]
+    for node in cluster.nodes:
+        try:
+            status = cluster.status(node)
+            queue = status["queues"][QUEUE]
+        except (QuorumqError, OSError, RuntimeError, KeyError) as e:
+            lines.append(f"  {node}: no status ({e})")
+            continue
+        lines.append(
+            f"  {node}: leader {status['leader']}, applied {status['machine_index']}, "
+            f"ready {queue['ready']}, unacked {queue['unacked']}, "
+            f"consumers {queue['consumer_ids']}"
+        )
+    return lines
 
 
 def _replicas_agree(cluster: Cluster, timeout_s: float = 30.0) -> bool:
