@@ -35,7 +35,7 @@ def test_the_checker_catches_loss_duplicates_strangers_and_disorder() -> None:
 def test_a_bounded_chaos_run_loses_and_duplicates_nothing() -> None:
     # Snapshot installs are covered in CI by the simulator's sweep (half its seeds
     # compact). With compaction every 2,000 entries this run once ended undrained (0
-    # lost, 0 duplicated; 1 of 8 runs, inside the full suite; not reproduced in 6 runs
+    # lost, 0 duplicated; 1 of 12 runs, inside the full suite; not reproduced in 10 runs
     # alone): an open liveness bug, run by hand with `--compaction-entries 2000` until
     # it is found. Here: the default threshold, as in production.
     report = run_chaos(60.0, seed=2024, log=lambda _line: None)
