@@ -157,21 +157,14 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         )
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
-        if (
-            isinstance(message, dict)
-            and message.get("type") == "append_entries"
-            and message.get("term", -1) >= self.raftCurrentTerm
-        ):
+        append = isinstance(message, dict) and message.get("type") == "append_entries"
+        if append and message.get("term", -1) >= self.raftCurrentTerm:
             message = trim_known_entries(message, self._SyncObj__raftLog)
         next_index = self._SyncObj__raftNextIndex
         before = next_index.get(node)
         self._message_from = node
-        snapshot_chunk = (
-            isinstance(message, dict)
-            and message.get("type") == "append_entries"
-            and "serialized" in message
-        )
-        commit, applied = self.raftCommitIndex, self.raftLastApplied
+        snapshot_chunk = append and "serialized" in message
+        commit, applied = (self.raftCommitIndex, self.raftLastApplied) if snapshot_chunk else (0, 0)
         super()._SyncObj__onMessageReceived(node, message)
         if snapshot_chunk and self.raftLastApplied == applied:
             # no snapshot was installed: the commit index stays (PySyncObj takes it to
