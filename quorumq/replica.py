@@ -79,12 +79,17 @@ def local_effects(
 
 
 def failure_commands(
-    silence_s: Mapping[str, float], down: frozenset[str], grace_s: float
+    leader: str, silence_s: Mapping[str, float], down: frozenset[str], grace_s: float
 ) -> list[NodeDown | NodeUp]:
-    """What a leader proposes about its peers: `NodeDown` for a node silent longer than
-    the grace period, `NodeUp` for a down node heard from again within half of it."""
+    """What `leader` proposes about its peers: `NodeDown` for a node silent longer than
+    the grace period, `NodeUp` for a down node heard from again within half of it.
+
+    And about itself: an earlier leader may have marked it down while it was cut off,
+    and it may win an election before that leader's `NodeUp` is committed. Only a
+    leader proposes these, so without `NodeUp` for itself, consumers on the leader's
+    node could not subscribe until another node led."""
     commands: list[NodeDown | NodeUp] = []
-    for node, silent_s in sorted(silence_s.items()):
+    for node, silent_s in sorted({**silence_s, leader: 0.0}.items()):
         if silent_s > grace_s and node not in down:
             commands.append(NodeDown(node=node))
         elif silent_s < grace_s / 2 and node in down:
@@ -378,7 +383,7 @@ class Replica:
             if address in node_of_address
         }
         for command in failure_commands(
-            silence, self.machine.down_nodes(), self.config.node_down_grace_s
+            self.node_id, silence, self.machine.down_nodes(), self.config.node_down_grace_s
         ):
             key = ("down" if isinstance(command, NodeDown) else "up", command.node)
             self._propose_once(key, command)

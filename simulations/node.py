@@ -819,7 +819,7 @@ class SimNode:
         if not member.is_leader() or not member.isReady():
             return
         for command in failure_commands(
-            member.peer_silence(), self.machine.down_nodes(), self.grace_s
+            self.name, member.peer_silence(), self.machine.down_nodes(), self.grace_s
         ):
             key = ("down" if isinstance(command, NodeDown) else "up", command.node)
             if key not in self._pending_duties:

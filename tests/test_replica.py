@@ -20,7 +20,9 @@ from quorumq.machine import (
     Enqueue,
     EnqueueBatch,
     Enqueued,
+    Error,
     Message,
+    NodeDown,
     Subscribe,
 )
 from quorumq.replica import ConfigError, OutcomeUnknownError, Replica, ReplicaConfig
@@ -321,6 +323,24 @@ def test_leader_marks_a_silent_node_down_and_its_messages_go_elsewhere(tmp_path:
         cluster.start(victim)
         wait_for(lambda: victim not in leader.query(lambda m: m.down_nodes()), "NodeUp", 10)
         wait_for(cluster.converged, "convergence after the node returns")
+    finally:
+        cluster.close()
+
+
+def test_a_leader_marked_down_by_an_earlier_leader_marks_itself_up(tmp_path: Path) -> None:
+    # An earlier leader marked this node down while it was cut off, and this node won
+    # an election before that leader's NodeUp was committed: only a leader proposes
+    # NodeUp, so without its own, consumers on its node could never subscribe.
+    cluster = Cluster(tmp_path, node_down_grace_s=1.0)
+    try:
+        leader = cluster.leader()
+        name = leader.node_id
+        leader.submit(NodeDown(node=name))  # as the earlier leader's log entry would
+        wait_for(lambda: name not in leader.query(lambda m: m.down_nodes()), "NodeUp", 10)
+        assert cluster.leader() is leader
+        leader.submit(Declare(queue="q"))
+        reply = leader.submit(Subscribe(queue="q", consumer="c", node=name))
+        assert not isinstance(reply, Error), reply
     finally:
         cluster.close()
 
