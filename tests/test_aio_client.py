@@ -11,6 +11,8 @@ import quorumq.aio
 from quorumq.client import ServerError
 from quorumq.embedded import Cluster
 
+from .helpers import wait_for
+
 pytestmark = pytest.mark.slow
 
 
@@ -76,3 +78,24 @@ def test_concurrent_publishes_survive_a_leader_kill_without_duplicates(cluster: 
     offsets = trio.run(main)
     assert sorted(offsets) == list(range(1000))  # each exactly one offset
     cluster.restart(leader)
+
+
+def test_closing_the_client_returns_what_its_full_consumer_held(cluster: Cluster) -> None:
+    node = cluster.leader()
+
+    def held() -> int:
+        return int(cluster.status(node)["queues"]["aio-close"]["unacked"])
+
+    async def main() -> None:
+        async with quorumq.aio.connect([cluster.endpoint(node)]) as client:
+            await client.declare("aio-close")
+            for i in range(5):
+                await client.publish("aio-close", b"%d" % i)
+            consumer = await client.subscribe("aio-close", prefetch=5)
+            with trio.fail_after(10):
+                for _ in range(5):
+                    await consumer.get()
+            await trio.to_thread.run_sync(wait_for, lambda: held() == 5, "5 held")
+
+    trio.run(main)
+    wait_for(lambda: held() == 0, "returned on close", 10)

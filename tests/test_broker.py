@@ -136,6 +136,28 @@ def test_bad_frames_get_typed_errors_and_the_connection_survives(cluster: Cluste
         assert sock.recv(1) == b""  # and this one closes the connection
 
 
+def test_closing_a_client_returns_what_its_full_consumer_held(cluster: Cluster) -> None:
+    # A consumer with a full prefetch is sent nothing more, so the client's reader sits
+    # in recv: closing the socket alone left the connection open (Linux keeps it until
+    # that recv returns), and the node kept the consumer and its messages for good.
+    node = cluster.leader()
+    producer = cluster.client(node)
+    producer.declare("full-close")
+    for i in range(5):
+        producer.publish("full-close", b"%d" % i)
+    client = cluster.client(node)
+    consumer = client.subscribe("full-close", prefetch=5)
+    assert all(consumer.get(timeout=10) for _ in range(5))
+
+    def queue() -> dict[str, int]:
+        q: dict[str, int] = cluster.status(node)["queues"]["full-close"]
+        return q
+
+    wait_for(lambda: queue()["unacked"] == 5, "the consumer holding its prefetch")
+    client.close()
+    wait_for(lambda: queue()["unacked"] == 0 and queue()["ready"] == 5, "returned on close", 10)
+
+
 def test_a_consumer_that_stops_reading_is_cut_off_and_its_messages_go_elsewhere() -> None:
     with Cluster(3, outbound_frames=20, max_body=128 * 1024) as cluster:
         leader = cluster.leader()

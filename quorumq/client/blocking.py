@@ -11,6 +11,7 @@ with backoff, until the client's `timeout` has passed (`ClientSession.subscribe_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue as queue_module
 import socket
@@ -286,7 +287,7 @@ class Client:
             try:
                 sock.sendall(data)
             except OSError:
-                sock.close()  # the reader notices and reconnects
+                _hang_up(sock)  # the reader notices and reconnects
 
     def _track(self, request: tuple[int, dict[str, Any]]) -> Future[dict[str, Any]]:
         request_id, frame = request
@@ -465,7 +466,7 @@ class Client:
             events = self._session.close()
             sock, self._sock = self._sock, None
         if sock is not None:
-            sock.close()
+            _hang_up(sock)
         self._handle(events)
 
     def __enter__(self) -> Client:
@@ -473,6 +474,16 @@ class Client:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def _hang_up(sock: socket.socket) -> None:
+    """End the connection now. `close()` alone does not while the reader thread waits in
+    `recv` on it (Linux keeps the socket until that call returns): the node would keep
+    this client's consumers, holding their unacked messages, until it sent something,
+    and a consumer with a full prefetch is sent nothing."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def connect(endpoints: str | list[str], token: str | None = None, **options: Any) -> Client:
