@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import socket
 import struct
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -30,6 +31,32 @@ DEFAULT_MAX_BODY = 1024 * 1024
 """Largest message body a node accepts by default (1 MiB)."""
 FRAME_OVERHEAD = 64 * 1024
 """Room for everything in a frame besides message bodies."""
+
+KEEPALIVE_IDLE_S = 10
+"""Silence on a connection before TCP probes the peer; with `KEEPALIVE_PROBES` probes
+`KEEPALIVE_INTERVAL_S` apart, a peer whose host vanished (no FIN, no RST) is given up
+about 25 s after the connection fell silent."""
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_PROBES = 3
+
+
+class _HasSockopt(Protocol):
+    def setsockopt(self, level: int, option: int, value: int, /) -> None: ...
+
+
+def keep_alive(sock: _HasSockopt) -> None:
+    """Turn on TCP keepalive: without it a node keeps a vanished client's consumers, and
+    their unacked messages, for good, and a client waits for a vanished node for good."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:  # Linux; elsewhere the system's keepalive timing
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
 
 _LENGTH = struct.Struct(">I")
 

@@ -3,6 +3,7 @@ by the test's nursery, the trio client, and fuzzed bytes on a live connection.""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import quorumq.aio
-from quorumq.client import QuorumqError, ServerError
+from quorumq.client import Client, QuorumqError, ServerError
 from quorumq.embedded import free_ports
+from quorumq.protocol import KEEPALIVE_IDLE_S
 from quorumq.replica import ReplicaConfig
 from quorumq.server import NodeConfig, NodeServer
 
@@ -193,5 +195,36 @@ def test_a_nack_whose_outcome_is_lost_is_sent_again_only_if_it_did_not_land(
                     if (stats["ready"], stats["unacked"]) == (0, 0):
                         break
                     await trio.sleep(0.02)
+
+    _serve_with(server, body)
+
+
+def test_both_ends_of_a_client_connection_probe_a_silent_peer(tmp_path: Path) -> None:
+    # A peer whose host vanishes sends no FIN: without keepalive the node would keep
+    # that client's consumers (and their unacked messages) for good, and the client
+    # would wait for that node for good.
+    server = NodeServer(_config(tmp_path))
+
+    def probing(sock: socket.socket) -> tuple[int, int]:
+        return (
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+        )
+
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as client:
+            with trio.fail_after(10):
+                await client.status()
+                blocking = await trio.to_thread.run_sync(Client, [endpoint])
+                try:
+                    await trio.to_thread.run_sync(blocking.status)
+                    assert client._stream is not None and blocking._sock is not None
+                    assert probing(client._stream.socket) == (1, KEEPALIVE_IDLE_S)
+                    assert probing(blocking._sock) == (1, KEEPALIVE_IDLE_S)
+                    served = [conn.stream.socket for conn in server.connections]
+                    assert len(served) == 2
+                    assert all(probing(s) == (1, KEEPALIVE_IDLE_S) for s in served)
+                finally:
+                    blocking.close()
 
     _serve_with(server, body)

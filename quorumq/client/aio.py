@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from ..protocol import FrameDecoder, ProtocolError, encode_frame
+from ..protocol import FrameDecoder, ProtocolError, encode_frame, keep_alive
 from .blocking import MessageLike, batch_rows
 from .core import (
     ConnectionLostError,
@@ -149,6 +149,7 @@ class AsyncClient:
 
     async def _handshake(self, host: str, port: int) -> tuple[trio.SocketStream, FrameDecoder]:
         stream = await trio.open_tcp_stream(host, port)
+        keep_alive(stream.socket)
         decoder = FrameDecoder()
         try:
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from ..protocol import FrameDecoder, ProtocolError, encode_frame
+from ..protocol import FrameDecoder, ProtocolError, encode_frame, keep_alive
 from .core import (
     ConnectionLostError,
     Delivery,
@@ -180,6 +180,7 @@ class Client:
         the same lock, so no new publish overtakes them."""
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(sock)
         with self._lock:
             self._sock = sock
             self._session.connection_made()

@@ -35,7 +35,7 @@ from ..machine import (
     Nack,
     Reply,
 )
-from ..protocol import DEFAULT_MAX_BODY
+from ..protocol import DEFAULT_MAX_BODY, keep_alive
 from ..replica import (
     NotAppliedError,
     OutcomeUnknownError,
@@ -105,6 +105,7 @@ class NodeServer:
                 await trio.to_thread.run_sync(self.replica.stop)
 
     async def _serve_client(self, stream: trio.SocketStream) -> None:
+        keep_alive(stream.socket)  # a client whose host vanished gives its consumers up
         self._connection_counter += 1
         conn = Connection(self, stream, self._connection_counter)
         self.connections.add(conn)
