@@ -321,18 +321,24 @@ class SimSerializer:
 
 class SimPoller:
     """PySyncObj's poller for a simulated member: `poll`, at the end of each tick,
-    reads the messages that arrived since the last one."""
+    reads the messages that arrived since the last one. As a real node's poll, it
+    answers the AppendEntries it read after one sync (`RaftRules.hold_replies`)."""
 
-    def __init__(self, network: Network, name: str) -> None:
+    def __init__(self, network: Network, name: str, member: RaftRules) -> None:
         self.network = network
         self.name = name
+        self.member = member
         self.handled = 0
 
     def poll(self, _timeout: float) -> None:
         self.handled = self.read()
 
     def read(self) -> int:
-        return self.network.read(self.name)
+        self.member.hold_replies()
+        try:
+            return self.network.read(self.name)
+        finally:
+            self.member.release_replies()
 
     def subscribe(self, *_args: Any) -> None:
         raise NotImplementedError("a simulated member has no descriptors to poll")
@@ -383,7 +389,7 @@ class SimMember(RaftRules):
         )
         others = [network.nodes[n] for n in network.names if n != name]
         super().__init__(network.nodes[name], others, conf, transport=self.transport)
-        self.poller = SimPoller(network, name)
+        self.poller = SimPoller(network, name, self)
         self._poller = self.poller
         self.serializer: SimSerializer = self._SyncObj__serializer
         self.serializer.accept = self._leader_snapshot_arrived

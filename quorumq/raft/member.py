@@ -240,6 +240,7 @@ class RaftMember(RaftRules):
         self._refuse_stale_snapshots()
         self.addOnTickCallback(self._tick_callback)
         self._poller.subscribe(self._wake_r, self._drain_wake, POLL_EVENT_TYPE.READ)
+        self._poller.poll = self._poll_with_group_commit(self._poller.poll)
         self._thread = threading.Thread(target=self._tick_loop, name=f"raft-{address}", daemon=True)
 
     def start(self) -> None:
@@ -272,6 +273,18 @@ class RaftMember(RaftRules):
             self._tick_loop()
         elif threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+
+    def _poll_with_group_commit(self, poll: Callable[[float], None]) -> Callable[[float], None]:
+        """PySyncObj's poll, answering the AppendEntries it reads after one sync."""
+
+        def poll_and_answer(timeout: float) -> None:
+            self.hold_replies()
+            try:
+                poll(timeout)
+            finally:
+                self.release_replies()
+
+        return poll_and_answer
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):

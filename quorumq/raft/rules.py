@@ -18,7 +18,9 @@
   add fewer back. `trim_known_entries` rewrites such a message first.
 * durability points: a follower calls `make_durable` before it acknowledges entries, a
   leader after appending its own (before the next tick counts them toward commit).
-  Real nodes fsync there; the simulator marks its in-memory journal durable.
+  Real nodes fsync there; the simulator marks its in-memory journal durable. A
+  follower syncs once for all the AppendEntries it reads in one poll, then answers
+  them (`hold_replies`): syncing per message let messages queue behind the syncs.
 * raw commands: the log holds our codec's bytes under a command type of our own (4);
   nothing of ours is pickled. `apply_raw(index, payload)` gets the entry's Raft index.
 * snapshots in our own encoding (`encode_snapshot` / `decode_snapshot`).
@@ -113,6 +115,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     `accept_leader_snapshot` before they install a snapshot from the leader."""
 
     _sent_commit = 0
+    _held_replies: list[tuple[Any, bool, int, bool]] | None = None
+    """Answers to AppendEntries waiting for one sync (`hold_replies`); None: not holding."""
     _message_from: Any = None
     """The peer whose message is being handled (the tick thread handles one at a time)."""
 
@@ -150,14 +154,52 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     def _SyncObj__sendNextNodeIdx(
         self, node: Any, reset: bool = False, nextNodeIdx: int | None = None, success: bool = False
     ) -> None:
+        held = self._held_replies
+        if held is not None:
+            next_index = nextNodeIdx
+            if next_index is None:  # PySyncObj's default, taken now
+                next_index = self._SyncObj__getCurrentLogIndex() + 1
+            held.append((node, reset, next_index, success))
+            return
         if success:
             self.make_durable()  # a follower acknowledges only what is durable
         super()._SyncObj__sendNextNodeIdx(
             node, reset=reset, nextNodeIdx=nextNodeIdx, success=success
         )
 
+    def hold_replies(self) -> None:
+        """Group commit on a follower: until `release_replies`, answers to AppendEntries
+        wait, and one sync then covers every message read in between (a follower that
+        synced per message let them queue behind the syncs)."""
+        self._held_replies = []
+
+    def release_replies(self) -> None:
+        """Sync what the held answers acknowledge, send them in order, stop holding."""
+        self._send_held_replies()
+        self._held_replies = None
+
+    def _send_held_replies(self) -> None:
+        held = self._held_replies
+        if not held:
+            return
+        self._held_replies = []
+        if any(success for *_, success in held):
+            self.make_durable()
+        for node, reset, next_index, success in held:
+            super()._SyncObj__sendNextNodeIdx(
+                node, reset=reset, nextNodeIdx=next_index, success=success
+            )
+
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
         append = isinstance(message, dict) and message.get("type") == "append_entries"
+        if self._held_replies and not (
+            append and message.get("term") == self.raftCurrentTerm and "serialized" not in message
+        ):
+            # Held answers hold for this term's leader, whose entries never conflict with
+            # what it sent before. Anything else (a new term, a vote, a snapshot that may
+            # replace the log) comes after they are out: PySyncObj's answers carry no
+            # term, and a deposed leader must not count entries this log no longer has.
+            self._send_held_replies()
         if append and message.get("term", -1) >= self.raftCurrentTerm:
             message = trim_known_entries(message, self._SyncObj__raftLog)
         next_index = self._SyncObj__raftNextIndex
