@@ -154,18 +154,23 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     def _SyncObj__sendNextNodeIdx(
         self, node: Any, reset: bool = False, nextNodeIdx: int | None = None, success: bool = False
     ) -> None:
-        held = self._held_replies
-        if held is not None:
-            next_index = nextNodeIdx
-            if next_index is None:  # PySyncObj's default, taken now
-                next_index = self._SyncObj__getCurrentLogIndex() + 1
-            held.append((node, reset, next_index, success))
-            return
-        if success:
-            self.make_durable()  # a follower acknowledges only what is durable
-        super()._SyncObj__sendNextNodeIdx(
-            node, reset=reset, nextNodeIdx=nextNodeIdx, success=success
-        )
+        next_index = nextNodeIdx
+        if next_index is None:  # PySyncObj's default, taken now
+            next_index = self._SyncObj__getCurrentLogIndex() + 1
+        reply = (node, reset, next_index, success)
+        if self._held_replies is not None:
+            self._held_replies.append(reply)
+        else:
+            self._send_replies([reply])
+
+    def _send_replies(self, replies: list[tuple[Any, bool, int, bool]]) -> None:
+        """A follower acknowledges only what is durable: one sync, then the answers."""
+        if any(success for *_, success in replies):
+            self.make_durable()
+        for node, reset, next_index, success in replies:
+            super()._SyncObj__sendNextNodeIdx(
+                node, reset=reset, nextNodeIdx=next_index, success=success
+            )
 
     def hold_replies(self) -> None:
         """Group commit on a follower: until `release_replies`, answers to AppendEntries
@@ -180,15 +185,9 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def _send_held_replies(self) -> None:
         held = self._held_replies
-        if not held:
-            return
-        self._held_replies = []
-        if any(success for *_, success in held):
-            self.make_durable()
-        for node, reset, next_index, success in held:
-            super()._SyncObj__sendNextNodeIdx(
-                node, reset=reset, nextNodeIdx=next_index, success=success
-            )
+        if held:
+            self._held_replies = []
+            self._send_replies(held)
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
         append = isinstance(message, dict) and message.get("type") == "append_entries"
