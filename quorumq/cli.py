@@ -107,10 +107,14 @@ def _node(args: argparse.Namespace) -> int:
                     nursery.cancel_scope.cancel()
                     break
 
+    from .raft.journal import JournalDamagedError, JournalFailedError  # noqa: PLC0415
+
     try:
         trio.run(run)
+    except (JournalDamagedError, JournalFailedError) as e:  # raised before serving
+        raise UsageError(str(e)) from None
     except BaseExceptionGroup as group:  # trio wraps what the node's tasks raised
-        found = group.subgroup(OSError)
+        found = group.subgroup((OSError, JournalDamagedError, JournalFailedError))
         if found is None:
             raise
         cannot: BaseException = found

@@ -291,3 +291,36 @@ def test_a_follower_that_installs_a_snapshot_delivers_what_the_snapshot_skipped(
         first = [d.offset for d in recorder.deliveries if not d.redelivered]
         assert len(first) == len(set(first)), "a message delivered twice, unmarked"
         consumer_client.close()
+
+
+def test_a_node_with_a_flipped_journal_byte_refuses_to_start_and_nothing_is_lost() -> None:
+    """The outside trial that lost 135 of 200 confirmed messages: A's journal is damaged
+    in the middle while C lags. A must not cut its log and then vote as if it were short."""
+    with Cluster(3) as cluster:
+        client = cluster.client("A")
+        client.declare("q")
+        confirmed = [client.publish("q", b"m%d" % i) for i in range(50)]
+        cluster.kill("C")
+        confirmed += [client.publish("q", b"m%d" % i) for i in range(50, 200)]
+        client.close()
+        cluster.kill("A")
+        cluster.kill("B")
+        journal = cluster.root / "A" / "raft.log"
+        data = bytearray(journal.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        journal.write_bytes(bytes(data))
+        with pytest.raises(RuntimeError, match="refuses") as refused:
+            cluster.restart("A")
+        assert "members remove" in str(refused.value)  # it says what to do
+        assert journal.read_bytes() == bytes(data)  # and deletes nothing
+        cluster.restart("C")
+        cluster.restart("B")
+        cluster.leader()
+        wait_for(
+            lambda: all(cluster.status(n)["machine_index"] >= 203 for n in ("B", "C")),
+            "B and C applying the whole log",
+            30,
+        )
+        for node in ("B", "C"):
+            read = cluster.client(node).read("q", 0, 1000)
+            assert [m.offset for m in read] == confirmed, node

@@ -1,11 +1,16 @@
-"""The durable Raft journal: survives reopen, cuts torn tails, compacts atomically."""
+"""The durable Raft journal: survives reopen, cuts torn tails only, refuses to open a
+damaged log, fails for good on a failed write or sync, compacts atomically."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from quorumq.raft.journal import DurableJournal
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from quorumq.raft.journal import DurableJournal, JournalDamagedError, JournalFailedError
 
 
 def _fill(j: DurableJournal, first: int, last: int, term: int = 1) -> None:
@@ -39,15 +44,212 @@ def test_torn_tail_is_cut_and_earlier_entries_kept(tmp_path: Path) -> None:
     assert [e[1:] for e in DurableJournal(path)[:]] == [(1, 1), (2, 1), (3, 2)]
 
 
-def test_corrupt_record_ends_the_journal(tmp_path: Path) -> None:
+def _flip(path: str, at: int) -> bytes:
+    data = bytearray(Path(path).read_bytes())
+    data[at] ^= 0x10
+    Path(path).write_bytes(bytes(data))
+    return bytes(data)
+
+
+def test_a_corrupt_record_with_intact_ones_after_it_refuses_to_open_and_keeps_the_file(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path, durable=False, strict=False)  # even where syncs are lax
+    _fill(j, 1, 200)
+    j._destroy()
+    damaged = _flip(path, os.path.getsize(path) // 2)
+    with pytest.raises(JournalDamagedError, match="followed by an intact one") as e:
+        DurableJournal(path, durable=False, strict=False)
+    assert "members remove" in str(e.value)  # says the way out
+    assert Path(path).read_bytes() == damaged  # nothing after the damage was deleted
+
+
+def test_a_complete_last_record_that_fails_its_checksum_refuses_to_open_when_strict(
+    tmp_path: Path,
+) -> None:
     path = str(tmp_path / "raft.log")
     j = DurableJournal(path)
     _fill(j, 1, 3)
     j._destroy()
+    _flip(path, os.path.getsize(path) - 2)  # the last command: synced, maybe acknowledged
+    with pytest.raises(JournalDamagedError, match="complete"):
+        DurableJournal(path)
+    # with fsync=batch it may never have been synced: cut, as a torn tail
+    assert [e[1] for e in DurableJournal(path, strict=False)[:]] == [1, 2]
+
+
+def test_a_tail_of_zeros_is_a_torn_write_and_is_cut(tmp_path: Path) -> None:
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path)
+    _fill(j, 1, 3)
+    j._destroy()
+    with open(path, "ab") as f:
+        f.write(bytes(300))  # the file grew, its data never came
+    assert [e[1] for e in DurableJournal(path)[:]] == [1, 2, 3]
+
+
+def test_a_log_that_ends_below_the_stored_commit_index_refuses_to_open_when_strict(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path)
+    _fill(j, 1, 10)
+    j.setRaftCommitIndex(10)
+    j._destroy()
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) - 20])  # entry 10 torn away
+    with pytest.raises(JournalDamagedError, match="commit index 10"):
+        DurableJournal(path)
+
+
+def test_a_commit_index_past_the_end_is_clamped_when_not_strict(tmp_path: Path) -> None:
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path, strict=False)
+    _fill(j, 1, 10)
+    j.setRaftCommitIndex(10)
+    j._destroy()
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) - 20])  # fsync=batch, power lost: 10 gone
+    again = DurableJournal(path, strict=False)
+    assert again.getRaftCommitIndex() == 9  # an elected node never applies what it lacks
+    assert DurableJournal(path, strict=False).getRaftCommitIndex() == 9
+
+
+def test_the_stored_commit_index_never_runs_ahead_of_synced_entries(tmp_path: Path) -> None:
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path)
+    _fill(j, 1, 5)  # written, not yet synced
+    j.setRaftCommitIndex(5)
+    j.onOneSecondTimer()  # stores the commit index: syncs the entries first
+    assert not j._dirty
+
+
+def test_deleting_committed_entries_is_refused(tmp_path: Path) -> None:
+    j = DurableJournal(str(tmp_path / "raft.log"))
+    _fill(j, 1, 5)
+    j.setRaftCommitIndex(3)
+    with pytest.raises(JournalDamagedError, match="commit index 3"):
+        j.deleteEntriesFrom(2)  # position 2 is entry 3
+    j.deleteEntriesFrom(3)  # entries 4 and 5 are not committed: a conflict may cut them
+    assert [e[1] for e in j[:]] == [1, 2, 3]
+
+
+def test_a_failed_write_breaks_the_journal_for_good(tmp_path: Path) -> None:
+    j = DurableJournal(str(tmp_path / "raft.log"))
+    _fill(j, 1, 2)
+    j.sync()
+    real = j._fd
+    j._fd = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC
+    with pytest.raises(JournalFailedError, match="write failed"):
+        j.add(b"three", 3, 1)
+    os.close(j._fd)
+    j._fd = real  # the disk has room again: still nothing is accepted
+    with pytest.raises(JournalFailedError):
+        j.add(b"three", 3, 1)
+    with pytest.raises(JournalFailedError):
+        j.sync()
+    assert len(j) == 2
+    j._destroy()
+
+
+def test_a_short_write_is_never_left_unnoticed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quorumq.raft import journal
+
+    j = DurableJournal(str(tmp_path / "raft.log"))
+    _fill(j, 1, 2)
+    real_write = os.write
+    calls = []
+
+    def short_then_enospc(fd: int, data: bytes) -> int:  # as a filling disk does
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data)[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal.os, "write", short_then_enospc)
+    with pytest.raises(JournalFailedError):
+        j.add(b"three" * 10, 3, 1)
+    monkeypatch.undo()
+    assert len(calls) == 2  # the rest of the record was tried, not dropped
+    with pytest.raises(JournalFailedError):
+        j.add(b"four", 4, 1)  # nothing goes on past the gap
+    j._destroy()
+    # at restart the half record is a torn tail, never acknowledged: cut
+    assert [e[1] for e in DurableJournal(j.path)[:]] == [1, 2]
+
+
+def test_a_failed_fdatasync_is_never_retried(tmp_path: Path) -> None:
+    j = DurableJournal(str(tmp_path / "raft.log"))
+    _fill(j, 1, 2)
+    real = j._fd
+    read_end, write_end = os.pipe()
+    j._fd = write_end  # fdatasync on a pipe fails (EINVAL)
+    with pytest.raises(JournalFailedError, match="fdatasync failed"):
+        j.sync()
+    j._fd = real
+    with pytest.raises(JournalFailedError):
+        j.sync()  # a retry could report success for pages that were lost
+    os.close(read_end)
+    os.close(write_end)
+    j._destroy()
+
+
+_FAULTS = st.one_of(
+    st.tuples(st.just("flip"), st.floats(0, 1), st.integers(0, 7)),
+    st.tuples(st.just("truncate"), st.floats(0, 1), st.just(0)),
+    st.tuples(st.just("zeros"), st.integers(1, 600), st.just(0)),
+)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=30),
+    committed=st.floats(0, 1),
+    fault=_FAULTS,
+    strict=st.booleans(),
+)
+def test_one_fault_anywhere_never_silently_loses_a_committed_entry(
+    tmp_path: Path, sizes: list[int], committed: float, fault: tuple[str, float, int], strict: bool
+) -> None:
+    """Whatever one flipped bit, one truncation or a tail of zeros does to the file,
+    opening either refuses or gives a prefix of the log that holds every entry up to the
+    stored commit index (strict: every synced entry)."""
+    path = str(tmp_path / f"fuzz-{os.urandom(6).hex()}.log")
+    j = DurableJournal(path, strict=strict)
+    entries = [(os.urandom(n), i + 1, 1) for i, n in enumerate(sizes)]
+    for entry in entries:
+        j.add(*entry)
+    commit = round(committed * len(entries))
+    j.setRaftCommitIndex(commit)
+    ends = list(j._ends)
+    j._destroy()
     data = bytearray(Path(path).read_bytes())
-    data[-2] ^= 0xFF  # flip a bit in the last command
+    kind, where, bit = fault
+    flipped_record = None
+    if kind == "flip":
+        at = min(int(where * len(data)), len(data) - 1)
+        data[at] ^= 1 << bit
+        flipped_record = sum(1 for end in ends if end <= at)
+    elif kind == "truncate":
+        del data[int(where * len(data)) :]
+    else:
+        data += bytes(int(where))
     Path(path).write_bytes(bytes(data))
-    assert [e[1] for e in DurableJournal(path)[:]] == [1, 2]
+    try:
+        opened = list(DurableJournal(path, strict=strict)[:])
+    except JournalDamagedError:
+        return
+    assert opened == entries[: len(opened)]  # a prefix, never other entries
+    if strict:
+        assert len(opened) >= commit
+        assert kind != "flip", "a flipped bit in a strict journal must refuse to open"
+    elif flipped_record is not None:
+        assert flipped_record == len(entries) - 1, "intact records after a bad one were cut"
 
 
 def test_delete_from_truncates_on_disk(tmp_path: Path) -> None:
@@ -85,6 +287,7 @@ def test_term_and_vote_are_stored_at_once(tmp_path: Path) -> None:
 def test_commit_index_is_stored_lazily(tmp_path: Path) -> None:
     path = str(tmp_path / "raft.log")
     j = DurableJournal(path)
+    _fill(j, 1, 42)
     j.setRaftCommitIndex(42)
     assert DurableJournal(path).getRaftCommitIndex() == 1
     j.onOneSecondTimer()

@@ -46,7 +46,7 @@ from pysyncobj.tcp_connection import TcpConnection
 from pysyncobj.transport import TCPTransport
 
 from .cipher import RaftCipher, ThrottledWarning
-from .journal import DurableJournal, fsync_directory
+from .journal import DurableJournal, JournalDamagedError, JournalFailedError, fsync_directory
 from .rules import MAX_COMMAND_BYTES, RAW_COMMAND, RaftRules, decode_snapshot, encode_snapshot
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,9 @@ class RaftMember(RaftRules):
         self.data_dir = data_dir
         self.fsync = fsync
         journal_path = os.path.join(data_dir, "raft.log")
-        self.journal = DurableJournal(journal_path, durable=fsync != "never")
+        self.journal = DurableJournal(
+            journal_path, durable=fsync != "never", strict=fsync == "always"
+        )
         _JOURNALS[journal_path] = self.journal
         self._apply = apply
         self._snapshot = snapshot
@@ -195,6 +197,8 @@ class RaftMember(RaftRules):
         self._on_tick = on_tick
         self._tick_period = tick_period
         self._stopping = threading.Event()
+        self.fatal_error: BaseException | None = None
+        """Why this member stopped by itself (its journal failed): the node must stop."""
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
@@ -254,6 +258,11 @@ class RaftMember(RaftRules):
         while not self._stopping.is_set():
             try:
                 self.doTick(self._tick_period)
+            except (JournalFailedError, JournalDamagedError) as e:
+                # Nothing more may be acknowledged: stop taking part in Raft at once.
+                self.fatal_error = e
+                logger.critical("raft member stopped: %s", e)
+                self._stopping.set()
             except Exception:
                 logger.exception("raft tick failed")
                 time.sleep(self._tick_period)
@@ -426,7 +435,7 @@ class RaftMember(RaftRules):
                 logger.exception("receiving the leader's snapshot failed")
                 incoming[0] = None
                 return False
-            if not self.accept_leader_snapshot(last[1]):
+            if not self.accept_leader_snapshot(last[1], last[2]):
                 os.unlink(incoming_path)
                 return False
             os.replace(incoming_path, path)

@@ -99,10 +99,20 @@ class NodeServer:
             task_status.started(self.listeners)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._down_lost_consumers)
+                nursery.start_soon(self._stop_if_raft_stopped)
                 await trio.serve_listeners(self._serve_client, self.listeners)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.replica.stop)
+
+    async def _stop_if_raft_stopped(self) -> None:
+        """A member whose journal failed has stopped acknowledging: the node stops too
+        (exit non-zero, with the reason) rather than answer every client "unknown"."""
+        while True:
+            error = self.replica.member.fatal_error
+            if error is not None:
+                raise error
+            await trio.sleep(0.2)
 
     async def _serve_client(self, stream: trio.SocketStream) -> None:
         keep_alive(stream.socket)  # a client whose host vanished gives its consumers up
