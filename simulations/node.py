@@ -434,7 +434,7 @@ class SimMember(RaftRules):
         except ValueError:  # its chunks came out of order (the hostile `reorder` fault)
             self.serializer.counts["garbled"] += 1
             return False
-        return self.accept_leader_snapshot(last[1])
+        return self.accept_leader_snapshot(last[1], last[2])
 
 
 # ---------------------------------------------------------------------- node

@@ -68,3 +68,75 @@ def test_messages_with_nothing_to_cut_or_a_refusal_pass_unchanged() -> None:
         assert trim_known_entries(message, LOG) is message
     empty = append(11, 1, [])
     assert trim_known_entries(empty, []) is empty
+
+
+# --------------------------------------------------------- snapshot installs
+
+
+def _member(tmp_path: Any) -> Any:
+    import socket
+
+    from quorumq.raft.member import RaftMember
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    members = {"A": f"127.0.0.1:{ports[0]}", "B": f"127.0.0.1:{ports[1]}"}
+    member = RaftMember(
+        "A",
+        members,
+        data_dir=str(tmp_path),
+        password="secret",
+        fsync="always",
+        apply=lambda index, payload: None,
+        snapshot=lambda: b"",
+        restore=lambda machine: None,
+        on_tick=lambda: None,
+    )
+    return member, members
+
+
+def _install(member: Any, members: dict[str, str], last: Any, prev: Any) -> bool:
+    from quorumq.raft.rules import encode_snapshot
+
+    blob = encode_snapshot(last, prev, [(a, n) for n, a in members.items()], b"")
+    if not member._SyncObj__serializer.setTransmissionData((blob, True, True)):
+        return False
+    member._SyncObj__loadDumpFile(clearJournal=True)  # as PySyncObj does next
+    return True
+
+
+def test_a_snapshot_install_keeps_the_entries_after_its_last_one_when_the_log_holds_it(
+    tmp_path: Any,
+) -> None:
+    """A follower that acknowledged 2-10 but applied only 5 is sent a snapshot up to 7:
+    Raft keeps 8-10 (acknowledged, maybe committed). PySyncObj cleared them all."""
+    member, members = _member(tmp_path)
+    try:
+        log = member._SyncObj__raftLog
+        for i in range(2, 11):
+            log.add(b"\x04cmd%d" % i, i, 1)
+        member._SyncObj__raftLastApplied = 5
+        assert _install(member, members, log[6], log[5])
+        assert [(e[1], e[2]) for e in log[:]] == [(i, 1) for i in range(6, 11)]
+        assert log[-1][0] == b"\x04cmd10"
+    finally:
+        member.stop()
+
+
+def test_a_snapshot_install_discards_a_log_that_does_not_hold_its_last_entry(
+    tmp_path: Any,
+) -> None:
+    member, members = _member(tmp_path)
+    try:
+        log = member._SyncObj__raftLog
+        for i in range(2, 11):
+            log.add(b"\x04cmd%d" % i, i, 1)
+        member._SyncObj__raftLastApplied = 5
+        # the leader's entry 7 is of term 2: this log's 7-10 conflict with it
+        assert _install(member, members, (b"\x04x", 7, 2), (b"\x04y", 6, 1))
+        assert [(e[1], e[2]) for e in log[:]] == [(6, 1), (7, 2)]
+    finally:
+        member.stop()

@@ -334,7 +334,7 @@ def test_a_follower_must_refuse_a_leader_snapshot_older_than_what_it_applied(
     replica's guard against running an entry's effects twice too, it delivers again
     what its consumer had (seeds 11 and 133)."""
     assert run(ci_config(11)).ok and run(ci_config(133)).ok
-    monkeypatch.setattr(RaftRules, "accept_leader_snapshot", lambda self, last_index: True)
+    monkeypatch.setattr(RaftRules, "accept_leader_snapshot", lambda self, index, term: True)
     assert "rollback" in _kinds(ci_config(11))
     never = property(lambda self: 0, lambda self, index: None)  # every entry runs its effects
     monkeypatch.setattr(SimNode, "_effects_through", never, raising=False)

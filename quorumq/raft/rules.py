@@ -119,6 +119,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     """Answers to AppendEntries waiting for one sync (`hold_replies`); None: not holding."""
     _message_from: Any = None
     """The peer whose message is being handled (the tick thread handles one at a time)."""
+    _kept_after_snapshot: list[Entry] = []
+    """The entries after an accepted leader snapshot's last one, kept (Raft's rule)."""
 
     def apply_raw(self, index: int, payload: bytes) -> Any:
         """Apply one committed raw command; what it returns goes to the proposer's callback."""
@@ -236,9 +238,16 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         # whose clock stands still during a tick, spun for ever). Finish it now.
         super()._SyncObj__tryLogCompaction()
 
-    def accept_leader_snapshot(self, last_index: int) -> bool:
-        """The leader's snapshot, up to `last_index`, has arrived whole: whether to install
-        it. One not ahead of what this node applied is refused and answered.
+    def accept_leader_snapshot(self, last_index: int, last_term: int) -> bool:
+        """The leader's snapshot, up to entry (`last_index`, `last_term`), has arrived
+        whole: whether to install it. One not ahead of what this node applied is refused
+        and answered.
+
+        Installed the Raft way: if this log holds the snapshot's last entry (same index,
+        same term), the entries after it are kept (`_SyncObj__loadDumpFile`); only a log
+        that does not hold it is discarded. PySyncObj cleared the whole journal, so a
+        follower that had acknowledged more than it had applied lost entries that may be
+        committed (a crash then lost them for good).
 
         A late refusal can send the leader back below what a follower holds, and the
         leader then sends its snapshot again; a follower that installed it applied the
@@ -248,6 +257,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         as it is (and the commit index stays: `_SyncObj__onMessageReceived`)."""
         applied = self.raftLastApplied
         if last_index > applied:
+            self._kept_after_snapshot = entries_after(self._SyncObj__raftLog, last_index, last_term)
             return True
         logger.info(
             "not installing the leader's snapshot at index %d: applied up to %d already",
@@ -256,6 +266,18 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         )
         self._SyncObj__sendNextNodeIdx(self._message_from, nextNodeIdx=applied + 1, success=True)
         return False
+
+    def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:
+        kept, self._kept_after_snapshot = self._kept_after_snapshot, []
+        super()._SyncObj__loadDumpFile(clearJournal)
+        log = self._SyncObj__raftLog
+        if not kept or not len(log) or log[-1][1] != kept[0][1] - 1:
+            return
+        for entry in kept:
+            log.add(*entry)
+            change = self._SyncObj__parseChangeClusterRequest(entry[0])
+            if change is not None:  # the snapshot's configuration is older than these
+                self._SyncObj__doChangeCluster(change)
 
     # --------------------------------------------------------------- applying
 
@@ -290,6 +312,17 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
 SNAPSHOT_VERSION = 2
 """1: members as Raft addresses; 2: members as [Raft address, node name] pairs."""
+
+
+def entries_after(log: Any, index: int, term: int) -> list[Entry]:
+    """The entries after (`index`, `term`) if `log` holds that entry, else none: what a
+    follower keeps when it installs a snapshot that ends there (Raft's rule)."""
+    if not len(log):
+        return []
+    pos = index - log[0][1]
+    if pos < 0 or pos >= len(log) or log[pos][1] != index or log[pos][2] != term:
+        return []
+    return [(e[0], e[1], e[2]) for e in log[pos + 1 :]]
 
 
 def encode_snapshot(
