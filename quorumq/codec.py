@@ -184,9 +184,36 @@ def decode_command(data: bytes) -> Command:
     return _build_command(_unpack(data)[1:])
 
 
+_ENTRY_HEAD = bytes([0x94, VERSION, 0xCC, _ENTRY, 0xCF])
+"""A log entry starts [VERSION, _ENTRY, ts_ms as a msgpack uint64, ...]: the time sits at
+a fixed place, so the leader stamps an entry without decoding it (`stamp_entry`)."""
+_TS_END = len(_ENTRY_HEAD) + 8
+UNSTAMPED = 0
+"""The time a proposer puts in an entry: only the leader stamps (`stamp_entry`). An entry
+left unstamped (leadership changed while it was queued) moves no clock (time is a max)."""
+
+
 def encode_entry(ts_ms: int, cmd: Command) -> bytes:
-    """A log entry: the command and the proposer's clock."""
-    return _pack([VERSION, _ENTRY, ts_ms, _command_fields(cmd)])
+    """A log entry: the command and the time the leader stamps (`UNSTAMPED` from proposers)."""
+    fields: bytes = msgpack.packb(_command_fields(cmd), use_bin_type=True)
+    return _ENTRY_HEAD + ts_ms.to_bytes(8, "big") + fields
+
+
+def stamp_entry(entry: bytes, ts_ms: int) -> bytes:
+    """`entry` with its time replaced by `ts_ms` (an entry of another layout: as it is)."""
+    if len(entry) <= _TS_END or not entry.startswith(_ENTRY_HEAD):
+        return entry
+    return _ENTRY_HEAD + ts_ms.to_bytes(8, "big") + entry[_TS_END:]
+
+
+def entry_time(entry: bytes) -> int:
+    """The time stamped in `entry` (0 for one that is not a log entry of ours)."""
+    if len(entry) > _TS_END and entry.startswith(_ENTRY_HEAD):
+        return int.from_bytes(entry[len(_ENTRY_HEAD) : _TS_END], "big")
+    try:
+        return decode_entry(entry)[0]
+    except CodecError:
+        return 0
 
 
 def decode_entry(data: bytes) -> tuple[int, Command]:

@@ -1,8 +1,11 @@
 """One node's replica: the queue machine behind a hardened Raft member.
 
 Every committed log entry is decoded and applied to this node's `Machine` with the
-entry's Raft index and the proposer's clock. Of the effects, the replica keeps those
-that are its own to run and hands them to `on_effects`:
+entry's Raft index and the time the leader stamped on it (`raft.rules.LeaderClock`:
+the leader's monotonic clock from the replicated time it took over, following its wall
+clock within a second, so one node's wrong clock cannot move queue time). Of the
+effects, the replica keeps those that are its own to run and hands them to
+`on_effects`:
 
 * a `Deliver` or `ConsumerDown` whose consumer lives on this node;
 * as leader, also those whose consumer's node hosts no replica (the leader proxies).
@@ -36,7 +39,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 from pysyncobj import FAIL_REASON
 
-from .codec import CodecError, decode_entry, encode_entry
+from .codec import UNSTAMPED, CodecError, decode_entry, encode_entry
 from .machine import (
     Command,
     ConsumerDown,
@@ -52,6 +55,7 @@ from .machine import (
     Tick,
 )
 from .raft.member import NOT_APPLIED, Fsync, RaftMember
+from .raft.rules import LeaderClock, wall_clock_ms
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +239,10 @@ class Replica:
         config: ReplicaConfig,
         on_effects: Callable[[int, tuple[Effect, ...]], None] | None = None,
         on_state_replaced: Callable[[], None] | None = None,
+        *,
+        wall_clock: Callable[[], int] = wall_clock_ms,
     ) -> None:
+        """`wall_clock`: this node's wall clock in ms (tests give a wrong one)."""
         self.config = config
         self.node_id = config.node_id
         self.lock = threading.Lock()
@@ -264,6 +271,8 @@ class Replica:
             raft_timeouts=config.raft_timeouts,
             compaction_entries=config.compaction_entries,
         )
+        self.member.leader_clock = LeaderClock(wall_clock)
+        self.member.replicated_time_ms = lambda: self.machine.now_ms  # type: ignore[method-assign]
         self.member.start()
 
     @property
@@ -280,7 +289,7 @@ class Replica:
         callback: Callable[[Reply | None, ProposalError | None], None] | None = None,
     ) -> None:
         """Submit from any thread; `callback(reply, error)` runs on the Raft thread."""
-        payload = encode_entry(int(time.time() * 1000), command)
+        payload = encode_entry(UNSTAMPED, command)  # the leader stamps the time
         if callback is None:
             self.member.propose(payload, None)
             return

@@ -10,6 +10,10 @@ As entries are applied (cheap checks, every entry):
   index feeds it): a message is given to one consumer at a time (no message held by
   two live consumers); an acked message is never delivered again; `redelivered` is
   set exactly when the message was delivered before; prefetch is respected;
+* queue time (the machine's clock, which TTLs, expiry and timeouts read) is never
+  ahead of true time by more than the leader clock's bound (1 s) per term so far
+  (`time_ahead`), whatever the hosts' wall clocks say (the clock faults): a clock
+  ahead is what expired messages early and forgot producers (second offsets);
 * first deliveries (not marked redelivered) come in increasing offset order per
   consumer for unkeyed messages and per key for keyed ones: only a return restarts
   a key, and a returned message is marked.
@@ -50,7 +54,10 @@ from quorumq.machine import (
     Subscribe,
 )
 
-from .world import World, seconds
+from .world import WALL_EPOCH_MS, World, seconds
+
+TIME_BOUND_MS = 1000
+"""How far one term's leader may move queue time past its true elapsed time."""
 
 if TYPE_CHECKING:
     from .node import SimNode
@@ -103,6 +110,9 @@ class Checker:
         """Per delivery (consumer, offset, count, mark): how many times the log made it."""
         self.got: dict[tuple[str, int, int, bool], int] = {}
         """Per delivery: how many times its consumer received it."""
+        self.max_term = 0
+        self.time_ahead_ms = 0
+        """The furthest any machine's clock got ahead of true time."""
 
     def violation(self, kind: str, detail: str) -> None:
         self.violation_count += 1
@@ -165,12 +175,25 @@ class Checker:
             self._model(command, applied)
         elif known != crc:
             self.violation("log", f"{node.name} applied another command at index {index}")
+        self._check_time(node)
         if index % self.digest_every == 0:
             digest = node.machine.digest()
             first = self.digests.setdefault(index, digest)
             self.digests_compared += 1
             if first != digest:
                 self.violation("digest", f"{node.name}'s state at index {index} differs")
+
+    def _check_time(self, node: SimNode) -> None:
+        self.max_term = max(self.max_term, node.member.raftCurrentTerm)
+        ahead = node.machine.now_ms - (WALL_EPOCH_MS + self.world.now_ms)
+        if ahead > self.time_ahead_ms:
+            self.time_ahead_ms = ahead
+            if ahead > TIME_BOUND_MS * (self.max_term + 1):
+                self.violation(
+                    "time_ahead",
+                    f"{node.name}'s queue time is {ahead} ms ahead of true time after "
+                    f"{self.max_term} terms",
+                )
 
     def on_leadership(self, node: SimNode, leader: bool) -> None:
         pass

@@ -15,7 +15,7 @@ from quorumq.machine import Applied, Command, NodeDown, NodeUp
 
 from .network import Network
 from .node import REAL, SimDisk, SimJournal, SimNode, SimSerializer, Variant
-from .world import World, micros
+from .world import WALL_EPOCH_MS, World, micros
 
 CLIENT_LATENCY_S = (0.0002, 0.001)
 
@@ -55,6 +55,9 @@ class Cluster:
         self.network = Network(world, self.names)
         self.network.on_arrival = self._woken
         self.disks = {name: SimDisk(name) for name in self.names}
+        self.wall_offset_ms: dict[str, int] = dict.fromkeys(self.names, 0)
+        """How far each host's wall clock is off (the `clock_skew` and `clock_jump`
+        faults); it stays off across the node's restarts, as a host's clock does."""
         self.snapshot_counts: Counter[str] = Counter()
         """Snapshots written, sent, installed and refused, all nodes together."""
         self.nodes: dict[str, SimNode | None] = dict.fromkeys(self.names)
@@ -94,6 +97,10 @@ class Cluster:
         if name is None or path.split("/", maxsplit=1)[0] != f"sim:{name}":
             raise RuntimeError(f"{path!r} was asked for outside a node start")
         return self.disks[name]
+
+    def wall_ms(self, name: str) -> int:
+        """Host `name`'s wall clock: simulated time from an epoch, plus its offset."""
+        return WALL_EPOCH_MS + self.world.now_ms + self.wall_offset_ms[name]
 
     # ------------------------------------------------------------------ nodes
 

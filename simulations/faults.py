@@ -16,6 +16,11 @@ Fault kinds:
 * `consumer_death`: a consumer's process dies; another takes its place later;
 * hostile, TCP never does this and PySyncObj assumes it does not happen:
   `duplicate`, `reorder`, `drop` of single Raft messages for `duration`.
+
+Clock faults come on top of every schedule, from a random stream of their own (so they
+leave the other faults of a seed as they were): `clock_skew` sets a host's wall clock
+off by `amount` ms (up to 30 days either way), `clock_jump` moves it by `amount` ms
+(up to 2 days either way). Monotonic time stays true; only wall clocks go wrong.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ TCP_KINDS = (
     "consumer_death",
 )
 HOSTILE_KINDS = ("duplicate", "reorder", "drop")
+CLOCK_KINDS = ("clock_skew", "clock_jump")
+DAY_MS = 86_400_000
 PROFILES: dict[str, tuple[str, ...]] = {
     "default": TCP_KINDS,
     "hostile": TCP_KINDS + HOSTILE_KINDS,
@@ -128,6 +135,23 @@ def schedule(
         else:
             amount = round(rng.uniform(0.01, 0.2), 3) if kind != "reorder" else 0.0
             faults.append(Fault(at_s=at, kind=kind, duration_s=rng.uniform(0.5, 4), amount=amount))
+    return faults
+
+
+def clock_schedule(
+    rng: random.Random, names: Sequence[str], *, duration_s: float, mean_interval_s: float = 3.0
+) -> list[Fault]:
+    """Wall-clock faults at random times in [0.5 s, duration]: skews and jumps."""
+    count = max(1, round(duration_s / mean_interval_s))
+    faults = []
+    for at in sorted(rng.uniform(0.5, duration_s) for _ in range(count)):
+        node = names[rng.randrange(len(names))]
+        if rng.random() < 0.5:
+            amount = rng.choice([0, rng.randint(-30 * DAY_MS, 30 * DAY_MS)])
+            faults.append(Fault(at_s=at, kind="clock_skew", nodes=(node,), amount=amount))
+        else:
+            amount = rng.randint(-2 * DAY_MS, 2 * DAY_MS)
+            faults.append(Fault(at_s=at, kind="clock_jump", nodes=(node,), amount=amount))
     return faults
 
 
@@ -220,6 +244,12 @@ class Injector:
         elif kind == "reorder":
             network.reorder = True
             self.world.at(end, setattr, network, "reorder", False)
+            self._done(fault)
+        elif kind == "clock_skew":
+            cluster.wall_offset_ms[fault.nodes[0]] = int(fault.amount)
+            self._done(fault)
+        elif kind == "clock_jump":
+            cluster.wall_offset_ms[fault.nodes[0]] += int(fault.amount)
             self._done(fault)
 
     def _restart(self, name: str, until: int) -> None:

@@ -40,7 +40,7 @@ import attrs
 from pysyncobj import FAIL_REASON, SyncObjConf
 from pysyncobj.config import SERIALIZER_STATE
 
-from quorumq.codec import CodecError, decode_entry, encode_entry
+from quorumq.codec import UNSTAMPED, CodecError, decode_entry, encode_entry
 from quorumq.deliveries import SentDeliveries
 from quorumq.deliveries import missing as missing_deliveries
 from quorumq.machine import (
@@ -62,7 +62,7 @@ from quorumq.machine import (
 )
 from quorumq.raft.journal import ReplayBoundary
 from quorumq.raft.member import NOT_APPLIED
-from quorumq.raft.rules import Entry, RaftRules, decode_snapshot, encode_snapshot
+from quorumq.raft.rules import Entry, LeaderClock, RaftRules, decode_snapshot, encode_snapshot
 from quorumq.replica import PROPOSAL_TIMEOUT_S, InFlight, failure_commands, local_effects
 
 from .network import Network, SimTransport
@@ -498,6 +498,8 @@ class SimNode:
             raft_timeouts=raft_timeouts,
             compaction_entries=compaction_entries,
         )
+        self.member.leader_clock = LeaderClock(lambda: sim.wall_ms(name), self.world.monotonic)
+        self.member.replicated_time_ms = lambda: self.machine.now_ms  # type: ignore[method-assign]
         self.alive = True
         self.paused = False
         self._tick_at: int | None = None
@@ -595,7 +597,7 @@ class SimNode:
 
     def propose(self, command: Command, callback: ProposalCallback | None) -> None:
         """Submit a command through this node's member (it forwards to the leader)."""
-        payload = encode_entry(self.world.now_ms, command)
+        payload = encode_entry(UNSTAMPED, command)  # the leader stamps the time
         if callback is None:
             self.member.propose(payload, None)
         else:

@@ -20,7 +20,7 @@ import attrs
 
 from .checker import Checker, Violation
 from .cluster import Cluster
-from .faults import Fault, Injector, kinds_of, schedule
+from .faults import Fault, Injector, clock_schedule, kinds_of, schedule
 from .history import History
 from .node import REAL, SimNode, Variant
 from .workload import QUEUE, SimConsumer, SimProducer, WorkloadConfig, declare, start_workload
@@ -184,6 +184,9 @@ def run(config: RunConfig) -> Result:
             len(consumers),
             duration_s=fault_phase_s,
             mean_interval_s=config.fault_interval_s,
+        )
+        faults += clock_schedule(
+            world.stream("clock-faults"), cluster.names, duration_s=fault_phase_s
         )
         start = world.now_us
         injector.play([attrs.evolve(f, at_s=f.at_s + seconds(start)) for f in faults])

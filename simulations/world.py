@@ -28,6 +28,8 @@ import pysyncobj.transport
 
 US = 1_000_000
 """Microseconds per second."""
+WALL_EPOCH_MS = 1_800_000_000_000
+"""What the hosts' wall clocks read at simulated time 0 (before any clock fault)."""
 
 _CLOCK_MODULES = (
     pysyncobj.syncobj,

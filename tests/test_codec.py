@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from quorumq.codec import (
+    UNSTAMPED,
     VERSION,
     CodecError,
     decode_command,
@@ -18,6 +19,8 @@ from quorumq.codec import (
     encode_command,
     encode_entry,
     encode_reply,
+    entry_time,
+    stamp_entry,
 )
 from quorumq.machine import (
     OK,
@@ -159,9 +162,23 @@ def test_a_command_is_not_a_log_entry() -> None:
 
 def test_encoding_is_stable() -> None:
     # tags and layout are part of the log format: this must never change within VERSION 1
-    assert encode_entry(7, Enqueue(queue="q", body=b"x", key="k", producer="p", seq=3)) == (
-        b"\x94\x01\xcc\xc8\x07\x97\x02\xa1q\xc4\x01x\xa1k\xc0\xa1p\x03"
+    command = Enqueue(queue="q", body=b"x", key="k", producer="p", seq=3)
+    assert encode_entry(7, command) == (  # the time as a fixed-width uint64, for the leader
+        b"\x94\x01\xcc\xc8\xcf\x00\x00\x00\x00\x00\x00\x00\x07\x97\x02\xa1q\xc4\x01x\xa1k\xc0\xa1p\x03"
     )
+    # entries written before the time was fixed-width still read the same
+    assert decode_entry(b"\x94\x01\xcc\xc8\x07\x97\x02\xa1q\xc4\x01x\xa1k\xc0\xa1p\x03") == (
+        7,
+        command,
+    )
+
+
+def test_the_leader_stamps_an_entry_without_decoding_it() -> None:
+    entry = encode_entry(UNSTAMPED, Enqueue(queue="q", body=b"x"))
+    stamped = stamp_entry(entry, 1_800_000_000_123)
+    assert decode_entry(stamped) == (1_800_000_000_123, Enqueue(queue="q", body=b"x"))
+    assert entry_time(stamped) == 1_800_000_000_123 and entry_time(entry) == 0
+    assert stamp_entry(b"\x94\x01\xcc\xc8\x07\x91\x0c", 5) == b"\x94\x01\xcc\xc8\x07\x91\x0c"
 
 
 def test_new_tags_are_pinned() -> None:

@@ -140,3 +140,55 @@ def test_a_snapshot_install_discards_a_log_that_does_not_hold_its_last_entry(
         assert [(e[1], e[2]) for e in log[:]] == [(6, 1), (7, 2)]
     finally:
         member.stop()
+
+
+# ------------------------------------------------------------ the leader's clock
+
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from quorumq.raft.rules import LeaderClock  # noqa: E402
+
+_STEPS = st.lists(
+    st.tuples(
+        st.integers(0, 5_000),  # true milliseconds that pass
+        st.sampled_from([0, 0, 0, 1, -1]),  # the wall clock jumps: no, ahead, back
+        st.integers(0, 30 * 86_400_000),  # by how much
+    ),
+    max_size=60,
+)
+
+
+@given(
+    offset=st.integers(-30 * 86_400_000, 30 * 86_400_000),
+    replicated=st.integers(0, 10**13),
+    steps=_STEPS,
+)
+def test_a_wrong_or_jumping_wall_clock_moves_stamped_time_by_at_most_the_bound(
+    offset: int, replicated: int, steps: list[tuple[int, int, int]]
+) -> None:
+    """Whatever the leader's wall clock says (days off, jumping either way), the times it
+    stamps never run back and stay within `bound_ms` of the replicated time it took over
+    plus the true time elapsed since."""
+    true_ms = [1_800_000_000_000]
+    wall_offset = [offset]
+    clock = LeaderClock(
+        wall_ms=lambda: true_ms[0] + wall_offset[0],
+        monotonic=lambda: true_ms[0] / 1000,
+        bound_ms=1000,
+    )
+    clock.take_over(7, replicated)
+    base = replicated if replicated > 0 else max(0, true_ms[0] + offset)
+    start = true_ms[0]
+    last = 0
+    for elapsed, direction, jump in steps:
+        true_ms[0] += elapsed
+        wall_offset[0] += direction * jump
+        stamped = clock.now(7)
+        assert stamped is not None
+        expected = base + (true_ms[0] - start)
+        assert stamped >= last
+        assert expected - 1000 <= stamped <= expected + 1000 or stamped == last
+        last = stamped
+    assert clock.now(8) is None  # another term's leader has not taken over here

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from quorumq.machine import (
     Error,
     Message,
     NodeDown,
+    QueueOptions,
     Subscribe,
 )
 from quorumq.replica import ConfigError, OutcomeUnknownError, Replica, ReplicaConfig
@@ -35,9 +37,16 @@ SECRET = "test-cluster-secret"
 class Cluster:
     """Three replicas A, B, C on loopback; records what each one's executor is given."""
 
-    def __init__(self, root: Path, start: str = "ABC", **options: object) -> None:
+    def __init__(
+        self,
+        root: Path,
+        start: str = "ABC",
+        wall_offsets_ms: dict[str, int] | None = None,
+        **options: object,
+    ) -> None:
         self.root = root
         self.options = options
+        self.wall_offsets_ms = wall_offsets_ms or {}
         self.peers = {n: f"127.0.0.1:{p}" for n, p in zip("ABC", free_ports(3), strict=True)}
         self.executed: dict[str, list[tuple[int, Effect]]] = {n: [] for n in "ABC"}
         self.replicas: dict[str, Replica] = {}
@@ -57,7 +66,10 @@ class Cluster:
         def record(index: int, effects: tuple[Effect, ...]) -> None:
             self.executed[node].extend((index, e) for e in effects)
 
-        self.replicas[node] = Replica(config, record)
+        offset = self.wall_offsets_ms.get(node, 0)
+        self.replicas[node] = Replica(
+            config, record, wall_clock=lambda: int(time.time() * 1000) + offset
+        )
         return self.replicas[node]
 
     def stop(self, node: str) -> None:
@@ -371,5 +383,59 @@ def test_a_proposal_that_gets_no_outcome_is_answered_once_after_the_timeout(
         # callbacks run in log order: q's late outcome has come and gone by now
         assert set(cluster.replicas["A"].query(lambda m: m.queues())) == {"q", "later"}
         assert len(outcomes) == 1  # ... and was not reported a second time
+    finally:
+        cluster.close()
+
+
+# ------------------------------------------------------------ replicated time
+
+DAY_MS = 86_400_000
+
+
+def _lead(cluster: Cluster, node: str) -> None:
+    """Hand leadership to `node` (PySyncObj's TimeoutNow), until it leads."""
+
+    def leads() -> bool:
+        leader = cluster.leader()
+        if leader.node_id != node:
+            address = cluster.peers[node]
+            leader.member._calls.put(lambda: leader.member.transferLeadership(address))
+            leader.member._wake()
+            time.sleep(0.2)  # one try per 0.2 s; wait_for keeps the deadline
+        return cluster.leader().node_id == node
+
+    wait_for(leads, f"{node} leading", 30, every=0.05)
+
+
+@pytest.mark.parametrize("skewed_node_leads", [False, True])
+def test_a_node_whose_wall_clock_runs_a_day_ahead_cannot_move_queue_time(
+    tmp_path: Path, skewed_node_leads: bool
+) -> None:
+    """The outside trial: a node days ahead published to another queue, and every
+    message of a 10-minute TTL queue was dropped as expired; the next Tick forgot the
+    producers, so a retried publish got a second offset."""
+    cluster = Cluster(tmp_path, wall_offsets_ms={"C": 8 * DAY_MS})  # past producer expiry
+    try:
+        a, c = cluster.replicas["A"], cluster.replicas["C"]
+        _lead(cluster, "A")  # a new cluster's time starts at its first leader's clock
+        a.submit(Declare(queue="ttl", options=QueueOptions(message_ttl_ms=600_000)))
+        a.submit(Declare(queue="other"))
+        if skewed_node_leads:
+            _lead(cluster, "C")
+        first = a.submit(Enqueue(queue="ttl", body=b"m0", producer="pa", seq=0))
+        for i in range(1, 20):
+            a.submit(Enqueue(queue="ttl", body=b"m%d" % i, producer="pa", seq=i))
+        for i in range(3):
+            assert isinstance(
+                c.submit(Enqueue(queue="other", body=b"%d" % i, producer="pc", seq=i)), Enqueued
+            )
+        ticked = a.machine.last_index + 3
+        wait_for(lambda: c.machine.last_index >= ticked, "three ticks applied", 15)
+        for replica in cluster.replicas.values():
+            assert len(replica.query(lambda m: m.ready("ttl"))) == 20, replica.node_id
+            assert abs(replica.machine.now_ms - time.time() * 1000) < 5_000
+        again = a.submit(Enqueue(queue="ttl", body=b"m0", producer="pa", seq=0))  # a retry
+        assert isinstance(again, Enqueued) and isinstance(first, Enqueued)
+        assert again.duplicate and again.offset == first.offset
     finally:
         cluster.close()

@@ -15,7 +15,7 @@ from pysyncobj.config import SERIALIZER_STATE
 
 from quorumq.machine import Applied, Down, Machine, Meta, Tick
 from quorumq.machine.commands import Command
-from quorumq.raft.rules import RaftRules, encode_snapshot
+from quorumq.raft.rules import LeaderClock, RaftRules, encode_snapshot
 from quorumq.replica import InFlight
 from simulations.__main__ import main
 from simulations.faults import PROFILES, kinds_of, schedule
@@ -359,6 +359,17 @@ def test_a_producers_first_batch_overtaken_by_its_second_is_not_lost() -> None:
     for seed in (215, 315, 382):
         outcome = run(ci_config(seed, compaction_entries=None))
         assert outcome.ok, outcome.summary
+
+
+def test_queue_time_from_an_unclamped_wall_clock_is_caught_by_the_clock_faults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every run skews and jumps the hosts' wall clocks. With the leader stamping its
+    raw wall clock (no anchor, no bound), seed 2's queue time runs days ahead
+    (`time_ahead`: TTLs expire early, producers are forgotten); the real clock passes."""
+    assert run(ci_config(2)).ok
+    monkeypatch.setattr(LeaderClock, "now", lambda self, term: max(0, self.wall_ms()))
+    assert "time_ahead" in _kinds(ci_config(2))
 
 
 # ------------------------------------------------------------------- CI sweep

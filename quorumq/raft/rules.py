@@ -24,6 +24,9 @@
 * raw commands: the log holds our codec's bytes under a command type of our own (4);
   nothing of ours is pickled. `apply_raw(index, payload)` gets the entry's Raft index.
 * snapshots in our own encoding (`encode_snapshot` / `decode_snapshot`).
+* replicated time comes from the leader: proposers leave an entry's time unstamped,
+  and the leader stamps every raw entry as it takes it in (`LeaderClock`), so one
+  node's wrong wall clock cannot move the machines' clock.
 * stale snapshots refused: a leader sent back below what a follower holds (a late
   refusal) sends its snapshot again; a follower that installed it applied the entries
   after it a second time. Whoever stores the incoming snapshot asks
@@ -43,6 +46,8 @@ PySyncObj's; they stay inside quorumq/raft.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +55,7 @@ import pysyncobj.syncobj as _syncobj
 from pysyncobj import SyncObj
 from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
+from ..codec import entry_time, stamp_entry
 from ..machine import encoding
 
 logger = logging.getLogger(__name__)
@@ -109,6 +115,61 @@ def trim_known_entries(message: dict[str, Any], log: Any) -> dict[str, Any]:
     return message
 
 
+def wall_clock_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class LeaderClock:
+    """Replicated time, as one leader stamps it on the entries it takes in.
+
+    Taking over, the leader anchors at the replicated time so far (the latest time in
+    its log, or the machine's), or at its wall clock in a new cluster. From there its
+    time is the anchor advanced by its monotonic clock; its wall clock is followed only
+    within `bound_ms` of that, and the time never runs back. So a wall clock that is
+    hours off, or jumps either way, moves replicated time by at most `bound_ms` per term
+    that its node leads. The anchor is fixed for the term, so no slack compounds from
+    entry to entry. While no leader exists, replicated time stands still."""
+
+    def __init__(
+        self,
+        wall_ms: Callable[[], int] = wall_clock_ms,
+        monotonic: Callable[[], float] = time.monotonic,
+        bound_ms: int = 1000,
+    ) -> None:
+        self.wall_ms = wall_ms
+        self.monotonic = monotonic
+        self.bound_ms = bound_ms
+        self._anchor: tuple[int, int, float] | None = None
+        """(term, replicated time, monotonic time) when this node took over."""
+        self._last = 0
+        self._lock = threading.Lock()
+
+    @property
+    def term(self) -> int | None:
+        anchor = self._anchor
+        return anchor[0] if anchor else None
+
+    def take_over(self, term: int, replicated_ms: int) -> None:
+        """This node leads `term`; the replicated time so far is `replicated_ms` (0: none)."""
+        base = replicated_ms if replicated_ms > 0 else max(0, self.wall_ms())
+        with self._lock:
+            self._last = max(self._last, base) if replicated_ms > 0 else base
+            self._anchor = (term, self._last, self.monotonic())
+
+    def now(self, term: int) -> int | None:
+        """The time to stamp on an entry taken in as leader of `term` (None: not anchored
+        for that term yet; the entry stays unstamped)."""
+        anchor = self._anchor
+        if anchor is None or anchor[0] != term:
+            return None
+        _, base, since = anchor
+        expected = base + int((self.monotonic() - since) * 1000)
+        ts = min(max(self.wall_ms(), expected - self.bound_ms), expected + self.bound_ms)
+        with self._lock:
+            self._last = ts = max(ts, self._last)
+        return ts
+
+
 class RaftRules(SyncObj):  # type: ignore[misc]
     """PySyncObj with quorumq's Raft rules. Subclasses give `apply_raw` and
     `make_durable`, call `push_commit_index` from a tick callback, and ask
@@ -122,9 +183,17 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     _kept_after_snapshot: list[Entry] = []
     """The entries after an accepted leader snapshot's last one, kept (Raft's rule)."""
 
+    leader_clock: LeaderClock | None = None
+    """Stamps the time on the entries this node takes in as leader; set by the owner
+    (with the node's wall and monotonic clocks) before it starts ticking."""
+
     def apply_raw(self, index: int, payload: bytes) -> Any:
         """Apply one committed raw command; what it returns goes to the proposer's callback."""
         raise NotImplementedError
+
+    def replicated_time_ms(self) -> int:
+        """The machine's clock (the largest time applied so far): a new leader's floor."""
+        return 0
 
     def make_durable(self) -> None:
         """Every journal entry written so far must survive a crash once this returns."""
@@ -139,7 +208,35 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             raise ValueError(f"command of {len(payload)} bytes exceeds {MAX_COMMAND_BYTES}")
         self._applyCommand(payload, callback, RAW_COMMAND)
 
+    def _applyCommand(self, command: bytes, callback: Any, commandType: int | None = None) -> None:
+        clock = self.leader_clock
+        if clock is not None and self._isLeader():
+            ts = clock.now(self.raftCurrentTerm)
+            if ts is not None:
+                if commandType == RAW_COMMAND:
+                    command = stamp_entry(command, ts)
+                elif commandType is None and command[:1] == _RAW_PREFIX:  # forwarded to us
+                    command = _RAW_PREFIX + stamp_entry(command[1:], ts)
+        super()._applyCommand(command, callback, commandType)
+
+    def _anchor_leader_clock(self) -> None:
+        """On the tick thread: a new leader takes the replicated time over."""
+        clock = self.leader_clock
+        term = self.raftCurrentTerm
+        if clock is None or clock.term == term or not self._isLeader():
+            return
+        log = self._SyncObj__raftLog
+        latest = 0
+        for pos in range(len(log) - 1, max(-1, len(log) - 1000), -1):
+            command = log[pos][0]
+            if command[:1] == _RAW_PREFIX:
+                latest = entry_time(command[1:])
+                if latest:
+                    break
+        clock.take_over(term, max(latest, self.replicated_time_ms()))
+
     def _checkCommandsToApply(self) -> None:
+        self._anchor_leader_clock()
         log = self._SyncObj__raftLog
         before = log[-1][1] if len(log) else 0
         super()._checkCommandsToApply()
