@@ -471,6 +471,7 @@ class Replica:
             "members": members,
             "connected": member.connected(),
             "snapshots_loaded": self.snapshots_loaded,
+            "compaction_error": member.compaction_error,
         }
 
     def stop(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from quorumq.raft.rules import trim_known_entries
 
 # a follower's log: (command, index, term); indexes 10-15, terms 1 1 2 2 3 3
@@ -192,3 +194,27 @@ def test_a_wrong_or_jumping_wall_clock_moves_stamped_time_by_at_most_the_bound(
         assert expected - 1000 <= stamped <= expected + 1000 or stamped == last
         last = stamped
     assert clock.now(8) is None  # another term's leader has not taken over here
+
+
+def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
+    tmp_path: Any, caplog: Any
+) -> None:
+    member, _ = _member(tmp_path)
+    try:
+
+        def broken() -> bytes:
+            raise TypeError("cannot encode float: 1000000.0")
+
+        member._snapshot = broken
+        entry = (b"\x04x", 1, 1)
+        for _ in range(3):  # compaction is tried again at every tick
+            with pytest.raises(TypeError):
+                member._write_snapshot(str(tmp_path / "snap.tmp"), (entry, entry, set()))
+        assert member.compaction_error == "TypeError: cannot encode float: 1000000.0"
+        failures = [r for r in caplog.records if "log compaction failed" in r.getMessage()]
+        assert len(failures) == 1
+        member._snapshot = lambda: b""
+        member._write_snapshot(str(tmp_path / "snap.tmp"), (entry, entry, set()))
+        assert member.compaction_error is None
+    finally:
+        member.stop()

@@ -18,34 +18,67 @@ DEFAULT_RETENTION_BYTES = 64 * 1024 * 1024
 """Stream-view retention by body bytes when a queue does not say (64 MiB)."""
 
 
+# Every field is checked to its exact type: a float or a bool where an int belongs, or a
+# str that is not valid text, would be held by the machine and then fail the snapshot
+# encoder at every compaction (the journal then grows without bound).
+
+
 def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and value < 0:
+    """None or an int (exactly: not a bool, not a float) >= 0."""
+    if value is None:
+        return
+    if type(value) is not int:
+        raise TypeError(f"{attr.name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
         raise ValueError(f"{attr.name} must be >= 0, got {value}")
+
+
+def _exact_bool(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if type(value) is not bool:
+        raise TypeError(f"{attr.name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_text(what: str, value: object) -> None:
+    """`value` is a str that encodes as UTF-8 (no lone surrogates)."""
+    if type(value) is not str:
+        raise TypeError(f"{what} must be a str, got {type(value).__name__}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} is not valid text: {e}") from None
+
+
+def _str(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    check_text(attr.name, value)
+
+
+def _opt_str(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        check_text(attr.name, value)
 
 
 def _headers(value: Mapping[str, str] | None) -> Mapping[str, str] | None:
     if value is None or not value:
         return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"headers must be a map of str to str, got {type(value).__name__}")
     for k, v in value.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError(f"headers must map str to str, got {k!r}: {v!r}")
+        check_text("a header name", k)
+        check_text(f"header {k!r}", v)
     return dict(value)
 
 
 def _offsets(value: Iterable[int]) -> tuple[int, ...]:
     offsets = tuple(value)
     for o in offsets:
-        if not isinstance(o, int) or o < 0:
+        if type(o) is not int or o < 0:
             raise ValueError(f"offsets must be non-negative ints, got {o!r}")
     return offsets
 
 
 def _messages(value: Iterable[Message]) -> tuple[Message, ...]:
     return tuple(value)
-
-
-_str = attrs.validators.instance_of(str)
-_opt_str = attrs.validators.optional(_str)
 
 
 @attrs.frozen(kw_only=True)
@@ -60,14 +93,14 @@ class QueueOptions:
     delivery_limit: int | None = attrs.field(default=None, validator=_non_negative)
     """Returns (nack or consumer down) a message survives; one more dead-letters it."""
     dead_letter_queue: str | None = attrs.field(default=None, validator=_opt_str)
-    single_active_consumer: bool = False
+    single_active_consumer: bool = attrs.field(default=False, validator=_exact_bool)
     retention_messages: int | None = attrs.field(default=None, validator=_non_negative)
     """Stream view: keep at most this many most recent messages (None: no count limit)."""
     retention_bytes: int | None = attrs.field(
         default=DEFAULT_RETENTION_BYTES, validator=_non_negative
     )
     """Stream view: keep at most this many body bytes (None: no byte limit)."""
-    message_ttl_ms: int | None = attrs.field(default=None)
+    message_ttl_ms: int | None = attrs.field(default=None, validator=_non_negative)
     """Ready messages older than this are dead-lettered or dropped."""
 
     @message_ttl_ms.validator
@@ -85,8 +118,8 @@ def _check_message(body: object, key: object, headers: object) -> object:
     """
     if type(body) is not bytes:
         raise TypeError(f"body must be bytes, got {type(body).__name__}")
-    if key is not None and type(key) is not str:
-        raise TypeError(f"key must be str or None, got {type(key).__name__}")
+    if key is not None:
+        check_text("key", key)
     return None if headers is None else _headers(headers)  # type: ignore[arg-type]
 
 
@@ -107,7 +140,9 @@ class Message:
 @attrs.frozen(kw_only=True)
 class Declare:
     queue: str = attrs.field(validator=_str)
-    options: QueueOptions = attrs.field(factory=QueueOptions)
+    options: QueueOptions = attrs.field(
+        factory=QueueOptions, validator=attrs.validators.instance_of(QueueOptions)
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -170,7 +205,7 @@ class Nack:
     queue: str = attrs.field(validator=_str)
     consumer: str = attrs.field(validator=_str)
     offsets: tuple[int, ...] = attrs.field(converter=_offsets)
-    requeue: bool = True
+    requeue: bool = attrs.field(default=True, validator=_exact_bool)
 
 
 @attrs.frozen(kw_only=True)

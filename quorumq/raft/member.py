@@ -110,10 +110,14 @@ class _Transport(TCPTransport):  # type: ignore[misc]
 
 
 class _DropBindFailure(logging.Filter):
-    """PySyncObj logs a traceback when it cannot bind; RaftMember reports it in one line."""
+    """PySyncObj logs a traceback when it cannot bind, and a warning at every tick while
+    compaction fails; RaftMember reports each in one line (`compaction_error`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "failed to perform initialization"
+        return record.getMessage() not in (
+            "failed to perform initialization",
+            "Failed to store full dump",
+        )
 
 
 logging.getLogger("pysyncobj.syncobj").addFilter(_DropBindFailure())
@@ -199,6 +203,8 @@ class RaftMember(RaftRules):
         self._stopping = threading.Event()
         self.fatal_error: BaseException | None = None
         """Why this member stopped by itself (its journal failed): the node must stop."""
+        self.compaction_error: str | None = None
+        """Why the last snapshot could not be written (None: the last one was), for status."""
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
@@ -379,9 +385,13 @@ class RaftMember(RaftRules):
                 f.flush()
                 if self.fsync != "never":
                     os.fsync(f.fileno())
-        except Exception:
-            logger.exception("writing the snapshot failed")
+        except Exception as e:
+            failure = f"{type(e).__name__}: {e}"
+            if failure != self.compaction_error:  # one line per new failure, not per tick
+                logger.error("log compaction failed, the journal keeps growing: %s", failure)
+            self.compaction_error = failure
             raise
+        self.compaction_error = None
 
     def _read_snapshot(self, path: str) -> tuple[Any, Any, Any]:
         with open(path, "rb") as f:
