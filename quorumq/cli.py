@@ -60,6 +60,7 @@ def _node(args: argparse.Namespace) -> int:
 
     from .replica import ConfigError, ReplicaConfig  # noqa: PLC0415
     from .server import NodeConfig, NodeServer  # noqa: PLC0415
+    from .server.node import check_node_config  # noqa: PLC0415
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -89,6 +90,10 @@ def _node(args: argparse.Namespace) -> int:
         max_body=args.max_body,
         outbound_frames=args.outbound_frames,
     )
+    try:
+        check_node_config(config)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
     async def run() -> None:
         server = NodeServer(config)

@@ -54,7 +54,7 @@ from .machine import (
     Reply,
     Tick,
 )
-from .raft.member import NOT_APPLIED, Fsync, RaftMember
+from .raft.member import MAX_COMMAND_BYTES, NOT_APPLIED, Fsync, RaftMember
 from .raft.rules import LeaderClock, wall_clock_ms
 
 logger = logging.getLogger(__name__)
@@ -290,6 +290,12 @@ class Replica:
     ) -> None:
         """Submit from any thread; `callback(reply, error)` runs on the Raft thread."""
         payload = encode_entry(UNSTAMPED, command)  # the leader stamps the time
+        if len(payload) > MAX_COMMAND_BYTES:  # never a log entry: refused, not raised
+            message = f"a command of {len(payload)} bytes exceeds {MAX_COMMAND_BYTES}"
+            logger.warning("refusing to propose %s: %s", type(command).__name__, message)
+            if callback is not None:
+                callback(Error(code=ErrorCode.TOO_LARGE, message=message), None)
+            return
         if callback is None:
             self.member.propose(payload, None)
             return

@@ -295,6 +295,7 @@ def test_a_node_with_the_wrong_secret_is_refused_and_says_why(
     cluster = Cluster.__new__(Cluster)
     cluster.root, cluster.options = tmp_path, {}
     cluster.peers = {n: f"127.0.0.1:{p}" for n, p in zip("ABC", free_ports(3), strict=True)}
+    cluster.wall_offsets_ms = {}
     cluster.executed = {n: [] for n in "ABC"}
     cluster.replicas = {}
     try:
@@ -439,3 +440,13 @@ def test_a_node_whose_wall_clock_runs_a_day_ahead_cannot_move_queue_time(
         assert again.duplicate and again.offset == first.offset
     finally:
         cluster.close()
+
+
+def test_a_command_too_big_for_one_log_entry_is_refused_not_raised(cluster: Cluster) -> None:
+    """A node gathering pipelined publishes into one entry could exceed the limit: the
+    proposal raised, killed the client's connection, and the client resent for ever."""
+    leader = cluster.leader()
+    leader.submit(Declare(queue="q"))
+    reply = leader.submit(Enqueue(queue="q", body=b"x" * (3 * 1024 * 1024 + 1)))
+    assert isinstance(reply, Error) and reply.code == "too_large"
+    assert isinstance(leader.submit(Enqueue(queue="q", body=b"fits")), Enqueued)

@@ -6,8 +6,16 @@ from typing import Any
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from quorumq.client.core import ConnectionLostError, QuorumqError, ServerError
+from quorumq.client.core import (
+    ConnectionLostError,
+    KeyPausedError,
+    OutcomeUnknownError,
+    QuorumqError,
+    ServerError,
+)
 from quorumq.client.session import (
     SUBSCRIBE_RETRY_FIRST,
     SUBSCRIBE_RETRY_LONGEST,
@@ -17,6 +25,7 @@ from quorumq.client.session import (
     Resolved,
     Resubscribe,
 )
+from quorumq.protocol import encode_frame
 
 
 @attrs.define
@@ -170,3 +179,97 @@ def test_a_subscribe_refused_by_the_node_registers_no_consumer() -> None:
     assert session.subscribe_retry_delay(failed.error, 1, 30.0) == SUBSCRIBE_RETRY_FIRST
     assert session.consumers == {}
     assert session.connection_lost() == []  # nothing to subscribe again: the retry does it
+
+
+# ------------------------------------------------- the client's promises (issue 15)
+
+
+def test_resends_go_in_send_order_across_renewed_producer_ids() -> None:
+    """Key `a`: m0, then a permanent error renews the producer id, then m2. The new id is
+    random; sorting resends by it landed m2 before m0 in 96 of 200 trials."""
+    for _ in range(50):  # the new id is random each time
+        session = _session()
+        m0, _ = session.publish("q", b"m0", "a", None)
+        m1, _ = session.publish("q", b"m1", "b", None)
+        session.receive(_error(m1, "too_large"))  # permanent: renews the producer id
+        session.producer.paused.discard("b")  # resume("b")
+        m2, _ = session.publish("q", b"m2", "a", None)
+        session.connection_lost()
+        session.connection_made()
+        assert [f["body"] for f in session.unconfirmed()] == [b"m0", b"m2"]
+        assert [f["id"] for f in session.unconfirmed()] == [m0, m2]
+
+
+def test_a_cancelled_consumer_is_not_subscribed_again_after_a_reconnect() -> None:
+    session = _session()
+    kept, cancelled = _Consumer("q"), _Consumer("q")
+    for consumer, consumer_id in ((kept, "n.1"), (cancelled, "n.2")):
+        request_id, _ = session.subscribe(consumer)
+        session.receive(_reply(request_id, consumer=consumer_id))
+    session.cancel("n.2")
+    delivery = {"t": "deliver", "consumer": "n.2", "offset": 4, "key": None, "body": b"x"}
+    more = {"headers": None, "redelivered": False, "delivery_count": 0, "node": "A"}
+    assert session.receive({**delivery, **more})  # in flight before the cancel: delivered
+    events = session.connection_lost()
+    assert Resubscribe(kept) in events and Resubscribe(cancelled) not in events
+    assert ConsumerEnded(cancelled, "cancelled") in events
+
+
+def test_a_publish_whose_caller_stopped_waiting_stays_live_and_pauses_its_key() -> None:
+    session = _session()
+    request_id, _ = session.publish("q", b"m", "k", None)
+    error = session.outcome_unknown(request_id, "no answer within 1 s")
+    assert isinstance(error, OutcomeUnknownError) and isinstance(error, ConnectionLostError)
+    assert "may still land" in str(error) and "'k' paused" in str(error)
+    assert session.producer.paused == {"k"}
+    with pytest.raises(KeyPausedError):
+        session.publish("q", b"m again", "k", None)  # the app's retry: refused, no duplicate
+    assert [f["body"] for f in session.unconfirmed()] == [b"m"]  # still resent
+    assert session.receive(_reply(request_id, offset=7)) == [
+        Resolved(request_id, _reply(request_id, offset=7))
+    ]
+    assert session.unconfirmed() == []  # settled by the late confirm
+
+
+def test_a_publish_that_can_never_fit_fails_at_once_with_too_large() -> None:
+    session = ClientSession(settle=lambda _delivery, _ack, _requeue: None)
+    session.connection_made({"node": "A", "max_body": 1024, "max_frame": 4096})
+    with pytest.raises(ServerError, match="too_large"):
+        session.publish("q", b"x" * 1025, "k", None)
+    with pytest.raises(ServerError, match="too_large"):  # each body fits, the frame does not
+        session.publish_batch("q", [[b"x" * 1000, None, None]] * 5)
+    assert session.unconfirmed() == [] and session.producer.paused == {"k"}
+    _, frame = session.publish("q", b"x" * 1024, None, None)
+    assert frame["seq"] == 0  # the refused ones took no sequence number
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    max_body=st.integers(16, 4096),
+    overhead=st.integers(0, 600),
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=6),
+    key=st.one_of(
+        st.none(), st.text(max_size=40), st.text(alphabet="\u20ac\U0001f600", max_size=900)
+    ),
+    batch=st.booleans(),
+)
+def test_what_is_sent_always_fits_the_nodes_limits(
+    max_body: int, overhead: int, sizes: list[int], key: str | None, batch: bool
+) -> None:
+    """Around every limit: a publish either fails at once with too_large, or what is
+    sent is within the node's body and frame limits (never a frame it drops)."""
+    session = ClientSession(settle=lambda _delivery, _ack, _requeue: None)
+    max_frame = max_body + overhead
+    session.connection_made({"node": "A", "max_body": max_body, "max_frame": max_frame})
+    bodies = [b"x" * n for n in sizes]
+    try:
+        if batch:
+            _, frame = session.publish_batch("q", [[b, key, None] for b in bodies])
+        else:
+            _, frame = session.publish("q", bodies[0], key, None)
+    except ServerError as e:
+        assert e.code == "too_large"
+        return
+    sent = bodies if batch else bodies[:1]
+    assert all(len(b) <= max_body for b in sent)
+    assert len(encode_frame(frame)) <= max_frame

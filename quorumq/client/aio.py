@@ -31,6 +31,7 @@ from .core import (
     ReadResult,
     ServerError,
     check_hello_answer,
+    check_message,
     hello_frame,
     parse_endpoints,
     read_continues_at,
@@ -54,7 +55,8 @@ logger = logging.getLogger(__name__)
 
 
 class _Answer:
-    def __init__(self) -> None:
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
         self.done = trio.Event()
         self.frame: dict[str, Any] | None = None
         self.error: QuorumqError | None = None
@@ -87,8 +89,12 @@ class AsyncConsumer:
         return delivery
 
     async def cancel(self) -> None:
-        await self.client._request({"t": "cancel", "consumer": self.id})
-        self._stop("cancelled")
+        """No new deliveries; ack what you hold. Never subscribed again after a reconnect."""
+        self.client._session.cancel(self.id)
+        try:
+            await self.client._request({"t": "cancel", "consumer": self.id})
+        finally:
+            self._stop("cancelled")
 
     def _stop(self, reason: str) -> None:
         self.cancelled = True
@@ -116,6 +122,7 @@ class AsyncClient:
         self._answers: dict[int, _Answer] = {}
         self._send_lock = trio.Lock()
         self._stream: trio.SocketStream | None = None
+        self._welcome: dict[str, Any] | None = None
         self._endpoint_index = 0
         self.node: str | None = None
 
@@ -169,12 +176,13 @@ class AsyncClient:
             await stream.aclose()
             raise
         self.node = str(welcome["node"])
+        self._welcome = welcome
         return stream, decoder
 
     async def _install(self, stream: trio.SocketStream) -> None:
         async with self._send_lock:
             self._stream = stream
-            self._session.connection_made()
+            self._session.connection_made(self._welcome)
             for frame in self._session.unconfirmed():
                 await self._write(frame)
 
@@ -269,17 +277,31 @@ class AsyncClient:
     # ---------------------------------------------------------------- sending
 
     async def _write(self, frame: dict[str, Any]) -> None:
-        """Write under the send lock; a broken stream is left to the reader to replace."""
-        if self._stream is None:
+        """Write under the send lock, a whole frame whatever cancels the caller: half a
+        frame left on the stream would make the node misread every later frame, on a
+        connection that still looks alive. A write that cannot finish within the client's
+        `timeout` (the node stopped reading) drops the connection instead; the reader
+        reconnects and the unconfirmed publishes are sent again. A broken stream is left
+        to the reader to replace."""
+        stream = self._stream
+        if stream is None:
             return  # publishes are sent again after the reconnect
-        with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self._stream.send_all(encode_frame(frame))
+        data = encode_frame(frame)
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self.timeout) as writing:
+                with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.send_all(data)
+            if writing.cancelled_caught:
+                logger.warning("a frame could not be written in %s s: reconnecting", self.timeout)
+                if self._stream is stream:
+                    self._stream = None
+                await stream.aclose()
 
     async def _issue(self, make: Any, *args: Any) -> _Answer:
         """Take a request id (and sequence) and send, in one step under the send lock."""
         async with self._send_lock:
             request_id, frame = make(*args)
-            answer = self._answers[request_id] = _Answer()
+            answer = self._answers[request_id] = _Answer(request_id)
             await self._write(frame)
         return answer
 
@@ -294,6 +316,27 @@ class AsyncClient:
             assert answer.frame is not None
             return answer.frame
         raise ConnectionLostError(f"no answer within {self.timeout} s")
+
+    async def _confirm(self, answer: _Answer) -> dict[str, Any]:
+        """A publish's confirm. No answer within the client's `timeout`, or the caller
+        cancelled: the publish stays live and its key is paused (`OutcomeUnknownError`;
+        a cancellation itself is re-raised, as trio wants)."""
+        try:
+            with trio.move_on_after(self.timeout):
+                await answer.done.wait()
+        except trio.Cancelled:
+            self._answers.pop(answer.request_id, None)
+            self._session.outcome_unknown(answer.request_id, "cancelled")
+            raise
+        if not answer.done.is_set():
+            self._answers.pop(answer.request_id, None)
+            raise self._session.outcome_unknown(
+                answer.request_id, f"no answer within {self.timeout} s"
+            )
+        if answer.error is not None:
+            raise answer.error
+        assert answer.frame is not None
+        return answer.frame
 
     async def _request(self, frame: dict[str, Any]) -> dict[str, Any]:
         return await self._wait(await self._issue(self._session.request, frame))
@@ -319,8 +362,9 @@ class AsyncClient:
     ) -> int:
         """Publish and wait for the confirm; return the offset. Run many at once in a
         nursery to pipeline them."""
+        check_message(body, key, headers)
         answer = await self._issue(self._session.publish, queue, body, key, headers)
-        offset: int = (await self._wait(answer))["offset"]
+        offset: int = (await self._confirm(answer))["offset"]
         return offset
 
     async def publish_batch(
@@ -334,7 +378,7 @@ class AsyncClient:
         """As the blocking client's `publish_batch` (including a caller's own producer)."""
         rows = batch_rows(messages)
         answer = await self._issue(self._session.publish_batch, queue, rows, producer, first_seq)
-        first: int | None = (await self._wait(answer))["offset"]
+        first: int | None = (await self._confirm(answer))["offset"]
         return [] if first is None else list(range(first, first + len(rows)))
 
     def paused_keys(self) -> set[str]:

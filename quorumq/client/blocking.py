@@ -29,6 +29,7 @@ from .core import (
     ReadResult,
     ServerError,
     check_hello_answer,
+    check_message,
     hello_frame,
     parse_endpoints,
     read_continues_at,
@@ -50,22 +51,44 @@ from .session import (
 
 logger = logging.getLogger(__name__)
 
-MessageLike = bytes | tuple[bytes, str | None] | tuple[bytes, str | None, Mapping[str, str] | None]
+MessageLike = (
+    bytes
+    | tuple[bytes, str | None]
+    | tuple[bytes, str | None, Mapping[str, str] | None]
+    | Mapping[str, Any]
+)
+_ROW_FIELDS = frozenset({"body", "key", "headers"})
 
 
 def batch_rows(messages: Iterable[MessageLike]) -> list[list[Any]]:
-    """[body, key, headers] rows from bodies or (body, key[, headers]) tuples."""
+    """[body, key, headers] rows from bodies, (body, key[, headers]) tuples, or maps with
+    the named fields `body` (required), `key` and `headers`; each checked before
+    anything is sent (`TypeError` says what is wrong)."""
     rows: list[list[Any]] = []
     for m in messages:
         if isinstance(m, bytes):
-            rows.append([m, None, None])
+            body, key, headers = m, None, None
+        elif isinstance(m, Mapping):
+            unknown = set(m) - _ROW_FIELDS
+            if unknown or "body" not in m:
+                raise TypeError(
+                    f"a message given as a map has the fields body (required), key and "
+                    f"headers; got {sorted(m)}"
+                )
+            body, key, headers = m["body"], m.get("key"), m.get("headers")
+        elif isinstance(m, tuple) and len(m) in (2, 3):
+            body, key, headers = m[0], m[1], m[2] if len(m) == 3 else None
         else:
-            body, key, *rest = m
-            rows.append([body, key, dict(rest[0]) if rest and rest[0] else None])
+            raise TypeError(
+                "a message is bytes, a (body, key[, headers]) tuple or a map with body, key "
+                f"and headers; got {type(m).__name__}"
+            )
+        check_message(body, key, headers)
+        rows.append([body, key, dict(headers) if headers else None])
     return rows
 
 
-def handshake(sock: socket.socket, token: str | None) -> tuple[FrameDecoder, str]:
+def handshake(sock: socket.socket, token: str | None) -> tuple[FrameDecoder, dict[str, Any]]:
     """Welcome, hello (with proof), reply: on a connected blocking socket."""
     decoder = FrameDecoder()
 
@@ -81,7 +104,7 @@ def handshake(sock: socket.socket, token: str | None) -> tuple[FrameDecoder, str
     welcome = receive()
     sock.sendall(encode_frame(hello_frame(welcome, token)))
     check_hello_answer(receive())
-    return decoder, str(welcome["node"])
+    return decoder, welcome
 
 
 class Consumer:
@@ -113,9 +136,13 @@ class Consumer:
             yield delivery
 
     def cancel(self) -> None:
-        """No new deliveries; ack what you hold."""
-        self.client._request({"t": "cancel", "consumer": self.id})
-        self._stop("cancelled")
+        """No new deliveries; ack what you hold. Never subscribed again after a reconnect."""
+        with self.client._lock:
+            self.client._session.cancel(self.id)
+        try:
+            self.client._request({"t": "cancel", "consumer": self.id})
+        finally:
+            self._stop("cancelled")
 
     def _stop(self, reason: str) -> None:
         self.cancelled = True
@@ -160,11 +187,11 @@ class Client:
                 try:
                     sock = socket.create_connection((host, port), timeout=self._connect_timeout)
                     try:
-                        decoder, node = handshake(sock, self._token)
+                        decoder, welcome = handshake(sock, self._token)
                     except BaseException:
                         sock.close()
                         raise
-                    self._install(sock, decoder, node)
+                    self._install(sock, decoder, welcome)
                     return
                 except (OSError, ProtocolError, QuorumqError) as e:
                     if isinstance(e, ServerError) and e.code == "auth_failed":
@@ -175,7 +202,9 @@ class Client:
                 raise ConnectionLostError("no quorumq node answered: " + "; ".join(distinct[-6:]))
             time.sleep(0.1)
 
-    def _install(self, sock: socket.socket, decoder: FrameDecoder, node: str) -> None:
+    def _install(
+        self, sock: socket.socket, decoder: FrameDecoder, welcome: dict[str, Any]
+    ) -> None:
         """Use the new connection; first resend every unconfirmed publish, in order, under
         the same lock, so no new publish overtakes them."""
         sock.settimeout(None)
@@ -183,9 +212,9 @@ class Client:
         keep_alive(sock)
         with self._lock:
             self._sock = sock
-            self._session.connection_made()
+            self._session.connection_made(welcome)
             self._generation += 1
-            self.node = node
+            self.node = str(welcome["node"])
             generation = self._generation
             for frame in self._session.unconfirmed():
                 self._send(frame)
@@ -298,14 +327,26 @@ class Client:
         return future
 
     def _wait(
-        self, future: Future[dict[str, Any]], deadline: float | None = None
+        self,
+        future: Future[dict[str, Any]],
+        deadline: float | None = None,
+        *,
+        publish: int | None = None,
     ) -> dict[str, Any]:
-        """The answer, by `deadline` (monotonic; by default the client's `timeout` from now)."""
+        """The answer, by `deadline` (monotonic; by default the client's `timeout` from now).
+        For a `publish` (its request id), no answer in time is `OutcomeUnknownError`: the
+        publish stays live and its key is paused (`ClientSession.outcome_unknown`)."""
         limit = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             return future.result(limit)
         except TimeoutError:
-            raise ConnectionLostError(f"no answer within {self.timeout} s") from None
+            why = f"no answer within {self.timeout} s"
+            if publish is None:
+                raise ConnectionLostError(why) from None
+            with self._lock:
+                self._futures.pop(publish, None)
+                error = self._session.outcome_unknown(publish, why)
+            raise error from None
 
     def _request(self, frame: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -358,8 +399,15 @@ class Client:
         headers: Mapping[str, str] | None = None,
     ) -> Future[dict[str, Any]]:
         """Publish without waiting; the future's result has the `offset` once committed."""
+        return self._publish(queue, body, key, headers)[1]
+
+    def _publish(
+        self, queue: str, body: bytes, key: str | None, headers: Mapping[str, str] | None
+    ) -> tuple[int, Future[dict[str, Any]]]:
+        check_message(body, key, headers)
         with self._lock:  # sequence order is send order
-            return self._track(self._session.publish(queue, body, key, headers))
+            request = self._session.publish(queue, body, key, headers)
+            return request[0], self._track(request)
 
     def publish(
         self,
@@ -368,8 +416,13 @@ class Client:
         key: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> int:
-        """Publish and wait for the confirm; return the message's offset."""
-        offset: int = self._wait(self.publish_async(queue, body, key, headers))["offset"]
+        """Publish and wait for the confirm; return the message's offset.
+
+        `OutcomeUnknownError` (no confirm within the client's `timeout`): the publish is
+        still being resent and may land, once; don't publish it again. Its key is paused
+        until `resume(key)`. Any other error: it was not published, and its key is paused."""
+        request_id, future = self._publish(queue, body, key, headers)
+        offset: int = self._wait(future, publish=request_id)["offset"]
         return offset
 
     def publish_batch(
@@ -389,8 +442,9 @@ class Client:
         sequence numbers of the producer); an older resend returns an empty list."""
         rows = batch_rows(messages)
         with self._lock:
-            future = self._track(self._session.publish_batch(queue, rows, producer, first_seq))
-        first: int | None = self._wait(future)["offset"]
+            request = self._session.publish_batch(queue, rows, producer, first_seq)
+            future = self._track(request)
+        first: int | None = self._wait(future, publish=request[0])["offset"]
         return [] if first is None else list(range(first, first + len(rows)))
 
     def paused_keys(self) -> set[str]:

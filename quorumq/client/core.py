@@ -40,6 +40,15 @@ class ConnectionLostError(QuorumqError):
     """No endpoint could be reached (or the connection broke and could not be restored)."""
 
 
+class OutcomeUnknownError(ConnectionLostError):
+    """No confirm came in time (or the waiting caller was cancelled), and the publish is
+    still live: the client keeps resending it, so it may yet land, exactly once.
+
+    Do not publish it again (that would be a second message): its key is paused, so
+    later publishes of that key fail fast (`KeyPausedError`) instead of overtaking it.
+    Call `resume(key)` once you have decided (e.g. after finding it with `read`)."""
+
+
 Row = list[Any]
 """[offset, key, body, headers, ts_ms] of one message, as the node sends it."""
 
@@ -147,6 +156,23 @@ class Producer:
     def failed(self, key: str | None) -> None:
         if key is not None:
             self.paused.add(key)
+
+
+def check_message(body: object, key: object, headers: object) -> None:
+    """A message's fields, checked before anything is sent: `TypeError` says what is
+    expected (text must be encoded: a str body is refused, not guessed at)."""
+    if type(body) is not bytes:
+        raise TypeError(
+            f"a message body must be bytes, not {type(body).__name__} "
+            "(encode text first, e.g. text.encode())"
+        )
+    if key is not None and type(key) is not str:
+        raise TypeError(f"a message key must be a str or None, not {type(key).__name__}")
+    if headers is not None and (
+        not isinstance(headers, Mapping)
+        or not all(type(k) is str and type(v) is str for k, v in headers.items())
+    ):
+        raise TypeError("message headers must map str to str")
 
 
 def publish_frame(

@@ -8,6 +8,12 @@ keeps what makes publishing idempotent and ordered:
   "unconfirmed" until its reply; after a reconnect, or a retriable failure, the
   unconfirmed publishes of a queue are resent in sequence order (a "rewind"), and the
   queue recognises the ones it already has;
+* a publish whose confirm the caller stopped waiting for (a timeout, a cancellation)
+  stays live and is resent as any other; its key is paused (`outcome_unknown`), so
+  neither an application's retry nor a later publish of the key overtakes it;
+* resends go out in the order the publishes were first sent, across producer ids
+  (a producer id is renewed after a failure), so a key's order holds;
+* a cancelled consumer is never subscribed again after a reconnect;
 * a publish refused for good makes the later ones of that producer impossible (the
   queue expects the refused sequence next): they fail too, and the queue gets a fresh
   producer id;
@@ -29,10 +35,12 @@ from typing import Any, Protocol
 
 import attrs
 
+from ..protocol import encode_frame
 from .core import (
     RETRIABLE,
     ConnectionLostError,
     Delivery,
+    OutcomeUnknownError,
     Producer,
     QuorumqError,
     ServerError,
@@ -41,6 +49,9 @@ from .core import (
 )
 
 logger = logging.getLogger(__name__)
+
+_LONGEST_ID = "f" * 32
+"""A producer id as long as the client makes them: for sizing a frame before it is sent."""
 
 REWIND_DELAY = 0.05
 """Seconds before resending a queue's unconfirmed publishes after a retriable failure."""
@@ -98,6 +109,22 @@ class RewindLater:
 Event = Resolved | Failed | Delivered | ConsumerEnded | Resubscribe | RewindLater
 
 
+def _at_least(rows: list[list[Any]]) -> int:
+    """Bytes the rows take in a frame, at least (their text and bodies, no framing)."""
+    size = 0
+    for body, key, headers in rows:
+        size += len(body) + (len(key.encode()) if key else 0)
+        if headers:
+            size += sum(len(k.encode()) + len(v.encode()) for k, v in headers.items())
+    return size
+
+
+def _keys_of(frame: Mapping[str, Any]) -> set[str]:
+    if frame["t"] == "publish":
+        return {frame["key"]} if frame["key"] is not None else set()
+    return {key for _, key, _ in frame["messages"] if key is not None}
+
+
 def _seq(frame: Mapping[str, Any]) -> int:
     return int(frame["seq"] if frame["t"] == "publish" else frame["first_seq"])
 
@@ -112,9 +139,15 @@ class ClientSession:
         self._unconfirmed: dict[int, dict[str, Any]] = {}
         self._subscribing: dict[int, Any] = {}
         self._rewinding: set[str] = set()
+        self._cancelled: set[str] = set()
+        """Consumers the application cancelled: kept for their acks, never resubscribed."""
         self.closed = False
         self.connected = False
         """Between `connection_made` and `connection_lost`."""
+        self.max_body: int | None = None
+        self.max_frame: int | None = None
+        """The connected node's limits (from its welcome): a publish that can never fit
+        fails at once, instead of being resent for ever to a node that drops it."""
         self.lost: QuorumqError | None = None
         """Why the client gave up reaching any node (`give_up`); it will not reconnect."""
 
@@ -144,6 +177,10 @@ class ClientSession:
         self, queue: str, body: bytes, key: str | None, headers: Mapping[str, str] | None
     ) -> tuple[int, dict[str, Any]]:
         self.producer.check(key)
+        self._check_fits(
+            [[body, key, headers]],
+            lambda: publish_frame(0, queue, body, key, headers, _LONGEST_ID, 2**62),
+        )
         producer, seq = self.producer.take(queue)
         frame = publish_frame(0, queue, body, key, headers, producer, seq)
         return self.request(frame, idempotent=True)
@@ -162,6 +199,17 @@ class ClientSession:
             raise ValueError("producer and first_seq go together")
         for _, key, _ in rows:
             self.producer.check(key)
+        self._check_fits(
+            rows,
+            lambda: {
+                "t": "publish_batch",
+                "queue": queue,
+                "messages": rows,
+                "producer": producer or _LONGEST_ID,
+                "first_seq": 2**62,
+                "id": 2**62,
+            },
+        )
         if producer is None or first_seq is None:
             producer, first_seq = self.producer.take(queue, len(rows))
         frame = {
@@ -228,10 +276,35 @@ class ClientSession:
         return frame
 
     def unconfirmed(self, queue: str | None = None) -> list[dict[str, Any]]:
-        """Unconfirmed publishes (of `queue`, or all), in sequence order, marked as resends."""
-        frames = [f for f in self._unconfirmed.values() if queue is None or f["queue"] == queue]
-        frames.sort(key=lambda f: (f["queue"], f["producer"], _seq(f)))
-        return [{**f, "retry": True} for f in frames]
+        """Unconfirmed publishes (of `queue`, or all), in the order they were first sent
+        (request ids grow in send order; per producer that is sequence order), marked as
+        resends. Not by producer id: a renewed id is random, and its publishes would
+        overtake earlier ones of the same key half of the time."""
+        return [
+            {**f, "retry": True}
+            for _, f in sorted(self._unconfirmed.items())
+            if queue is None or f["queue"] == queue
+        ]
+
+    def outcome_unknown(self, request_id: int, why: str) -> OutcomeUnknownError:
+        """The caller stops waiting for `request_id`. A publish stays live (it is resent
+        until answered, its answer then read and dropped) and its keys are paused; the
+        error says so."""
+        publish = self._unconfirmed.get(request_id)
+        if publish is None:
+            return OutcomeUnknownError(why)
+        self._keys_failed([publish])
+        keys = sorted(_keys_of(publish))
+        paused = f"; key{'s' if len(keys) > 1 else ''} {', '.join(map(repr, keys))} paused"
+        return OutcomeUnknownError(
+            f"{why}: the publish may still land (it is being resent, and is never enqueued "
+            f"twice); do not publish it again{paused if keys else ''}"
+        )
+
+    def cancel(self, consumer_id: str | None) -> None:
+        """The application cancels this consumer: no resubscribe after a reconnect."""
+        if consumer_id is not None:
+            self._cancelled.add(consumer_id)
 
     def rewind(self, queue: str) -> list[dict[str, Any]]:
         self._rewinding.discard(queue)
@@ -239,9 +312,43 @@ class ClientSession:
 
     # ------------------------------------------------------------- connection
 
-    def connection_made(self) -> None:
+    def connection_made(self, welcome: Mapping[str, Any] | None = None) -> None:
         """A new connection is in place (its unconfirmed publishes are being sent)."""
         self.connected = True
+        if welcome is not None:
+            body, frame = welcome.get("max_body"), welcome.get("max_frame")
+            self.max_body = body if type(body) is int else None
+            self.max_frame = frame if type(frame) is int else None
+
+    def _check_fits(
+        self, rows: list[list[Any]], frame: Callable[[], dict[str, Any]]
+    ) -> None:
+        """`too_large` now for a publish ([body, key, headers] `rows`) the node would
+        refuse, or drop the connection over (a frame past its limit), whatever the
+        retries. As any failed publish, it pauses its keys."""
+        try:
+            self._check_sizes(rows, frame)
+        except ServerError:
+            for _, key, _ in rows:
+                self.producer.failed(key)
+            raise
+
+    def _check_sizes(self, rows: list[list[Any]], frame: Callable[[], dict[str, Any]]) -> None:
+        if self.max_body is not None:
+            for body, _, _ in rows:
+                if len(body) > self.max_body:
+                    raise ServerError(
+                        "too_large",
+                        f"message body of {len(body)} bytes exceeds the node's limit of "
+                        f"{self.max_body}",
+                    )
+        limit = self.max_frame
+        if limit is not None and _at_least(rows) + 256 + 64 * len(rows) > limit:
+            size = len(encode_frame(frame()))
+            if size > limit:
+                raise ServerError(
+                    "too_large", f"a frame of {size} bytes exceeds the node's limit of {limit}"
+                )
 
     def connection_lost(self) -> list[Event]:
         """Requests that are not idempotent fail; consumers must subscribe again.
@@ -252,8 +359,12 @@ class ClientSession:
             self._pending.discard(request_id)
             self._subscribing.pop(request_id, None)
             events.append(Failed(request_id, ConnectionLostError("the connection broke")))
-        events += [Resubscribe(c) for c in self.consumers.values()]
+        events += [Resubscribe(c) for i, c in self.consumers.items() if i not in self._cancelled]
+        events += [
+            ConsumerEnded(c, "cancelled") for i, c in self.consumers.items() if i in self._cancelled
+        ]
         self.consumers.clear()
+        self._cancelled.clear()
         return events
 
     def give_up(self, error: QuorumqError) -> list[Event]:
@@ -293,9 +404,11 @@ class ClientSession:
             return [Delivered(consumer, delivery_from(frame, consumer.queue, self._settle))]
         if kind == "cancelled":
             consumer = self.consumers.pop(frame["consumer"], None)
+            cancelled_here = frame["consumer"] in self._cancelled
+            self._cancelled.discard(frame["consumer"])
             if consumer is None:
                 return []
-            if frame["reason"] == "node_down":  # its node was cut off: come back elsewhere
+            if frame["reason"] == "node_down" and not cancelled_here:  # come back elsewhere
                 return [Resubscribe(consumer)]
             return [ConsumerEnded(consumer, frame["reason"])]
         if kind in ("reply", "error"):
@@ -346,11 +459,8 @@ class ClientSession:
 
     def _keys_failed(self, frames: Iterable[dict[str, Any]]) -> None:
         for f in frames:
-            if f["t"] == "publish":
-                self.producer.failed(f["key"])
-            else:
-                for _, key, _ in f["messages"]:
-                    self.producer.failed(key)
+            for key in _keys_of(f):
+                self.producer.failed(key)
 
     def _give_up_after(self, publish: dict[str, Any]) -> list[Event]:
         queue, producer, seq = publish["queue"], publish["producer"], _seq(publish)

@@ -19,6 +19,8 @@ class ErrorCode(enum.StrEnum):
     NOT_HELD = "not_held"
     NODE_DOWN = "node_down"
     STALE_INDEX = "stale_index"
+    TOO_LARGE = "too_large"
+    """A command bigger than one log entry may be (the node refuses it before proposing)."""
 
 
 @attrs.frozen

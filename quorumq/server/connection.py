@@ -85,6 +85,12 @@ class MembershipError(Exception):
         self.message = message
 
 
+GATHER_BYTES = 1024 * 1024
+"""Most body bytes of consecutive publishes gathered into one `EnqueueBatch` entry (a log
+entry holds at most `MAX_COMMAND_BYTES`; four pipelined 1 MiB publishes exceeded it and
+crashed the connection, which the client then resent to for ever)."""
+
+
 class Connection:
     def __init__(self, node: NodeServer, stream: trio.abc.Stream, number: int) -> None:
         self.node = node
@@ -127,6 +133,8 @@ class Connection:
                 "node": self.node.node_id,
                 "nonce": self.nonce,
                 "auth": self.node.config.token is not None,
+                "max_body": self.node.config.max_body,
+                "max_frame": self.decoder.max_frame,
             }
         )
         try:
@@ -318,8 +326,10 @@ class Connection:
             return
         if publishes:
             last = publishes[-1]
+            gathered = sum(len(f["body"]) for f in publishes)
             joinable = (
-                not frame.get("retry")
+                gathered + len(frame["body"]) <= GATHER_BYTES  # one log entry holds them
+                and not frame.get("retry")
                 and last["queue"] == frame["queue"]
                 and last["producer"] == frame["producer"]
                 and frame["seq"] is not None

@@ -35,8 +35,10 @@ from ..machine import (
     Nack,
     Reply,
 )
-from ..protocol import DEFAULT_MAX_BODY, keep_alive
+from ..protocol import DEFAULT_MAX_BODY, FRAME_OVERHEAD, keep_alive
+from ..raft.member import MAX_COMMAND_BYTES
 from ..replica import (
+    ConfigError,
     NotAppliedError,
     OutcomeUnknownError,
     ProposalError,
@@ -63,12 +65,27 @@ class NodeConfig:
     token: str | None = None
     """Clients prove they know it (HMAC of a nonce); None: no client authentication."""
     max_body: int = DEFAULT_MAX_BODY
+    """The largest message body; at most `MAX_BODY` (a message must fit one log entry)."""
     outbound_frames: int = 20_000
     """Frames waiting for a client before it counts as a slow consumer and is cut off."""
 
 
+MAX_BODY = MAX_COMMAND_BYTES - FRAME_OVERHEAD
+"""The largest `--max-body` a node takes: a body must fit one Raft log entry."""
+
+
+def check_node_config(config: NodeConfig) -> None:
+    """`ConfigError` for a configuration the node cannot serve."""
+    if not 1 <= config.max_body <= MAX_BODY:
+        raise ConfigError(
+            f"max body must be between 1 and {MAX_BODY} bytes (a message must fit one log "
+            f"entry of at most {MAX_COMMAND_BYTES}), not {config.max_body}"
+        )
+
+
 class NodeServer:
     def __init__(self, config: NodeConfig) -> None:
+        check_node_config(config)
         self.config = config
         self.node_id = config.replica.node_id
         self.consumer_prefix = f"{self.node_id}.{os.urandom(4).hex()}."
