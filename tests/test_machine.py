@@ -905,3 +905,20 @@ def test_consumers_on_a_node_are_listed_across_queues_until_they_are_down() -> N
     d(Down(consumer="a1"))
     assert d.machine.consumers_on("A") == ("a2",)
     assert d.machine.consumers_on("C") == ()
+
+
+def test_a_cancelled_single_active_consumer_hands_over_only_once_it_holds_nothing() -> None:
+    """DESIGN rule 5: strict FIFO including redeliveries. The next consumer took over at
+    the cancel and got later messages while the first one's were out; when those came
+    back they came after the later ones."""
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(single_active_consumer=True)))
+    d(Subscribe(queue="q", consumer="first", node="A", prefetch=2))
+    d(Subscribe(queue="q", consumer="next", node="A", prefetch=10))
+    for body in (b"m0", b"m1", b"m2", b"m3"):
+        d(Enqueue(queue="q", body=body))
+    assert d.machine.unacked("q", "first") == (0, 1)
+    assert deliveries(d(Cancel(queue="q", consumer="first"))) == []  # not yet: 0, 1 are out
+    assert deliveries(d(Ack(queue="q", consumer="first", offsets=[0]))) == []  # 1 still out
+    returned = d(Nack(queue="q", consumer="first", offsets=[1], requeue=True))
+    assert deliveries(returned) == [("next", 1), ("next", 2), ("next", 3)]  # 1 first

@@ -122,6 +122,10 @@ class QueueMachineRules(RuleBasedStateMachine):
         self.producer_offsets: dict[tuple[str, str], dict[int, int]] = {}
         self.producer_last: dict[tuple[str, str], int] = {}
         self.down_nodes: set[str] = set()
+        self.returned: set[Ref] = set()
+        self.leaving: set[Ref] = set()
+        """Messages given back and not delivered or gone since: under single active
+        consumer they come before any later message (strict FIFO)."""
 
     # ---------------------------------------------------------------- driving
 
@@ -149,10 +153,14 @@ class QueueMachineRules(RuleBasedStateMachine):
     def give_back(self, queue: str, offsets: list[int], failed: set[int]) -> None:
         for off in offsets:
             del self.held[(queue, off)]
+            self.returned.add((queue, off))
             if off in failed:
                 self.failures[(queue, off)] = self.failures.get((queue, off), 0) + 1
 
     def take_effects(self, applied: Applied) -> None:
+        self.leaving = {
+            (e.queue, e.offset) for e in applied.effects if isinstance(e, Dropped | DeadLettered)
+        }  # a return dropped in the same step does not come first: it is gone
         for e in applied.effects:
             if isinstance(e, ConsumerDown):
                 mc = self.consumers[e.queue].pop(e.consumer)
@@ -177,6 +185,7 @@ class QueueMachineRules(RuleBasedStateMachine):
             self.forget_idle_cancelled(q)
 
     def leave(self, ref: Ref) -> None:
+        self.returned.discard(ref)
         assert ref in self.enqueued, ref
         assert ref not in self.held, f"{ref} left while held"
         assert ref not in self.acked and ref not in self.dropped, ref
@@ -194,9 +203,22 @@ class QueueMachineRules(RuleBasedStateMachine):
         assert (e.key, e.body) == self.enqueued[ref]
         assert e.redelivered == (ref in self.delivered_ever)
         assert e.delivery_count == self.failures.get(ref, 0)
+        self.returned.discard(ref)
         if self.options[e.queue].single_active_consumer:
-            active = next(c for c, m in self.consumers[e.queue].items() if not m.cancelled)
+            # the oldest subscriber that is not cancelled, or that still holds messages:
+            # a cancelled one with messages out keeps the next from taking over
+            active = next(
+                c
+                for c, m in self.consumers[e.queue].items()
+                if not m.cancelled or self.held_by(e.queue, c)
+            )
             assert e.consumer == active, "single active consumer: only the oldest receives"
+            earlier = [
+                o
+                for q, o in self.returned
+                if q == e.queue and o < e.offset and (q, o) not in self.leaving
+            ]
+            assert not earlier, f"single active consumer: {earlier} returned, {e.offset} given"
         if not e.redelivered:
             if e.key is None:
                 slot = (e.queue, e.consumer)

@@ -276,9 +276,12 @@ class QueueState:
         return c
 
     def active_consumer(self) -> ConsumerState | None:
-        """With single active consumer: the oldest subscriber that is not cancelled."""
+        """With single active consumer: the oldest subscriber that is not cancelled, or
+        that still holds messages. A cancelled consumer stays active until it holds
+        nothing: the next one takes over only then, so messages it returns come before
+        any later one (strict FIFO, DESIGN rule 5)."""
         for c in self.consumers.values():
-            if not c.cancelled:
+            if not c.cancelled or c.unacked:
                 return c
         return None
 

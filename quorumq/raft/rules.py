@@ -163,7 +163,7 @@ class LeaderClock:
         if anchor is None or anchor[0] != term:
             return None
         _, base, since = anchor
-        expected = base + int((self.monotonic() - since) * 1000)
+        expected = base + round((self.monotonic() - since) * 1000)
         ts = min(max(self.wall_ms(), expected - self.bound_ms), expected + self.bound_ms)
         with self._lock:
             self._last = ts = max(ts, self._last)
