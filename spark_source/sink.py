@@ -96,7 +96,9 @@ def message_of(row: Any) -> tuple[bytes, str | None, Mapping[str, str] | None]:
         raise ValueError("the quorumq sink cannot write a row whose value is null")
     body = value.encode("utf-8") if isinstance(value, str) else bytes(value)
     headers = fields.get("headers")
-    return body, fields.get("key"), dict(headers) if headers else None
+    if headers:  # a null value is an absent header (the queue takes str values only)
+        headers = {k: v for k, v in headers.items() if v is not None}
+    return body, fields.get("key"), headers or None
 
 
 class QuorumqStreamWriter(DataSourceStreamWriter):  # type: ignore[misc]

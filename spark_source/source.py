@@ -115,7 +115,7 @@ class QuorumqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow): 
 
     def initialOffset(self) -> dict[str, Any]:  # noqa: N802
         group = f"{self.options.group_id_prefix}-{uuid.uuid4().hex}"
-        return {"group": group, "offset": self.ends.resolve_start()}
+        return {"group": group, "offset": self.ends.resolve_start(), "buckets": self.buckets}
 
     def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802
         if self.options.max_offsets_per_trigger is not None:
@@ -144,7 +144,14 @@ class QuorumqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow): 
                 end = self._enough(begin, end, minimum)
             if maximum is not None:
                 end = min(end, begin + maximum)
-        return {"group": start["group"], "offset": end}
+        # The plan's bucket count goes into the offset log with the batch's end: a batch
+        # replayed after a restart with other cores or another `partitions` option is
+        # planned as it first was, so each sink task writes the same rows again.
+        # With nothing new the offset stays exactly as it was (another bucket count alone
+        # would look like new data to Spark and start an empty batch).
+        if end == begin:
+            return start
+        return {"group": start["group"], "offset": end, "buckets": self.buckets}
 
     def _enough(self, begin: int, end: int, minimum: int) -> int:
         """`end`, or `begin` (no batch yet) while fewer than `minimum` new offsets have
@@ -164,7 +171,10 @@ class QuorumqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow): 
         return None
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        return plan(self.options, int(start["offset"]), int(end["offset"]), self.buckets)
+        """The batch's plan, with the bucket count stored in its end offset (checkpoints
+        written before it was stored: the current count)."""
+        buckets = int(end.get("buckets", self.buckets))
+        return plan(self.options, int(start["offset"]), int(end["offset"]), buckets)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, BucketRange)

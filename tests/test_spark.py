@@ -233,11 +233,17 @@ def test_batch_read_of_an_offset_range(spark: Any, cluster: Cluster) -> None:
 def test_queue_to_spark_to_queue_restarted_midway_has_each_input_once(
     spark: Any, cluster: Cluster, checkpoint: Path
 ) -> None:
-    from pyspark.sql.functions import col, udf
+    """Restarted after a failed micro-batch with another parallelism (3 key buckets, then
+    2): the replayed batch is planned as it first was (its bucket count is in the offset
+    log), so each sink task sends the same rows under the same producer and sequence
+    numbers. Planned anew, 600 inputs once gave 877 rows: 92 missing, 369 duplicated.
+    A null header value is dropped (it once failed the query for good)."""
+    from pyspark.sql.functions import col, create_map, lit, udf
 
     fill(cluster, "pipe-in", 300)
     cluster.client().declare("pipe-out")
     marker = checkpoint / "failed-once"
+    partitions = ["3"]
 
     @udf("binary")
     def fail_once_at_250(offset, value):  # no type hints: with them Spark makes a pandas UDF
@@ -248,10 +254,20 @@ def test_queue_to_spark_to_queue_restarted_midway_has_each_input_once(
 
     def start() -> Any:
         source = stream(
-            spark, cluster, "pipe-in", startingOffsets="earliest", maxOffsetsPerTrigger="100"
+            spark,
+            cluster,
+            "pipe-in",
+            startingOffsets="earliest",
+            maxOffsetsPerTrigger="100",
+            partitions=partitions[0],
         )
+        headers = create_map(lit("source"), lit("spark"), lit("empty"), lit(None).cast("string"))
         return (
-            source.select(col("key"), fail_once_at_250(col("offset"), col("value")).alias("value"))
+            source.select(
+                col("key"),
+                fail_once_at_250(col("offset"), col("value")).alias("value"),
+                headers.alias("headers"),
+            )
             .writeStream.format("quorumq")
             .option("endpoints", endpoints(cluster))
             .option("queue", "pipe-out")
@@ -266,6 +282,7 @@ def test_queue_to_spark_to_queue_restarted_midway_has_each_input_once(
 
     assert "task killed mid-batch" in query_error(start)  # in the third batch, [200, 300)
     assert len(output()) >= 200
+    partitions[0] = "2"  # restarted with another parallelism
     query = start()  # replays the third batch: what landed before the crash is recognised
     assert query.awaitTermination(QUERY_TIMEOUT_S)
     assert len(output()) == 300
@@ -278,6 +295,7 @@ def test_queue_to_spark_to_queue_restarted_midway_has_each_input_once(
     out = output()
     bodies = [m.body for m in out]
     assert sorted(bodies) == sorted(b"out-v%d" % i for i in range(300))  # each exactly once
+    assert all(m.headers == {"source": "spark"} for m in out)
     for key in {m.key for m in out}:  # and each key's messages in their input order
         numbers = [int(m.body[5:]) for m in out if m.key == key]
         assert numbers == sorted(numbers)
