@@ -258,6 +258,8 @@ class Replica:
         self._in_flight: InFlight[ProposalError] = InFlight(config.proposal_timeout_s)
         """Proposals in submission order, to answer those PySyncObj never answers."""
         self._last_tick_proposal = 0.0
+        self._removed: set[str] = set()
+        """Replicas this node removed, until the log marks them down."""
         self.member = RaftMember(
             config.node_id,
             config.peers,
@@ -379,7 +381,21 @@ class Replica:
 
     def _on_tick(self) -> None:
         self._expire_proposals()
+        self._down_removed_members()
         self._leader_duties()
+
+    def _down_removed_members(self) -> None:
+        """A replica this node removed is marked down, again until the log says so (the
+        first `NodeDown` is easily lost right after a leader hand-over, and a removed
+        node is no longer watched by the leader's failure detection)."""
+        if not self._removed:
+            return
+        down = self.machine.down_nodes()
+        for name in sorted(self._removed):
+            if name in down or name in self.member.members():
+                self._removed.discard(name)
+            else:
+                self._propose_once(("down", name), NodeDown(node=name))
 
     def _expire_proposals(self) -> None:
         timeout = self.config.proposal_timeout_s
@@ -439,7 +455,7 @@ class Replica:
 
         def done(error: ProposalError | None) -> None:
             if error is None:
-                self.propose(NodeDown(node=name))
+                self._removed.add(name)  # marked down from the next tick on, until it is
             callback(error)
 
         self.member.remove_member(address, _membership_done(done))

@@ -219,3 +219,32 @@ def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
         assert member.compaction_error is None
     finally:
         member.stop()
+
+
+# ------------------------------------------------------------------ membership
+
+
+def test_a_second_membership_change_is_refused_while_the_first_is_uncommitted(
+    tmp_path: Any,
+) -> None:
+    """PySyncObj never set `__changeClusterIDx`: two concurrent adds to {A,B,C} made
+    {A..E}, whose quorum {A,D,E} misses the old quorum {B,C}."""
+    import pickle
+
+    member, _ = _member(tmp_path)
+    try:
+        log = member._SyncObj__raftLog
+        first = b"\x02" + pickle.dumps(["add", "127.0.0.1:1", "127.0.0.1:1"])
+        for i in range(2, 6):
+            log.add(b"\x04cmd%d" % i, i, 1)
+        log.add(first, 6, 1)  # the first change, appended, not committed
+        member._SyncObj__raftCommitIndex = 5
+        member._SyncObj__raftLastApplied = 5
+        member._SyncObj__noopIDx = 1
+        assert member.uncommitted_membership_change()
+        second = ["add", "127.0.0.1:2", "127.0.0.1:2"]
+        assert member._SyncObj__changeCluster(second) is False
+        member._SyncObj__raftCommitIndex = 6  # the first is committed: the next may go
+        assert not member.uncommitted_membership_change()
+    finally:
+        member.stop()

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -450,3 +451,37 @@ def test_a_command_too_big_for_one_log_entry_is_refused_not_raised(cluster: Clus
     reply = leader.submit(Enqueue(queue="q", body=b"x" * (3 * 1024 * 1024 + 1)))
     assert isinstance(reply, Error) and reply.code == "too_large"
     assert isinstance(leader.submit(Enqueue(queue="q", body=b"fits")), Enqueued)
+
+
+def test_a_removed_replica_is_marked_down_even_when_the_first_proposal_is_lost(
+    cluster: Cluster,
+) -> None:
+    """`remove_member` proposed `NodeDown` once; lost (likely right after a leader
+    hand-over), the removed node's consumers kept their messages for good."""
+    leader = cluster.leader()
+    if leader.node_id == "C":
+        _lead(cluster, "A")
+        leader = cluster.leader()
+    leader.submit(Declare(queue="q"))
+    leader.submit(Subscribe(queue="q", consumer="on-c", node="C", prefetch=5))
+    leader.submit(Enqueue(queue="q", body=b"held"))
+    assert leader.machine.unacked("q", "on-c") == (0,)
+    real_propose = leader.propose
+    lost: list[object] = []
+
+    def lose_the_first_node_down(command: Any, callback: Any = None) -> None:
+        if isinstance(command, NodeDown) and not lost:
+            lost.append(command)
+            if callback is not None:
+                callback(None, OutcomeUnknownError("lost in a leader hand-over"))
+            return
+        real_propose(command, callback)
+
+    leader.propose = lose_the_first_node_down  # type: ignore[method-assign]
+    removed = threading.Event()
+    leader.remove_member("C", lambda error: removed.set())
+    assert removed.wait(15)
+    wait_for(lambda: "C" in leader.machine.down_nodes(), "C marked down", 15)
+    assert lost, "the first NodeDown was not the one lost"
+    wait_for(lambda: leader.machine.ready("q") == (0,), "C's message back in the queue")
+    cluster.stop("C")

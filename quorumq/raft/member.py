@@ -345,8 +345,9 @@ class RaftMember(RaftRules):
         return {node_name(n): str(n.id) for n in nodes}
 
     def add_member(self, name: str, address: str, callback: Callable[[Any, int], None]) -> None:
-        """Propose adding a replica (one change at a time; the leader refuses a second
-        while one is uncommitted). `callback(None, FAIL_REASON)` on commit or refusal."""
+        """Propose adding a replica (one change at a time: the leader refuses a second
+        while one is uncommitted, `RaftRules._SyncObj__changeCluster`).
+        `callback(None, FAIL_REASON)` on commit or refusal."""
         self.addNodeToCluster(_named_node(address, name), callback)
 
     def remove_member(self, address: str, callback: Callable[[Any, int], None]) -> None:

@@ -68,6 +68,8 @@ if _PYSYNCOBJ_VERSION != "0.3.17":
 RAW_COMMAND = 4
 """Our command type in PySyncObj's log (PySyncObj uses 0-3)."""
 _RAW_PREFIX = bytes([RAW_COMMAND])
+_MEMBERSHIP_PREFIX = bytes([2])
+"""PySyncObj's command type of a configuration change (`_COMMAND_TYPE.MEMBERSHIP`)."""
 MAX_COMMAND_BYTES = 3 * 1024 * 1024
 """Commands must stay below PySyncObj's AppendEntries batch size (4 MiB here): its chunked
 path for bigger single commands is broken."""
@@ -362,6 +364,32 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             applied,
         )
         self._SyncObj__sendNextNodeIdx(self._message_from, nextNodeIdx=applied + 1, success=True)
+        return False
+
+    # ------------------------------------------------------------- membership
+
+    def _SyncObj__changeCluster(self, request: Any) -> bool:
+        """As leader, append a configuration change only if no earlier one is still
+        uncommitted (Raft's single-server changes). PySyncObj 0.3.17 reads its
+        `__changeClusterIDx` but never sets it, so two concurrent `members add` gave
+        {A..E} from {A,B,C}, whose quorum {A,D,E} does not overlap the old quorum {B,C}:
+        two leaders could commit at the same index. Refused, the request is answered
+        REQUEST_DENIED and may be tried again once the earlier change is committed."""
+        if self.uncommitted_membership_change():
+            logger.info("refusing a membership change: an earlier one is not committed yet")
+            return False
+        return bool(super()._SyncObj__changeCluster(request))
+
+    def uncommitted_membership_change(self) -> bool:
+        """Whether this log holds a configuration entry after the commit index."""
+        log = self._SyncObj__raftLog
+        commit = self._SyncObj__raftCommitIndex
+        for pos in range(len(log) - 1, -1, -1):
+            command, idx, _ = log[pos]
+            if idx <= commit:
+                return False
+            if command[:1] == _MEMBERSHIP_PREFIX:
+                return True
         return False
 
     def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:
