@@ -9,8 +9,8 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
