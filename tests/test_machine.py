@@ -922,3 +922,35 @@ def test_a_cancelled_single_active_consumer_hands_over_only_once_it_holds_nothin
     assert deliveries(d(Ack(queue="q", consumer="first", offsets=[0]))) == []  # 1 still out
     returned = d(Nack(queue="q", consumer="first", offsets=[1], requeue=True))
     assert deliveries(returned) == [("next", 1), ("next", 2), ("next", 3)]  # 1 first
+
+
+def test_a_dead_letter_cycle_without_a_rejection_drops_the_message() -> None:
+    """A -> B -> A with a TTL on both bounced a message for ever, a new offset each time."""
+    d = Driver()
+    ttl = {"message_ttl_ms": 10}
+    d(Declare(queue="a", options=QueueOptions(dead_letter_queue="b", **ttl)))
+    d(Declare(queue="b", options=QueueOptions(dead_letter_queue="a", **ttl)))
+    d(Enqueue(queue="a", body=b"m"), ts_ms=0)
+    moved = d(Tick(), ts_ms=100)  # a -> b
+    assert [type(e).__name__ for e in moved.effects] == ["DeadLettered"]
+    (in_b,) = d.machine.read("b", 0, 10)
+    assert in_b.headers is not None and in_b.headers["x-death-hops"] == "1"
+    cycle = d(Tick(), ts_ms=200)  # b -> a would close the cycle: dropped
+    assert [(type(e).__name__, getattr(e, "reason", None)) for e in cycle.effects] == [
+        ("Dropped", "dead_letter_cycle")
+    ]
+    assert d(Tick(), ts_ms=300).effects == ()
+    assert d.machine.stats("a").next_offset == 1 and d.machine.stats("b").next_offset == 1
+
+
+def test_a_rejection_by_a_consumer_restarts_the_dead_letter_path() -> None:
+    d = Driver()
+    d(Declare(queue="a", options=QueueOptions(dead_letter_queue="b")))
+    d(Declare(queue="b", options=QueueOptions(dead_letter_queue="a")))
+    d(Subscribe(queue="a", consumer="ca", node="A", prefetch=1))
+    d(Subscribe(queue="b", consumer="cb", node="A", prefetch=1))
+    d(Enqueue(queue="a", body=b"m"))
+    for queue, consumer in [("a", "ca"), ("b", "cb"), ("a", "ca")]:  # rejected each time
+        (held,) = d.machine.unacked(queue, consumer)
+        applied = d(Nack(queue=queue, consumer=consumer, offsets=[held], requeue=False))
+        assert any(type(e).__name__ == "DeadLettered" for e in applied.effects), queue

@@ -68,6 +68,16 @@ def _error(code: ErrorCode, message: str, expected_seq: int | None = None) -> Er
     return Error(code=code, message=message, expected_seq=expected_seq)
 
 
+MAX_DEATH_HOPS = 32
+"""Most dead-letterings of one message with no rejection between them."""
+_PATH_SEPARATOR = "\x1f"
+
+
+def _death_path(headers: dict[str, str]) -> list[str]:
+    raw = headers.get("x-death-path")
+    return raw.split(_PATH_SEPARATOR) if raw else []
+
+
 class Machine:
     """The replicated state of every queue, changed only by `apply`."""
 
@@ -162,9 +172,23 @@ class Machine:
             effects.append(Dropped(queue=q.name, offset=source_offset, reason="dead_letter_full"))
             return None
         headers = dict(old_headers or {})
+        # Cycles (A -> B -> A with a TTL on both bounced a message for ever, taking a new
+        # offset each time): as in RabbitMQ, a message that would be dead-lettered into a
+        # queue it already died in, with no rejection by a consumer since, is dropped.
+        # `x-death-path` lists those queues; `x-death-hops` bounds it anyway.
+        path = [] if reason == "rejected" else [*_death_path(headers), q.name]
+        if target.name in path or len(path) > MAX_DEATH_HOPS:
+            effects.append(Dropped(queue=q.name, offset=source_offset, reason="dead_letter_cycle"))
+            return None
         headers["x-death-reason"] = reason
         headers["x-death-queue"] = q.name
         headers["x-death-offset"] = str(source_offset)
+        if path:
+            headers["x-death-path"] = _PATH_SEPARATOR.join(path)
+            headers["x-death-hops"] = str(len(path))
+        else:  # a consumer rejected it: a new path starts
+            headers.pop("x-death-path", None)
+            headers.pop("x-death-hops", None)
         offset = target.append(body, key, headers, self._now)
         target.trim_stream()
         effects.append(
