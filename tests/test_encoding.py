@@ -81,7 +81,8 @@ for i, c in enumerate(cmds, 1):
     m.apply(Meta(i, 1000 + i), c)
 print(m.digest())
 """
-GOLDEN_DIGEST = "2a3c926c5fa90e328e157102e15e8431dd59be10d795504256247cef1c5c1b32"
+GOLDEN_DIGEST = "42f580a662926bcc95d494ff2162bbcc8fdf276aa022265f5e6f3005d5cbc974"
+"""Snapshot version 2 (retention counts keys, headers and overhead; the death path)."""
 
 
 def _digest_in_subprocess(hash_seed: str) -> str:
@@ -95,3 +96,16 @@ def _digest_in_subprocess(hash_seed: str) -> str:
 def test_digest_is_the_same_in_every_process_and_hash_seed() -> None:
     digests = {_digest_in_subprocess(seed) for seed in ("0", "1", "4242")}
     assert digests == {GOLDEN_DIGEST}
+
+
+def test_a_version_1_snapshot_is_still_read_and_its_retained_bytes_counted_again() -> None:
+    from quorumq.machine import Declare, Enqueue, Meta, QueueOptions
+
+    m = Machine()
+    m.apply(Meta(1, 0), Declare(queue="q", options=QueueOptions(retention_bytes=10**6)))
+    m.apply(Meta(2, 0), Enqueue(queue="q", body=b"x", key="k", headers={"h": "v"}))
+    current = decode(m.snapshot())
+    old = [current[0], 1, *current[2:]]
+    old[5][0][4] = 1  # version 1 counted the body only
+    restored = Machine.restore(encode(old))
+    assert restored.digest() == m.digest()

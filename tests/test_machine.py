@@ -33,6 +33,7 @@ from quorumq.machine import (
     Tick,
     UnknownQueueError,
 )
+from quorumq.machine.queue import MESSAGE_OVERHEAD
 
 from .helpers import Driver, delivered, deliveries
 
@@ -763,10 +764,23 @@ def test_retention_messages_trims_stream_view_from_front(d: Driver) -> None:
 
 
 def test_retention_bytes_trims_stream_view_from_front(d: Driver) -> None:
-    d(Declare(queue="s", options=QueueOptions(retention_bytes=10)))
+    each = 4 + MESSAGE_OVERHEAD
+    d(Declare(queue="s", options=QueueOptions(retention_bytes=2 * each + 3)))
     for _ in range(4):
         d(Enqueue(queue="s", body=b"1234"))
     assert [m.offset for m in d.machine.read("s", 0, 100)] == [2, 3]
+
+
+def test_retention_bytes_counts_keys_headers_and_overhead_not_only_bodies(d: Driver) -> None:
+    """With retention_bytes=1024, 20 messages with big headers were kept (the snapshot
+    was 40 MiB): only bodies were counted."""
+    d(Declare(queue="s", options=QueueOptions(retention_bytes=1024)))
+    for _ in range(20):
+        d(Enqueue(queue="s", body=b"x", key="k" * 100, headers={"h": "v" * 300}))
+    kept = d.machine.read("s", 0, 100)
+    assert [m.offset for m in kept] == [19]  # 1 + 100 + 1 + 300 + 128 = 530 bytes each
+    restored = Machine.restore(d.machine.snapshot())  # counted again on restore
+    assert restored.digest() == d.machine.digest()
 
 
 def test_retention_never_removes_ready_or_unacked_messages(d: Driver) -> None:

@@ -34,7 +34,7 @@ from .commands import (
     Tick,
 )
 from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect
-from .queue import ConsumerState, ProducerState, QueueState, Record
+from .queue import ConsumerState, ProducerState, QueueState, Record, message_cost
 from .replies import OK, Declared, Enqueued, Error, ErrorCode, Forgotten, Reply
 from .views import QueueStats, StreamMessage, bucket_of
 
@@ -42,7 +42,11 @@ PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
 """An idempotent producer silent this long is forgotten (its next seq starts afresh)."""
 
 _SNAPSHOT_FORMAT = "quorumq-machine"
-_SNAPSHOT_VERSION = 1
+_SNAPSHOT_VERSION = 2
+"""2: retention counts keys, headers and an overhead per message (`message_cost`), and
+dead-lettered messages carry their death path. A version-1 snapshot has the same layout
+and is read too: the retained bytes are counted again on restore."""
+_READABLE_VERSIONS = (1, 2)
 _OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
 
 
@@ -596,7 +600,7 @@ class Machine:
         value = encoding.decode(data)
         if not (isinstance(value, list) and len(value) == 6 and value[0] == _SNAPSHOT_FORMAT):
             raise encoding.DecodeError("not a quorumq machine snapshot")
-        if value[1] != _SNAPSHOT_VERSION:
+        if value[1] not in _READABLE_VERSIONS:
             raise encoding.DecodeError(f"unsupported snapshot version {value[1]}")
         m = cls()
         m._last_index, m._now = value[2], value[3]
@@ -654,7 +658,10 @@ def _decode_queue(raw: list[Any]) -> QueueState:
     by_offset: dict[int, Record] = {m[0]: tuple(m) for m in messages}
     q.stream_items = [by_offset[o] for o in range(first, next_offset)]
     q.stream_base = first
-    q.stream_bytes = stream_bytes
+    del stream_bytes  # counted again: version 1 counted bodies only
+    q.stream_bytes = sum(
+        message_cost(m[2], m[1], m[3]) for m in by_offset.values() if m[0] >= first
+    )
     q.msgs = {o: by_offset[o] for o in in_queue}
     q.returns = {o: n for o, n in returns}
     for cid, node, prefetch, cancelled, unacked in consumers:
