@@ -23,7 +23,7 @@ threads read it with `query`.
 
 As leader, the replica turns time and failure into log commands: `NodeDown(node)` when
 a replica has not answered for `node_down_grace_s`, `NodeUp(node)` when it answers
-again, and `Tick()` while some queue has a message TTL.
+again, and `Tick()` while time must move (`Machine.needs_tick`: TTLs, producers).
 """
 
 from __future__ import annotations
@@ -421,7 +421,7 @@ class Replica:
         now = time.monotonic()
         if now - self._last_tick_proposal >= TICK_EVERY_S:
             self._last_tick_proposal = now
-            if any(self.machine.options(q).message_ttl_ms for q in self.machine.queues()):
+            if self.machine.needs_tick():  # TTLs, and producers that may expire
                 self._propose_once(("tick", ""), Tick())
 
     def _propose_once(self, key: tuple[str, str], command: Command) -> None:

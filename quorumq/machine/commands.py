@@ -14,6 +14,9 @@ import attrs
 
 Overflow: TypeAlias = Literal["drop-head", "reject-publish"]
 
+MAX_PREFETCH = 65_535
+"""The largest `prefetch` a consumer may ask for (RabbitMQ's limit): a huge one turned
+the node's slow-consumer cut-off off."""
 DEFAULT_RETENTION_BYTES = 64 * 1024 * 1024
 """Stream-view retention by body bytes when a queue does not say (64 MiB)."""
 
@@ -180,7 +183,12 @@ class Subscribe:
     consumer: str = attrs.field(validator=_str)
     node: str = attrs.field(validator=_str)
     prefetch: int = attrs.field(default=0, validator=_non_negative)
-    """Most unacked messages the consumer holds; 0 means no limit."""
+    """Most unacked messages the consumer holds (at most 65,535); 0 means no limit."""
+
+    @prefetch.validator
+    def _check_prefetch(self, _attr: object, value: int) -> None:
+        if value > MAX_PREFETCH:
+            raise ValueError(f"prefetch must be at most {MAX_PREFETCH}, got {value}")
 
 
 @attrs.frozen(kw_only=True)

@@ -40,6 +40,19 @@ from .views import QueueStats, StreamMessage, bucket_of
 
 PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
 """An idempotent producer silent this long is forgotten (its next seq starts afresh)."""
+MAX_PRODUCERS = 10_000
+"""Most idempotent producers a queue remembers. Past it, the least recently active tenth
+is forgotten at once (as after `PRODUCER_EXPIRY_MS`): their next enqueue must start again
+at seq 0, so a resend is refused, never enqueued twice. Without a bound, every client's
+producer was kept for 7 days (100,000 short-lived producers, 100,000 states)."""
+
+
+def _evict_producers(q: QueueState) -> None:
+    """Forget the least recently active tenth of `q`'s producers (ties by id, so every
+    replica, restored from a snapshot or not, forgets the same ones)."""
+    oldest = sorted(q.producers.items(), key=lambda item: (item[1].last_ts, item[0]))
+    for producer, _ in oldest[: max(1, len(oldest) // 10)]:
+        del q.producers[producer]
 
 _SNAPSHOT_FORMAT = "quorumq-machine"
 _SNAPSHOT_VERSION = 2
@@ -292,6 +305,8 @@ class Machine:
             state = q.producers.get(producer)
             if state is None:
                 state = q.producers[producer] = ProducerState(seq - 1, now)
+                if len(q.producers) > MAX_PRODUCERS:
+                    _evict_producers(q)
             state.record(seq, first, len(messages), now)
         self._run([q], effects)
         return Enqueued(offset=first, count=len(messages))
@@ -449,6 +464,13 @@ class Machine:
         if not cmd.prefix:
             return _error(ErrorCode.INVALID, "an empty prefix would forget every producer")
         return Forgotten(count=q.forget_producers(cmd.prefix))
+
+    def needs_tick(self) -> bool:
+        """Whether time must move on even with no other command: a queue has a message
+        TTL, or remembers producers that may expire. The leader proposes `Tick` then."""
+        return any(
+            q.options.message_ttl_ms is not None or q.producers for q in self._queues.values()
+        )
 
     def _tick(self, cmd: Tick, effects: list[Any]) -> Reply:
         now = self._now

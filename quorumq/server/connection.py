@@ -85,6 +85,8 @@ class MembershipError(Exception):
         self.message = message
 
 
+MAX_WAITING_READS = 64
+"""Reads with `wait_ms` one connection may have waiting (each is a task for up to 30 s)."""
 GATHER_BYTES = 1024 * 1024
 """Most body bytes of consecutive publishes gathered into one `EnqueueBatch` entry (a log
 entry holds at most `MAX_COMMAND_BYTES`; four pipelined 1 MiB publishes exceeded it and
@@ -100,8 +102,12 @@ class Connection:
         self.outbox_send, self.outbox_receive = trio.open_memory_channel[bytes](math.inf)
         self.queued = 0
         """Frames waiting to be sent."""
+        self.prefetches: dict[str, int] = {}
+        """Each consumer's prefetch, while it is here."""
         self.prefetch_allowance = 0
-        """Sum of this connection's consumers' prefetch: that many deliveries may wait."""
+        """Sum of `prefetches`: that many deliveries may wait for a slow reader."""
+        self.waiting_reads = 0
+        """Reads with `wait_ms` waiting to be applied (at most `MAX_WAITING_READS`)."""
         self.consumers: dict[str, str] = {}
         """consumer id -> queue, for consumers of this connection."""
         self.awaiting_reply: dict[str, list[Frame]] = {}
@@ -211,6 +217,8 @@ class Connection:
     def drop_consumer(self, consumer: str) -> None:
         """`consumer` is gone from this connection."""
         self.consumers.pop(consumer, None)
+        self.awaiting_reply.pop(consumer, None)
+        self.prefetch_allowance -= self.prefetches.pop(consumer, 0)
         self.subscribe_requests.pop(consumer, None)
         self.cancelling.discard(consumer)
         self._sent.pop(consumer, None)
@@ -394,14 +402,15 @@ class Connection:
         self._consumer_counter += 1
         consumer = f"{self.node.consumer_prefix}{self.number}.{self._consumer_counter}"
         queue = frame["queue"]
+        command = Subscribe(  # checked (prefetch at most 65,535) before anything is kept
+            queue=queue, consumer=consumer, node=self.node.node_id, prefetch=frame["prefetch"]
+        )
         self.consumers[consumer] = queue
         self.awaiting_reply[consumer] = []
         self.subscribe_requests[consumer] = frame["id"]
-        self.prefetch_allowance += frame["prefetch"]
+        self.prefetches[consumer] = command.prefetch
+        self.prefetch_allowance += command.prefetch
         self.node.consumers[consumer] = self
-        command = Subscribe(
-            queue=queue, consumer=consumer, node=self.node.node_id, prefetch=frame["prefetch"]
-        )
         self.node.propose(command, self, frame["id"], consumer=consumer)
 
     def _cancel(self, frame: Frame) -> None:
@@ -464,8 +473,15 @@ class Connection:
             raise ValueError(f"wait_ms must be an integer from 0 to {MAX_READ_WAIT_MS}")
         if wait_ms is None or self._applied_end(frame["queue"]) >= end:
             self._answer_read(frame)
+        elif self.waiting_reads >= MAX_WAITING_READS:
+            self.error(
+                frame["id"],
+                "too_many_reads",
+                f"{MAX_WAITING_READS} reads already wait on this connection; wait for them",
+            )
         else:
             assert self._nursery is not None
+            self.waiting_reads += 1
             self._nursery.start_soon(self._read_when_applied, frame, wait_ms)
 
     def _applied_end(self, queue: str) -> int:
@@ -477,6 +493,12 @@ class Connection:
             return -1
 
     async def _read_when_applied(self, frame: Frame, wait_ms: int) -> None:
+        try:
+            await self._wait_and_read(frame, wait_ms)
+        finally:
+            self.waiting_reads -= 1
+
+    async def _wait_and_read(self, frame: Frame, wait_ms: int) -> None:
         queue, end = frame["queue"], frame["end"]
         deadline = trio.current_time() + wait_ms / 1000
         delay = 0.001

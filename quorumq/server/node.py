@@ -165,7 +165,18 @@ class NodeServer:
                 logger.info("consumer %s is served nowhere: proposing its Down", consumer)
                 self.replica.propose(Down(consumer=consumer))
             missing_before = missing
+            self._forget_removed(set(placed))
             await trio.sleep(LOST_CONSUMERS_EVERY_S)
+
+    def _forget_removed(self, placed: set[str]) -> None:
+        """Drop the records of consumers the machine no longer has: a cancelled one once
+        it held nothing (they stayed until the connection closed: 10,000 subscribe and
+        cancel cycles on one connection kept 10,000 records), and `Down`s done."""
+        for consumer, conn in list(self.consumers.items()):
+            if consumer in conn.cancelling and consumer not in placed:
+                del self.consumers[consumer]
+                conn.drop_consumer(consumer)
+        self._downed &= placed
 
     def _down(self, consumer: str) -> None:
         if consumer not in self._downed:
