@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 RECEIVE_CHUNK = 256 * 1024
 CLOSE_FLUSH_SECONDS = 5.0
+HELLO_FRAME_LIMIT = 4096
+"""The largest frame a peer may send before its `hello` is accepted: an unauthenticated
+peer could make a node buffer a full frame (max body + 64 KiB) per connection."""
 """How long a closing connection may take to send what it has queued."""
 READ_REPLY_BYTES = 768 * 1024
 """A `read` reply carries about this many bytes of messages at most (one larger message
@@ -98,7 +101,9 @@ class Connection:
         self.node = node
         self.stream = stream
         self.number = number
-        self.decoder = FrameDecoder(node.config.max_body + 64 * 1024)
+        self.frame_limit = node.config.max_body + 64 * 1024
+        self.decoder = FrameDecoder(HELLO_FRAME_LIMIT)
+        """Before `hello` a peer may send only small frames; the full limit after it."""
         self.outbox_send, self.outbox_receive = trio.open_memory_channel[bytes](math.inf)
         self.queued = 0
         """Frames waiting to be sent."""
@@ -121,6 +126,7 @@ class Connection:
         node sends what the machine says it holds and was not sent (`quorumq.deliveries`)."""
         self.nonce = os.urandom(16)
         self.greeted = False
+        self.reading = trio.CancelScope()
         self.closed = False
         self.close_reason = ""
         self._consumer_counter = 0
@@ -140,15 +146,17 @@ class Connection:
                 "nonce": self.nonce,
                 "auth": self.node.config.token is not None,
                 "max_body": self.node.config.max_body,
-                "max_frame": self.decoder.max_frame,
+                "max_frame": self.frame_limit,
             }
         )
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
+                nursery.start_soon(self._close_without_hello)
                 try:
-                    await self._reader()
+                    with self.reading:
+                        await self._reader()
                 finally:
                     self.close(self.close_reason or "the client went away")
                     # the writer flushes what is queued (an error frame, say), then ends
@@ -158,6 +166,17 @@ class Connection:
         finally:
             self.closed = True
             self.node.forget(self)
+
+    async def _close_without_hello(self) -> None:
+        """A peer that has not said `hello` within the handshake deadline is dropped: a
+        silent unauthenticated connection stayed open for good."""
+        await trio.sleep(self.node.config.handshake_timeout_s)
+        if not self.greeted and not self.closed:
+            self.error(None, "hello_timeout", "no hello within the handshake deadline")
+            self.close("no hello in time")
+            assert self._nursery is not None
+            self._nursery.cancel_scope.deadline = trio.current_time() + CLOSE_FLUSH_SECONDS
+            self.reading.cancel()
 
     async def _reader(self) -> None:
         while not self.closed:
@@ -297,6 +316,7 @@ class Connection:
             self.close("authentication failed")
             raise ClosingError
         self.greeted = True
+        self.decoder.max_frame = self.frame_limit
         self.push({"t": "reply", "id": 0, "node": self.node.node_id})
 
     def _propose(self, request_id: int, command: Command) -> None:

@@ -35,7 +35,7 @@ from ..machine import (
     Nack,
     Reply,
 )
-from ..protocol import DEFAULT_MAX_BODY, FRAME_OVERHEAD, keep_alive
+from ..protocol import DEFAULT_MAX_BODY, FRAME_OVERHEAD, encode_frame, keep_alive
 from ..raft.member import MAX_COMMAND_BYTES
 from ..replica import (
     ConfigError,
@@ -66,6 +66,10 @@ class NodeConfig:
     """Clients prove they know it (HMAC of a nonce); None: no client authentication."""
     max_body: int = DEFAULT_MAX_BODY
     """The largest message body; at most `MAX_BODY` (a message must fit one log entry)."""
+    handshake_timeout_s: float = 5.0
+    """A connection that has not said `hello` by then is closed."""
+    max_connections: int = 1024
+    """Client connections served at once; one more is refused (`too_many_connections`)."""
     outbound_frames: int = 20_000
     """Frames waiting for a client before it counts as a slow consumer and is cut off."""
 
@@ -132,6 +136,18 @@ class NodeServer:
             await trio.sleep(0.2)
 
     async def _serve_client(self, stream: trio.SocketStream) -> None:
+        if len(self.connections) >= self.config.max_connections:
+            limit = self.config.max_connections
+            refusal = {
+                "t": "error",
+                "id": None,
+                "code": "too_many_connections",
+                "message": f"this node serves {limit} connections at most; try another node",
+            }
+            with trio.move_on_after(1), contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(encode_frame(refusal))
+            await stream.aclose()
+            return
         keep_alive(stream.socket)  # a client whose host vanished gives its consumers up
         self._connection_counter += 1
         conn = Connection(self, stream, self._connection_counter)

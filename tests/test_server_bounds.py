@@ -1,0 +1,88 @@
+"""What an unauthenticated peer can make a node hold is bounded (issue 13, item 5): a
+small frame limit before `hello`, a handshake deadline, and a cap on connections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import trio
+
+import quorumq.aio
+from quorumq.protocol import FrameDecoder, encode_frame
+from quorumq.server import NodeServer
+
+from .test_server import _config, _serve_with
+
+
+async def _frames_until_closed(stream: trio.SocketStream, within: float) -> list[dict[str, object]]:
+    """Every frame the node sends until it closes the connection (fails after `within`)."""
+    decoder = FrameDecoder()
+    frames: list[dict[str, object]] = []
+    with trio.fail_after(within):
+        while True:
+            try:
+                data = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                break
+            if not data:
+                break
+            decoder.feed(data)
+            frames.extend(decoder.frames())
+    return frames
+
+
+def test_a_peer_that_says_nothing_is_dropped_after_the_handshake_deadline(tmp_path: Path) -> None:
+    config = attrs.evolve(_config(tmp_path), handshake_timeout_s=0.5)
+    server = NodeServer(config)
+
+    async def body(endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            frames = await _frames_until_closed(stream, 5)  # it stayed open for good before
+        assert [f["t"] for f in frames] == ["welcome", "error"]
+        assert frames[1]["code"] == "hello_timeout"
+        assert not server.connections
+        async with quorumq.aio.connect(endpoint) as client:  # a real client says hello
+            await client.declare("q")
+
+    _serve_with(server, body)
+
+
+def test_a_big_frame_before_hello_closes_the_connection_at_once(tmp_path: Path) -> None:
+    async def body(endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            await stream.send_all(encode_frame({"t": "hello", "pad": b"x" * 100_000}))
+            frames = await _frames_until_closed(stream, 3)
+        assert frames[-1]["t"] == "error" and frames[-1]["code"] == "frame_too_large"
+
+    _serve_with(NodeServer(_config(tmp_path)), body)
+
+
+def test_connections_over_the_cap_are_refused_with_a_reason(tmp_path: Path) -> None:
+    config = attrs.evolve(_config(tmp_path), max_connections=3, handshake_timeout_s=30)
+
+    async def body(endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        silent = [await trio.open_tcp_stream(host, int(port)) for _ in range(3)]
+        try:
+            for stream in silent:  # wait for each welcome: all three are being served
+                await _first_frame(stream)
+            async with await trio.open_tcp_stream(host, int(port)) as extra:
+                frames = await _frames_until_closed(extra, 3)
+            assert [f.get("code") for f in frames] == ["too_many_connections"]
+        finally:
+            for stream in silent:
+                await stream.aclose()
+
+    _serve_with(NodeServer(config), body)
+
+
+async def _first_frame(stream: trio.SocketStream) -> dict[str, object]:
+    decoder = FrameDecoder()
+    with trio.fail_after(5):
+        while True:
+            decoder.feed(await stream.receive_some(65536))
+            for frame in decoder.frames():
+                return frame
