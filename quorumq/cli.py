@@ -243,7 +243,7 @@ def _status(args: argparse.Namespace) -> int:
     import json  # noqa: PLC0415
 
     with _client(args) as client:
-        print(json.dumps(client.status(), indent=2, sort_keys=True))
+        print(json.dumps(client.status(audit=args.audit), indent=2, sort_keys=True))
     return 0
 
 
@@ -520,6 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="print a node's status as JSON")
     client_options(status)
+    status.add_argument(
+        "--audit",
+        action="store_true",
+        help="also the state digest (hashes every message: slow with many queued)",
+    )
     status.set_defaults(run=_status)
     return parser
 

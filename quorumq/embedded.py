@@ -249,9 +249,10 @@ class Cluster:
         self._clients.append(client)
         return client
 
-    def status(self, node: str) -> dict[str, Any]:
+    def status(self, node: str, *, audit: bool = False) -> dict[str, Any]:
+        """`node`'s status (`audit`: with the state digest, which hashes every message)."""
         with Client([self.endpoint(node)], self.token, connect_timeout=2.0) as client:
-            return client.status()
+            return client.status(audit=audit)
 
     def leader(self, timeout: float = 15.0) -> str:
         """The node every live node agrees leads (waits for an election to settle)."""

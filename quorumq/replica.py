@@ -470,13 +470,16 @@ class Replica:
         with self.lock:
             return read(self.machine)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, *, audit: bool = False) -> dict[str, Any]:
+        """The node's Raft and machine figures, costing O(queues). With `audit`, also the
+        state digest, which hashes every message under the lock (0.5 s at 200,000
+        messages): never on an event loop, only when asked (`quorumq status --audit`)."""
         member = self.member
         leader = member.leader_address()
         members = member.members()
         node_of_address = {a: n for n, a in members.items()}
         with self.lock:
-            digest = self.machine.digest()
+            digest = self.machine.digest() if audit else None
             last_index = self.machine.last_index
             down = sorted(self.machine.down_nodes())
         return {
@@ -487,7 +490,7 @@ class Replica:
             "commit_index": member.raftCommitIndex,
             "last_applied": member.raftLastApplied,
             "machine_index": last_index,
-            "digest": digest,
+            **({"digest": digest} if audit else {}),
             "ready": member.isReady(),
             "down_nodes": down,
             "members": members,

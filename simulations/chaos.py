@@ -490,7 +490,8 @@ def _replicas_agree(cluster: Cluster, timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            seen = {(s["machine_index"], s["digest"]) for s in map(cluster.status, cluster.nodes)}
+            statuses = [cluster.status(n, audit=True) for n in cluster.nodes]
+            seen = {(s["machine_index"], s["digest"]) for s in statuses}
         except (QuorumqError, OSError):
             seen = set()
         if len(seen) == 1:

@@ -57,7 +57,8 @@ def kill_all_and_restart(cluster: Cluster) -> None:
 
 def converged(cluster: Cluster) -> bool:
     digests = {
-        (s["machine_index"], s["digest"]) for s in (cluster.status(n) for n in cluster.nodes)
+        (s["machine_index"], s["digest"])
+        for s in (cluster.status(n, audit=True) for n in cluster.nodes)
     }
     return len(digests) == 1
 

@@ -81,7 +81,7 @@ class Cluster:
         return next(r for r in self.replicas.values() if r.member.is_leader())
 
     def converged(self) -> bool:
-        status = [r.status() for r in self.replicas.values()]
+        status = [r.status(audit=True) for r in self.replicas.values()]
         return len({(s["machine_index"], s["digest"]) for s in status}) == 1
 
     def close(self) -> None:
@@ -135,13 +135,13 @@ def test_restart_from_data_dirs_restores_state_without_replaying_effects(
     batch = EnqueueBatch(queue="q", messages=messages, producer="p", first_seq=0)
     cluster.replicas["B"].submit(batch)
     wait_for(cluster.converged, "convergence")
-    before = cluster.replicas["A"].status()["digest"]
+    before = cluster.replicas["A"].status(audit=True)["digest"]
     sent_before = len(cluster.executed["A"])
     cluster.close()
     for node in "ABC":
         cluster.start(node)
     wait_for(cluster.converged, "convergence after restart")
-    wait_for(lambda: cluster.replicas["A"].status()["digest"] == before, "the same state")
+    wait_for(lambda: cluster.replicas["A"].status(audit=True)["digest"] == before, "the same state")
     assert len(cluster.executed["A"]) == sent_before  # nothing re-sent from the replayed log
     unacked = cluster.replicas["C"].query(lambda m: m.unacked("q", "cA"))
     assert unacked == (0, 1, 2, 3, 4)
@@ -200,11 +200,11 @@ def test_entries_applied_again_after_an_older_snapshot_do_not_run_their_effects_
     wait_for(lambda: deliveries(cluster.executed["B"]) == [("on-b", 0)], "the delivery on B")
     index = b.status()["machine_index"]
     entry = next(e for e in b.member.journal if e[1] == index)
-    digest = b.status()["digest"]
+    digest = b.status(audit=True)["digest"]
     b._restore(older)
     assert b.status()["machine_index"] < index
     b._apply(index, entry[0][1:])  # as PySyncObj applies it again (minus its type byte)
-    assert b.status()["digest"] == digest
+    assert b.status(audit=True)["digest"] == digest
     assert deliveries(cluster.executed["B"]) == [("on-b", 0)]
     assert b.status()["snapshots_loaded"] == 1
 
@@ -229,7 +229,7 @@ def test_a_follower_refuses_a_leader_snapshot_older_than_what_it_applied(tmp_pat
             leader.submit(Enqueue(queue="q", body=b"more %d" % i))
         wait_for(cluster.converged, "convergence")
         wait_for(lambda: snapshot.read_bytes() != old, "a newer snapshot on the follower")
-        own, status = snapshot.read_bytes(), follower.status()
+        own, status = snapshot.read_bytes(), follower.status(audit=True)
         member = follower.member
         leader_node = next(n for n in member.otherNodes if str(n.id) == leader.config.raft_address)
         installed: list[bool] = []
@@ -246,13 +246,14 @@ def test_a_follower_refuses_a_leader_snapshot_older_than_what_it_applied(tmp_pat
         assert installed == [False]
         assert snapshot.read_bytes() == own
         assert not (tmp_path / follower.node_id / "snapshot.incoming").exists()
-        after = follower.status()
+        after = follower.status(audit=True)
         assert after["digest"] == status["digest"]
         assert after["snapshots_loaded"] == status["snapshots_loaded"]
         cluster.stop(follower.node_id)
         restarted = cluster.start(follower.node_id)
         wait_for(
-            lambda: restarted.status()["digest"] == status["digest"], "the follower back as it was"
+            lambda: restarted.status(audit=True)["digest"] == status["digest"],
+            "the follower back as it was",
         )
     finally:
         cluster.close()
@@ -267,11 +268,12 @@ def test_state_survives_log_compaction_and_restart(tmp_path: Path) -> None:
         wait_for(cluster.converged, "convergence")
         wait_for((tmp_path / "A" / "snapshot").exists, "a snapshot on A")
         assert len(cluster.replicas["A"].member.journal) < 100
-        digest = cluster.replicas["A"].status()["digest"]
+        digest = cluster.replicas["A"].status(audit=True)["digest"]
         cluster.close()
         for node in "ABC":
             cluster.start(node)
-        wait_for(lambda: cluster.replicas["A"].status()["digest"] == digest, "state restored")
+        replica = cluster.replicas["A"]
+        wait_for(lambda: replica.status(audit=True)["digest"] == digest, "state restored")
         read = cluster.replicas["A"].query(lambda m: m.read("q", 0, 1000))
         assert [m.body for m in read] == [b"%d" % i for i in range(100)]
         after = cluster.replicas["B"].submit(Enqueue(queue="q", body=b"after"))

@@ -86,3 +86,29 @@ async def _first_frame(stream: trio.SocketStream) -> dict[str, object]:
             decoder.feed(await stream.receive_some(65536))
             for frame in decoder.frames():
                 return frame
+
+
+def test_status_never_hashes_the_state_unless_audited(tmp_path: Path, monkeypatch: object) -> None:
+    """`status` hashed the whole state under the replica lock on the event loop (0.5 s
+    at 200,000 messages: a follower stalled past the election timeout)."""
+    from quorumq.machine import Machine
+
+    calls: list[int] = []
+    real_digest = Machine.digest
+
+    def counted(self: Machine) -> str:
+        calls.append(1)
+        return real_digest(self)
+
+    monkeypatch.setattr(Machine, "digest", counted)  # type: ignore[attr-defined]
+
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as client:
+            await client.declare("q")
+            await client.publish_batch("q", [b"m"] * 500)
+            status = await client.status()
+            assert "digest" not in status and calls == []
+            audited = await client.status(audit=True)
+            assert len(audited["digest"]) == 64 and calls == [1]
+
+    _serve_with(NodeServer(_config(tmp_path)), body)

@@ -436,8 +436,10 @@ class AsyncClient:
         reply = await self._request({"t": "remove_member", "node": node})
         return dict(reply["members"])
 
-    async def status(self) -> dict[str, Any]:
-        status: dict[str, Any] = (await self._request({"t": "status"}))["status"]
+    async def status(self, *, audit: bool = False) -> dict[str, Any]:
+        """As the blocking client's `status` (`audit`: with the state digest)."""
+        frame: dict[str, Any] = {"t": "status", "audit": True} if audit else {"t": "status"}
+        status: dict[str, Any] = (await self._request(frame))["status"]
         return status
 
     async def aclose(self) -> None:
