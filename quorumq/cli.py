@@ -87,6 +87,8 @@ def _node(args: argparse.Namespace) -> int:
         listen_host=args.listen[0],
         listen_port=args.listen[1],
         token=_secret(args.token_file, "QUORUMQ_TOKEN", "client token"),
+        admin_token=_secret(args.admin_token_file, "QUORUMQ_ADMIN_TOKEN", "admin token"),
+        insecure=args.insecure,
         max_body=args.max_body,
         outbound_frames=args.outbound_frames,
     )
@@ -158,8 +160,9 @@ def _client(args: argparse.Namespace) -> Any:
     from .client import Client, QuorumqError  # noqa: PLC0415
 
     token = _secret(args.token_file, "QUORUMQ_TOKEN", "client token")
+    admin = _secret(None, "QUORUMQ_ADMIN_TOKEN", "admin token")  # for `members`
     try:
-        return Client(_endpoints(args), token, connect_timeout=args.timeout)
+        return Client(_endpoints(args), token, connect_timeout=args.timeout, admin_token=admin)
     except (QuorumqError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -270,10 +273,13 @@ def _members(args: argparse.Namespace) -> int:
         if not args.member or "=" in args.member:
             raise UsageError("remove takes a member name, e.g. B")
         token = _secret(args.token_file, "QUORUMQ_TOKEN", "client token")
+        admin = _secret(None, "QUORUMQ_ADMIN_TOKEN", "admin token")
         members = {}
         for endpoint in _endpoints(args):  # a node does not remove itself: ask another
             try:
-                with Client([endpoint], token, connect_timeout=args.timeout) as client:
+                with Client(
+                    [endpoint], token, connect_timeout=args.timeout, admin_token=admin
+                ) as client:
                     if client.node == args.member:
                         continue
                     print(f"removing {args.member} via {client.node}...", flush=True)
@@ -348,6 +354,7 @@ def _cluster(args: argparse.Namespace) -> int:
                 f"127.0.0.1:{raft_port}",
                 "--secret-file",
                 str(root / "secret"),
+                "--insecure",  # a local dev cluster on loopback: no client token
                 "--log-level",
                 "info",
             ]
@@ -434,9 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument(
         "--insecure",
         action="store_true",
-        help="run without a cluster secret (only when every Raft address is loopback)",
+        help="run without a cluster secret or a client token (only when every Raft and "
+        "client address is loopback)",
     )
     node.add_argument("--token-file", help="file with the client token (or set QUORUMQ_TOKEN)")
+    node.add_argument(
+        "--admin-token-file",
+        help="file with the admin token, for membership changes (or set QUORUMQ_ADMIN_TOKEN)",
+    )
     node.add_argument("--fsync", choices=["always", "batch", "never"], default="always")
     node.add_argument("--node-down-grace", type=float, default=5.0, metavar="SECONDS")
     node.add_argument(

@@ -73,6 +73,8 @@ class Cluster:
         self.election_timeout = election_timeout
         self.log_level = log_level
         self._secret = secrets.token_hex(16)
+        self.admin_token = secrets.token_hex(16)
+        """For membership changes (`add_node`, `remove_node`) when the cluster has a token."""
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._ready_mark: dict[str, int] = {}
         """Per node: "ready" lines in its log before its latest start."""
@@ -133,8 +135,13 @@ class Cluster:
             if other != node:
                 args += ["--peer", f"{other}=127.0.0.1:{self.raft_ports[other]}"]
         env = {**os.environ, "QUORUMQ_SECRET": secret or self._secret}
+        env.pop("QUORUMQ_TOKEN", None)
+        env.pop("QUORUMQ_ADMIN_TOKEN", None)
         if self.token is not None:
             env["QUORUMQ_TOKEN"] = self.token
+            env["QUORUMQ_ADMIN_TOKEN"] = self.admin_token
+        else:
+            args.append("--insecure")  # loopback only, no client token: a test cluster
         log = open(self.log_path(node), "ab")  # noqa: SIM115 - the child owns it from here
         try:
             self._procs[node] = subprocess.Popen(
@@ -187,14 +194,18 @@ class Cluster:
         self.nodes.append(node)
         self._spawn(node)
         self._wait_ready(node)
-        with Client([self.endpoint(n) for n in members], self.token) as client:
+        with Client(
+            [self.endpoint(n) for n in members], self.token, admin_token=self.admin_token
+        ) as client:
             client.add_member(node, f"127.0.0.1:{raft_port}")
         return node
 
     def remove_node(self, node: str) -> None:
         """Remove `node` from the cluster online, then stop its process."""
         others = [n for n in self.nodes if n != node and self.alive(n)]
-        with Client([self.endpoint(n) for n in others], self.token) as client:
+        with Client(
+            [self.endpoint(n) for n in others], self.token, admin_token=self.admin_token
+        ) as client:
             client.remove_member(node)
         self.nodes.remove(node)
         proc = self._procs[node]

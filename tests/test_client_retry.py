@@ -39,7 +39,7 @@ class Node:
             raft_timeouts=(0.1, 0.2),
             proposal_timeout_s=PROPOSAL_TIMEOUT_S,
         )
-        self.config = NodeConfig(replica=replica, listen_port=port)
+        self.config = NodeConfig(replica=replica, listen_port=port, insecure=True)
         self.endpoint = f"127.0.0.1:{port}"
         self._scope = trio.CancelScope()
         self._stopped = trio.Event()

@@ -29,7 +29,7 @@ def _config(root: Path) -> NodeConfig:
         insecure=True,
         raft_timeouts=(0.1, 0.2),
     )
-    return NodeConfig(replica=replica, listen_port=0)
+    return NodeConfig(replica=replica, listen_port=0, insecure=True)
 
 
 def _serve_with(server: NodeServer, body: object) -> None:

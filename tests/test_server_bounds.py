@@ -42,6 +42,10 @@ def test_a_peer_that_says_nothing_is_dropped_after_the_handshake_deadline(tmp_pa
             frames = await _frames_until_closed(stream, 5)  # it stayed open for good before
         assert [f["t"] for f in frames] == ["welcome", "error"]
         assert frames[1]["code"] == "hello_timeout"
+        for _ in range(100):  # the node forgets it right after closing: 1 s at most
+            if not server.connections:
+                break
+            await trio.sleep(0.01)
         assert not server.connections
         async with quorumq.aio.connect(endpoint) as client:  # a real client says hello
             await client.declare("q")
@@ -112,3 +116,54 @@ def test_status_never_hashes_the_state_unless_audited(tmp_path: Path, monkeypatc
             assert len(audited["digest"]) == 64 and calls == [1]
 
     _serve_with(NodeServer(_config(tmp_path)), body)
+
+
+# ------------------------------------------------------------------ credentials
+
+
+def test_a_node_without_a_client_token_needs_insecure_and_loopback(tmp_path: Path) -> None:
+    import pytest
+
+    from quorumq.replica import ConfigError
+
+    open_to_all = attrs.evolve(_config(tmp_path), insecure=False)
+    with pytest.raises(ConfigError, match="client token is required"):
+        NodeServer(open_to_all)
+    public = attrs.evolve(_config(tmp_path), listen_host="0.0.0.0")
+    with pytest.raises(ConfigError, match="loopback only"):
+        NodeServer(public)
+    NodeServer(attrs.evolve(_config(tmp_path), token="t", listen_host="0.0.0.0"))
+
+
+def test_membership_needs_the_admin_token(tmp_path: Path) -> None:
+    """Three fake `members add` by any client left a 3-node cluster without a quorum."""
+    from quorumq.client import ServerError
+
+    config = attrs.evolve(_config(tmp_path), token="client", admin_token="admin", insecure=False)
+
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint, "client") as client:
+            with trio.fail_after(10):
+                await client.declare("q")  # an ordinary verb: the client token is enough
+                try:
+                    await client._request(
+                        {"t": "add_member", "node": "X", "raft_address": "127.0.0.1:1"}
+                    )
+                    raise AssertionError("a client without the admin token changed members")
+                except ServerError as e:
+                    assert e.code == "admin_required" and "QUORUMQ_ADMIN_TOKEN" in e.message
+        async with quorumq.aio.connect(endpoint, "client", admin_token="wrong") as client:
+            with trio.fail_after(10):
+                try:
+                    await client._request({"t": "remove_member", "node": "X"})
+                    raise AssertionError("a wrong admin token was taken")
+                except ServerError as e:
+                    assert e.code == "admin_required"
+        async with quorumq.aio.connect(endpoint, "client", admin_token="admin") as client:
+            with trio.fail_after(10):
+                try:
+                    await client._request({"t": "remove_member", "node": "X"})
+                except ServerError as e:  # past the credential check: X is no member
+                    assert e.code == "unknown_member"
+
+    _serve_with(NodeServer(config), body)

@@ -111,9 +111,11 @@ class AsyncClient:
         *,
         timeout: float = 30.0,
         connect_timeout: float = 5.0,
+        admin_token: str | None = None,
     ) -> None:
         self._endpoints = parse_endpoints(endpoints)
         self._token = token
+        self._admin_token = admin_token
         self._nursery = nursery
         self.timeout = timeout
         self._connect_timeout = connect_timeout
@@ -170,7 +172,9 @@ class AsyncClient:
                     decoder.feed(data)
 
             welcome = await receive()
-            await stream.send_all(encode_frame(hello_frame(welcome, self._token)))
+            await stream.send_all(
+                encode_frame(hello_frame(welcome, self._token, self._admin_token))
+            )
             check_hello_answer(await receive())
         except BaseException:
             await stream.aclose()

@@ -88,7 +88,9 @@ def batch_rows(messages: Iterable[MessageLike]) -> list[list[Any]]:
     return rows
 
 
-def handshake(sock: socket.socket, token: str | None) -> tuple[FrameDecoder, dict[str, Any]]:
+def handshake(
+    sock: socket.socket, token: str | None, admin_token: str | None = None
+) -> tuple[FrameDecoder, dict[str, Any]]:
     """Welcome, hello (with proof), reply: on a connected blocking socket."""
     decoder = FrameDecoder()
 
@@ -102,7 +104,7 @@ def handshake(sock: socket.socket, token: str | None) -> tuple[FrameDecoder, dic
             decoder.feed(data)
 
     welcome = receive()
-    sock.sendall(encode_frame(hello_frame(welcome, token)))
+    sock.sendall(encode_frame(hello_frame(welcome, token, admin_token)))
     check_hello_answer(receive())
     return decoder, welcome
 
@@ -160,9 +162,12 @@ class Client:
         *,
         timeout: float = 30.0,
         connect_timeout: float = 5.0,
+        admin_token: str | None = None,
     ) -> None:
+        """`admin_token`: for administrative verbs (`add_member`, `remove_member`)."""
         self._endpoints = parse_endpoints(endpoints)
         self._token = token
+        self._admin_token = admin_token
         self.timeout = timeout
         self._connect_timeout = connect_timeout
         self._lock = threading.RLock()
@@ -187,7 +192,7 @@ class Client:
                 try:
                     sock = socket.create_connection((host, port), timeout=self._connect_timeout)
                     try:
-                        decoder, welcome = handshake(sock, self._token)
+                        decoder, welcome = handshake(sock, self._token, self._admin_token)
                     except BaseException:
                         sock.close()
                         raise

@@ -220,14 +220,20 @@ def read_result(frames: list[dict[str, Any]]) -> ReadResult:
     )
 
 
-def hello_frame(welcome: dict[str, Any], token: str | None) -> dict[str, Any]:
-    """The answer to a node's `welcome`: our protocol version and the token's proof."""
+def hello_frame(
+    welcome: dict[str, Any], token: str | None, admin_token: str | None = None
+) -> dict[str, Any]:
+    """The answer to a node's `welcome`: our protocol version, the token's proof and,
+    for administrative verbs (membership), the admin token's."""
     if welcome["t"] != "welcome":
         raise ProtocolError("bad_frame", "expected welcome")
     if welcome["auth"] and token is None:
         raise ServerError("auth_failed", "the node requires a token")
     proof = auth_proof(token, welcome["nonce"]) if token else None
-    return {"t": "hello", "v": PROTOCOL_VERSION, "client": "python", "proof": proof}
+    hello = {"t": "hello", "v": PROTOCOL_VERSION, "client": "python", "proof": proof}
+    if admin_token:
+        hello["admin_proof"] = auth_proof(admin_token, welcome["nonce"])
+    return hello
 
 
 def check_hello_answer(answer: dict[str, Any]) -> None:

@@ -126,6 +126,8 @@ class Connection:
         node sends what the machine says it holds and was not sent (`quorumq.deliveries`)."""
         self.nonce = os.urandom(16)
         self.greeted = False
+        self.admin = False
+        """The peer proved the admin token at hello (or the node needs none)."""
         self.reading = trio.CancelScope()
         self.closed = False
         self.close_reason = ""
@@ -315,6 +317,15 @@ class Connection:
             self.error(None, "auth_failed", "wrong token")
             self.close("authentication failed")
             raise ClosingError
+        admin_token = self.node.config.admin_token
+        admin_proof = frame.get("admin_proof")
+        self.admin = self.node.open_admin or (
+            admin_token is not None
+            and isinstance(admin_proof, bytes)
+            and proof_matches(admin_token, self.nonce, admin_proof)
+        )
+        if admin_proof is not None and not self.admin:
+            logger.warning("client connection %d: wrong admin token", self.number)
         self.greeted = True
         self.decoder.max_frame = self.frame_limit
         self.push({"t": "reply", "id": 0, "node": self.node.node_id})
@@ -583,10 +594,26 @@ class Connection:
         command = ForgetProducers(queue=frame["queue"], prefix=frame["prefix"])
         self._propose(frame["id"], command)
 
+    def _admin_refused(self, frame: Frame) -> bool:
+        """Membership changes the cluster, not a queue: they need the admin credential."""
+        if self.admin:
+            return False
+        why = (
+            "this node has no admin token: start it with QUORUMQ_ADMIN_TOKEN to allow it"
+            if self.node.config.admin_token is None
+            else "prove the admin token (QUORUMQ_ADMIN_TOKEN, or admin_token= in the client)"
+        )
+        self.error(frame["id"], "admin_required", f"{frame['t']} is an administrative verb; {why}")
+        return True
+
     def _add_member(self, frame: Frame) -> None:
+        if self._admin_refused(frame):
+            return
         self._membership(frame["id"], self.node.add_member(frame["node"], frame["raft_address"]))
 
     def _remove_member(self, frame: Frame) -> None:
+        if self._admin_refused(frame):
+            return
         self._membership(frame["id"], self.node.remove_member(frame["node"]))
 
     def _membership(self, request_id: int, change: Coroutine[Any, Any, dict[str, str]]) -> None:

@@ -63,7 +63,13 @@ class NodeConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     token: str | None = None
-    """Clients prove they know it (HMAC of a nonce); None: no client authentication."""
+    """Clients prove they know it (HMAC of a nonce); None: no client authentication, only
+    with `insecure` on a loopback listen address."""
+    admin_token: str | None = None
+    """Administrative verbs (membership) need a proof of it too. None: refused, unless
+    the node runs insecure on loopback (a local dev cluster)."""
+    insecure: bool = False
+    """Allow no client token (only when listening on loopback)."""
     max_body: int = DEFAULT_MAX_BODY
     """The largest message body; at most `MAX_BODY` (a message must fit one log entry)."""
     handshake_timeout_s: float = 5.0
@@ -80,6 +86,17 @@ MAX_BODY = MAX_COMMAND_BYTES - FRAME_OVERHEAD
 
 def check_node_config(config: NodeConfig) -> None:
     """`ConfigError` for a configuration the node cannot serve."""
+    if not config.token:
+        if not config.insecure:
+            raise ConfigError(
+                "a client token is required (QUORUMQ_TOKEN or --token-file): without one "
+                "anyone who reaches the client port may publish, consume and read"
+            )
+        if not is_loopback(f"{config.listen_host}:0"):
+            raise ConfigError(
+                f"insecure mode is for loopback only; the client address "
+                f"{config.listen_host} is not"
+            )
     if not 1 <= config.max_body <= MAX_BODY:
         raise ConfigError(
             f"max body must be between 1 and {MAX_BODY} bytes (a message must fit one log "
@@ -88,6 +105,11 @@ def check_node_config(config: NodeConfig) -> None:
 
 
 class NodeServer:
+    @property
+    def open_admin(self) -> bool:
+        """Administrative verbs need no admin proof: an insecure node on loopback."""
+        return not self.config.token and not self.config.admin_token
+
     def __init__(self, config: NodeConfig) -> None:
         check_node_config(config)
         self.config = config
