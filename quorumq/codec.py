@@ -111,7 +111,8 @@ def _command_fields(cmd: Command) -> list[Any]:
         case Declare():
             return [_DECLARE, cmd.queue, _options_to_map(cmd.options)]
         case Subscribe():
-            return [_SUBSCRIBE, cmd.queue, cmd.consumer, cmd.node, cmd.prefetch]
+            fields = [_SUBSCRIBE, cmd.queue, cmd.consumer, cmd.node, cmd.prefetch]
+            return fields if cmd.timeout_ms is None else [*fields, cmd.timeout_ms]
         case Cancel():
             return [_CANCEL, cmd.queue, cmd.consumer]
         case Down():
@@ -140,14 +141,19 @@ def _batch(queue: str, messages: list[Any], producer: str | None, first_seq: int
     return EnqueueBatch(queue=queue, messages=built, producer=producer, first_seq=first_seq)
 
 
-_COMMAND_BUILDERS: dict[int, tuple[int, Callable[..., Command]]] = {
+_COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]]] = {
     _DECLARE: (2, lambda q, o: Declare(queue=q, options=_options_from_map(o))),
     _ENQUEUE: (
         6,
         lambda q, b, k, h, p, s: Enqueue(queue=q, body=b, key=k, headers=h, producer=p, seq=s),
     ),
     _ENQUEUE_BATCH: (4, _batch),
-    _SUBSCRIBE: (4, lambda q, c, n, p: Subscribe(queue=q, consumer=c, node=n, prefetch=p)),
+    _SUBSCRIBE: (
+        (4, 5),  # the fifth, the consumer's timeout, only when it has one
+        lambda q, c, n, p, t=None: Subscribe(
+            queue=q, consumer=c, node=n, prefetch=p, timeout_ms=t
+        ),
+    ),
     _CANCEL: (2, lambda q, c: Cancel(queue=q, consumer=c)),
     _ACK: (3, lambda q, c, o: Ack(queue=q, consumer=c, offsets=o)),
     _NACK: (4, lambda q, c, o, r: Nack(queue=q, consumer=c, offsets=o, requeue=r)),
@@ -166,7 +172,7 @@ def _build_command(fields: list[Any]) -> Command:
     if spec is None:
         raise CodecError(f"unknown command tag {tag!r}")
     arity, build = spec
-    if len(args) != arity:
+    if len(args) not in ((arity,) if isinstance(arity, int) else arity):
         raise CodecError(f"command tag {tag} takes {arity} fields, got {len(args)}")
     try:
         return build(*args)

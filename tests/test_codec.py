@@ -79,7 +79,7 @@ commands = st.one_of(
         producer=st.none() | names,
         first_seq=st.none() | st.integers(0, 2**40),
     ),
-    st.builds(Subscribe, queue=names, consumer=names, node=names, prefetch=st.integers(0, 10**6)),
+    st.builds(Subscribe, queue=names, consumer=names, node=names, prefetch=st.integers(0, 65_535)),
     st.builds(Cancel, queue=names, consumer=names),
     st.builds(Ack, queue=names, consumer=names, offsets=offsets),
     st.builds(Nack, queue=names, consumer=names, offsets=offsets, requeue=st.booleans()),

@@ -81,8 +81,8 @@ for i, c in enumerate(cmds, 1):
     m.apply(Meta(i, 1000 + i), c)
 print(m.digest())
 """
-GOLDEN_DIGEST = "42f580a662926bcc95d494ff2162bbcc8fdf276aa022265f5e6f3005d5cbc974"
-"""Snapshot version 2 (retention counts keys, headers and overhead; the death path)."""
+GOLDEN_DIGEST = "846003e87d539ec6b98cacc7608a87c3e633c1493f0d9463432bbeaf23364ecb"
+"""Snapshot version 2 (retention cost, the death path, delivery times, consumer timeouts)."""
 
 
 def _digest_in_subprocess(hash_seed: str) -> str:

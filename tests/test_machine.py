@@ -968,3 +968,33 @@ def test_a_rejection_by_a_consumer_restarts_the_dead_letter_path() -> None:
         (held,) = d.machine.unacked(queue, consumer)
         applied = d(Nack(queue=queue, consumer=consumer, offsets=[held], requeue=False))
         assert any(type(e).__name__ == "DeadLettered" for e in applied.effects), queue
+
+
+def test_a_consumer_holding_a_delivery_past_its_timeout_is_cancelled_and_returns_it() -> None:
+    """A consumer alive but stuck (a SIGSTOPped client still answers keepalives) kept its
+    messages for good. The machine decides from log time, on a Tick."""
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(consumer_timeout_ms=60_000)))
+    d(Subscribe(queue="q", consumer="stuck", node="A", prefetch=5), ts_ms=0)
+    d(Subscribe(queue="q", consumer="quick", node="B", prefetch=5, timeout_ms=10**9), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m0"), ts_ms=1_000)  # to stuck
+    d(Enqueue(queue="q", body=b"m1"), ts_ms=1_000)  # to quick
+    assert d(Tick(), ts_ms=61_000).effects == ()  # 60 s: not past it yet
+    timed_out = d(Tick(), ts_ms=61_001)
+    down = [e for e in timed_out.effects if isinstance(e, ConsumerDown)]
+    assert [(e.consumer, e.reason) for e in down] == [("stuck", "consumer_timeout")]
+    assert deliveries(timed_out) == [("quick", 0)]  # m0 back, redelivered to the live one
+    assert d.machine.consumers("q") == ("quick",)
+    assert d(Tick(), ts_ms=10**8).effects == ()  # its own timeout is longer than the queue's
+
+
+def test_the_default_consumer_timeout_is_thirty_minutes() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c", node="A", prefetch=1), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m"), ts_ms=0)
+    assert d.machine.needs_tick()  # a delivery is out: time must move
+    assert d(Tick(), ts_ms=30 * 60 * 1000).effects == ()
+    assert [type(e).__name__ for e in d(Tick(), ts_ms=30 * 60 * 1000 + 1).effects] == [
+        "ConsumerDown"
+    ]

@@ -167,3 +167,24 @@ def test_membership_needs_the_admin_token(tmp_path: Path) -> None:
                     assert e.code == "unknown_member"
 
     _serve_with(NodeServer(config), body)
+
+
+def test_a_stuck_consumer_is_cancelled_with_a_reason_and_its_message_goes_to_another(
+    tmp_path: Path,
+) -> None:
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as client:
+            with trio.fail_after(20):
+                await client.declare("q", consumer_timeout_ms=300)
+                stuck = await client.subscribe("q", prefetch=1)
+                await client.publish("q", b"m")
+                first = await stuck.get()
+                assert first is not None and not first.redelivered  # never acked
+                patient = await client.subscribe("q", prefetch=1, timeout_ms=60_000)
+                again = await patient.get()  # ticks move time: the stuck one times out
+                assert again is not None and again.redelivered and again.body == b"m"
+                assert await stuck.get() is None  # ended ...
+                assert stuck.cancel_reason == "consumer_timeout"  # ... saying why
+                await again.ack()
+
+    _serve_with(NodeServer(_config(tmp_path)), body)

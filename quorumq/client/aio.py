@@ -73,6 +73,8 @@ class AsyncConsumer:
         self._send, self._receive = trio.open_memory_channel[Delivery | None](math.inf)
         self.cancelled = False
         self.cancel_reason = ""
+        self.timeout_ms: int | None = None
+        """How long it may hold a delivery (None: the queue's consumer timeout)."""
 
     async def get(self) -> Delivery | None:
         """The next delivery, or None once cancelled. (Bound the wait with a cancel scope,
@@ -391,9 +393,13 @@ class AsyncClient:
     def resume(self, key: str) -> None:
         self.producer.paused.discard(key)
 
-    async def subscribe(self, queue: str, prefetch: int = 100) -> AsyncConsumer:
-        """As the blocking client's `subscribe` (tried again through a leader change)."""
+    async def subscribe(
+        self, queue: str, prefetch: int = 100, *, timeout_ms: int | None = None
+    ) -> AsyncConsumer:
+        """As the blocking client's `subscribe` (tried again through a leader change;
+        `timeout_ms`: the consumer's delivery timeout)."""
         consumer = AsyncConsumer(self, queue, prefetch)
+        consumer.timeout_ms = timeout_ms
         await self._subscribe_retrying(consumer)
         return consumer
 

@@ -120,6 +120,8 @@ class Consumer:
         self._deliveries: queue_module.Queue[Delivery | None] = queue_module.Queue()
         self.cancelled = False
         self.cancel_reason = ""
+        self.timeout_ms: int | None = None
+        """How long it may hold a delivery (None: the queue's consumer timeout)."""
 
     def get(self, timeout: float | None = None) -> Delivery | None:
         """The next delivery, or None after `timeout` seconds or once cancelled."""
@@ -459,13 +461,20 @@ class Client:
         """Publishing for `key` may go on after a failure was handled."""
         self.producer.paused.discard(key)
 
-    def subscribe(self, queue: str, prefetch: int = 100) -> Consumer:
+    def subscribe(
+        self, queue: str, prefetch: int = 100, *, timeout_ms: int | None = None
+    ) -> Consumer:
         """Start receiving from `queue`; at most `prefetch` unacked deliveries at a time.
 
         A subscribe that fails because of a leader change, or because the connection
         broke, is tried again until the client's `timeout` has passed; the consumer
-        subscribes again by itself, the same way, after its node goes away."""
+        subscribes again by itself, the same way, after its node goes away.
+
+        `timeout_ms`: how long the consumer may hold a delivery before the queue cancels
+        it (reason `consumer_timeout`) and its messages return; by default the queue's
+        `consumer_timeout_ms`, else 30 minutes."""
         consumer = Consumer(self, queue, prefetch)
+        consumer.timeout_ms = timeout_ms
         self._subscribe_retrying(consumer)
         return consumer
 

@@ -230,6 +230,9 @@ class ClientSession:
                 raise ConnectionLostError(str(self.lost))
             raise ConnectionLostError("not connected: the client is reconnecting")
         frame = {"t": "subscribe", "queue": consumer.queue, "prefetch": consumer.prefetch}
+        timeout_ms = getattr(consumer, "timeout_ms", None)
+        if timeout_ms is not None:
+            frame["timeout_ms"] = timeout_ms
         return self.request(frame, subscribing=consumer)
 
     def subscribe_retry_delay(

@@ -14,6 +14,9 @@ import attrs
 
 Overflow: TypeAlias = Literal["drop-head", "reject-publish"]
 
+DEFAULT_CONSUMER_TIMEOUT_MS = 30 * 60 * 1000
+"""How long a consumer may hold a delivery when neither queue nor subscribe says (30
+minutes, as RabbitMQ): a consumer alive but stuck kept its messages for good."""
 MAX_PREFETCH = 65_535
 """The largest `prefetch` a consumer may ask for (RabbitMQ's limit): a huge one turned
 the node's slow-consumer cut-off off."""
@@ -105,6 +108,9 @@ class QueueOptions:
     """Stream view: keep at most this many body bytes (None: no byte limit)."""
     message_ttl_ms: int | None = attrs.field(default=None, validator=_non_negative)
     """Ready messages older than this are dead-lettered or dropped."""
+    consumer_timeout_ms: int | None = attrs.field(default=None, validator=_non_negative)
+    """A consumer holding a delivery longer than this is cancelled and its messages
+    return (None: `DEFAULT_CONSUMER_TIMEOUT_MS`, unless the subscribe says otherwise)."""
 
     @message_ttl_ms.validator
     def _check_ttl(self, _attr: object, value: int | None) -> None:
@@ -184,6 +190,8 @@ class Subscribe:
     node: str = attrs.field(validator=_str)
     prefetch: int = attrs.field(default=0, validator=_non_negative)
     """Most unacked messages the consumer holds (at most 65,535); 0 means no limit."""
+    timeout_ms: int | None = attrs.field(default=None, validator=_non_negative)
+    """This consumer's delivery timeout, in place of its queue's `consumer_timeout_ms`."""
 
     @prefetch.validator
     def _check_prefetch(self, _attr: object, value: int) -> None:

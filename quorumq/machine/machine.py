@@ -16,6 +16,7 @@ import attrs
 
 from . import encoding
 from .commands import (
+    DEFAULT_CONSUMER_TIMEOUT_MS,
     Ack,
     Cancel,
     Command,
@@ -341,7 +342,7 @@ class Machine:
                 ErrorCode.CONSUMER_EXISTS,
                 f"consumer {cmd.consumer!r} is already on queue {cmd.queue!r}",
             )
-        q.add_consumer(cmd.consumer, cmd.node, cmd.prefetch)
+        q.add_consumer(cmd.consumer, cmd.node, cmd.prefetch, cmd.timeout_ms)
         self._consumer_queues.setdefault(cmd.consumer, {})[cmd.queue] = None
         self._run([q], effects)
         return OK
@@ -467,13 +468,23 @@ class Machine:
 
     def needs_tick(self) -> bool:
         """Whether time must move on even with no other command: a queue has a message
-        TTL, or remembers producers that may expire. The leader proposes `Tick` then."""
+        TTL, remembers producers that may expire, or has deliveries out (consumer
+        timeout). The leader proposes `Tick` then."""
         return any(
-            q.options.message_ttl_ms is not None or q.producers for q in self._queues.values()
+            q.options.message_ttl_ms is not None or q.producers or q.held
+            for q in self._queues.values()
         )
 
     def _tick(self, cmd: Tick, effects: list[Any]) -> Reply:
         now = self._now
+        timed_out: dict[str, QueueState] = {}
+        for name in sorted(self._queues):  # by name: the same effects on every replica
+            q = self._queues[name]
+            for c in q.timed_out(now, DEFAULT_CONSUMER_TIMEOUT_MS):
+                self._remove(q, c, "consumer_timeout", effects)
+                timed_out[name] = q
+        if timed_out:
+            self._run(list(timed_out.values()), effects)  # what they held goes to the others
         for q in self._queues.values():
             if q.options.message_ttl_ms is not None:
                 q.expire(now, returned_too=True)
@@ -628,7 +639,7 @@ class Machine:
         m._last_index, m._now = value[2], value[3]
         m._down_nodes = set(value[4])
         for raw in value[5]:
-            q = _decode_queue(raw)
+            q = _decode_queue(raw, m._now)
             m._queues[q.name] = q
             for consumer in q.consumers:
                 m._consumer_queues.setdefault(consumer, {})[q.name] = None
@@ -649,7 +660,10 @@ def _encode_queue(q: QueueState) -> list[Any]:
         messages,
         sorted(q.msgs),
         sorted([o, n] for o, n in q.returns.items()),
-        [[c.id, c.node, c.prefetch, c.cancelled, sorted(c.unacked)] for c in q.consumers.values()],
+        [
+            [c.id, c.node, c.prefetch, c.cancelled, sorted(c.unacked.items()), c.timeout_ms]
+            for c in q.consumers.values()
+        ],
         [c.id for c in q.sq],
         sorted(
             [p, s.last_seq, s.last_ts, [list(r) for r in s.runs]] for p, s in q.producers.items()
@@ -659,7 +673,7 @@ def _encode_queue(q: QueueState) -> list[Any]:
     ]
 
 
-def _decode_queue(raw: list[Any]) -> QueueState:
+def _decode_queue(raw: list[Any], now: int) -> QueueState:
     (
         name,
         options,
@@ -675,7 +689,10 @@ def _decode_queue(raw: list[Any]) -> QueueState:
         commits,
         expiry_cursor,
     ) = raw
-    q = QueueState(name, QueueOptions(**dict(zip(_OPTION_FIELDS, options, strict=True))))
+    if len(options) > len(_OPTION_FIELDS):
+        raise encoding.DecodeError(f"queue {name!r} has {len(options)} options")
+    # options added later (consumer_timeout_ms) take their defaults in older snapshots
+    q = QueueState(name, QueueOptions(**dict(zip(_OPTION_FIELDS, options, strict=False))))
     q.next_offset = next_offset
     by_offset: dict[int, Record] = {m[0]: tuple(m) for m in messages}
     q.stream_items = [by_offset[o] for o in range(first, next_offset)]
@@ -686,12 +703,13 @@ def _decode_queue(raw: list[Any]) -> QueueState:
     )
     q.msgs = {o: by_offset[o] for o in in_queue}
     q.returns = {o: n for o, n in returns}
-    for cid, node, prefetch, cancelled, unacked in consumers:
-        c = ConsumerState(cid, node, prefetch)
+    for cid, node, prefetch, cancelled, unacked, *rest in consumers:
+        c = ConsumerState(cid, node, prefetch, rest[0] if rest else None)
         c.cancelled = cancelled
         q.consumers[cid] = c
-        for off in unacked:
-            c.unacked[off] = None
+        for held in unacked:  # [offset, delivered at]; version 1: the offset alone
+            off, at = (held, now) if type(held) is int else held
+            c.unacked[off] = at
             q.held[off] = c
             key = q.msgs[off][1]
             if key is not None:

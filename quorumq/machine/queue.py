@@ -62,14 +62,28 @@ _COMPACT_AT = 1024
 
 
 class ConsumerState:
-    __slots__ = ("cancelled", "id", "in_sq", "keys", "node", "owned", "prefetch", "unacked")
+    __slots__ = (
+        "cancelled",
+        "id",
+        "in_sq",
+        "keys",
+        "node",
+        "owned",
+        "prefetch",
+        "timeout_ms",
+        "unacked",
+    )
 
-    def __init__(self, consumer_id: str, node: str, prefetch: int) -> None:
+    def __init__(
+        self, consumer_id: str, node: str, prefetch: int, timeout_ms: int | None = None
+    ) -> None:
         self.id = consumer_id
         self.node = node
         self.prefetch = prefetch
-        self.unacked: dict[int, None] = {}
-        """Offsets this consumer holds (an ordered set)."""
+        self.timeout_ms = timeout_ms
+        """The subscribe's delivery timeout (None: the queue's)."""
+        self.unacked: dict[int, int] = {}
+        """Offsets this consumer holds, in delivery order, with when each was delivered."""
         self.keys: dict[str, int] = {}
         """Ordering keys this consumer owns, with how many of their messages it holds."""
         self.owned: list[tuple[int, str]] = []
@@ -287,8 +301,10 @@ class QueueState:
 
     # -------------------------------------------------------------- consumers
 
-    def add_consumer(self, consumer_id: str, node: str, prefetch: int) -> ConsumerState:
-        c = ConsumerState(consumer_id, node, prefetch)
+    def add_consumer(
+        self, consumer_id: str, node: str, prefetch: int, timeout_ms: int | None = None
+    ) -> ConsumerState:
+        c = ConsumerState(consumer_id, node, prefetch, timeout_ms)
         self.consumers[consumer_id] = c
         self._enlist(c)
         return c
@@ -353,8 +369,8 @@ class QueueState:
         msgs = self.msgs
         unacked = c.unacked
         for off in offsets:
-            if unacked.pop(off, 0) is not None:
-                continue  # listed twice
+            if unacked.pop(off, -1) < 0:
+                continue  # listed twice (delivery times are never negative)
             del held[off]
             msg = msgs.pop(off)
             if self.returns:
@@ -595,7 +611,7 @@ class QueueState:
             msg = msgs[off]
             held[off] = c
             unacked = c.unacked
-            unacked[off] = None
+            unacked[off] = now
             count = returns.get(off) if returns else None
             # positional, in field order: queue, consumer, node, offset, key, body, headers,
             # redelivered, delivery_count
@@ -632,6 +648,17 @@ class QueueState:
                 )
             )
         return tuple(out)
+
+    def timed_out(self, now: int, default_ms: int) -> list[ConsumerState]:
+        """Consumers that have held a delivery longer than their timeout at `now`."""
+        queue_ms = self.options.consumer_timeout_ms
+        out = []
+        for c in self.consumers.values():
+            if c.unacked:
+                limit = c.timeout_ms if c.timeout_ms is not None else queue_ms
+                if now - min(c.unacked.values()) > (default_ms if limit is None else limit):
+                    out.append(c)
+        return out
 
     def enforce_max_length(self) -> None:
         """Drop-head: keep at most `max_length` ready messages (dropped, not dead-lettered)."""

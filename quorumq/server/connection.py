@@ -434,7 +434,11 @@ class Connection:
         consumer = f"{self.node.consumer_prefix}{self.number}.{self._consumer_counter}"
         queue = frame["queue"]
         command = Subscribe(  # checked (prefetch at most 65,535) before anything is kept
-            queue=queue, consumer=consumer, node=self.node.node_id, prefetch=frame["prefetch"]
+            queue=queue,
+            consumer=consumer,
+            node=self.node.node_id,
+            prefetch=frame["prefetch"],
+            timeout_ms=frame.get("timeout_ms"),
         )
         self.consumers[consumer] = queue
         self.awaiting_reply[consumer] = []
