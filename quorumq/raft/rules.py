@@ -184,6 +184,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     """The peer whose message is being handled (the tick thread handles one at a time)."""
     _kept_after_snapshot: list[Entry] = []
     """The entries after an accepted leader snapshot's last one, kept (Raft's rule)."""
+    _answer_after_install: int | None = None
+    """The next index to answer right after a snapshot install (its last index + 1)."""
 
     leader_clock: LeaderClock | None = None
     """Stamps the time on the entries this node takes in as leader; set by the owner
@@ -256,7 +258,10 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         self, node: Any, reset: bool = False, nextNodeIdx: int | None = None, success: bool = False
     ) -> None:
         next_index = nextNodeIdx
-        if next_index is None:  # PySyncObj's default, taken now
+        after_install, self._answer_after_install = self._answer_after_install, None
+        if next_index is None and after_install is not None:
+            next_index = after_install  # a snapshot was installed (see _SyncObj__loadDumpFile)
+        elif next_index is None:  # PySyncObj's default, taken now
             next_index = self._SyncObj__getCurrentLogIndex() + 1
         reply = (node, reset, next_index, success)
         if self._held_replies is not None:
@@ -395,6 +400,12 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:
         kept, self._kept_after_snapshot = self._kept_after_snapshot, []
         super()._SyncObj__loadDumpFile(clearJournal)
+        if clearJournal:
+            # The answer acknowledges the snapshot's last entry only, as Raft's does: the
+            # kept entries after it may conflict with the leader's log (an old leader's
+            # uncommitted tail), and the leader must not count them as replicated. It
+            # sends from there on, and a conflict cuts them as any AppendEntries would.
+            self._answer_after_install = self._SyncObj__raftLastApplied + 1
         log = self._SyncObj__raftLog
         if not kept or not len(log) or log[-1][1] != kept[0][1] - 1:
             return
