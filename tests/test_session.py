@@ -193,7 +193,9 @@ def test_resends_go_in_send_order_across_renewed_producer_ids() -> None:
         m1, _ = session.publish("q", b"m1", "b", None)
         session.receive(_error(m1, "too_large"))  # permanent: renews the producer id
         session.producer.paused.discard("b")  # resume("b")
-        m2, _ = session.publish("q", b"m2", "a", None)
+        with pytest.raises(KeyPausedError, match="retired"):  # a waits for m0 to be answered
+            session.publish("q", b"m2", "a", None)
+        m2, _ = session.publish("q", b"m2", "c", None)
         session.connection_lost()
         session.connection_made()
         assert [f["body"] for f in session.unconfirmed()] == [b"m0", b"m2"]

@@ -40,6 +40,7 @@ from .core import (
     RETRIABLE,
     ConnectionLostError,
     Delivery,
+    KeyPausedError,
     OutcomeUnknownError,
     Producer,
     QuorumqError,
@@ -139,6 +140,10 @@ class ClientSession:
         self._unconfirmed: dict[int, dict[str, Any]] = {}
         self._subscribing: dict[int, Any] = {}
         self._rewinding: set[str] = set()
+        self._behind_retired: dict[str, set[int]] = {}
+        """Keys with publishes still unconfirmed under a producer id that a failure
+        retired, and those requests: a new publish of such a key (under the new id)
+        could land before them if one of them is lost and resent, so it waits."""
         self._cancelled: set[str] = set()
         """Consumers the application cancelled: kept for their acks, never resubscribed."""
         self.closed = False
@@ -176,6 +181,7 @@ class ClientSession:
     def publish(
         self, queue: str, body: bytes, key: str | None, headers: Mapping[str, str] | None
     ) -> tuple[int, dict[str, Any]]:
+        self._check_not_behind(key)
         self.producer.check(key)
         self._check_fits(
             [[body, key, headers]],
@@ -198,6 +204,7 @@ class ClientSession:
         if (producer is None) != (first_seq is None):
             raise ValueError("producer and first_seq go together")
         for _, key, _ in rows:
+            self._check_not_behind(key)
             self.producer.check(key)
         self._check_fits(
             rows,
@@ -323,6 +330,13 @@ class ClientSession:
             self.max_body = body if type(body) is int else None
             self.max_frame = frame if type(frame) is int else None
 
+    def _check_not_behind(self, key: str | None) -> None:
+        if key is not None and key in self._behind_retired:
+            raise KeyPausedError(
+                f"an earlier publish of key {key!r} is still unconfirmed under a producer id "
+                "that a failure retired; publish it again once that one is answered"
+            )
+
     def _check_fits(
         self, rows: list[list[Any]], frame: Callable[[], dict[str, Any]]
     ) -> None:
@@ -377,6 +391,7 @@ class ClientSession:
         events: list[Event] = [Failed(r, error) for r in sorted(self._pending)]
         self._pending.clear()
         self._unconfirmed.clear()
+        self._behind_retired.clear()
         self._subscribing.clear()
         events += [ConsumerEnded(c, f"connection lost: {error}") for c in self.consumers.values()]
         self.consumers.clear()
@@ -391,6 +406,7 @@ class ClientSession:
         ]
         self._pending.clear()
         self._unconfirmed.clear()
+        self._behind_retired.clear()
         self._subscribing.clear()
         events += [ConsumerEnded(c, "client closed") for c in self.consumers.values()]
         self.consumers.clear()
@@ -432,6 +448,7 @@ class ClientSession:
             return []  # a second answer to a resent request
         self._pending.discard(request_id)
         self._unconfirmed.pop(request_id, None)
+        self._no_longer_behind(request_id)
         consumer = self._subscribing.pop(request_id, None)
         if not error:
             if consumer is not None:
@@ -465,10 +482,21 @@ class ClientSession:
             for key in _keys_of(f):
                 self.producer.failed(key)
 
+    def _no_longer_behind(self, request_id: int) -> None:
+        for key in [k for k, ids in self._behind_retired.items() if request_id in ids]:
+            ids = self._behind_retired[key]
+            ids.discard(request_id)
+            if not ids:
+                del self._behind_retired[key]
+
     def _give_up_after(self, publish: dict[str, Any]) -> list[Event]:
         queue, producer, seq = publish["queue"], publish["producer"], _seq(publish)
         if self.producer.id_for(queue) == producer:
             self.producer.renew(queue)
+            for request_id, frame in self._unconfirmed.items():
+                if frame["queue"] == queue and frame["producer"] == producer and _seq(frame) < seq:
+                    for key in _keys_of(frame):  # earlier ones, still out under the old id
+                        self._behind_retired.setdefault(key, set()).add(request_id)
         doomed = [
             (r, f)
             for r, f in self._unconfirmed.items()
