@@ -275,3 +275,24 @@ def test_what_is_sent_always_fits_the_nodes_limits(
     sent = bodies if batch else bodies[:1]
     assert all(len(b) <= max_body for b in sent)
     assert len(encode_frame(frame)) <= max_frame
+
+
+def test_a_resend_refused_by_a_node_with_other_limits_is_outcome_unknown_not_a_failure() -> None:
+    """Configuration drift: the first attempt landed on a node, its confirm was lost, and
+    a node with a smaller --max-body refused the resend. It was reported "not published"."""
+    session = _session()
+    first, _ = session.publish("q", b"m0", "k", None)
+    later, _ = session.publish("q", b"m1", "j", None)
+    session.connection_lost()
+    session.connection_made()
+    assert [f["id"] for f in session.unconfirmed()] == [first, later]  # resent
+    refused = session.receive(_error(first, "too_large"))
+    errors = {e.request_id: e.error for e in refused if isinstance(e, Failed)}
+    assert isinstance(errors[first], OutcomeUnknownError)
+    assert isinstance(errors[later], OutcomeUnknownError)  # it was sent before too
+    assert session.producer.paused == {"k", "j"}
+    fresh, _ = session.publish("q", b"m2", None, None)
+    (never_resent,) = [
+        e for e in session.receive(_error(fresh, "too_large")) if isinstance(e, Failed)
+    ]
+    assert type(never_resent.error) is ServerError  # sent once, refused: not published

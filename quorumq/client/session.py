@@ -140,6 +140,8 @@ class ClientSession:
         self._unconfirmed: dict[int, dict[str, Any]] = {}
         self._subscribing: dict[int, Any] = {}
         self._rewinding: set[str] = set()
+        self._resent: set[int] = set()
+        """Publishes sent more than once: a refusal of a resend leaves the outcome unknown."""
         self._behind_retired: dict[str, set[int]] = {}
         """Keys with publishes still unconfirmed under a producer id that a failure
         retired, and those requests: a new publish of such a key (under the new id)
@@ -290,11 +292,13 @@ class ClientSession:
         (request ids grow in send order; per producer that is sequence order), marked as
         resends. Not by producer id: a renewed id is random, and its publishes would
         overtake earlier ones of the same key half of the time."""
-        return [
-            {**f, "retry": True}
-            for _, f in sorted(self._unconfirmed.items())
+        frames = [
+            (r, f)
+            for r, f in sorted(self._unconfirmed.items())
             if queue is None or f["queue"] == queue
         ]
+        self._resent.update(r for r, _ in frames)
+        return [{**f, "retry": True} for _, f in frames]
 
     def outcome_unknown(self, request_id: int, why: str) -> OutcomeUnknownError:
         """The caller stops waiting for `request_id`. A publish stays live (it is resent
@@ -337,9 +341,7 @@ class ClientSession:
                 "that a failure retired; publish it again once that one is answered"
             )
 
-    def _check_fits(
-        self, rows: list[list[Any]], frame: Callable[[], dict[str, Any]]
-    ) -> None:
+    def _check_fits(self, rows: list[list[Any]], frame: Callable[[], dict[str, Any]]) -> None:
         """`too_large` now for a publish ([body, key, headers] `rows`) the node would
         refuse, or drop the connection over (a frame past its limit), whatever the
         retries. As any failed publish, it pauses its keys."""
@@ -392,6 +394,7 @@ class ClientSession:
         self._pending.clear()
         self._unconfirmed.clear()
         self._behind_retired.clear()
+        self._resent.clear()
         self._subscribing.clear()
         events += [ConsumerEnded(c, f"connection lost: {error}") for c in self.consumers.values()]
         self.consumers.clear()
@@ -407,6 +410,7 @@ class ClientSession:
         self._pending.clear()
         self._unconfirmed.clear()
         self._behind_retired.clear()
+        self._resent.clear()
         self._subscribing.clear()
         events += [ConsumerEnded(c, "client closed") for c in self.consumers.values()]
         self.consumers.clear()
@@ -449,13 +453,24 @@ class ClientSession:
         self._pending.discard(request_id)
         self._unconfirmed.pop(request_id, None)
         self._no_longer_behind(request_id)
+        if not error:
+            self._resent.discard(request_id)
         consumer = self._subscribing.pop(request_id, None)
         if not error:
             if consumer is not None:
                 consumer.id = frame["consumer"]
                 self.consumers[consumer.id] = consumer
             return [Resolved(request_id, frame)]
-        events: list[Event] = [Failed(request_id, ServerError(frame["code"], frame["message"]))]
+        refusal: QuorumqError = ServerError(frame["code"], frame["message"])
+        if publish is not None and request_id in self._resent:
+            # an earlier attempt may have landed (a node with a smaller --max-body, say,
+            # refuses the resend): not "not published", but outcome unknown
+            refusal = OutcomeUnknownError(
+                f"a resend was refused ({frame['code']}: {frame['message']}), but an earlier "
+                "attempt may have landed; do not publish it again"
+            )
+        events: list[Event] = [Failed(request_id, refusal)]
+        self._resent.discard(request_id)
         if publish is not None:
             self._keys_failed([publish])
             events += self._give_up_after(publish)
@@ -507,6 +522,14 @@ class ClientSession:
             del self._unconfirmed[request_id]
             self._pending.discard(request_id)
             self._keys_failed([frame])
-            error = QuorumqError(f"not published: an earlier publish to {queue!r} failed")
+            error: QuorumqError = QuorumqError(
+                f"not published: an earlier publish to {queue!r} failed"
+            )
+            if request_id in self._resent:  # sent before: it may have landed then
+                self._resent.discard(request_id)
+                error = OutcomeUnknownError(
+                    f"an earlier publish to {queue!r} failed and this one was sent before: "
+                    "it may have landed; do not publish it again"
+                )
             events.append(Failed(request_id, error))
         return events
