@@ -10,10 +10,12 @@ As entries are applied (cheap checks, every entry):
   index feeds it): a message is given to one consumer at a time (no message held by
   two live consumers); an acked message is never delivered again; `redelivered` is
   set exactly when the message was delivered before; prefetch is respected;
-* queue time (the machine's clock, which TTLs, expiry and timeouts read) is never
-  ahead of true time by more than the leader clock's bound (1 s) per term so far
-  (`time_ahead`), whatever the hosts' wall clocks say (the clock faults): a clock
-  ahead is what expired messages early and forgot producers (second offsets);
+* queue time (the machine's clock, which TTLs, expiry and timeouts read) never gets
+  further ahead of true time than it was at genesis (the first time a leader stamped,
+  from its wall clock: a new cluster's time starts there) by more than the leader
+  clock's bound (1 s) per term so far (`time_ahead`), whatever the hosts' wall clocks
+  say (the clock faults, some from before the first election): a clock ahead is what
+  expired messages early and forgot producers (second offsets);
 * first deliveries (not marked redelivered) come in increasing offset order per
   consumer for unkeyed messages and per key for keyed ones: only a return restarts
   a key, and a returned message is marked.
@@ -111,8 +113,10 @@ class Checker:
         self.got: dict[tuple[str, int, int, bool], int] = {}
         """Per delivery: how many times its consumer received it."""
         self.max_term = 0
+        self.genesis_ahead_ms: int | None = None
+        """How far ahead of true time queue time started (the first leader's wall clock)."""
         self.time_ahead_ms = 0
-        """The furthest any machine's clock got ahead of true time."""
+        """The furthest any machine's clock got ahead of true time, beyond genesis."""
 
     def violation(self, kind: str, detail: str) -> None:
         self.violation_count += 1
@@ -185,14 +189,19 @@ class Checker:
 
     def _check_time(self, node: SimNode) -> None:
         self.max_term = max(self.max_term, node.member.raftCurrentTerm)
+        if not node.machine.now_ms:
+            return  # nothing stamped yet
         ahead = node.machine.now_ms - (WALL_EPOCH_MS + self.world.now_ms)
+        if self.genesis_ahead_ms is None:
+            self.genesis_ahead_ms = ahead
+        ahead -= self.genesis_ahead_ms
         if ahead > self.time_ahead_ms:
             self.time_ahead_ms = ahead
             if ahead > TIME_BOUND_MS * (self.max_term + 1):
                 self.violation(
                     "time_ahead",
-                    f"{node.name}'s queue time is {ahead} ms ahead of true time after "
-                    f"{self.max_term} terms",
+                    f"{node.name}'s queue time is {ahead} ms further ahead of true time "
+                    f"than at genesis, after {self.max_term} terms",
                 )
 
     def on_leadership(self, node: SimNode, leader: bool) -> None:

@@ -20,7 +20,9 @@ Fault kinds:
 Clock faults come on top of every schedule, from a random stream of their own (so they
 leave the other faults of a seed as they were): `clock_skew` sets a host's wall clock
 off by `amount` ms (up to 30 days either way), `clock_jump` moves it by `amount` ms
-(up to 2 days either way). Monotonic time stays true; only wall clocks go wrong.
+(up to 2 days either way). Monotonic time stays true; only wall clocks go wrong. A
+run's `Genesis` (a stream of its own too) sets wall clocks off before the cluster
+starts, and may hand leadership over before the first proposal.
 """
 
 from __future__ import annotations
@@ -153,6 +155,29 @@ def clock_schedule(
             amount = rng.randint(-2 * DAY_MS, 2 * DAY_MS)
             faults.append(Fault(at_s=at, kind="clock_jump", nodes=(node,), amount=amount))
     return faults
+
+
+@attrs.frozen(kw_only=True)
+class Genesis:
+    """How a run's cluster is born: hosts' wall clocks already off when it starts, and
+    how many leaders hand leadership over at once, before anything is proposed (so a
+    node may lead, anchor its clock at its wall clock, stamp nothing, and lead again
+    later: a leader's state from an earlier term must not leak into a later one)."""
+
+    wall_offsets_ms: dict[str, int] = attrs.field(factory=dict)
+    handovers: int = 0
+
+
+def genesis(rng: random.Random, names: Sequence[str]) -> Genesis:
+    """Half the runs start with skewed wall clocks; a third hand leadership over once or
+    twice before the first proposal."""
+    offsets = {}
+    if rng.random() < 0.5:
+        for name in names:
+            if rng.random() < 0.5:
+                offsets[name] = rng.randint(-30 * DAY_MS, 30 * DAY_MS)
+    handovers = rng.choice([0, 0, 0, 0, 1, 2])
+    return Genesis(wall_offsets_ms=offsets, handovers=handovers)
 
 
 class Injector:

@@ -20,7 +20,7 @@ import attrs
 
 from .checker import Checker, Violation
 from .cluster import Cluster
-from .faults import Fault, Injector, clock_schedule, kinds_of, schedule
+from .faults import Fault, Injector, clock_schedule, genesis, kinds_of, schedule
 from .history import History
 from .node import REAL, SimNode, Variant
 from .workload import QUEUE, SimConsumer, SimProducer, WorkloadConfig, declare, start_workload
@@ -168,8 +168,11 @@ def run(config: RunConfig) -> Result:
         patched_pysyncobj(world, cluster.create_journal, cluster.create_serializer),
         raft_log.attached(),
     ):
+        born = genesis(world.stream("genesis"), cluster.names)
+        cluster.wall_offset_ms.update(born.wall_offsets_ms)
         for name in cluster.names:
             cluster.start(name)
+        _hand_leadership_over(cluster, born.handovers)
         declare(cluster)
         world.run_until(30 * US, lambda: QUEUE in _queues(cluster))
         clients = start_workload(cluster, checker, config.workload)
@@ -249,6 +252,23 @@ def run(config: RunConfig) -> Result:
         snapshots=dict(sorted(cluster.snapshot_counts.items())),
         history=history,
     )
+
+
+def _hand_leadership_over(cluster: Cluster, times: int) -> None:
+    """Before anything is proposed: let a leader be elected, and ask it to hand over
+    (Raft's TimeoutNow), `times` times. The first leaders stamp nothing."""
+    world = cluster.world
+    for _ in range(times):
+        world.run_until(world.now_us + 30 * US, lambda: cluster.leader() is not None)
+        leader = cluster.leader()
+        if leader is None:
+            return
+        world.trace(f"genesis handover from {leader.name}")
+        leader.member.transferLeadership(None, None)
+        world.run_until(
+            world.now_us + 30 * US,
+            lambda old=leader: (new := cluster.leader()) is not None and new is not old,
+        )
 
 
 def describe_node(node: SimNode) -> str:

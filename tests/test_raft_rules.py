@@ -200,6 +200,46 @@ def test_a_wrong_or_jumping_wall_clock_moves_stamped_time_by_at_most_the_bound(
     assert clock.now(8) is None  # another term's leader has not taken over here
 
 
+@example(offset=8 * 86_400_000, terms=[(True, []), (False, [(100, 0, 0)]), (True, [(10, 0, 0)])])
+@given(
+    offset=st.integers(-30 * 86_400_000, 30 * 86_400_000),
+    terms=st.lists(st.tuples(st.booleans(), _STEPS), min_size=1, max_size=6),
+)
+def test_across_terms_a_leader_anchors_at_the_replicated_time_not_its_own_earlier_anchor(
+    offset: int, terms: list[tuple[bool, list[tuple[int, int, int]]]]
+) -> None:
+    """Terms follow each other; in each, this node (its wall clock `offset` off) or
+    another node with a true clock leads and stamps. Whatever this node anchored at
+    before (its wall clock, in a new cluster), every time it stamps stays within the
+    bound of the replicated time when it took over plus the true time since. (It kept
+    its earlier anchor: first leader of a new cluster 8 days ahead, stamping nothing,
+    then leader again after another node's term, it moved the cluster's time 8 days.)"""
+    true_ms = [1_800_000_000_000]
+    wall_offset = [offset]
+    clock = LeaderClock(
+        wall_ms=lambda: true_ms[0] + wall_offset[0],
+        monotonic=lambda: true_ms[0] / 1000,
+        bound_ms=1000,
+    )
+    replicated = 0
+    for term, (mine, steps) in enumerate(terms, start=1):
+        if not mine:  # another leader, true clock: replicated time follows true time
+            for elapsed, _, _ in steps:
+                true_ms[0] += elapsed
+                replicated = max(replicated, true_ms[0])
+            continue
+        clock.take_over(term, replicated)
+        base = replicated if replicated > 0 else true_ms[0] + wall_offset[0]
+        start = true_ms[0]
+        for elapsed, direction, jump in steps:
+            true_ms[0] += elapsed
+            wall_offset[0] += direction * jump
+            stamped = clock.now(term)
+            assert stamped is not None
+            assert stamped <= base + (true_ms[0] - start) + 1000
+            replicated = max(replicated, stamped)
+
+
 def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
     tmp_path: Any, caplog: Any
 ) -> None:

@@ -29,7 +29,13 @@ from quorumq.machine import (
     QueueOptions,
     Subscribe,
 )
-from quorumq.replica import ConfigError, OutcomeUnknownError, Replica, ReplicaConfig
+from quorumq.replica import (
+    ConfigError,
+    NotAppliedError,
+    OutcomeUnknownError,
+    Replica,
+    ReplicaConfig,
+)
 
 from .helpers import free_ports, wait_for
 
@@ -416,6 +422,20 @@ def _lead(cluster: Cluster, node: str) -> None:
     wait_for(leads, f"{node} leading", 30, every=0.05)
 
 
+def _submit_idempotent(replica: Replica, command: Any, deadline_s: float = 30.0) -> Any:
+    """Submit an idempotent command (a declare, or an enqueue with producer and seq) again
+    after a leader change refused or lost it, as a client does: an election under CI load
+    must not fail a test about time (CI failed once on `NotAppliedError` here)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return replica.submit(command)
+        except (NotAppliedError, OutcomeUnknownError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 @pytest.mark.parametrize("skewed_node_leads", [False, True])
 def test_a_node_whose_wall_clock_runs_a_day_ahead_cannot_move_queue_time(
     tmp_path: Path, skewed_node_leads: bool
@@ -427,23 +447,24 @@ def test_a_node_whose_wall_clock_runs_a_day_ahead_cannot_move_queue_time(
     try:
         a, c = cluster.replicas["A"], cluster.replicas["C"]
         _lead(cluster, "A")  # a new cluster's time starts at its first leader's clock
-        a.submit(Declare(queue="ttl", options=QueueOptions(message_ttl_ms=600_000)))
-        a.submit(Declare(queue="other"))
+        _submit_idempotent(a, Declare(queue="ttl", options=QueueOptions(message_ttl_ms=600_000)))
+        _submit_idempotent(a, Declare(queue="other"))
         if skewed_node_leads:
             _lead(cluster, "C")
-        first = a.submit(Enqueue(queue="ttl", body=b"m0", producer="pa", seq=0))
+        first = _submit_idempotent(a, Enqueue(queue="ttl", body=b"m0", producer="pa", seq=0))
         for i in range(1, 20):
-            a.submit(Enqueue(queue="ttl", body=b"m%d" % i, producer="pa", seq=i))
+            _submit_idempotent(a, Enqueue(queue="ttl", body=b"m%d" % i, producer="pa", seq=i))
         for i in range(3):
             assert isinstance(
-                c.submit(Enqueue(queue="other", body=b"%d" % i, producer="pc", seq=i)), Enqueued
+                _submit_idempotent(c, Enqueue(queue="other", body=b"%d" % i, producer="pc", seq=i)),
+                Enqueued,
             )
         ticked = a.machine.last_index + 3
         wait_for(lambda: c.machine.last_index >= ticked, "three ticks applied", 15)
         for replica in cluster.replicas.values():
             assert len(replica.query(lambda m: m.ready("ttl"))) == 20, replica.node_id
             assert abs(replica.machine.now_ms - time.time() * 1000) < 5_000
-        again = a.submit(Enqueue(queue="ttl", body=b"m0", producer="pa", seq=0))  # a retry
+        again = _submit_idempotent(a, Enqueue(queue="ttl", body=b"m0", producer="pa", seq=0))
         assert isinstance(again, Enqueued) and isinstance(first, Enqueued)
         assert again.duplicate and again.offset == first.offset
     finally:

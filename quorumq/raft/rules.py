@@ -152,11 +152,17 @@ class LeaderClock:
         return anchor[0] if anchor else None
 
     def take_over(self, term: int, replicated_ms: int) -> None:
-        """This node leads `term`; the replicated time so far is `replicated_ms` (0: none)."""
+        """This node leads `term`; the replicated time so far is `replicated_ms` (0: none).
+
+        The anchor is the replicated time, never this node's own earlier stamps: an
+        earlier term's anchor may have come from its wall clock (a new cluster) without
+        any entry stamped then, and keeping it moved the whole cluster's time to this
+        node's wrong clock when it led again (a node 8 days ahead, first leader of a new
+        cluster, then leader again after another node's term: 8 days of TTL expired)."""
         base = replicated_ms if replicated_ms > 0 else max(0, self.wall_ms())
         with self._lock:
-            self._last = max(self._last, base) if replicated_ms > 0 else base
-            self._anchor = (term, self._last, self.monotonic())
+            self._last = base
+            self._anchor = (term, base, self.monotonic())
 
     def now(self, term: int) -> int | None:
         """The time to stamp on an entry taken in as leader of `term` (None: not anchored
