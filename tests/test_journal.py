@@ -14,6 +14,10 @@ from quorumq.raft.journal import DurableJournal, JournalDamagedError, JournalFai
 
 
 def _fill(j: DurableJournal, first: int, last: int, term: int = 1) -> None:
+    """Entries `first`..`last` of `term`, the term stored first (as a node stores it
+    before it takes in an entry of that term)."""
+    if j.getCurrentTerm() < term:
+        j.setCurrentTerm(term, None)
     for i in range(first, last + 1):
         j.add(b"cmd-%d" % i, i, term)
 
@@ -39,6 +43,7 @@ def test_torn_tail_is_cut_and_earlier_entries_kept(tmp_path: Path) -> None:
         f.truncate(size - 3)  # the last record lost its last bytes
     again = DurableJournal(path)
     assert [e[1] for e in again[:]] == [1, 2]
+    again.setCurrentTerm(2, None)
     again.add(b"next", 3, 2)
     again._destroy()
     assert [e[1:] for e in DurableJournal(path)[:]] == [(1, 1), (2, 1), (3, 2)]
@@ -201,6 +206,7 @@ _FAULTS = st.one_of(
     st.tuples(st.just("flip"), st.floats(0, 1), st.integers(0, 7)),
     st.tuples(st.just("truncate"), st.floats(0, 1), st.just(0)),
     st.tuples(st.just("zeros"), st.integers(1, 600), st.just(0)),
+    st.tuples(st.just("last_page"), st.just(0), st.just(0)),
 )
 
 
@@ -221,6 +227,7 @@ def test_one_fault_anywhere_never_silently_loses_a_committed_entry(
     stored commit index (strict: every synced entry)."""
     path = str(tmp_path / f"fuzz-{os.urandom(6).hex()}.log")
     j = DurableJournal(path, strict=strict)
+    j.setCurrentTerm(1, None)
     entries = [(os.urandom(n), i + 1, 1) for i, n in enumerate(sizes)]
     for entry in entries:
         j.add(*entry)
@@ -237,6 +244,9 @@ def test_one_fault_anywhere_never_silently_loses_a_committed_entry(
         flipped_record = sum(1 for end in ends if end <= at)
     elif kind == "truncate":
         del data[int(where * len(data)) :]
+    elif kind == "last_page":  # the file's last page reads back as zeros
+        page = (len(data) - 1) // 4096 * 4096
+        data[page:] = bytes(len(data) - page)
     else:
         data += bytes(int(where))
     Path(path).write_bytes(bytes(data))
@@ -257,6 +267,7 @@ def test_delete_from_truncates_on_disk(tmp_path: Path) -> None:
     j = DurableJournal(path)
     _fill(j, 1, 5)
     j.deleteEntriesFrom(2)
+    j.setCurrentTerm(2, None)
     j.add(b"new", 3, 2)
     j._destroy()
     assert [e[1:] for e in DurableJournal(path)[:]] == [(1, 1), (2, 1), (3, 2)]
@@ -312,3 +323,137 @@ def test_replay_boundary_is_the_end_at_open_and_drops_where_an_entry_is_replaced
     again.clear()  # a snapshot install, then the leader's entries: the same ones stay
     _fill(again, 4, 5)
     assert again.replay_until == 5
+
+
+# --------------------------------------------- the second hostile read (issue 14)
+
+
+def test_a_flip_in_the_last_records_length_refuses_to_open_when_strict(tmp_path: Path) -> None:
+    """The length ran past the end of the file, and the last record, synced and maybe
+    acknowledged, was cut as a torn tail; its header now has a checksum of its own."""
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path)
+    _fill(j, 1, 5)
+    last_record = j._ends[-2]
+    j._destroy()
+    _flip(path, last_record + 3)  # the length's high byte
+    with pytest.raises(JournalDamagedError, match="not a torn write"):
+        DurableJournal(path)
+
+
+def test_a_last_record_ending_in_zeros_is_a_torn_write(tmp_path: Path) -> None:
+    """A crash while appending a record longer than a page may leave its later pages
+    zero: never synced, never acknowledged, cut. (Media damage that zeros exactly the
+    end of the last record looks the same: the one case a strict journal cannot tell.)"""
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path)
+    _fill(j, 1, 2)
+    j.add(os.urandom(10_000), 3, 1)
+    j._destroy()
+    data = bytearray(Path(path).read_bytes())
+    data[-4096:] = bytes(4096)
+    Path(path).write_bytes(bytes(data))
+    assert [e[1] for e in DurableJournal(path)[:]] == [1, 2]
+
+
+def test_a_body_holding_a_whole_record_is_not_taken_for_one(tmp_path: Path) -> None:
+    """A client's message body that holds the bytes of a valid-looking record, in a torn
+    last record, made opening see "an intact record after a corrupt one" and refuse to
+    start after an ordinary crash. Records are checksummed with the file's own salt."""
+    from quorumq.raft import journal
+
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path)
+    _fill(j, 1, 2)
+    # what a client can forge: records checksummed without the salt, or with a guess
+    forged = journal._record((b"forged", 4, 1), 0) + journal._record((b"forged", 4, 1), 12345)
+    j.add(b"x" * 100 + forged + b"y" * 100, 3, 1)
+    j._destroy()
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[:-50])  # the crash tore the record holding them
+    assert [e[1] for e in DurableJournal(path)[:]] == [1, 2]
+
+
+def test_a_damaged_or_missing_meta_file_refuses_to_open(tmp_path: Path) -> None:
+    """A flipped byte made another valid term (5 -> 1) with the vote kept, and a missing
+    meta file opened at term 0 with no vote: the node could vote twice in one term."""
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path)
+    _fill(j, 1, 3, term=5)
+    j.setCurrentTerm(5, "B")
+    j._destroy()
+    meta = Path(path + ".meta")
+    good = meta.read_bytes()
+    _flip(str(meta), len(good) - 3)
+    with pytest.raises(JournalDamagedError, match=r"meta file .* checksum"):
+        DurableJournal(path)
+    meta.unlink()
+    with pytest.raises(JournalDamagedError, match=r"meta file .* missing"):
+        DurableJournal(path)
+    meta.write_bytes(good)
+    Path(path).unlink()
+    with pytest.raises(JournalDamagedError, match="journal is missing"):
+        DurableJournal(path)
+
+
+def test_a_failed_directory_sync_in_compaction_breaks_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename had happened, the directory sync failed, and every later append went to
+    the old, unlinked file: acknowledged, and gone at the next start."""
+    from quorumq.raft.files import OsFiles
+
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path)
+    _fill(j, 1, 10)
+    j.sync()
+
+    def eio(self: OsFiles, path: str) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(OsFiles, "sync_directory", eio)
+    with pytest.raises(JournalFailedError, match="rewriting"):
+        j.deleteEntriesTo(5)
+    monkeypatch.undo()
+    with pytest.raises(JournalFailedError):
+        j.add(b"cmd-11", 11, 1)
+    j._destroy()
+
+
+def test_a_snapshot_install_replaces_the_file_whole_at_the_next_sync(tmp_path: Path) -> None:
+    """`clear()` truncated the file at once and the kept entries were added back unsynced:
+    a power loss in between lost entries the node had acknowledged. Until the next sync
+    the file holds the old log; after it, the new one, whole."""
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path)
+    _fill(j, 1, 10)
+    j.sync()
+    before = Path(path).read_bytes()
+    j.clear()
+    for i in (7, 8, 9, 10):
+        j.add(b"cmd-%d" % i, i, 1)
+    assert Path(path).read_bytes() == before  # a crash now finds the old log
+    j.sync()
+    j._destroy()
+    assert [e[1] for e in DurableJournal(path)[:]] == [7, 8, 9, 10]
+
+
+def test_a_first_format_journal_is_read_and_rewritten(tmp_path: Path) -> None:
+    import struct
+    import zlib
+
+    from quorumq.machine import encoding
+
+    path = tmp_path / "raft.log"
+    records = b""
+    for i in range(1, 4):
+        body = struct.pack("<QQ", i, 1) + b"cmd-%d" % i
+        records += struct.pack("<II", len(body), zlib.crc32(body)) + body
+    path.write_bytes(b"QQJ1" + records)
+    Path(str(path) + ".meta").write_bytes(encoding.encode({"term": 1, "voted_for": None}))
+    j = DurableJournal(str(path))
+    assert list(j[:]) == [(b"cmd-%d" % i, i, 1) for i in range(1, 4)]
+    assert path.read_bytes()[:4] == b"QQJ2"
+    j.add(b"cmd-4", 4, 1)
+    j._destroy()
+    assert [e[1] for e in DurableJournal(str(path))[:]] == [1, 2, 3, 4]

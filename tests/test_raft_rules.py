@@ -27,19 +27,20 @@ def append(prev: int, prev_term: int, entries: list[tuple[int, int]], term: int 
 def test_a_late_message_holding_nothing_new_no_longer_cuts_the_log() -> None:
     """PySyncObj would cut 13-15 (entries the follower acknowledged, maybe applied)."""
     late = append(11, 1, [(12, 2)])
-    trimmed = trim_known_entries(late, LOG)
+    trimmed, answer = trim_known_entries(late, LOG)
+    assert answer is None
     assert (trimmed["prevLogIdx"], trimmed["prevLogTerm"], trimmed["entries"]) == (15, 3, [])
     assert trimmed["commit_index"] == 12
 
 
 def test_a_heartbeat_behind_the_log_end_no_longer_cuts_it() -> None:
-    trimmed = trim_known_entries(append(12, 2, []), LOG)
+    trimmed, _ = trim_known_entries(append(12, 2, []), LOG)
     assert (trimmed["prevLogIdx"], trimmed["entries"]) == (15, [])
 
 
 def test_known_entries_are_dropped_and_new_ones_kept() -> None:
     message = append(13, 2, [(14, 3), (15, 3), (16, 3), (17, 3)])
-    trimmed = trim_known_entries(message, LOG)
+    trimmed, _ = trim_known_entries(message, LOG)
     assert trimmed["prevLogIdx"] == 15 and trimmed["prevLogTerm"] == 3
     assert [e[1] for e in trimmed["entries"]] == [16, 17]
 
@@ -47,16 +48,25 @@ def test_known_entries_are_dropped_and_new_ones_kept() -> None:
 def test_a_conflict_still_cuts_the_log_where_it_starts() -> None:
     """The leader of term 4 replaced 14-15 (term 3): the message goes from the conflict."""
     message = append(12, 2, [(13, 2), (14, 4), (15, 4)], term=4)
-    trimmed = trim_known_entries(message, LOG)
+    trimmed, answer = trim_known_entries(message, LOG)
+    assert answer is None
     assert (trimmed["prevLogIdx"], trimmed["prevLogTerm"]) == (13, 2)
     assert [(e[1], e[2]) for e in trimmed["entries"]] == [(14, 4), (15, 4)]
 
 
-def test_a_tail_of_an_earlier_term_is_not_vouched_for() -> None:
+def test_a_tail_of_an_earlier_term_is_neither_cut_nor_vouched_for() -> None:
     """Nothing new, but the log ends in term 3 and the leader is of term 4: the tail may
-    conflict with the leader's log, so PySyncObj cuts it as before."""
-    message = append(12, 2, [(13, 2)], term=4)
-    assert trim_known_entries(message, LOG) is message
+    conflict with the leader's log, and may hold entries this follower acknowledged that
+    are committed (PySyncObj cut it, below the commit index too, and the journal then
+    stopped the node). Nothing is cut: the follower acknowledges up to 13, the last entry
+    the message vouched for, and the commit index moves no further than that."""
+    message = {**append(12, 2, [(13, 2)], term=4), "commit_index": 15}
+    trimmed, answer = trim_known_entries(message, LOG)
+    assert answer == 13
+    assert "prevLogIdx" not in trimmed and "entries" not in trimmed
+    assert trimmed["commit_index"] == 13 and trimmed["term"] == 4
+    heartbeat, answer = trim_known_entries({**append(11, 1, [], term=4), "commit_index": 9}, LOG)
+    assert answer == 11 and heartbeat["commit_index"] == 9
 
 
 def test_messages_with_nothing_to_cut_or_a_refusal_pass_unchanged() -> None:
@@ -67,9 +77,9 @@ def test_messages_with_nothing_to_cut_or_a_refusal_pass_unchanged() -> None:
         append(8, 1, [(9, 1)]),  # before the log's first entry (compacted)
         {**append(11, 1, []), "transmission": "start", "data": b""},
     ]:
-        assert trim_known_entries(message, LOG) is message
+        assert trim_known_entries(message, LOG) == (message, None)
     empty = append(11, 1, [])
-    assert trim_known_entries(empty, []) is empty
+    assert trim_known_entries(empty, []) == (empty, None)
 
 
 # --------------------------------------------------------- snapshot installs
@@ -291,3 +301,159 @@ def test_a_second_membership_change_is_refused_while_the_first_is_uncommitted(
         assert not member.uncommitted_membership_change()
     finally:
         member.stop()
+
+
+# ------------------------------------------ storage and installs (second hostile read)
+
+
+def _commit(member: Any, index: int) -> None:
+    member._SyncObj__raftCommitIndex = index
+    member._SyncObj__raftLog.setRaftCommitIndex(index)
+
+
+def _restart(tmp_path: Any, members: dict[str, str]) -> Any:
+    from quorumq.raft.member import RaftMember
+
+    return RaftMember(
+        "A",
+        members,
+        data_dir=str(tmp_path),
+        password="secret",
+        fsync="always",
+        apply=lambda index, payload: None,
+        snapshot=lambda: b"",
+        restore=lambda machine: None,
+        on_tick=lambda: None,
+    )
+
+
+def test_a_late_append_of_known_entries_keeps_a_tail_of_an_earlier_term(tmp_path: Any) -> None:
+    """Follower A holds 1..79 of term 1 and knows commit index 70; the term-2 leader, its
+    nextIndex sent back by a stale refusal, sends prevLogIdx 50 and entry 51. PySyncObj
+    cut 51..79, below the commit index: the journal refused, the node stopped."""
+    member, _ = _member(tmp_path)
+    try:
+        log = member._SyncObj__raftLog
+        member._SyncObj__setCurrentTerm(1, None)
+        for i in range(2, 80):
+            log.add(b"\x04cmd%d" % i, i, 1)
+        member._SyncObj__setCurrentTerm(2, None)
+        _commit(member, 70)
+        sent: list[tuple[int, bool]] = []
+        member._send_replies = lambda replies: sent.extend((r[2], r[3]) for r in replies)
+        leader = next(iter(member.otherNodes))
+        message = {
+            "type": "append_entries",
+            "term": 2,
+            "commit_index": 75,
+            "prevLogIdx": 50,
+            "prevLogTerm": 1,
+            "entries": [log[50]],
+        }
+        member._SyncObj__onMessageReceived(leader, message)
+        assert log[-1][1] == 79  # nothing cut
+        assert sent == [(52, True)]  # acknowledged through 51, what the message vouched for
+        assert member.raftCommitIndex == 70  # not taken to 75 over an unverified tail
+    finally:
+        member.stop()
+
+
+def test_a_snapshot_install_does_not_commit_the_tail_it_kept(tmp_path: Any) -> None:
+    """The entries kept after the leader's snapshot (8-10, term 1) may be an old leader's
+    uncommitted tail; PySyncObj took the commit index to the leader's 12 within the log
+    and applied them (and the first conflicting AppendEntries then stopped the node)."""
+    from quorumq.raft.rules import encode_snapshot
+
+    member, members = _member(tmp_path)
+    try:
+        log = member._SyncObj__raftLog
+        member._SyncObj__setCurrentTerm(1, None)
+        for i in range(2, 11):
+            log.add(b"\x04cmd%d" % i, i, 1)
+        member._SyncObj__raftLastApplied = 5
+        _commit(member, 5)
+        member._SyncObj__setCurrentTerm(2, None)
+        blob = encode_snapshot(log[6], log[5], [(a, n) for n, a in members.items()], b"")
+        message = {
+            "type": "append_entries",
+            "term": 2,
+            "commit_index": 12,
+            "serialized": (blob, True, True),
+        }
+        member._SyncObj__onMessageReceived(next(iter(member.otherNodes)), message)
+        assert [e[1] for e in log[:]] == [6, 7, 8, 9, 10]  # the tail is kept ...
+        assert member.raftCommitIndex == 7  # ... not committed
+    finally:
+        member.stop()
+
+
+def test_a_crash_between_snapshot_and_compaction_keeps_the_entries_after_it(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """Compaction stores the snapshot, then compacts the journal behind it. A crash in
+    between left a journal that did not start at the snapshot, and PySyncObj cleared it
+    at start-up: entries 11-20, acknowledged and committed up to 15, were gone."""
+    from quorumq.raft.journal import DurableJournal
+
+    class Crash(BaseException):
+        pass
+
+    member, members = _member(tmp_path)
+    log = member._SyncObj__raftLog
+    member._SyncObj__setCurrentTerm(1, None)
+    for i in range(2, 21):
+        log.add(b"\x04cmd%d" % i, i, 1)
+    log.sync()
+    _commit(member, 10)
+    member._SyncObj__applyLogEntries()
+    _commit(member, 15)
+
+    def crash(self: Any, entry_to: int) -> None:
+        raise Crash
+
+    monkeypatch.setattr(DurableJournal, "deleteEntriesTo", crash)
+    member._SyncObj__forceLogCompaction = True
+    with pytest.raises(Crash):
+        member._SyncObj__tryLogCompaction()
+    monkeypatch.undo()
+    member.stop()
+    again = _restart(tmp_path, members)
+    try:
+        again.doTick(0)  # loads the snapshot
+        assert [e[1] for e in again.journal[:]] == list(range(9, 21))
+        assert again.raftCommitIndex == 15 and again.raftLastApplied == 15
+    finally:
+        again.stop()
+
+
+def test_a_damaged_or_missing_snapshot_refuses_to_start(tmp_path: Any) -> None:
+    """A flipped byte in the snapshot was ignored (PySyncObj logs load failures and goes
+    on): the node ran with an empty machine, voting and leading. A compacted journal with
+    no snapshot would apply its entries to an empty machine."""
+    import os
+
+    from quorumq.raft.journal import JournalDamagedError
+
+    member, members = _member(tmp_path)
+    log = member._SyncObj__raftLog
+    member._SyncObj__setCurrentTerm(1, None)
+    for i in range(2, 21):
+        log.add(b"\x04cmd%d" % i, i, 1)
+    _commit(member, 20)
+    member._SyncObj__applyLogEntries()
+    member._SyncObj__forceLogCompaction = True
+    member._SyncObj__tryLogCompaction()
+    assert log[0][1] > 1
+    member.stop()
+    snapshot = tmp_path / "snapshot"
+    good = snapshot.read_bytes()
+    damaged = bytearray(good)
+    damaged[len(good) // 2] ^= 1
+    snapshot.write_bytes(bytes(damaged))
+    with pytest.raises(JournalDamagedError, match="checksum"):
+        _restart(tmp_path, members)
+    os.unlink(snapshot)
+    with pytest.raises(JournalDamagedError, match="no snapshot"):
+        _restart(tmp_path, members)
+    snapshot.write_bytes(good)
+    _restart(tmp_path, members).stop()

@@ -4,33 +4,44 @@ PySyncObj's `FileJournal` writes through mmap with no fsync and no checksum, and
 compacts by rewriting the file in place. This journal keeps PySyncObj's interface
 (entries are `(command, idx, term)` tuples addressed by position) on a file of our own:
 
-    b"QQJ1" then records: [u32 body length][u32 crc32(body)][body]
-    body = [u64 idx][u64 term][command bytes]
+    b"QQJ2", 8 random bytes (the salt), u32 crc(the 12 bytes before), then records:
+    [u32 length][u64 idx][u64 term][u32 crc(command)][u32 crc(the 24 bytes before)]
+    [command: length bytes]
+
+Both checksums are CRC-32 seeded with the salt: a message body that happens to hold the
+bytes of a record (a client's, say) is never taken for one, and a record's header is
+checked on its own, so a damaged length is told from a record cut short.
 
 Writes go to the page cache at once; `sync()` makes them durable (`fdatasync`). The
 replica calls it before a follower acknowledges entries and before a leader counts its
-own copy toward commit. Compaction writes a new file, fsyncs it, renames it over the old
-one and fsyncs the directory. Term, vote and commit index live in `<path>.meta`,
-replaced the same way, synchronously for term and vote (Raft needs them durable before
-any vote is sent).
+own copy toward commit. Compaction and a snapshot install's reset write a new file,
+sync it, rename it over the old one and sync the directory; the journal then appends
+to that new file (a failure anywhere on the way breaks the journal, below). Term, vote
+and commit index live in `<path>.meta`, checksummed, replaced the same way,
+synchronously for term and vote (Raft needs them durable before any vote is sent).
 
 What opening tells apart:
 
-* a torn tail: the last record runs past the end of the file, or the file ends in
-  zeros (a crash while appending). Those bytes were never synced, so never
-  acknowledged: they are cut off.
-* damage: a record that fails its CRC with an intact record after it, or (when every
-  acknowledged entry was synced first, `strict`) any bad record that is not a torn
-  tail, or a log that ends below the commit index this node recorded. Cutting there
-  would delete entries this node acknowledged, and a node that then votes as if its log
-  were short can let a lagging candidate overwrite committed entries. Opening refuses
-  (`JournalDamagedError`, naming the file, the offset and the way out); it never
-  shortens the log below what the node acknowledged.
+* a torn tail: a header cut short, a record whose body runs past the end of the file,
+  or zeros where the rest of the last record (or the file) should be (a crash while
+  appending). Those bytes were never synced, so never acknowledged: they are cut off.
+* damage: a header or command that fails its checksum with an intact record after it,
+  or (when every acknowledged entry was synced first, `strict`) any bad record that is
+  not a torn tail, or a log that ends below the commit index this node recorded, or a
+  meta file that is missing or fails its checksum while the journal holds entries of a
+  term. Cutting there would delete entries this node acknowledged; forgetting a term or
+  a vote lets it vote twice in one term. Either lets the cluster lose committed
+  entries, so opening refuses (`JournalDamagedError`, naming the file, the place and
+  the way out); it never shortens the log below what the node acknowledged.
 
-A write that fails or writes short, or an `fdatasync` that fails, breaks the journal
-for good (`JournalFailedError` from then on, on every write and sync): nothing after a
-gap may be acknowledged, and on Linux a retried `fdatasync` can report success for
-pages it lost (PostgreSQL's fsync lesson), so the node must stop, never retry.
+A write that fails or writes short, an `fdatasync` that fails, or a rewrite that fails
+after its rename, breaks the journal for good (`JournalFailedError` from then on, on
+every write and sync): nothing after a gap may be acknowledged, and on Linux a retried
+`fdatasync` can report success for pages it lost (PostgreSQL's fsync lesson), so the
+node must stop, never retry.
+
+Journals of the first format (b"QQJ1", no salt, no header checksum) are read once and
+rewritten in this one.
 """
 
 from __future__ import annotations
@@ -42,12 +53,29 @@ import zlib
 from typing import Any
 
 from ..machine import encoding
+from .files import OS_FILES, Files, write_all, write_atomically
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"QQJ1"
-_HEAD = struct.Struct("<II")
-_ENTRY = struct.Struct("<QQ")
+_MAGIC = b"QQJ2"
+_SALT_BYTES = 8
+_START = len(_MAGIC) + _SALT_BYTES + 4
+"""Where the first record starts: after the magic, the salt and their checksum."""
+_HEAD = struct.Struct("<IQQII")
+"""length, idx, term, crc(command), crc(the four fields before)."""
+_CHECKED = _HEAD.size - 4
+MAX_ENTRY_BYTES = 16 * 1024 * 1024
+"""No entry of ours is longer (commands are at most 3 MiB): a longer length is damage."""
+PAGE = 4096
+"""A crash while appending may leave the file's last page zeros."""
+FIND_INTACT_AFTER = 1024
+"""How many entries past a damaged one opening looks for an intact record."""
+
+_LEGACY_MAGIC = b"QQJ1"
+_LEGACY_HEAD = struct.Struct("<II")
+_LEGACY_ENTRY = struct.Struct("<QQ")
+
+_META_MAGIC = b"QQM1"
 
 Entry = tuple[bytes, int, int]
 
@@ -61,75 +89,116 @@ class JournalFailedError(Exception):
 
 
 def fsync_directory(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    OS_FILES.sync_directory(path)
 
 
-def write_atomically(path: str, data: bytes, *, durable: bool = True) -> None:
-    """Replace `path` with `data` so that a crash leaves the old or the new file, whole."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if durable:
-        fsync_directory(os.path.dirname(path))
+def damaged(path: str, what: str) -> JournalDamagedError:
+    """The refusal to start, with the way out."""
+    return JournalDamagedError(
+        f"{path}: {what}. The journal lost entries this node may have acknowledged; "
+        "starting would let the cluster lose committed messages, so the node refuses. "
+        "Keep the file for inspection. To bring the node back, remove it from the "
+        "cluster (`quorumq members remove`), move its data directory away, and add it "
+        "again empty (it catches up from the leader)."
+    )
 
 
-def _record(entry: Entry) -> bytes:
+# -------------------------------------------------------------------- records
+
+
+def _record(entry: Entry, seed: int) -> bytes:
     command, idx, term = entry
-    body = _ENTRY.pack(idx, term) + command
-    return _HEAD.pack(len(body), zlib.crc32(body)) + body
+    fields = struct.pack("<IQQI", len(command), idx, term, zlib.crc32(command, seed))
+    return fields + struct.pack("<I", zlib.crc32(fields, seed)) + command
 
 
-def _parse(data: bytes, pos: int) -> tuple[Entry, int] | None:
-    """The intact record at `pos` and the offset past it, or None."""
+def _crc_bytes(data: bytes) -> bytes:
+    return zlib.crc32(data).to_bytes(4, "little")
+
+
+def _header(data: bytes, pos: int, seed: int) -> tuple[int, int, int, int] | None:
+    """(length, idx, term, command crc) of the record header at `pos` if it is intact."""
     if pos + _HEAD.size > len(data):
         return None
-    length, crc = _HEAD.unpack_from(data, pos)
-    end = pos + _HEAD.size + length
-    if length < _ENTRY.size or end > len(data):
+    length, idx, term, crc, head_crc = _HEAD.unpack_from(data, pos)
+    if zlib.crc32(data[pos : pos + _CHECKED], seed) != head_crc or length > MAX_ENTRY_BYTES:
         return None
-    body = data[pos + _HEAD.size : end]
-    if zlib.crc32(body) != crc:
-        return None
-    idx, term = _ENTRY.unpack_from(body)
-    return (body[_ENTRY.size :], idx, term), end
+    return length, idx, term, crc
 
 
-def _next_intact(data: bytes, start: int, last: int) -> tuple[int, int] | None:
-    """(offset, index) of the first intact record at or after `start` whose index follows
-    `last`: a record that survived damage before it. Cheap tests first (the length fits,
-    the index is plausible), the CRC last."""
-    limit = len(data) - _HEAD.size - _ENTRY.size
-    for pos in range(start, limit + 1):
-        length = int.from_bytes(data[pos : pos + 4], "little")
-        if length < _ENTRY.size or pos + _HEAD.size + length > len(data):
-            continue
-        idx = int.from_bytes(data[pos + _HEAD.size : pos + _HEAD.size + 8], "little")
-        if not last < idx <= last + len(data):
-            continue
-        parsed = _parse(data, pos)
-        if parsed is not None:
-            return pos, parsed[0][1]
+def _parse(data: bytes, pos: int, seed: int) -> tuple[Entry, int] | None:
+    """The intact record at `pos` and the offset past it, or None."""
+    header = _header(data, pos, seed)
+    if header is None:
+        return None
+    length, idx, term, crc = header
+    start = pos + _HEAD.size
+    end = start + length
+    if end > len(data):
+        return None
+    command = data[start:end]
+    if zlib.crc32(command, seed) != crc:
+        return None
+    return (command, idx, term), end
+
+
+def _next_intact(data: bytes, start: int, last: int, seed: int) -> tuple[int, int] | None:
+    """(offset, index) of the first intact record at or after `start` whose index is
+    among the next `FIND_INTACT_AFTER` after `last`: a record that survived damage
+    before it. Found by its index's bytes (`bytes.find`), then both checksums."""
+    for idx in range(last + 1, last + 1 + FIND_INTACT_AFTER):
+        pattern = idx.to_bytes(8, "little")
+        found = data.find(pattern, start + 4)
+        while found != -1:
+            pos = found - 4
+            parsed = _parse(data, pos, seed)
+            if parsed is not None and parsed[0][1] == idx:
+                return pos, idx
+            found = data.find(pattern, found + 1)
     return None
 
 
-def _torn(data: bytes, pos: int) -> bool:
-    """What follows `pos` is what a crash while appending leaves: a record that runs past
-    the end of the file, or zeros (the file grew, its data never came)."""
+def _torn(data: bytes, pos: int, seed: int) -> bool:
+    """What follows `pos` is what a crash while appending leaves: a header cut short, a
+    record that runs past the end of the file, zeros (the file grew, its data never
+    came), or a last record whose last page came back as zeros (`PAGE`; a header or a
+    command written in part)."""
     rest = data[pos:]
-    if not rest.strip(b"\0"):
+    if len(rest) < _HEAD.size or not rest.strip(b"\0"):
         return True
-    if len(rest) < _HEAD.size:
-        return True
-    length = int.from_bytes(rest[:4], "little")
-    return _HEAD.size + length > len(rest)
+    header = _header(data, pos, seed)
+    if header is not None:
+        end = pos + _HEAD.size + header[0]
+        if end > len(data):
+            return True
+        if end < len(data):
+            return False  # a whole record, and more after it: not the tail
+    last_page = max(pos, (len(data) - 1) // PAGE * PAGE)
+    return not data[last_page:].strip(b"\0")
+
+
+def _legacy_entries(data: bytes) -> tuple[list[Entry], int]:
+    """A first-format journal's intact records and where they stop."""
+    entries: list[Entry] = []
+    pos = len(_LEGACY_MAGIC)
+    while pos + _LEGACY_HEAD.size <= len(data):
+        length, crc = _LEGACY_HEAD.unpack_from(data, pos)
+        end = pos + _LEGACY_HEAD.size + length
+        if length < _LEGACY_ENTRY.size or end > len(data):
+            break
+        body = data[pos + _LEGACY_HEAD.size : end]
+        if zlib.crc32(body) != crc:
+            break
+        idx, term = _LEGACY_ENTRY.unpack_from(body)
+        entries.append((body[_LEGACY_ENTRY.size :], idx, term))
+        pos = end
+    return entries, pos
+
+
+def meta_bytes(meta: dict[str, Any]) -> bytes:
+    """A meta file's bytes: magic, CRC-32 of the payload, the payload."""
+    payload = encoding.encode(meta)
+    return _META_MAGIC + _crc_bytes(payload) + payload
 
 
 class ReplayBoundary:
@@ -157,27 +226,47 @@ class ReplayBoundary:
             del self.terms[pos:]
 
 
+# -------------------------------------------------------------------- journal
+
+
 class DurableJournal:
     """PySyncObj's Journal interface (duck-typed) on a checksummed, fsynced file."""
 
-    def __init__(self, path: str, *, durable: bool = True, strict: bool | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        durable: bool = True,
+        strict: bool | None = None,
+        files: Files = OS_FILES,
+    ) -> None:
         """`durable`: sync at all. `strict`: every acknowledged entry was synced first
         (`fsync=always`), so any loss below the recorded commit index is damage; by
         default the same as `durable`. Not strict, a short log is cut and the commit
-        index clamped to its end (`fsync=batch` acknowledges before syncing)."""
+        index clamped to its end (`fsync=batch` acknowledges before syncing). `files`:
+        where the bytes go (the simulator gives its disk)."""
         self.path = path
         self.durable = durable
         self.strict = durable if strict is None else strict
+        self.files = files
         self.failed: BaseException | None = None
         self._entries: list[Entry] = []
         self._ends: list[int] = []
         """File offset just past each entry's record, for truncation."""
         self._dirty = False
-        self._meta: dict[str, Any] = self._load_meta()
+        self._reset = False
+        """The entries were replaced (a snapshot install): the file is rewritten whole,
+        atomically, at the next sync, never truncated in place first."""
+        self._meta, meta_found = self._load_meta()
         self._meta_dirty = False
-        self._fd = self._open()
-        self.last_index_at_open = self._entries[-1][1] if self._entries else 0
+        self._salt = b""
+        self._fd = self._open(meta_found)
+        self.last_index_at_open = self._last_index()
         self._replay = ReplayBoundary(self._entries)
+
+    @property
+    def _seed(self) -> int:
+        return zlib.crc32(self._salt)
 
     @property
     def replay_until(self) -> int:
@@ -187,53 +276,83 @@ class DurableJournal:
 
     # ------------------------------------------------------------------ files
 
-    def _open(self) -> int:
-        if not os.path.exists(self.path):
-            write_atomically(self.path, _MAGIC, durable=self.durable)
-        with open(self.path, "rb") as f:
-            data = f.read()
-        if data[:4] != _MAGIC:
+    def _open(self, meta_found: bool) -> int:
+        data = self.files.read(self.path)
+        if data is None:
+            if meta_found:
+                raise damaged(self.path, "the journal is missing but its meta file is not")
+            return self._rewrite([])
+        if data[:4] == _LEGACY_MAGIC:
+            self._entries, pos = _legacy_entries(data)
+            if pos != len(data):
+                raise damaged(self.path, f"a first-format journal stops being intact at {pos}")
+            self._check_meta_for(meta_found)
+            self._check_commit_index()
+            logger.info("%s: rewriting a first-format journal in the current one", self.path)
+            return self._rewrite(self._entries)
+        if data[:4] != _MAGIC or len(data) < _START:
             raise JournalDamagedError(f"{self.path} is not a quorumq journal")
-        pos = 4
-        while pos + _HEAD.size <= len(data):
-            entry = _parse(data, pos)
-            if entry is None:
+        if _crc_bytes(data[: _START - 4]) != data[_START - 4 : _START]:
+            raise damaged(self.path, "its header (the checksums' salt) fails its checksum")
+        self._salt = data[4 : _START - 4]
+        seed = self._seed
+        pos = _START
+        while pos < len(data):
+            parsed = _parse(data, pos, seed)
+            if parsed is None or (self._entries and parsed[0][1] != self._entries[-1][1] + 1):
                 break
-            self._entries.append(entry[0])
-            pos = entry[1]
+            self._entries.append(parsed[0])
+            pos = parsed[1]
             self._ends.append(pos)
         if pos != len(data):
             self._check_cut(data, pos)
+        self._check_meta_for(meta_found)
         self._check_commit_index()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        if pos != len(data):
-            logger.warning(
-                "%s: cutting a torn tail of %d bytes after entry %d",
-                self.path,
-                len(data) - pos,
-                self._last_index(),
-            )
-            os.ftruncate(fd, pos)
-            if self.durable:
-                os.fsync(fd)
+        try:
+            fd = self.files.open_append(self.path)
+            if pos != len(data):
+                logger.warning(
+                    "%s: cutting a torn tail of %d bytes after entry %d",
+                    self.path,
+                    len(data) - pos,
+                    self._last_index(),
+                )
+                self.files.truncate(fd, pos)
+                if self.durable:
+                    self.files.sync(fd)
+        except OSError as e:
+            raise self._fail("open", e) from e
         return fd
 
     def _last_index(self) -> int:
         return self._entries[-1][1] if self._entries else 0
 
     def _check_cut(self, data: bytes, pos: int) -> None:
-        """Refuse to cut at `pos` unless what follows is a torn tail."""
+        """Refuse to cut at `pos` unless what follows is a torn tail (or, not strict,
+        a record that was maybe never synced, with nothing intact after it)."""
         last = self._last_index()
-        after = _next_intact(data, pos + 1, last)
+        after = _next_intact(data, pos + 1, last, self._seed)
         if after is not None:
-            raise self._damaged(
+            raise damaged(
+                self.path,
                 f"a corrupt record at byte {pos} (after entry {last}) is followed by an "
-                f"intact one at byte {after[0]} (entry {after[1]})"
+                f"intact one at byte {after[0]} (entry {after[1]})",
             )
-        if self.strict and not _torn(data, pos):
-            raise self._damaged(
+        if self.strict and not _torn(data, pos, self._seed):
+            raise damaged(
+                self.path,
                 f"the record at byte {pos} (after entry {last}) fails its checksum but is "
-                "complete: it was written whole, so it may have been acknowledged"
+                "not a torn write: it was written whole, so it may have been acknowledged",
+            )
+
+    def _check_meta_for(self, meta_found: bool) -> None:
+        """A journal with entries of a term has a meta file: the node stored the term
+        (and any vote) before it took in an entry of it."""
+        if not meta_found and self._entries and self._entries[-1][2] > 0:
+            raise damaged(
+                self.path,
+                "the meta file (term, vote, commit index) is missing, but the journal holds "
+                "entries of a term: the node could vote twice in one term",
             )
 
     def _check_commit_index(self) -> None:
@@ -242,8 +361,9 @@ class DurableJournal:
         if not isinstance(recorded, int) or recorded <= last:
             return
         if self.strict:
-            raise self._damaged(
-                f"the log ends at entry {last}, but this node recorded commit index {recorded}"
+            raise damaged(
+                self.path,
+                f"the log ends at entry {last}, but this node recorded commit index {recorded}",
             )
         logger.warning(
             "%s: commit index %d is past the log's end %d (entries written but not synced "
@@ -256,43 +376,87 @@ class DurableJournal:
         self._meta["commit_index"] = last
         self._store_meta()
 
-    def _damaged(self, what: str) -> JournalDamagedError:
-        return JournalDamagedError(
-            f"{self.path}: {what}. The journal lost entries this node may have acknowledged; "
-            "starting would let the cluster lose committed messages, so the node refuses. "
-            "Keep the file for inspection. To bring the node back, remove it from the "
-            "cluster (`quorumq members remove`), move its data directory away, and add it "
-            "again empty (it catches up from the leader)."
-        )
-
-    def _load_meta(self) -> dict[str, Any]:
+    def _load_meta(self) -> tuple[dict[str, Any], bool]:
+        """The meta file's contents, and whether there is one."""
+        data = self.files.read(self.path + ".meta")
+        if data is None:
+            return {}, False
+        if data[:4] == _META_MAGIC:
+            crc, payload = int.from_bytes(data[4:8], "little"), data[8:]
+            if zlib.crc32(payload) != crc:
+                raise damaged(self.path, "the meta file (term, vote) fails its checksum")
+        else:
+            payload = data  # the first format: no checksum
         try:
-            with open(self.path + ".meta", "rb") as f:
-                meta = encoding.decode(f.read())
-        except FileNotFoundError:
-            return {}
+            meta = encoding.decode(payload)
+        except ValueError as e:
+            raise damaged(self.path, f"the meta file cannot be read ({e})") from None
         if not isinstance(meta, dict):
-            raise ValueError(f"{self.path}.meta is not a journal meta file")
-        return meta
+            raise damaged(self.path, "the meta file is not a journal meta file")
+        return meta, True
 
     def _store_meta(self) -> None:
         if hasattr(self, "_fd"):
             # The commit index stored must never be ahead of the entries on disk (a
             # strict journal that ends below it refuses to open).
             self.sync()
-        write_atomically(self.path + ".meta", encoding.encode(self._meta), durable=self.durable)
+        try:
+            write_atomically(
+                self.files, self.path + ".meta", meta_bytes(self._meta), durable=self.durable
+            )
+        except OSError as e:
+            raise self._fail("writing the meta file", e) from e
         self._meta_dirty = False
+
+    def _rewrite(self, entries: list[Entry]) -> int:
+        """Replace the file with `entries`, atomically; the descriptor to append to. The
+        new file is written, synced, renamed over the old one and the directory synced;
+        the journal appends to it from then on. Any failure breaks the journal (after the
+        rename, an old descriptor would append to a file no longer on disk)."""
+        self._salt = self.files.random_bytes(_SALT_BYTES)
+        seed = self._seed
+        records = [_record(e, seed) for e in entries]
+        tmp = self.path + ".tmp"
+        try:
+            fd = self.files.create(tmp)
+            head = _MAGIC + self._salt
+            write_all(self.files, fd, head + _crc_bytes(head) + b"".join(records))
+            if self.durable:
+                self.files.sync(fd)
+            self.files.replace(tmp, self.path)
+            if self.durable:
+                self.files.sync_directory(os.path.dirname(self.path))
+        except OSError as e:
+            raise self._fail("rewriting the journal", e) from e
+        self._ends = []
+        end = _START
+        for r in records:
+            end += len(r)
+            self._ends.append(end)
+        return fd
 
     def sync(self) -> None:
         """Make every entry written so far durable; a failure breaks the journal for good."""
         self._check_usable()
+        if self._reset:
+            old, self._fd = self._fd, self._rewrite(self._entries)
+            self._reset = False
+            self._dirty = False
+            self._close(old)
+            return
         if self._dirty:
             if self.durable:
                 try:
-                    os.fdatasync(self._fd)
+                    self.files.sync(self._fd)
                 except OSError as e:
                     raise self._fail("fdatasync", e) from e
             self._dirty = False
+
+    def _close(self, fd: int) -> None:
+        try:
+            self.files.close(fd)
+        except OSError as e:
+            logger.warning("%s: closing an old descriptor failed: %s", self.path, e)
 
     def _check_usable(self) -> None:
         if self.failed is not None:
@@ -312,39 +476,42 @@ class DurableJournal:
     def _write(self, data: bytes) -> None:
         """All of `data`, or `JournalFailedError` (a short write is never left unnoticed)."""
         self._check_usable()
-        view = memoryview(data)
         try:
-            while view:
-                written = os.write(self._fd, view)
-                if written <= 0:
-                    raise OSError(f"write returned {written}")
-                view = view[written:]
+            write_all(self.files, self._fd, data)
         except OSError as e:
             raise self._fail("write", e) from e
 
     def _truncate(self, size: int) -> None:
         self._check_usable()
         try:
-            os.ftruncate(self._fd, size)
+            self.files.truncate(self._fd, size)
         except OSError as e:
             raise self._fail("truncate", e) from e
 
     # ------------------------------------------------------ PySyncObj Journal
 
     def add(self, command: bytes, idx: int, term: int) -> None:
+        self._check_usable()
         entry = (bytes(command), idx, term)
         self._replay.added(idx, term)
-        record = _record(entry)
-        self._write(record)
+        if not self._reset:
+            record = _record(entry, self._seed)
+            self._write(record)
+            self._ends.append((self._ends[-1] if self._ends else _START) + len(record))
         self._entries.append(entry)
-        self._ends.append((self._ends[-1] if self._ends else 4) + len(record))
         self._dirty = True
 
     def clear(self) -> None:
-        self._truncate(4)
+        """A snapshot install replaces the log: the file is rewritten at the next sync,
+        whole (truncated first, a crash before the new entries were synced lost entries
+        this node had acknowledged)."""
+        self._check_usable()
         self._entries = []
         self._ends = []
+        self._reset = True
         self._dirty = True
+        if not self.durable:
+            self.sync()  # nobody syncs a journal that is never synced: rewrite it now
 
     def deleteEntriesFrom(self, entry_from: int) -> None:
         if entry_from >= len(self._entries):
@@ -355,25 +522,20 @@ class DurableJournal:
                 f"{self.path}: refusing to delete entries from "
                 f"{self._entries[entry_from][1]}, at or below the commit index {committed}"
             )
-        self._truncate(self._ends[entry_from - 1] if entry_from else 4)
+        if not self._reset:
+            self._truncate(self._ends[entry_from - 1] if entry_from else _START)
+            del self._ends[entry_from:]
         del self._entries[entry_from:]
-        del self._ends[entry_from:]
         self._dirty = True
 
     def deleteEntriesTo(self, entry_to: int) -> None:
         """Compaction: keep entries from `entry_to` on, in a new file swapped in atomically."""
         self._check_usable()
         kept = self._entries[entry_to:]
-        records = [_record(e) for e in kept]
-        write_atomically(self.path, _MAGIC + b"".join(records), durable=self.durable)
-        os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        old, self._fd = self._fd, self._rewrite(kept)
+        self._close(old)
         self._entries = kept
-        self._ends = []
-        end = 4
-        for r in records:
-            end += len(r)
-            self._ends.append(end)
+        self._reset = False
         self._dirty = False
 
     def __getitem__(self, item: int | slice) -> Any:
@@ -384,12 +546,14 @@ class DurableJournal:
 
     def _destroy(self) -> None:
         if self.failed is not None:  # nothing more is written, the meta file included
-            os.close(self._fd)
+            self._close(self._fd)
             return
-        self.sync()
-        if self._meta_dirty:
-            self._store_meta()
-        os.close(self._fd)
+        try:
+            self.sync()
+            if self._meta_dirty:
+                self._store_meta()
+        finally:
+            self._close(self._fd)
 
     def setRaftCommitIndex(self, index: int) -> None:
         self._meta["commit_index"] = index

@@ -47,7 +47,14 @@ from pysyncobj.transport import TCPTransport
 
 from .cipher import RaftCipher, ThrottledWarning
 from .journal import DurableJournal, JournalDamagedError, JournalFailedError, fsync_directory
-from .rules import MAX_COMMAND_BYTES, RAW_COMMAND, RaftRules, decode_snapshot, encode_snapshot
+from .rules import (
+    MAX_COMMAND_BYTES,
+    RAW_COMMAND,
+    Entry,
+    RaftRules,
+    decode_snapshot,
+    encode_snapshot,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +253,13 @@ class RaftMember(RaftRules):
             if isinstance(e, SyncObjException) and "BindError" in str(e.errorCode):
                 raise OSError(f"cannot listen for Raft traffic on {address} (in use?)") from None
             raise
+        try:
+            self.check_stored_state()
+        except Exception:
+            self._doDestroy()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
         self._close_snapshot_transmissions()
         self._refuse_stale_snapshots()
         self.addOnTickCallback(self._tick_callback)
@@ -395,12 +409,30 @@ class RaftMember(RaftRules):
         self.compaction_error = None
 
     def _read_snapshot(self, path: str) -> tuple[Any, Any, Any]:
-        with open(path, "rb") as f:
-            last, prev, cluster, machine = decode_snapshot(f.read(), path)
-        self._restore(machine)
+        try:
+            with open(path, "rb") as f:
+                last, prev, cluster, machine = decode_snapshot(f.read(), path)
+            self._restore(machine)
+        except Exception as e:
+            self._snapshot_load_error = e  # PySyncObj swallows it: RaftRules raises it
+            raise
         if self.fsync != "never":
             fsync_directory(self.data_dir)
         return (last, prev, {_named_node(a, n) for a, n in cluster})
+
+    def stored_snapshot(self) -> tuple[Entry, Entry] | None:
+        path = os.path.join(self.data_dir, "snapshot")
+        try:
+            with open(path, "rb") as f:
+                last, prev, _, _ = decode_snapshot(f.read(), path)
+        except FileNotFoundError:
+            return None
+        except ValueError as e:
+            raise JournalDamagedError(
+                f"{e}: the node refuses to start. Restore the file, or remove the node from "
+                "the cluster, move its data directory away and add it again empty"
+            ) from None
+        return last, prev
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
         if isinstance(message, dict) and message.get("type") == STEP_DOWN:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,7 @@ from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
 from ..codec import entry_time, stamp_entry
 from ..machine import encoding
+from .journal import JournalDamagedError
 
 logger = logging.getLogger(__name__)
 
@@ -78,23 +80,29 @@ Entry = tuple[bytes, int, int]
 """A PySyncObj log entry: (command, index, term)."""
 
 
-def trim_known_entries(message: dict[str, Any], log: Any) -> dict[str, Any]:
+def trim_known_entries(message: dict[str, Any], log: Any) -> tuple[dict[str, Any], int | None]:
     """An AppendEntries `message` from the current leader, rewritten so that PySyncObj,
     which truncates the follower's `log` after `prevLogIdx`, truncates only where the
-    log conflicts with the leader's (Raft's rule).
+    log conflicts with the leader's (Raft's rule); and the index the follower must
+    acknowledge itself, if PySyncObj must not (None: PySyncObj answers).
 
     Entries the log already holds with the same term are dropped from the front of the
     message. If nothing new is left and the log's last entry has the leader's term, the
     message is checked against that last entry: only the leader makes entries of its
     term, and it keeps them, so (log matching) the whole log is the leader's up to
-    there. Otherwise the message is left as it is: a tail of older terms cannot be
-    vouched for, and PySyncObj cuts it as before."""
+    there. If nothing new is left and the log goes on in an earlier term, that tail may
+    conflict with the leader's log, and may as well hold entries this follower
+    acknowledged that are committed: Raft cuts only at a conflict, so nothing is cut.
+    The message then keeps only what PySyncObj takes from every AppendEntries (the
+    leader, its term, the commit index, capped at the last entry the message vouched
+    for) and the follower acknowledges that entry itself. (PySyncObj cut the tail, and
+    a tail below the commit index made the journal refuse and the node stop.)"""
     if "prevLogIdx" not in message or "transmission" in message or not len(log):
-        return message
+        return message, None
     first, last = log[0][1], log[-1][1]
     prev = message["prevLogIdx"]
     if not first <= prev < last or log[prev - first][2] != message["prevLogTerm"]:
-        return message  # nothing to cut, or PySyncObj's refusal
+        return message, None  # nothing to cut, or PySyncObj's refusal
     entries = message.get("entries") or []
     known = 0
     for entry in entries:
@@ -104,17 +112,21 @@ def trim_known_entries(message: dict[str, Any], log: Any) -> dict[str, Any]:
         known += 1
     if known < len(entries):
         if not known:
-            return message
+            return message, None
         agreed = entries[known - 1]
-        return {
+        trimmed = {
             **message,
             "prevLogIdx": agreed[1],
             "prevLogTerm": agreed[2],
             "entries": entries[known:],
         }
+        return trimmed, None
     if log[-1][2] == message["term"]:
-        return {**message, "prevLogIdx": last, "prevLogTerm": log[-1][2], "entries": []}
-    return message
+        return {**message, "prevLogIdx": last, "prevLogTerm": log[-1][2], "entries": []}, None
+    through = entries[-1][1] if entries else prev
+    kept = {k: v for k, v in message.items() if k not in ("prevLogIdx", "prevLogTerm", "entries")}
+    kept["commit_index"] = min(message["commit_index"], through)
+    return kept, through
 
 
 def wall_clock_ms() -> int:
@@ -311,19 +323,28 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             # replace the log) comes after they are out: PySyncObj's answers carry no
             # term, and a deposed leader must not count entries this log no longer has.
             self._send_held_replies()
+        answer_through = None
         if append and message.get("term", -1) >= self.raftCurrentTerm:
-            message = trim_known_entries(message, self._SyncObj__raftLog)
+            message, answer_through = trim_known_entries(message, self._SyncObj__raftLog)
         next_index = self._SyncObj__raftNextIndex
         before = next_index.get(node)
         self._message_from = node
         snapshot_chunk = append and "serialized" in message
         commit, applied = (self.raftCommitIndex, self.raftLastApplied) if snapshot_chunk else (0, 0)
+        self._installed_through = None
         super()._SyncObj__onMessageReceived(node, message)
         if snapshot_chunk and self.raftLastApplied == applied:
             # no snapshot was installed: the commit index stays (PySyncObj takes it to
             # the leader's, within this log, which this message did not check)
-            self._SyncObj__raftCommitIndex = commit
-            self._SyncObj__raftLog.setRaftCommitIndex(commit)
+            self._set_commit_index(commit)
+        installed, self._installed_through = self._installed_through, None
+        if installed is not None and self.raftCommitIndex > installed:
+            # the entries kept after the snapshot may be an old leader's uncommitted
+            # tail: committed only once an AppendEntries vouches for them (PySyncObj took
+            # the commit index to the leader's, within this log, and applied that tail)
+            self._set_commit_index(installed)
+        if answer_through is not None:
+            self._SyncObj__sendNextNodeIdx(node, nextNodeIdx=answer_through + 1, success=True)
         if (
             isinstance(message, dict)
             and message.get("type") == "next_node_idx"
@@ -337,6 +358,10 @@ class RaftRules(SyncObj):  # type: ignore[misc]
                 # big entries several AppendEntries are in flight, and each refusal of an
                 # older one named a higher index, so a lagging follower never caught up
                 next_index[node] = before
+
+    def _set_commit_index(self, index: int) -> None:
+        self._SyncObj__raftCommitIndex = index
+        self._SyncObj__raftLog.setRaftCommitIndex(index)
 
     def _SyncObj__tryLogCompaction(self) -> None:
         super()._SyncObj__tryLogCompaction()
@@ -403,10 +428,59 @@ class RaftRules(SyncObj):  # type: ignore[misc]
                 return True
         return False
 
+    def stored_snapshot(self) -> tuple[Entry, Entry] | None:
+        """The last and the previous entry of the snapshot this node has stored, or None
+        (subclasses read their snapshot store; `SnapshotDamagedError` if it is damaged)."""
+        return None
+
+    def check_stored_state(self) -> None:
+        """Before the first tick: this node's snapshot and journal belong together.
+
+        A journal compacted past its first entries with no snapshot to hold them would
+        make the node apply the rest to an empty machine: refused. A crash after the
+        snapshot was written and before the journal was compacted behind it (or after a
+        leader's snapshot was stored and before the journal was replaced) leaves a
+        journal that does not start at the snapshot: if it holds the snapshot's last
+        entry, the compaction is finished here, keeping every entry after it. (PySyncObj
+        cleared such a journal at start-up, taking entries this node had acknowledged,
+        and committed ones, with it.)"""
+        log = self._SyncObj__raftLog
+        stored = self.stored_snapshot()
+        if stored is None:
+            if len(log) and log[0][1] > 1:
+                raise JournalDamagedError(
+                    f"the journal starts at entry {log[0][1]} (compacted), but there is no "
+                    "snapshot holding the entries before it: the node would apply the rest "
+                    "to an empty state. Restore the snapshot file, or remove the node from "
+                    "the cluster, move its data directory away and add it again empty"
+                )
+            return
+        last, prev = stored
+        if len(log) >= 2 and tuple(log[0]) == prev and tuple(log[1]) == last:
+            return
+        pos = last[1] - log[0][1] if len(log) else -1
+        if 1 <= pos < len(log) and tuple(log[pos]) == last and tuple(log[pos - 1]) == prev:
+            logger.info(
+                "finishing a compaction a crash interrupted: the journal now starts at %d",
+                prev[1],
+            )
+            log.deleteEntriesTo(pos - 1)
+
+    _snapshot_load_error: BaseException | None = None
+    """Why the last snapshot load failed (PySyncObj only logs it, and goes on empty)."""
+    _installed_through: int | None = None
+    """The last index of a leader's snapshot installed while handling one message."""
+
     def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:
         kept, self._kept_after_snapshot = self._kept_after_snapshot, []
+        self._snapshot_load_error = None
         super()._SyncObj__loadDumpFile(clearJournal)
+        if self._snapshot_load_error is not None:
+            # PySyncObj logged it and went on with an empty machine, voting and leading
+            error = self._snapshot_load_error
+            raise JournalDamagedError(f"the snapshot could not be loaded: {error}")
         if clearJournal:
+            self._installed_through = self._SyncObj__raftLastApplied
             # The answer acknowledges the snapshot's last entry only, as Raft's does: the
             # kept entries after it may conflict with the leader's log (an old leader's
             # uncommitted tail), and the leader must not count them as replicated. It
@@ -454,6 +528,10 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
 SNAPSHOT_VERSION = 2
 """1: members as Raft addresses; 2: members as [Raft address, node name] pairs."""
+_SNAPSHOT_MAGIC = b"QQS1"
+"""A snapshot file: this, a CRC-32 of the rest, then the encoded snapshot. (Before it a
+bit flipped in a message body loaded cleanly, and the replica served and passed on
+wrong data; one that broke the encoding was ignored, and the node ran empty.)"""
 
 
 def entries_after(log: Any, index: int, term: int) -> list[Entry]:
@@ -472,7 +550,7 @@ def encode_snapshot(
 ) -> bytes:
     """A snapshot file's bytes: the last two applied entries, the members (Raft address
     and node name), the machine."""
-    return encoding.encode(
+    payload = encoding.encode(
         [
             "quorumq-snapshot",
             SNAPSHOT_VERSION,
@@ -482,11 +560,18 @@ def encode_snapshot(
             machine,
         ]
     )
+    return _SNAPSHOT_MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload
 
 
 def decode_snapshot(data: bytes, source: str) -> tuple[Entry, Entry, list[tuple[str, str]], bytes]:
     """(last, prev, members, machine) from `encode_snapshot`'s bytes read from `source`;
-    a version 1 snapshot's members are named by their addresses."""
+    a version 1 snapshot's members are named by their addresses. `ValueError` for a
+    damaged one."""
+    if data[:4] == _SNAPSHOT_MAGIC:
+        payload = data[8:]
+        if zlib.crc32(payload) != int.from_bytes(data[4:8], "little"):
+            raise ValueError(f"{source} fails its checksum: it is damaged")
+        data = payload
     value = encoding.decode(data)
     if not (isinstance(value, list) and len(value) == 6 and value[0] == "quorumq-snapshot"):
         raise ValueError(f"{source} is not a quorumq snapshot")
