@@ -32,6 +32,10 @@ As consumers receive (the clients' view):
 At the end (Jepsen's total-queue counts, after heal and drain):
 
 * `lost`: confirmed to its producer, never received by a consumer;
+* `refused` and `fatal` (not violations): nodes that refused to start from a damaged
+  disk, and nodes that stopped themselves after a failed journal write or sync. A
+  committed entry lost to damage shows as `log` (a replica applies another command at
+  an index) or as lost records;
 * `unsettled`: received but never acked (a liveness failure);
 * `recovered`: received although never confirmed (allowed: the outcome was unknown);
 * every confirmed record was acked before the liveness deadline; every replica ends
@@ -112,6 +116,8 @@ class Checker:
         """Per delivery (consumer, offset, count, mark): how many times the log made it."""
         self.got: dict[tuple[str, int, int, bool], int] = {}
         """Per delivery: how many times its consumer received it."""
+        self.refused_starts = 0
+        self.fatal_stops = 0
         self.max_term = 0
         self.genesis_ahead_ms: int | None = None
         """How far ahead of true time queue time started (the first leader's wall clock)."""
@@ -213,6 +219,14 @@ class Checker:
     def on_node(self, name: str, running: bool) -> None:
         pass
 
+    def on_refused(self, name: str, reason: str) -> None:
+        """A node refused to start from a damaged disk: what it must do (never a cut)."""
+        self.refused_starts += 1
+
+    def on_fatal(self, name: str, reason: str) -> None:
+        """A node stopped itself: a journal write or sync failed."""
+        self.fatal_stops += 1
+
     def on_snapshot_loaded(self, node: SimNode, applied: int, index: int) -> None:
         if index < applied:
             self.violation(
@@ -312,6 +326,8 @@ class Checker:
             "duplicated": 0,
             "recovered": 0,
             "unexpected": sum(1 for v in self.violations if v.kind == "unexpected"),
+            "refused_start": self.refused_starts,
+            "fatal_stop": self.fatal_stops,
         }
         for body, r in self.records.items():
             counts["confirmed"] += r.confirmed

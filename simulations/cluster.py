@@ -12,9 +12,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from quorumq.machine import Applied, Command, NodeDown, NodeUp
+from quorumq.raft.journal import DurableJournal, JournalDamagedError
 
 from .network import Network
-from .node import REAL, SimDisk, SimJournal, SimNode, SimSerializer, Variant
+from .node import REAL, SimDisk, SimNode, SimSerializer, Variant
 from .world import WALL_EPOCH_MS, World, micros
 
 CLIENT_LATENCY_S = (0.0002, 0.001)
@@ -32,6 +33,10 @@ class Observer(Protocol):
     def on_node(self, name: str, running: bool) -> None: ...
 
     def on_snapshot_loaded(self, node: SimNode, applied: int, index: int) -> None: ...
+
+    def on_refused(self, name: str, reason: str) -> None: ...
+
+    def on_fatal(self, name: str, reason: str) -> None: ...
 
 
 class Cluster:
@@ -54,7 +59,7 @@ class Cluster:
         """PySyncObj's `logCompactionMinEntries` (None: it never compacts)."""
         self.network = Network(world, self.names)
         self.network.on_arrival = self._woken
-        self.disks = {name: SimDisk(name) for name in self.names}
+        self.disks = {name: SimDisk(name, world.stream(f"disk-{name}")) for name in self.names}
         self.wall_offset_ms: dict[str, int] = dict.fromkeys(self.names, 0)
         """How far each host's wall clock is off (the `clock_skew` and `clock_jump`
         faults); it stays off across the node's restarts, as a host's clock does."""
@@ -75,9 +80,10 @@ class Cluster:
 
     # ------------------------------------------------------------------ disks
 
-    def create_journal(self, path: str) -> SimJournal:
-        """PySyncObj's `createJournal`, patched for a run: the journal of the node starting."""
-        return self._disk_of_starting(path).journal
+    def create_journal(self, path: str) -> DurableJournal:
+        """PySyncObj's `createJournal`, patched for a run: the real journal, opened on the
+        disk of the node starting (`JournalDamagedError` if it refuses)."""
+        return self._disk_of_starting(path).open_journal()
 
     def create_serializer(
         self,
@@ -104,9 +110,14 @@ class Cluster:
 
     # ------------------------------------------------------------------ nodes
 
-    def start(self, name: str) -> SimNode:
-        """Start (or restart) a node from what its disk holds."""
+    def start(self, name: str) -> SimNode | None:
+        """Start (or restart) a node from what its disk holds; None if the node refuses to
+        start (its journal or snapshot is damaged: it stays down, as a real node does
+        until an operator rebuilds it)."""
         assert self.nodes[name] is None, f"{name} is running"
+        disk = self.disks[name]
+        if disk.damaged is not None:
+            return None
         self.incarnations[name] += 1
         self._opening = name
         try:
@@ -114,11 +125,17 @@ class Cluster:
                 self,
                 name,
                 self.incarnations[name],
-                self.disks[name].reopen(),
+                disk,
                 grace_s=self.grace_s,
                 raft_timeouts=self.raft_timeouts,
                 compaction_entries=self.compaction_entries,
             )
+        except JournalDamagedError as e:
+            disk.damaged = str(e).split(". The journal lost")[0]
+            self.world.trace(f"refused {name} {disk.damaged}")
+            for o in self.observers:
+                o.on_refused(name, disk.damaged)
+            return None
         finally:
             self._opening = None
         self.nodes[name] = node
@@ -129,11 +146,17 @@ class Cluster:
         node.wake()
         return node
 
-    def crash(self, name: str) -> None:
-        """The node's process dies: its clients' connections close, unsynced writes are lost."""
+    def crash(self, name: str, *, power_loss: bool = True, torn: bool = False) -> None:
+        """The node's process dies: its clients' connections close. With `power_loss` (the
+        host's), what its disk had not synced is lost (`torn`: part of it stays)."""
         node = self.nodes[name]
         if node is None:
             return
+        disk = self.disks[name]
+        if power_loss:
+            disk.power_loss(torn=torn)
+        else:
+            disk.crash()
         node.alive = False
         self.nodes[name] = None
         self.network.detach(name)
@@ -145,6 +168,20 @@ class Cluster:
                 o.on_leadership(node, False)
         for client in list(self.clients_of(node)):
             self.world.at(self._link_arrival((node, client, "down")), client.connection_lost, node)
+
+    def on_fatal(self, node: SimNode, error: BaseException) -> None:
+        """`node` stopped itself (its journal failed): its process exits, as a real node's
+        does, and its supervisor starts it again a moment later."""
+        self.world.trace(f"fatal {node.name} {type(error).__name__}")
+        for o in self.observers:
+            o.on_fatal(node.name, str(error))
+        self.crash(node.name, power_loss=False)
+        incarnation = node.incarnation
+        self.world.after(micros(1.0), self._supervise, node.name, incarnation)
+
+    def _supervise(self, name: str, incarnation: int) -> None:
+        if self.nodes[name] is None and self.incarnations[name] == incarnation:
+            self.start(name)
 
     def pause(self, name: str) -> None:
         node = self.nodes[name]

@@ -17,12 +17,17 @@ Fault kinds:
 * hostile, TCP never does this and PySyncObj assumes it does not happen:
   `duplicate`, `reorder`, `drop` of single Raft messages for `duration`.
 
-Clock faults come on top of every schedule, from a random stream of their own (so they
-leave the other faults of a seed as they were): `clock_skew` sets a host's wall clock
-off by `amount` ms (up to 30 days either way), `clock_jump` moves it by `amount` ms
-(up to 2 days either way). Monotonic time stays true; only wall clocks go wrong. A
-run's `Genesis` (a stream of its own too) sets wall clocks off before the cluster
-starts, and may hand leadership over before the first proposal.
+Disk faults (`disk_schedule`) and clock faults come on top of every schedule, each from
+a random stream of its own (so they leave the other faults of a seed as they were).
+Disk faults: `torn_power_loss` (the host loses power: what was not synced is lost,
+part of it may stay, torn), `short_write` (the next journal write is short, the next
+fails: the node stops, and is started again), `sync_failure` (the next fdatasync
+fails: the same), `bit_flip` and `meta_ahead` (damage a restarting node must refuse:
+it stays down, so only one node's disk is damaged per run). Clock faults: `clock_skew`
+sets a host's wall clock off by `amount` ms (up to 30 days either way), `clock_jump`
+moves it by `amount` ms (up to 2 days either way). Monotonic time stays true; only
+wall clocks go wrong. A run's `Genesis` (a stream of its own too) sets wall clocks off
+before the cluster starts, and may hand leadership over before the first proposal.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ TCP_KINDS = (
 )
 HOSTILE_KINDS = ("duplicate", "reorder", "drop")
 CLOCK_KINDS = ("clock_skew", "clock_jump")
+DISK_KINDS = ("torn_power_loss", "short_write", "sync_failure", "bit_flip", "meta_ahead")
+DAMAGE_KINDS = ("bit_flip", "meta_ahead")
+"""Disk faults a node must refuse to start from: it stays down for the rest of the run."""
 DAY_MS = 86_400_000
 PROFILES: dict[str, tuple[str, ...]] = {
     "default": TCP_KINDS,
@@ -180,6 +188,24 @@ def genesis(rng: random.Random, names: Sequence[str]) -> Genesis:
     return Genesis(wall_offsets_ms=offsets, handovers=handovers)
 
 
+def disk_schedule(
+    rng: random.Random, names: Sequence[str], *, duration_s: float, mean_interval_s: float = 6.0
+) -> list[Fault]:
+    """Disk faults at random times in [1 s, duration - 1 s]: torn power losses, short
+    writes and failed syncs (the node stops, and is started again), and damage a
+    restarting node must refuse (a flipped bit, a meta file ahead of its journal)."""
+    if duration_s <= 2:
+        return []
+    count = max(1, round((duration_s - 2) / mean_interval_s))
+    faults = []
+    for at in sorted(rng.uniform(1.0, duration_s - 1.0) for _ in range(count)):
+        kind = DISK_KINDS[rng.randrange(len(DISK_KINDS))]
+        node = names[rng.randrange(len(names))]
+        duration = rng.uniform(0.2, 4) if kind in (*DAMAGE_KINDS, "torn_power_loss") else 0.0
+        faults.append(Fault(at_s=at, kind=kind, nodes=(node,), duration_s=duration))
+    return faults
+
+
 class Injector:
     """Plays a fault schedule on a cluster; `heal()` ends every fault still running."""
 
@@ -196,6 +222,8 @@ class Injector:
         self._down_until: dict[str, int] = {}
         self._partitions = 0
         self._healed = False
+        self._damaging: set[str] = set()
+        """Nodes whose disk a fault damaged (they refuse to start from then on)."""
 
     def play(self, faults: Sequence[Fault]) -> None:
         for fault in faults:
@@ -270,12 +298,46 @@ class Injector:
             network.reorder = True
             self.world.at(end, setattr, network, "reorder", False)
             self._done(fault)
+        elif kind in DISK_KINDS:
+            self._disk_fault(fault)
         elif kind == "clock_skew":
             cluster.wall_offset_ms[fault.nodes[0]] = int(fault.amount)
             self._done(fault)
         elif kind == "clock_jump":
             cluster.wall_offset_ms[fault.nodes[0]] += int(fault.amount)
             self._done(fault)
+
+    def _disk_fault(self, fault: Fault) -> None:
+        cluster, kind, name = self.cluster, fault.kind, fault.nodes[0]
+        node = cluster.nodes[name]
+        disk = cluster.disks[name]
+        if node is None or node.paused:
+            self.skipped[kind] += 1
+            return
+        if kind == "short_write":
+            disk.files.fail_next_write()
+            self._done(fault)
+            return
+        if kind == "sync_failure":
+            disk.files.fail_next_sync()
+            self._done(fault)
+            return
+        damaged = [n for n in cluster.names if cluster.disks[n].damaged or n in self._damaging]
+        if kind in DAMAGE_KINDS and damaged:
+            self.skipped[kind] += 1  # one node beyond repair is enough: a majority must live
+            return
+        last_index = node.member.journal[-1][1] if len(node.member.journal) else 0
+        cluster.crash(name, torn=True)
+        if kind == "bit_flip":
+            disk.files.flip_bit(disk.JOURNAL)
+            self._damaging.add(name)
+        elif kind == "meta_ahead":  # a disk that said the journal was synced, and lied
+            disk.files.set_commit_index(disk.JOURNAL + ".meta", last_index + 3)
+            self._damaging.add(name)
+        end = self.world.now_us + micros(fault.duration_s)
+        self._down_until[name] = end
+        self.world.at(end, self._restart, name, end)
+        self._done(fault)
 
     def _restart(self, name: str, until: int) -> None:
         if self._down_until.get(name) == until and self.cluster.nodes[name] is None:

@@ -115,6 +115,14 @@ class History:
     def on_snapshot_loaded(self, node: SimNode, applied: int, index: int) -> None:
         pass
 
+    def on_refused(self, name: str, reason: str) -> None:
+        if len(self.faults) < MAX_EVENTS:
+            self.faults.append((seconds(self.world.now_us), f"{name} refused to start: {reason}"))
+
+    def on_fatal(self, name: str, reason: str) -> None:
+        if len(self.faults) < MAX_EVENTS:
+            self.faults.append((seconds(self.world.now_us), f"{name} stopped: {reason}"))
+
     def on_node(self, name: str, running: bool) -> None:
         down = self.lanes[name].down
         if not running:

@@ -1,19 +1,22 @@
-# ruff: noqa: N802  (SimJournal implements PySyncObj's camelCase Journal interface)
-"""One simulated quorumq node: a Raft member running the real rules, the real queue
-machine, and the duties of the node's server towards its clients.
+# ruff: noqa: N802  (PySyncObj's camelCase Serializer and SyncObj methods)
+"""One simulated quorumq node: a Raft member running the real rules on the real journal,
+the real queue machine, and the duties of the node's server towards its clients.
 
 * `SimMember` is `quorumq.raft.rules.RaftRules` (the same Raft rules a real node runs)
-  on an in-memory journal and the simulated network, ticked by the simulator.
-* `SimDisk` is the node's disk: its journal and its snapshot survive a crash. The
-  journal (`SimJournal`) loses the entries written after the last durability point
-  (`make_durable`), as unsynced writes are lost; a snapshot is stored whole, synced, as
-  the real node stores it.
+  on the simulated network, ticked by the simulator.
+* `SimDisk` is the node's disk: its journal is the real `DurableJournal` on simulated
+  files (`simulations.disk.SimFiles`), which a power loss takes back to what was synced
+  (torn, with the `torn_power_loss` fault), and which can flip bits, write short and
+  fail syncs; its snapshot is stored whole, synced, as the real node stores it. A node
+  whose journal refuses to open stays down; one whose journal fails stops, and is
+  started again (`Cluster.on_fatal`).
 * `SimSerializer` is PySyncObj's snapshot store on that disk: log compaction
   (`logCompactionMinEntries`) writes the machine's snapshot there, at once and on the
   tick (no fork), as the real node's serializer does; the leader sends it in chunks
   to a follower behind its compacted log, through the simulated network; the follower
   installs it only if the shared Raft rules take it (`accept_leader_snapshot`). A
-  restarted node loads its own snapshot, then its journal.
+  restarted node checks that its snapshot and journal belong together
+  (`RaftRules.check_stored_state`), loads its snapshot, then its journal.
 * `SimNode` is what `quorumq.replica.Replica` and `quorumq.server.node.NodeServer` do
   for one node: apply committed entries to the machine, run only this node's effects
   (`local_effects`), turn a delivery to a consumer it does not have into `Down`, and as
@@ -31,6 +34,7 @@ another effect filter. The default is the real thing.
 
 from __future__ import annotations
 
+import random
 import zlib
 from collections import Counter
 from collections.abc import Callable
@@ -60,11 +64,12 @@ from quorumq.machine import (
     Reply,
     Subscribe,
 )
-from quorumq.raft.journal import ReplayBoundary
+from quorumq.raft.journal import DurableJournal, JournalDamagedError, JournalFailedError
 from quorumq.raft.member import NOT_APPLIED
 from quorumq.raft.rules import Entry, LeaderClock, RaftRules, decode_snapshot, encode_snapshot
 from quorumq.replica import PROPOSAL_TIMEOUT_S, InFlight, failure_commands, local_effects
 
+from .disk import SimFiles
 from .network import Network, SimTransport
 from .world import World, micros
 
@@ -128,97 +133,31 @@ AS_IS = Variant(
 # ---------------------------------------------------------------------- disk
 
 
-class SimJournal:
-    """PySyncObj's Journal interface in memory, with a durable prefix.
-
-    Term and vote are durable at once (the real journal writes them with fsync before
-    use); the commit index is stored lazily, about once a second, as the real one is."""
-
-    def __init__(self) -> None:
-        self.entries: list[Entry] = []
-        self.durable_count = 0
-        self.term = 0
-        self.voted_for: str | None = None
-        self.commit_index = 1
-        self._stored_commit_index = 1
-        self.last_index_at_open = 0
-        self._replay = ReplayBoundary([])
-
-    def reopen(self) -> SimJournal:
-        """The journal a restarted node finds: what was durable, and nothing else."""
-        del self.entries[self.durable_count :]
-        self.commit_index = self._stored_commit_index
-        self.last_index_at_open = self.entries[-1][1] if self.entries else 0
-        self._replay = ReplayBoundary(self.entries)
-        return self
-
-    @property
-    def replay_until(self) -> int:
-        """As the real journal's: entries on disk at start-up, still the same entries."""
-        return self._replay.until
-
-    def make_durable(self) -> None:
-        self.durable_count = len(self.entries)
-
-    def add(self, command: bytes, idx: int, term: int) -> None:
-        self._replay.added(idx, term)
-        self.entries.append((bytes(command), idx, term))
-
-    def clear(self) -> None:
-        self.entries = []
-        self.durable_count = 0
-
-    def deleteEntriesFrom(self, entry_from: int) -> None:
-        del self.entries[entry_from:]
-        self.durable_count = min(self.durable_count, len(self.entries))
-
-    def deleteEntriesTo(self, entry_to: int) -> None:
-        del self.entries[:entry_to]
-        self.durable_count = max(0, self.durable_count - entry_to)
-
-    def __getitem__(self, item: int | slice) -> Any:
-        return self.entries[item]
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def _destroy(self) -> None:
-        pass
-
-    def setRaftCommitIndex(self, index: int) -> None:
-        self.commit_index = index
-
-    def getRaftCommitIndex(self) -> int:
-        return self.commit_index
-
-    def setCurrentTerm(self, term: int, voted_for: str | None) -> None:
-        self.term = term
-        self.voted_for = voted_for
-
-    def getCurrentTerm(self) -> int:
-        return self.term
-
-    def getVotedForNodeId(self) -> str | None:
-        return self.voted_for
-
-    def onOneSecondTimer(self) -> None:
-        self._stored_commit_index = self.commit_index
-
-
 class SimDisk:
-    """A node's durable storage: what a restarted node finds."""
+    """A node's durable storage: what a restarted node finds. Its journal is the real
+    `DurableJournal` on `files` (this disk's `SimFiles`); its snapshot is stored whole
+    and synced before PySyncObj compacts the journal behind it, as the real node writes
+    its file."""
 
-    def __init__(self, name: str) -> None:
+    JOURNAL = "/raft.log"
+
+    def __init__(self, name: str, rng: random.Random) -> None:
         self.name = name
-        self.journal = SimJournal()
+        self.files = SimFiles(rng)
         self.snapshot: bytes | None = None
-        """The node's snapshot (`encode_snapshot` bytes): written whole and synced before
-        PySyncObj compacts the journal behind it, as the real node writes its file."""
+        """The node's snapshot (`encode_snapshot` bytes)."""
+        self.damaged: str | None = None
+        """Why the node refused to start from this disk (it stays down), if it did."""
 
-    def reopen(self) -> SimDisk:
-        """The disk a restarted node finds (the journal's unsynced tail is gone)."""
-        self.journal.reopen()
-        return self
+    def open_journal(self) -> DurableJournal:
+        """The journal a starting node opens: `JournalDamagedError` if it must refuse."""
+        return DurableJournal(self.JOURNAL, files=self.files)
+
+    def crash(self) -> None:
+        self.files.crash()
+
+    def power_loss(self, *, torn: bool = False) -> None:
+        self.files.power_loss(torn=torn)
 
 
 class SimSerializer:
@@ -366,7 +305,6 @@ class SimMember(RaftRules):
         self.name = name
         self.network = network
         self.disk = disk
-        self.journal = disk.journal
         self._apply = apply
         self._snapshot = snapshot
         self._restore = restore
@@ -374,7 +312,7 @@ class SimMember(RaftRules):
         self.transport = SimTransport(network, name)
         conf = SyncObjConf(
             autoTick=False,
-            journalFile=f"sim:{name}",
+            journalFile=f"sim:{name}/raft.log",
             fullDumpFile=f"sim:{name}/snapshot",
             serializer=self._write_snapshot,
             deserializer=self._read_snapshot,
@@ -389,6 +327,8 @@ class SimMember(RaftRules):
         )
         others = [network.nodes[n] for n in network.names if n != name]
         super().__init__(network.nodes[name], others, conf, transport=self.transport)
+        self.journal: DurableJournal = self._SyncObj__raftLog
+        self.check_stored_state()
         self.poller = SimPoller(network, name, self)
         self._poller = self.poller
         self.serializer: SimSerializer = self._SyncObj__serializer
@@ -405,7 +345,7 @@ class SimMember(RaftRules):
         super()._onTick(time_to_wait)
 
     def _tick_callback(self) -> None:
-        self.journal.make_durable()  # the no-op of a new term, as RaftMember's tick syncs
+        self.journal.sync()  # the no-op of a new term, as RaftMember's tick syncs
         self.push_commit_index()
         self._on_tick()
 
@@ -413,7 +353,7 @@ class SimMember(RaftRules):
         return self._apply(index, payload)
 
     def make_durable(self) -> None:
-        self.journal.make_durable()
+        self.journal.sync()
 
     # -------------------------------------------------------------- snapshots
 
@@ -424,9 +364,22 @@ class SimMember(RaftRules):
         return encode_snapshot(last, prev, members, self._snapshot())
 
     def _read_snapshot(self, data: bytes) -> tuple[Entry, Entry, set[Any]]:
-        last, prev, members, machine = decode_snapshot(data, f"{self.name}'s snapshot")
-        self._restore(machine, last[1])
+        try:
+            last, prev, members, machine = decode_snapshot(data, f"{self.name}'s snapshot")
+            self._restore(machine, last[1])
+        except Exception as e:
+            self._snapshot_load_error = e  # PySyncObj swallows it: RaftRules raises it
+            raise
         return last, prev, {self.network.nodes[address] for address, _ in members}
+
+    def stored_snapshot(self) -> tuple[Entry, Entry] | None:
+        if self.disk.snapshot is None:
+            return None
+        try:
+            last, prev, _, _ = decode_snapshot(self.disk.snapshot, f"{self.name}'s snapshot")
+        except ValueError as e:
+            raise JournalDamagedError(str(e)) from None
+        return last, prev
 
     def _leader_snapshot_arrived(self, data: bytes) -> bool:
         try:
@@ -547,6 +500,11 @@ class SimNode:
             handled = self.member.poller.read()
             self.member.doTick(0)
             handled += self.member.poller.handled
+        except (JournalFailedError, JournalDamagedError) as e:
+            # as RaftMember's tick loop: nothing more may be acknowledged; the node stops
+            self._ticking = False
+            self.sim.on_fatal(self, e)
+            return
         finally:
             self._ticking = False
         self._busy_until = when + TICK_COST_US + PER_MESSAGE_COST_US * handled

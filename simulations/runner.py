@@ -20,7 +20,7 @@ import attrs
 
 from .checker import Checker, Violation
 from .cluster import Cluster
-from .faults import Fault, Injector, clock_schedule, genesis, kinds_of, schedule
+from .faults import Fault, Injector, clock_schedule, disk_schedule, genesis, kinds_of, schedule
 from .history import History
 from .node import REAL, SimNode, Variant
 from .workload import QUEUE, SimConsumer, SimProducer, WorkloadConfig, declare, start_workload
@@ -49,6 +49,8 @@ class RunConfig:
     """PySyncObj's `logCompactionMinEntries`: a node writes a snapshot and compacts its
     journal when it holds more entries than this (None: never, as the real node's
     50,000 within a run). Small values make lagging followers install snapshots."""
+    disk_faults: bool = True
+    """Add the disk faults (`faults.disk_schedule`) to the schedule."""
     workload: WorkloadConfig = attrs.field(factory=WorkloadConfig)
     variant: Variant = REAL
     stop_at_violation: bool = True
@@ -89,7 +91,8 @@ class Result:
     schedule: tuple[Fault, ...]
     end_state: tuple[str, ...]
     raft_log: dict[str, int]
-    """PySyncObj's own warnings during the run, by message (kept out of the output)."""
+    """PySyncObj's and the journal's warnings during the run, by message (kept out of
+    the output)."""
     converged_after_s: float
     snapshots: dict[str, int]
     """Snapshots written (compactions), sent to followers, installed and refused (stale),
@@ -119,6 +122,8 @@ class Result:
             f"({self.redeliveries} redelivered)",
             f"lost {c['lost']}, unexpected {c['unexpected']}, duplicated {c['duplicated']}, "
             f"recovered {c['recovered']}, unsettled {c['unsettled']}",
+            f"disk: {c['refused_start']} starts refused (damaged journal or snapshot), "
+            f"{c['fatal_stop']} nodes stopped (a failed write or sync)",
             (
                 f"drained {self.drained_after_s:.1f} s after heal"
                 if self.drained_after_s is not None
@@ -132,7 +137,7 @@ class Result:
                 -1, "snapshots: " + ", ".join(f"{k} {v}" for k, v in self.snapshots.items())
             )
         for message, n in self.raft_log.items():
-            lines.append(f"PySyncObj logged {n}x: {message}")
+            lines.append(f"logged {n}x: {message}")
         if self.ok:
             lines.append("verdict: PASS")
         else:
@@ -191,6 +196,10 @@ def run(config: RunConfig) -> Result:
         faults += clock_schedule(
             world.stream("clock-faults"), cluster.names, duration_s=fault_phase_s
         )
+        if config.disk_faults and config.faults != "none":
+            faults += disk_schedule(
+                world.stream("disk-faults"), cluster.names, duration_s=fault_phase_s
+            )
         start = world.now_us
         injector.play([attrs.evolve(f, at_s=f.at_s + seconds(start)) for f in faults])
         heal_at = start + micros(fault_phase_s)
@@ -308,15 +317,17 @@ class _CountingHandler(logging.Handler):
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[None]:
-        log = logging.getLogger("pysyncobj")
-        propagate = log.propagate
-        log.addHandler(self)
-        log.propagate = False
+        logs = [logging.getLogger(name) for name in ("pysyncobj", "quorumq.raft.journal")]
+        propagate = [log.propagate for log in logs]
+        for log in logs:
+            log.addHandler(self)
+            log.propagate = False
         try:
             yield
         finally:
-            log.removeHandler(self)
-            log.propagate = propagate
+            for log, before in zip(logs, propagate, strict=True):
+                log.removeHandler(self)
+                log.propagate = before
 
 
 @attrs.frozen(kw_only=True)
