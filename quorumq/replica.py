@@ -273,7 +273,7 @@ class Replica:
             raft_timeouts=config.raft_timeouts,
             compaction_entries=config.compaction_entries,
         )
-        self.member.leader_clock = LeaderClock(wall_clock)
+        self.member.use_leader_clock(LeaderClock(wall_clock))
         self.member.replicated_time_ms = lambda: self.machine.now_ms  # type: ignore[method-assign]
         self.member.start()
 

@@ -26,9 +26,10 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
         faults=args.faults,
         steps=args.steps,
         fault_interval_s=args.fault_interval,
-        workload=WorkloadConfig(rate=args.rate),
+        workload=WorkloadConfig(rate=args.rate, message_ttl_ms=args.ttl),
         variant=AS_IS if args.as_is else REAL,
         compaction_entries=args.compaction,
+        disk_faults=not args.no_disk_faults,
     )
 
 
@@ -65,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar="ENTRIES",
         help="compact a node's log into a snapshot past this many entries (default: never)",
+    )
+    common.add_argument(
+        "--ttl", type=int, metavar="MS", help="give the queue a message TTL (default: none)"
+    )
+    common.add_argument(
+        "--no-disk-faults", action="store_true", help="leave out the disk faults"
     )
     common.add_argument(
         "--as-is",

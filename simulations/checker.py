@@ -10,12 +10,15 @@ As entries are applied (cheap checks, every entry):
   index feeds it): a message is given to one consumer at a time (no message held by
   two live consumers); an acked message is never delivered again; `redelivered` is
   set exactly when the message was delivered before; prefetch is respected;
-* queue time (the machine's clock, which TTLs, expiry and timeouts read) never gets
-  further ahead of true time than it was at genesis (the first time a leader stamped,
-  from its wall clock: a new cluster's time starts there) by more than the leader
-  clock's bound (1 s) per term so far (`time_ahead`), whatever the hosts' wall clocks
-  say (the clock faults, some from before the first election): a clock ahead is what
+* queue time (the machine's clock, which TTLs, expiry and timeouts read), compared
+  with the true time when it was stamped, never gets further ahead of it than at
+  genesis (the first time a leader stamped, from its wall clock: a new cluster's time
+  starts there) by more than 2 ms per term so far (`time_ahead`: it never runs faster
+  than true time), whatever the hosts' wall clocks say (the clock faults, some from
+  before the first election): a clock ahead is what
   expired messages early and forgot producers (second offsets);
+* with a message TTL, a record expires only after its TTL of true time has passed
+  since it was published (`early_expiry`: queue time ran fast);
 * first deliveries (not marked redelivered) come in increasing offset order per
   consumer for unkeyed messages and per key for keyed ones: only a return restarts
   a key, and a returned message is marked.
@@ -55,6 +58,9 @@ from quorumq.machine import (
     ConsumerDown,
     Deliver,
     Dropped,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
     Nack,
     Ok,
     Subscribe,
@@ -62,8 +68,9 @@ from quorumq.machine import (
 
 from .world import WALL_EPOCH_MS, World, seconds
 
-TIME_BOUND_MS = 1000
-"""How far one term's leader may move queue time past its true elapsed time."""
+TIME_BOUND_MS = 2
+"""How far one term's leader may move queue time past its true elapsed time: none, but
+for the truncation of its monotonic clock to milliseconds."""
 
 if TYPE_CHECKING:
     from .node import SimNode
@@ -88,11 +95,16 @@ class Record:
     offsets: set[int] = attrs.field(factory=set)
     acked: bool = False
     dropped: bool = False
+    published_ms: int = 0
+    """True time (simulated ms) when its producer made it."""
 
 
 class Checker:
-    def __init__(self, world: World, *, digest_every: int = 500) -> None:
+    def __init__(
+        self, world: World, *, digest_every: int = 500, message_ttl_ms: int | None = None
+    ) -> None:
         self.world = world
+        self.message_ttl_ms = message_ttl_ms
         self.digest_every = digest_every
         self.records: dict[bytes, Record] = {}
         self.violations: list[Violation] = []
@@ -116,6 +128,8 @@ class Checker:
         """Per delivery (consumer, offset, count, mark): how many times the log made it."""
         self.got: dict[tuple[str, int, int, bool], int] = {}
         """Per delivery: how many times its consumer received it."""
+        self.stamped_at: dict[int, int] = {}
+        """Per time a leader stamped: the true time (ms) when it first did."""
         self.refused_starts = 0
         self.fatal_stops = 0
         self.max_term = 0
@@ -133,7 +147,7 @@ class Checker:
     # ------------------------------------------------------------ the clients
 
     def published(self, body: bytes, key: str | None) -> None:
-        self.records[body] = Record(key=key)
+        self.records[body] = Record(key=key, published_ms=self.world.now_ms)
 
     def confirmed(self, body: bytes, offset: int | None) -> None:
         record = self.records[body]
@@ -182,7 +196,7 @@ class Checker:
         known = self.log_crc.get(index)
         if known is None:
             self.log_crc[index] = crc
-            self._model(command, applied)
+            self._model(command, applied, node.machine.now_ms)
         elif known != crc:
             self.violation("log", f"{node.name} applied another command at index {index}")
         self._check_time(node)
@@ -195,9 +209,10 @@ class Checker:
 
     def _check_time(self, node: SimNode) -> None:
         self.max_term = max(self.max_term, node.member.raftCurrentTerm)
-        if not node.machine.now_ms:
+        stamped_at = self.stamped_at.get(node.machine.now_ms)
+        if stamped_at is None:
             return  # nothing stamped yet
-        ahead = node.machine.now_ms - (WALL_EPOCH_MS + self.world.now_ms)
+        ahead = node.machine.now_ms - (WALL_EPOCH_MS + stamped_at)
         if self.genesis_ahead_ms is None:
             self.genesis_ahead_ms = ahead
         ahead -= self.genesis_ahead_ms
@@ -212,6 +227,9 @@ class Checker:
 
     def on_leadership(self, node: SimNode, leader: bool) -> None:
         pass
+
+    def on_stamp(self, ts_ms: int) -> None:
+        self.stamped_at.setdefault(ts_ms, self.world.now_ms)
 
     def on_failure_command(self, node: SimNode, command: Any) -> None:
         pass
@@ -250,7 +268,21 @@ class Checker:
                 for later in [o for o in held if o > offset and self.key_of.get(o) == key]:
                     self._release(later)
 
-    def _model(self, command: Command, applied: Applied) -> None:
+    def _model(self, command: Command, applied: Applied, now_ms: int) -> None:
+        reply = applied.reply
+        if (
+            isinstance(command, Enqueue | EnqueueBatch)
+            and isinstance(reply, Enqueued)
+            and not reply.duplicate
+            and reply.offset is not None
+        ):
+            bodies = (
+                [command.body]
+                if isinstance(command, Enqueue)
+                else [m.body for m in command.messages]
+            )
+            for i, body in enumerate(bodies):
+                self.body_of[reply.offset + i] = body
         if isinstance(command, Subscribe) and isinstance(applied.reply, Ok):
             self.prefetch[command.consumer] = command.prefetch
         elif isinstance(command, Ack | Nack) and isinstance(applied.reply, Ok):
@@ -273,6 +305,22 @@ class Checker:
                 body = self.body_of.get(e.offset)
                 if body is not None and body in self.records:
                     self.records[body].dropped = True
+                    if e.reason == "expired":
+                        self._check_expiry(body, e.offset, now_ms)
+
+    def _check_expiry(self, body: bytes, offset: int, now_ms: int) -> None:
+        """A record expired at queue time `now_ms`: at least its TTL of true time must have
+        passed since it was published (an early expiry is queue time running fast)."""
+        ttl, stamped = self.message_ttl_ms, self.stamped_at.get(now_ms)
+        if ttl is None or stamped is None:
+            return
+        lived = stamped - self.records[body].published_ms
+        if lived < ttl - 1:  # 1 ms: the leader clock's truncation
+            self.violation(
+                "early_expiry",
+                f"offset {offset} expired {lived} ms of true time after it was published, "
+                f"with a TTL of {ttl} ms",
+            )
 
     def _delivered(self, e: Deliver) -> None:
         offset = e.offset

@@ -30,6 +30,8 @@ class Observer(Protocol):
 
     def on_failure_command(self, node: SimNode, command: NodeDown | NodeUp) -> None: ...
 
+    def on_stamp(self, ts_ms: int) -> None: ...
+
     def on_node(self, name: str, running: bool) -> None: ...
 
     def on_snapshot_loaded(self, node: SimNode, applied: int, index: int) -> None: ...
@@ -270,6 +272,11 @@ class Cluster:
         self.world.trace(f"snapshot {node.name} {applied} {index}")
         for o in self.observers:
             o.on_snapshot_loaded(node, applied, index)
+
+    def on_stamp(self, ts_ms: int) -> None:
+        """A leader stamped time `ts_ms` on an entry, now."""
+        for o in self.observers:
+            o.on_stamp(ts_ms)
 
     def on_failure_command(self, node: SimNode, command: NodeDown | NodeUp) -> None:
         self.world.trace(f"propose {node.name} {command}")

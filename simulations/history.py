@@ -104,6 +104,9 @@ class History:
         elif lane.led and lane.led[-1][1] < 0:
             lane.led[-1][1] = now
 
+    def on_stamp(self, ts_ms: int) -> None:
+        pass
+
     def on_failure_command(self, node: SimNode, command: Any) -> None:
         if len(self.failure_commands) < MAX_EVENTS:
             self.failure_commands.append((seconds(self.world.now_us), node.name, describe(command)))

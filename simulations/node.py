@@ -390,6 +390,26 @@ class SimMember(RaftRules):
         return self.accept_leader_snapshot(last[1], last[2])
 
 
+class ObservedLeaderClock(LeaderClock):
+    """The real leader clock, telling the simulation every time it stamps (the checker
+    compares an applied time with the true time when it was stamped)."""
+
+    def __init__(
+        self,
+        wall_ms: Callable[[], int],
+        monotonic: Callable[[], float],
+        on_stamp: Callable[[int], None],
+    ) -> None:
+        super().__init__(wall_ms, monotonic)
+        self._on_stamp = on_stamp
+
+    def now(self, term: int) -> int | None:
+        ts = super().now(term)
+        if ts is not None:
+            self._on_stamp(ts)
+        return ts
+
+
 # ---------------------------------------------------------------------- node
 
 ProposalCallback = Callable[[Reply | None, str | None], None]
@@ -451,7 +471,9 @@ class SimNode:
             raft_timeouts=raft_timeouts,
             compaction_entries=compaction_entries,
         )
-        self.member.leader_clock = LeaderClock(lambda: sim.wall_ms(name), self.world.monotonic)
+        self.member.use_leader_clock(
+            ObservedLeaderClock(lambda: sim.wall_ms(name), self.world.monotonic, sim.on_stamp)
+        )
         self.member.replicated_time_ms = lambda: self.machine.now_ms  # type: ignore[method-assign]
         self.alive = True
         self.paused = False

@@ -66,6 +66,10 @@ class RunConfig:
             command += f" --rate {self.workload.rate:g}"
         if self.compaction_entries is not None:
             command += f" --compaction {self.compaction_entries}"
+        if self.workload.message_ttl_ms is not None:
+            command += f" --ttl {self.workload.message_ttl_ms}"
+        if not self.disk_faults:
+            command += " --no-disk-faults"
         if self.variant is not REAL:
             command += f"  (variant: {self.variant.name})"
         return command
@@ -161,7 +165,7 @@ def run(config: RunConfig) -> Result:
         grace_s=config.grace_s,
         compaction_entries=config.compaction_entries,
     )
-    checker = Checker(world)
+    checker = Checker(world, message_ttl_ms=config.workload.message_ttl_ms)
     history = History(world, cluster.names, QUEUE)
     cluster.observers += [checker, history]
     stop: Callable[[], bool] = (
@@ -178,7 +182,7 @@ def run(config: RunConfig) -> Result:
         for name in cluster.names:
             cluster.start(name)
         _hand_leadership_over(cluster, born.handovers)
-        declare(cluster)
+        declare(cluster, config.workload.queue_options())
         world.run_until(30 * US, lambda: QUEUE in _queues(cluster))
         clients = start_workload(cluster, checker, config.workload)
         consumers = [c for c in clients if isinstance(c, SimConsumer)]

@@ -64,6 +64,12 @@ class WorkloadConfig:
     nack_p: float = 0.03
     request_timeout_s: float = 2.0
     reconnect_s: tuple[float, float] = (0.05, 0.5)
+    message_ttl_ms: int | None = None
+    """The queue's message TTL: a record may expire (it is then dropped, not lost), never
+    before that much true time has passed since it was published (`early_expiry`)."""
+
+    def queue_options(self) -> QueueOptions:
+        return attrs.evolve(QUEUE_OPTIONS, message_ttl_ms=self.message_ttl_ms)
 
 
 class Client:
@@ -319,7 +325,7 @@ class SimConsumer(Client):
             self.world.after(self._delay(self.config.reconnect_s), self._subscribe)
 
 
-def declare(cluster: Cluster) -> None:
+def declare(cluster: Cluster, options: QueueOptions = QUEUE_OPTIONS) -> None:
     """Declare the workload's queue through any running node (retried until applied)."""
 
     def attempt() -> None:
@@ -332,7 +338,7 @@ def declare(cluster: Cluster) -> None:
             if reply is None:
                 cluster.world.after(micros(0.1), attempt)
 
-        node.propose(Declare(queue=QUEUE, options=QUEUE_OPTIONS), done)
+        node.propose(Declare(queue=QUEUE, options=options), done)
 
     attempt()
 

@@ -42,6 +42,12 @@ that falls behind (crash, pause, partition) catches up by installing the leader'
 Replay one with `--compaction 30`."""
 
 
+CI_TTL_MS = (None, None, 4000)
+"""A third of the seeds give the queue a 4 s message TTL: records starved that long
+expire (dropped, not lost), and none may expire early (`early_expiry`). The rest keep
+the full liveness check (no record may sit in the queue for good)."""
+
+
 def ci_config(seed: int, **changes: object) -> RunConfig:
     """What CI sweeps: 24 s of faults, one every 0.6 s on average, 10 records/s, log
     compaction on half the seeds."""
@@ -49,7 +55,7 @@ def ci_config(seed: int, **changes: object) -> RunConfig:
         seed=seed,
         steps=2400,
         fault_interval_s=0.6,
-        workload=CI_WORKLOAD,
+        workload=attrs.evolve(CI_WORKLOAD, message_ttl_ms=CI_TTL_MS[seed % len(CI_TTL_MS)]),
         compaction_entries=CI_COMPACTION[seed % len(CI_COMPACTION)],
     )
     return attrs.evolve(config, **changes)
@@ -272,7 +278,8 @@ _TRACE_SNIPPET = (
     "from simulations.runner import run, RunConfig;"
     "from simulations.workload import WorkloadConfig;"
     "w = WorkloadConfig(rate=10);"
-    "a = run(RunConfig(seed=11, steps=1200, fault_interval_s=0.6, workload=w));"
+    "t = WorkloadConfig(rate=10, message_ttl_ms=4000);"
+    "a = run(RunConfig(seed=11, steps=1200, fault_interval_s=0.6, workload=t));"
     "b = run(RunConfig(seed=10, steps=1200, fault_interval_s=0.6, workload=w,"
     " compaction_entries=30));"
     "print(a.trace_hash, a.ok, b.trace_hash, b.ok, b.snapshots['installed'])"
@@ -466,6 +473,57 @@ def test_a_journal_that_cuts_at_damage_instead_of_refusing_is_caught(
     monkeypatch.setattr(DurableJournal, "_check_cut", lambda self, data, pos: None)
     monkeypatch.setattr(DurableJournal, "_check_commit_index", lambda self: None)
     assert "log" in _kinds(ci_config(10)) and "log" in _kinds(ci_config(130))
+
+
+def test_a_leader_clock_that_follows_its_wall_clock_within_a_bound_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The leader clock as it was: the monotonic time since take-over, pulled toward the
+    wall clock by up to a second. A node days ahead gained a second per term it led;
+    20 of the first 60 CI seeds catch it (seed 4: `time_ahead`)."""
+    assert run(ci_config(4)).ok
+
+    def follows_the_wall_clock(self: LeaderClock, term: int) -> int | None:
+        anchor = self._anchor
+        if anchor is None or anchor[0] != term:
+            return None
+        expected = anchor[1] + round((self.monotonic() - anchor[2]) * 1000)
+        ts = min(max(self.wall_ms(), expected - 1000), expected + 1000)
+        self._last = ts = max(ts, self._last)
+        self.seen(ts)
+        return ts
+
+    monkeypatch.setattr(LeaderClock, "now", follows_the_wall_clock)
+    assert "time_ahead" in _kinds(ci_config(4))
+
+
+def test_entries_stamped_when_proposed_expire_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stamped when proposed (any thread) rather than when appended: an entry proposed
+    before a new leader took the time over stayed unstamped and took the machine's time
+    of an earlier entry, seconds old; its TTL, counted from there, ran out seconds early
+    (seed 2, whose queue has a 4 s TTL: `early_expiry`; 11 of the first 90 seeds)."""
+    from pysyncobj import SyncObj
+
+    from quorumq.codec import stamp_entry
+    from quorumq.raft.rules import RAW_COMMAND
+
+    assert run(ci_config(2)).ok
+
+    def stamp_when_proposed(
+        self: RaftRules, command: bytes, callback: object, kind: object = None
+    ) -> None:
+        clock = self.leader_clock
+        if clock is not None and kind == RAW_COMMAND and self._isLeader():
+            ts = clock.now(self.raftCurrentTerm)
+            if ts is not None:
+                command = stamp_entry(command, ts)
+        SyncObj._applyCommand(self, command, callback, kind)
+
+    monkeypatch.setattr(
+        RaftRules, "use_leader_clock", lambda self, clock: setattr(self, "leader_clock", clock)
+    )
+    monkeypatch.setattr(RaftRules, "_applyCommand", stamp_when_proposed)
+    assert "early_expiry" in _kinds(ci_config(2))
 
 
 # ------------------------------------------------------------------- CI sweep

@@ -25,8 +25,9 @@
   nothing of ours is pickled. `apply_raw(index, payload)` gets the entry's Raft index.
 * snapshots in our own encoding (`encode_snapshot` / `decode_snapshot`).
 * replicated time comes from the leader: proposers leave an entry's time unstamped,
-  and the leader stamps every raw entry as it takes it in (`LeaderClock`), so one
-  node's wrong wall clock cannot move the machines' clock.
+  and the leader stamps every raw entry as it appends it (`LeaderClock`: its monotonic
+  clock from the replicated time it took over), so no node's wall clock moves the
+  machines' clock after a cluster's first leader.
 * stale snapshots refused: a leader sent back below what a follower holds (a late
   refusal) sends its snapshot again; a follower that installed it applied the entries
   after it a second time. Whoever stores the incoming snapshot asks
@@ -45,6 +46,7 @@ PySyncObj's; they stay inside quorumq/raft.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -133,28 +135,40 @@ def wall_clock_ms() -> int:
     return int(time.time() * 1000)
 
 
-class LeaderClock:
-    """Replicated time, as one leader stamps it on the entries it takes in.
+ARRIVALS_KEPT = 256
+"""Stamped times a node remembers the arrival of (a new leader credits the latest one)."""
 
-    Taking over, the leader anchors at the replicated time so far (the latest time in
-    its log, or the machine's), or at its wall clock in a new cluster. From there its
-    time is the anchor advanced by its monotonic clock; its wall clock is followed only
-    within `bound_ms` of that, and the time never runs back. So a wall clock that is
-    hours off, or jumps either way, moves replicated time by at most `bound_ms` per term
-    that its node leads. The anchor is fixed for the term, so no slack compounds from
-    entry to entry. While no leader exists, replicated time stands still."""
+
+class LeaderClock:
+    """Replicated time, as leaders stamp it on the entries they take in.
+
+    A new cluster's time starts at its first leader's wall clock. From then on no wall
+    clock moves it: a leader stamps the replicated time it took over (the latest time
+    stamped in its log), advanced by its monotonic clock. Taking over, a leader credits
+    the time since that latest entry arrived here (`seen`): it was stamped no later
+    than it arrived, so the election gap is not lost and the time still never runs
+    ahead. Only that entry's arrival counts: crediting from another (an earlier leader's
+    entry, seen when the latest came from a leader whose time ran behind) would jump
+    over that lag, and messages enqueued meanwhile would expire early.
+
+    So between any two stamps, queue time moves no more than true time, whatever any
+    node's wall clock says or does (a wall clock followed within a second per term let
+    a node days ahead gain a second per term it led: 3x true speed over short terms, and
+    TTLs expired early). It may run behind: while no leader exists, after a restart,
+    across a whole cluster's outage, it stands still (a TTL then lasts longer, never
+    shorter). It never runs back."""
 
     def __init__(
         self,
         wall_ms: Callable[[], int] = wall_clock_ms,
         monotonic: Callable[[], float] = time.monotonic,
-        bound_ms: int = 1000,
     ) -> None:
         self.wall_ms = wall_ms
         self.monotonic = monotonic
-        self.bound_ms = bound_ms
         self._anchor: tuple[int, int, float] | None = None
         """(term, replicated time, monotonic time) when this node took over."""
+        self._arrivals: collections.OrderedDict[int, float] = collections.OrderedDict()
+        """The latest stamped times seen here, each with the monotonic time it arrived."""
         self._last = 0
         self._lock = threading.Lock()
 
@@ -163,15 +177,27 @@ class LeaderClock:
         anchor = self._anchor
         return anchor[0] if anchor else None
 
+    def seen(self, ts_ms: int) -> None:
+        """An entry stamped `ts_ms` arrived now (or was stamped here now)."""
+        arrivals = self._arrivals
+        if ts_ms > 0 and ts_ms not in arrivals:
+            arrivals[ts_ms] = self.monotonic()
+            if len(arrivals) > ARRIVALS_KEPT:
+                arrivals.popitem(last=False)
+
     def take_over(self, term: int, replicated_ms: int) -> None:
         """This node leads `term`; the replicated time so far is `replicated_ms` (0: none).
 
-        The anchor is the replicated time, never this node's own earlier stamps: an
-        earlier term's anchor may have come from its wall clock (a new cluster) without
-        any entry stamped then, and keeping it moved the whole cluster's time to this
-        node's wrong clock when it led again (a node 8 days ahead, first leader of a new
-        cluster, then leader again after another node's term: 8 days of TTL expired)."""
-        base = replicated_ms if replicated_ms > 0 else max(0, self.wall_ms())
+        The anchor is the replicated time (plus the credit for what was seen), never
+        this node's own earlier anchor: that may have come from its wall clock (a new
+        cluster) without any entry stamped then, and keeping it moved the whole
+        cluster's time to this node's wrong clock when it led again."""
+        base = replicated_ms
+        arrived = self._arrivals.get(replicated_ms)
+        if arrived is not None:
+            base += int((self.monotonic() - arrived) * 1000)
+        if base <= 0:
+            base = max(0, self.wall_ms())  # a new cluster: its time starts here
         with self._lock:
             self._last = base
             self._anchor = (term, base, self.monotonic())
@@ -183,11 +209,26 @@ class LeaderClock:
         if anchor is None or anchor[0] != term:
             return None
         _, base, since = anchor
-        expected = base + round((self.monotonic() - since) * 1000)
-        ts = min(max(self.wall_ms(), expected - self.bound_ms), expected + self.bound_ms)
+        ts = base + int((self.monotonic() - since) * 1000)
         with self._lock:
             self._last = ts = max(ts, self._last)
+        self.seen(ts)
         return ts
+
+
+class _StampingQueue:
+    """PySyncObj's queue of commands to append, stamping each as it is taken."""
+
+    def __init__(self, queue: Any, stamp: Callable[[bytes], bytes]) -> None:
+        self._queue = queue
+        self._stamp = stamp
+
+    def get_nowait(self) -> tuple[bytes, Any]:
+        command, callback = self._queue.get_nowait()
+        return self._stamp(command), callback
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
 
 
 class RaftRules(SyncObj):  # type: ignore[misc]
@@ -206,8 +247,29 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     """The next index to answer right after a snapshot install (its last index + 1)."""
 
     leader_clock: LeaderClock | None = None
-    """Stamps the time on the entries this node takes in as leader; set by the owner
-    (with the node's wall and monotonic clocks) before it starts ticking."""
+    """Stamps the time on the entries this node appends as leader (`use_leader_clock`)."""
+
+    def use_leader_clock(self, clock: LeaderClock) -> None:
+        """Stamp raw entries with `clock` as they are appended as leader (call before the
+        first tick). Stamped at append, on the tick thread, after the new leader took
+        the time over: an entry stamped when proposed (on any thread) could be left
+        unstamped before that, or stamped while it waited in the queue, and then took
+        the machine's time of an earlier entry, seconds old after a failover: a TTL
+        counted from there expired early."""
+        self.leader_clock = clock
+        queue: Any = getattr(self, "_SyncObj__commandsQueue")  # noqa: B009 (name-mangled)
+        self._SyncObj__commandsQueue = _StampingQueue(queue, self._stamp_taken_command)
+
+    def _stamp_taken_command(self, command: bytes) -> bytes:
+        """`command`, taken from the queue to append: stamped if it is a raw entry and this
+        node leads (a follower forwards it unstamped, and the leader stamps it)."""
+        clock = self.leader_clock
+        if clock is None or command[:1] != _RAW_PREFIX or not self._isLeader():
+            return command
+        ts = clock.now(self.raftCurrentTerm)
+        if ts is None:
+            return command
+        return _RAW_PREFIX + stamp_entry(command[1:], ts)
 
     def apply_raw(self, index: int, payload: bytes) -> Any:
         """Apply one committed raw command; what it returns goes to the proposer's callback."""
@@ -229,17 +291,6 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         if len(payload) > MAX_COMMAND_BYTES:
             raise ValueError(f"command of {len(payload)} bytes exceeds {MAX_COMMAND_BYTES}")
         self._applyCommand(payload, callback, RAW_COMMAND)
-
-    def _applyCommand(self, command: bytes, callback: Any, commandType: int | None = None) -> None:
-        clock = self.leader_clock
-        if clock is not None and self._isLeader():
-            ts = clock.now(self.raftCurrentTerm)
-            if ts is not None:
-                if commandType == RAW_COMMAND:
-                    command = stamp_entry(command, ts)
-                elif commandType is None and command[:1] == _RAW_PREFIX:  # forwarded to us
-                    command = _RAW_PREFIX + stamp_entry(command[1:], ts)
-        super()._applyCommand(command, callback, commandType)
 
     def _anchor_leader_clock(self) -> None:
         """On the tick thread: a new leader takes the replicated time over."""
@@ -325,6 +376,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             self._send_held_replies()
         answer_through = None
         if append and message.get("term", -1) >= self.raftCurrentTerm:
+            self._saw_times(message.get("entries"))
             message, answer_through = trim_known_entries(message, self._SyncObj__raftLog)
         next_index = self._SyncObj__raftNextIndex
         before = next_index.get(node)
@@ -358,6 +410,18 @@ class RaftRules(SyncObj):  # type: ignore[misc]
                 # big entries several AppendEntries are in flight, and each refusal of an
                 # older one named a higher index, so a lagging follower never caught up
                 next_index[node] = before
+
+    def _saw_times(self, entries: Any) -> None:
+        """Tell the leader clock the time of the last stamped entry that arrived."""
+        clock = self.leader_clock
+        if clock is None or not entries:
+            return
+        for command, _, _ in reversed(entries):
+            if command[:1] == _RAW_PREFIX:
+                ts = entry_time(command[1:])
+                if ts:
+                    clock.seen(ts)
+                    return
 
     def _set_commit_index(self, index: int) -> None:
         self._SyncObj__raftCommitIndex = index
