@@ -243,7 +243,16 @@ def encode_reply(reply: Reply) -> bytes:
         case Forgotten():
             return _pack([VERSION, _FORGOTTEN, reply.count])
         case Error():
-            return _pack([VERSION, _ERROR, reply.code.value, reply.message, reply.expected_seq])
+            return _pack(
+                [
+                    VERSION,
+                    _ERROR,
+                    reply.code.value,
+                    reply.message,
+                    reply.expected_seq,
+                    reply.generation,
+                ]
+            )
     raise TypeError(f"not a reply: {reply!r}")
 
 
@@ -259,8 +268,14 @@ def decode_reply(data: bytes) -> Reply:
             return Enqueued(offset=args[0], count=args[1], duplicate=args[2])
         if tag == _FORGOTTEN and len(args) == 1 and type(args[0]) is int:
             return Forgotten(count=args[0])
-        if tag == _ERROR and len(args) == 3:
-            return Error(code=ErrorCode(args[0]), message=args[1], expected_seq=args[2])
+        if tag == _ERROR and len(args) in (3, 4):  # 3: before producer generations
+            generation = args[3] if len(args) == 4 else None
+            return Error(
+                code=ErrorCode(args[0]),
+                message=args[1],
+                expected_seq=args[2],
+                generation=generation,
+            )
     except (TypeError, ValueError) as e:
         raise CodecError(f"invalid reply: {e}") from None
     raise CodecError(f"unknown reply tag {tag!r} with {len(args)} fields")

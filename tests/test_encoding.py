@@ -81,8 +81,9 @@ for i, c in enumerate(cmds, 1):
     m.apply(Meta(i, 1000 + i), c)
 print(m.digest())
 """
-GOLDEN_DIGEST = "846003e87d539ec6b98cacc7608a87c3e633c1493f0d9463432bbeaf23364ecb"
-"""Snapshot version 2 (retention cost, the death path, delivery times, consumer timeouts)."""
+GOLDEN_DIGEST = "cf9c03b70da12a4785244da84e849f4246ac6d370f692675ab5acc1c1c6cd32f"
+"""Snapshot version 3 (retention cost, the death path, delivery times, consumer timeouts,
+the highest producer generation each queue forgot)."""
 
 
 def _digest_in_subprocess(hash_seed: str) -> str:

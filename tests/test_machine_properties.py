@@ -12,7 +12,9 @@ public queries:
   per key, first deliveries come in increasing order, every held message of a key is
   held by one consumer and is older than every ready message of that key;
 * a retried idempotent enqueue never gets a second offset; a forgotten producer
-  starts afresh, and the others are untouched;
+  starts afresh, and the others are untouched; an unknown id of a generation the
+  queue forgot is refused (`producer_forgotten`), so a (producer, seq) of an id with
+  a generation never lands at two offsets, forgotten or not;
 * with single active consumer, only the oldest live subscriber receives;
 * the stream view at an offset never changes;
 * a second machine fed the same log, and one restored from a snapshot taken mid-way
@@ -65,13 +67,15 @@ from quorumq.machine import (
     Subscribe,
     Tick,
 )
+from quorumq.machine.queue import producer_generation
 
 QUEUES = ("q1", "q2", "dlq")
 WORK_QUEUES = ("q1", "q2")
 CONSUMERS = ("c0", "c1", "c2", "c3", "c4")
 NODES = ("A", "B", "C")
 KEYS = (None, None, "k0", "k1", "k2")
-PRODUCERS = ("p0", "p1")
+PRODUCERS = ("p0", "p1", "g5-a", "g9-b")
+"""Producer ids: two named (a caller's own), two carrying a generation (the clients')."""
 
 options_strategy = st.builds(
     QueueOptions,
@@ -121,6 +125,9 @@ class QueueMachineRules(RuleBasedStateMachine):
         self.last_key_first: dict[tuple[str, str], int] = {}
         self.producer_offsets: dict[tuple[str, str], dict[int, int]] = {}
         self.producer_last: dict[tuple[str, str], int] = {}
+        self.forgotten_generation: dict[str, int] = {}
+        self.landed: dict[tuple[str, str, int], int] = {}
+        """(queue, producer, seq) -> offset, for ids with a generation: never forgotten."""
         self.down_nodes: set[str] = set()
         self.returned: set[Ref] = set()
         self.leaving: set[Ref] = set()
@@ -260,6 +267,12 @@ class QueueMachineRules(RuleBasedStateMachine):
             assert reply.offset == self.producer_offsets[slot].get(seq)
             assert applied.effects == ()
             return
+        generation = producer_generation(producer)
+        forgotten = self.forgotten_generation.get(queue, 0)
+        if last is None and generation is not None and generation <= forgotten:
+            assert isinstance(reply, Error), reply
+            assert reply.code is ErrorCode.PRODUCER_FORGOTTEN, reply
+            return
         expected = 0 if last is None else last + 1  # a new producer starts at 0
         if seq != expected:
             assert isinstance(reply, Error) and reply.code is ErrorCode.OUT_OF_ORDER, reply
@@ -274,6 +287,9 @@ class QueueMachineRules(RuleBasedStateMachine):
         offsets = self.producer_offsets.setdefault(slot, {})
         for i in range(n):
             offsets[seq + i] = reply.offset + i
+            if generation is not None:
+                landed = self.landed.setdefault((queue, producer, seq + i), reply.offset + i)
+                assert landed == reply.offset + i, f"{producer} seq {seq + i}: a second offset"
 
     def refused_as_full(self, queue: str, reply: object, n: int, ready_before: int) -> bool:
         opts = self.options[queue]
@@ -515,9 +531,13 @@ class QueueMachineRules(RuleBasedStateMachine):
             return
         gone = [s for s in self.producer_last if s[0] == queue and s[1].startswith(prefix)]
         assert applied.reply == Forgotten(count=len(gone))
-        for slot in gone:  # its next enqueue starts afresh, at any seq
+        for slot in gone:  # its next enqueue starts afresh, at seq 0
             del self.producer_last[slot]
             del self.producer_offsets[slot]
+            generation = producer_generation(slot[1])
+            if generation is not None:
+                before = self.forgotten_generation.get(queue, 0)
+                self.forgotten_generation[queue] = max(before, generation)
 
     @rule()
     def snapshot_round_trip(self) -> None:

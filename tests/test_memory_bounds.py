@@ -9,24 +9,78 @@ import pytest
 import trio
 
 import quorumq.aio
-from quorumq.machine import Declare, Enqueue, Machine, Meta, Subscribe
-from quorumq.machine.machine import MAX_PRODUCERS
+from quorumq.machine import (
+    Declare,
+    Enqueue,
+    Enqueued,
+    Error,
+    ForgetProducers,
+    Machine,
+    Meta,
+    Subscribe,
+    Tick,
+)
+from quorumq.machine.machine import EVICT_SILENT_MS, MAX_PRODUCERS, PRODUCER_EXPIRY_MS
 from quorumq.server import NodeServer
 
 from .test_server import _config, _serve_with
 
 
+def _enqueue(producer: str, seq: int = 0) -> Enqueue:
+    return Enqueue(queue="q", body=b"x", producer=producer, seq=seq)
+
+
 def test_a_queue_remembers_a_bounded_number_of_producers() -> None:
-    """100,000 short-lived producers: every one was kept for 7 days before."""
+    """100,000 short-lived producers, one a second: every one was kept for 7 days before.
+    Room is made by forgetting producers silent for an hour; a forgotten one's resend is
+    refused, never enqueued again (client ids carry a generation: their creation time)."""
     m = Machine()
     m.apply(Meta(1, 0), Declare(queue="q"))
     for i in range(100_000):
-        m.apply(Meta(i + 2, i), Enqueue(queue="q", body=b"x", producer=f"p{i}", seq=0))
+        reply = m.apply(Meta(i + 2, i * 1000), _enqueue(f"g{i * 1000 + 1:x}-c")).reply
+        assert isinstance(reply, Enqueued) and not reply.duplicate
     assert len(m.producers("q")) <= MAX_PRODUCERS
-    recent = Enqueue(queue="q", body=b"x", producer="p99999", seq=0)
-    assert m.apply(Meta(10**6, 10**6), recent).reply.duplicate  # type: ignore[union-attr]
-    forgotten = Enqueue(queue="q", body=b"x", producer="p0", seq=1)  # a resend, say
-    assert m.apply(Meta(10**6 + 1, 10**6), forgotten).reply.code == "out_of_order"  # type: ignore[union-attr]
+    now = 100_000 * 1000
+    recent = m.apply(Meta(10**6, now), _enqueue(f"g{99_999_001:x}-c")).reply
+    assert isinstance(recent, Enqueued) and recent.duplicate
+    forgotten = m.apply(Meta(10**6 + 1, now), _enqueue("g1-c")).reply  # its resend, say
+    assert isinstance(forgotten, Error) and forgotten.code == "producer_forgotten"
+    assert forgotten.generation is not None and forgotten.generation >= 0
+
+
+def test_producers_active_within_the_hour_are_never_forgotten_to_make_room() -> None:
+    """With every producer active, a new one is refused: before, the least recently active
+    tenth was forgotten at once, a producer seconds old among them, and its client's
+    resend of a first publish whose reply was lost was enqueued a second time."""
+    m = Machine()
+    m.apply(Meta(1, 0), Declare(queue="q"))
+    for i in range(MAX_PRODUCERS):
+        m.apply(Meta(i + 2, 1000), _enqueue(f"p{i}"))
+    refused = m.apply(Meta(10**6, 2000), _enqueue("newcomer")).reply
+    assert isinstance(refused, Error) and refused.code == "too_many_producers"
+    again = m.apply(Meta(10**6 + 1, 2000), _enqueue("p0")).reply  # the resend of p0's first
+    assert isinstance(again, Enqueued) and again.duplicate
+    later = 1000 + EVICT_SILENT_MS
+    assert isinstance(m.apply(Meta(10**6 + 2, later), _enqueue("newcomer")).reply, Enqueued)
+
+
+def test_a_forgotten_producers_resend_is_refused_not_enqueued_twice() -> None:
+    """Forgotten by expiry (7 days silent) or by `forget_producers`, a producer's resend
+    of seq 0 was taken for a new producer's first publish: a second offset."""
+    m = Machine()
+    m.apply(Meta(1, 0), Declare(queue="q"))
+    m.apply(Meta(2, 0), _enqueue("g10-a"))
+    m.apply(Meta(3, 0), _enqueue("g20-b"))
+    m.apply(Meta(4, 0), ForgetProducers(queue="q", prefix="g20-"))
+    reply = m.apply(Meta(5, 0), _enqueue("g20-b")).reply
+    assert isinstance(reply, Error) and reply.code == "producer_forgotten"
+    m.apply(Meta(6, PRODUCER_EXPIRY_MS + 1), Tick())  # g10-a: 7 days silent
+    reply = m.apply(Meta(7, PRODUCER_EXPIRY_MS + 2), _enqueue("g10-a")).reply
+    assert isinstance(reply, Error) and reply.code == "producer_forgotten"
+    fresh = m.apply(Meta(8, PRODUCER_EXPIRY_MS + 3), _enqueue("g21-new")).reply
+    assert isinstance(fresh, Enqueued) and fresh.offset == 2
+    restored = Machine.restore(m.snapshot())  # every replica knows it, restored too
+    assert isinstance(restored.apply(Meta(9, 0), _enqueue("g15-x")).reply, Error)
 
 
 def test_time_moves_while_producers_are_remembered_so_they_can_expire() -> None:

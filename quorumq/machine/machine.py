@@ -35,32 +35,48 @@ from .commands import (
     Tick,
 )
 from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect
-from .queue import ConsumerState, ProducerState, QueueState, Record, message_cost
+from .queue import (
+    ConsumerState,
+    ProducerState,
+    QueueState,
+    Record,
+    message_cost,
+    producer_generation,
+)
 from .replies import OK, Declared, Enqueued, Error, ErrorCode, Forgotten, Reply
 from .views import QueueStats, StreamMessage, bucket_of
 
 PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
 """An idempotent producer silent this long is forgotten (its next seq starts afresh)."""
 MAX_PRODUCERS = 10_000
-"""Most idempotent producers a queue remembers. Past it, the least recently active tenth
-is forgotten at once (as after `PRODUCER_EXPIRY_MS`): their next enqueue must start again
-at seq 0, so a resend is refused, never enqueued twice. Without a bound, every client's
-producer was kept for 7 days (100,000 short-lived producers, 100,000 states)."""
+"""Most idempotent producers a queue remembers (without a bound, every client's producer
+was kept for 7 days: 100,000 short-lived producers, 100,000 states). A new producer past
+it makes room by forgetting producers silent for `EVICT_SILENT_MS` (the least recently
+active tenth at most), or is refused (`too_many_producers`): a producer active within
+the hour is never forgotten to make room (one forgotten seconds after its first publish
+had that publish enqueued twice when its client resent it)."""
+EVICT_SILENT_MS = 3600 * 1000
+"""How long a producer must be silent before it may be forgotten to make room."""
 
 
-def _evict_producers(q: QueueState) -> None:
-    """Forget the least recently active tenth of `q`'s producers (ties by id, so every
-    replica, restored from a snapshot or not, forgets the same ones)."""
-    oldest = sorted(q.producers.items(), key=lambda item: (item[1].last_ts, item[0]))
-    for producer, _ in oldest[: max(1, len(oldest) // 10)]:
-        del q.producers[producer]
+def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
+    """Forget up to a tenth of `q`'s producers, least recently active first (ties by id,
+    so every replica forgets the same ones), of those silent for `EVICT_SILENT_MS`;
+    whether there is room for one more now."""
+    silent = sorted(
+        (s.last_ts, p) for p, s in q.producers.items() if now - s.last_ts >= EVICT_SILENT_MS
+    )
+    for _, producer in silent[: max(1, len(q.producers) // 10)]:
+        q.forget_producer(producer)
+    return len(q.producers) < MAX_PRODUCERS
 
 _SNAPSHOT_FORMAT = "quorumq-machine"
-_SNAPSHOT_VERSION = 2
+_SNAPSHOT_VERSION = 3
 """2: retention counts keys, headers and an overhead per message (`message_cost`), and
-dead-lettered messages carry their death path. A version-1 snapshot has the same layout
-and is read too: the retained bytes are counted again on restore."""
-_READABLE_VERSIONS = (1, 2)
+dead-lettered messages carry their death path. 3: each queue ends with the highest
+producer generation it forgot. Versions 1 and 2 are read too (the retained bytes are
+counted again on restore; no generation was forgotten)."""
+_READABLE_VERSIONS = (1, 2, 3)
 _OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
 
 
@@ -246,17 +262,39 @@ class Machine:
             return _error(ErrorCode.INVALID, "producer and seq go together")
         state = q.producers.get(producer)
         if state is None:
-            if seq == 0:
-                return None
-            # a producer starts at 0: a later batch that overtook its first (forwarded
-            # through another node across a leader change) would make the first look
-            # like a duplicate, confirmed and never enqueued (simulator seed 215)
-            return _error(
-                ErrorCode.OUT_OF_ORDER,
-                f"producer {producer!r} is new to {q.name!r} (or forgotten): its first seq "
-                f"must be 0, not {seq}",
-                0,
-            )
+            generation = producer_generation(producer)
+            if generation is not None and generation <= q.forgotten_generation:
+                # forgotten, or made with a clock far behind: a resend of a forgotten
+                # producer's first publish would otherwise be enqueued a second time
+                return Error(
+                    code=ErrorCode.PRODUCER_FORGOTTEN,
+                    message=(
+                        f"producer {producer!r} is unknown to {q.name!r}, and its generation "
+                        f"{generation} is not above {q.forgotten_generation}, the highest this "
+                        "queue forgot: if it was forgotten, a resend could not be recognised. "
+                        "Publish under a new producer id of a higher generation"
+                    ),
+                    generation=q.forgotten_generation,
+                )
+            if seq != 0:
+                # a producer starts at 0: a later batch that overtook its first (forwarded
+                # through another node across a leader change) would make the first look
+                # like a duplicate, confirmed and never enqueued (simulator seed 215)
+                return _error(
+                    ErrorCode.OUT_OF_ORDER,
+                    f"producer {producer!r} is new to {q.name!r} (or forgotten): its first "
+                    f"seq must be 0, not {seq}",
+                    0,
+                )
+            if len(q.producers) >= MAX_PRODUCERS and not _make_room_for_a_producer(
+                q, self._now
+            ):
+                return _error(
+                    ErrorCode.TOO_MANY_PRODUCERS,
+                    f"queue {q.name!r} remembers {len(q.producers)} producers, each active "
+                    "within the hour: try again later, or reuse a producer",
+                )
+            return None
         if seq == state.last_seq + 1:
             return None
         last = state.last_seq
@@ -304,10 +342,8 @@ class Machine:
         q.trim_stream()
         if producer is not None and seq is not None:
             state = q.producers.get(producer)
-            if state is None:
+            if state is None:  # room was made for it (`_check_producer`)
                 state = q.producers[producer] = ProducerState(seq - 1, now)
-                if len(q.producers) > MAX_PRODUCERS:
-                    _evict_producers(q)
             state.record(seq, first, len(messages), now)
         self._run([q], effects)
         return Enqueued(offset=first, count=len(messages))
@@ -489,10 +525,10 @@ class Machine:
             if q.options.message_ttl_ms is not None:
                 q.expire(now, returned_too=True)
             if q.producers:
-                for producer in [
+                for producer in sorted(
                     p for p, s in q.producers.items() if now - s.last_ts > PRODUCER_EXPIRY_MS
-                ]:
-                    del q.producers[producer]
+                ):
+                    q.forget_producer(producer)
         self._run([q for q in self._queues.values() if q.outbox], effects)
         return OK
 
@@ -670,6 +706,7 @@ def _encode_queue(q: QueueState) -> list[Any]:
         ),
         sorted([g, o] for g, o in q.commits.items()),
         q.expiry_cursor,
+        q.forgotten_generation,
     ]
 
 
@@ -688,6 +725,7 @@ def _decode_queue(raw: list[Any], now: int) -> QueueState:
         producers,
         commits,
         expiry_cursor,
+        *forgotten,  # version 2 snapshots have no forgotten generation
     ) = raw
     if len(options) > len(_OPTION_FIELDS):
         raise encoding.DecodeError(f"queue {name!r} has {len(options)} options")
@@ -726,6 +764,7 @@ def _decode_queue(raw: list[Any], now: int) -> QueueState:
         q.producers[producer] = state
     q.commits = {g: o for g, o in commits}
     q.expiry_cursor = expiry_cursor
+    q.forgotten_generation = forgotten[0] if forgotten else 0
     return q
 
 

@@ -108,6 +108,20 @@ class _Lane:
         """Whose heap the live entry is in: the owner's, or None for `free_keys`."""
 
 
+def producer_generation(producer: str) -> int | None:
+    """The generation a producer id carries: ids of the form "g<hex>-<anything>" (the
+    clients make theirs so, the generation from their wall clock in ms). A queue that
+    forgot a producer refuses every unknown id of that generation or below
+    (`producer_forgotten`): a resend of a forgotten producer is never taken for a new
+    one. Other ids (a caller's own, say Spark's) carry none."""
+    if producer[:1] != "g":
+        return None
+    digits, dash, _ = producer[1:].partition("-")
+    if not dash or not 0 < len(digits) <= 16 or digits.strip("0123456789abcdef"):
+        return None
+    return int(digits, 16)
+
+
 class ProducerState:
     """An idempotent producer's progress on one queue."""
 
@@ -167,6 +181,7 @@ class QueueState:
         "commits",
         "consumers",
         "expiry_cursor",
+        "forgotten_generation",
         "free_keys",
         "fresh",
         "held",
@@ -209,6 +224,8 @@ class QueueState:
         self.consumers: dict[str, ConsumerState] = {}
         self.sq: deque[ConsumerState] = deque()
         self.producers: dict[str, ProducerState] = {}
+        self.forgotten_generation = 0
+        """The highest generation of a producer id this queue forgot (`producer_generation`)."""
         self.commits: dict[str, int] = {}
         self.expiry_cursor = 0
         self.outbox: list[tuple[Record, str, bool]] = []
@@ -223,11 +240,18 @@ class QueueState:
     def first_retained(self) -> int:
         return self.stream_base + self.stream_head
 
+    def forget_producer(self, producer: str) -> None:
+        """Drop `producer`'s state; no id of its generation (or below) is new from now on."""
+        del self.producers[producer]
+        generation = producer_generation(producer)
+        if generation is not None and generation > self.forgotten_generation:
+            self.forgotten_generation = generation
+
     def forget_producers(self, prefix: str) -> int:
         """Drop the state of every producer whose id starts with `prefix`; return how many."""
-        gone = [p for p in self.producers if p.startswith(prefix)]
+        gone = sorted(p for p in self.producers if p.startswith(prefix))
         for producer in gone:
-            del self.producers[producer]
+            self.forget_producer(producer)
         return len(gone)
 
     # ------------------------------------------------------------- enqueueing

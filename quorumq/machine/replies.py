@@ -21,6 +21,11 @@ class ErrorCode(enum.StrEnum):
     STALE_INDEX = "stale_index"
     TOO_LARGE = "too_large"
     """A command bigger than one log entry may be (the node refuses it before proposing)."""
+    PRODUCER_FORGOTTEN = "producer_forgotten"
+    """The producer id names a producer the queue has forgotten: a resend of it could not
+    be recognised, so it is refused (start a new id, of a generation above `generation`)."""
+    TOO_MANY_PRODUCERS = "too_many_producers"
+    """The queue remembers as many producers as it may, each active within the hour."""
 
 
 @attrs.frozen
@@ -62,6 +67,8 @@ class Error:
     message: str
     expected_seq: int | None = None
     """With OUT_OF_ORDER: the sequence number the queue expects next from this producer."""
+    generation: int | None = None
+    """With PRODUCER_FORGOTTEN: a new producer id's generation must be above this."""
 
 
 Reply: TypeAlias = Ok | Declared | Enqueued | Forgotten | Error
