@@ -81,7 +81,7 @@ for i, c in enumerate(cmds, 1):
     m.apply(Meta(i, 1000 + i), c)
 print(m.digest())
 """
-GOLDEN_DIGEST = "cf9c03b70da12a4785244da84e849f4246ac6d370f692675ab5acc1c1c6cd32f"
+GOLDEN_DIGEST = "7604be51bc7f9abbe595ab4f9a812dde834630c0b8ff3590624f67ef12f504fd"
 """Snapshot version 3 (retention cost, the death path, delivery times, consumer timeouts,
 the highest producer generation each queue forgot)."""
 

@@ -33,7 +33,7 @@ from quorumq.machine import (
     Tick,
     UnknownQueueError,
 )
-from quorumq.machine.queue import MESSAGE_OVERHEAD
+from quorumq.machine.queue import HEADER_OVERHEAD, MESSAGE_OVERHEAD, message_cost
 
 from .helpers import Driver, delivered, deliveries
 
@@ -778,9 +778,26 @@ def test_retention_bytes_counts_keys_headers_and_overhead_not_only_bodies(d: Dri
     for _ in range(20):
         d(Enqueue(queue="s", body=b"x", key="k" * 100, headers={"h": "v" * 300}))
     kept = d.machine.read("s", 0, 100)
-    assert [m.offset for m in kept] == [19]  # 1 + 100 + 1 + 300 + 128 = 530 bytes each
+    assert [m.offset for m in kept] == [19]  # 1 + 100 + 1 + 300 + 96 + 128 = 626 bytes each
     restored = Machine.restore(d.machine.snapshot())  # counted again on restore
     assert restored.digest() == d.machine.digest()
+
+
+def test_retention_counts_text_in_utf8_bytes_and_an_overhead_per_header(d: Driver) -> None:
+    """Keys and headers counted in characters (non-ASCII text up to 4x more bytes), and
+    no cost per header (60,000 tiny headers counted 300 KB and took 5.2 MB)."""
+    small = message_cost(b"", None, {"a": "b"})
+    assert small == 2 + HEADER_OVERHEAD + MESSAGE_OVERHEAD
+    assert message_cost(b"", "\U0001f600" * 10, None) == 40 + MESSAGE_OVERHEAD
+    d(Declare(queue="s", options=QueueOptions(retention_bytes=3 * small)))
+    for _ in range(5):
+        d(Enqueue(queue="s", body=b"", headers={"a": "b"}))
+    assert [m.offset for m in d.machine.read("s", 0, 100)] == [2, 3, 4]
+
+
+def test_a_message_with_too_many_headers_is_refused() -> None:
+    with pytest.raises(ValueError, match="at most 256 headers"):
+        Enqueue(queue="q", body=b"", headers={str(i): "" for i in range(257)})
 
 
 def test_retention_never_removes_ready_or_unacked_messages(d: Driver) -> None:

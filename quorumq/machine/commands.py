@@ -64,11 +64,18 @@ def _opt_str(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
         check_text(attr.name, value)
 
 
+MAX_HEADERS = 256
+"""The most headers a message may carry (each costs its entry and two objects in every
+replica's memory for as long as the message is retained)."""
+
+
 def _headers(value: Mapping[str, str] | None) -> Mapping[str, str] | None:
     if value is None or not value:
         return None
     if not isinstance(value, Mapping):
         raise TypeError(f"headers must be a map of str to str, got {type(value).__name__}")
+    if len(value) > MAX_HEADERS:
+        raise ValueError(f"a message carries at most {MAX_HEADERS} headers, not {len(value)}")
     for k, v in value.items():
         check_text("a header name", k)
         check_text(f"header {k!r}", v)
