@@ -484,3 +484,57 @@ def test_a_damaged_or_missing_snapshot_refuses_to_start(tmp_path: Any) -> None:
         _restart(tmp_path, members)
     snapshot.write_bytes(good)
     _restart(tmp_path, members).stop()
+
+
+# ------------------------------------------------------------ the Raft port
+
+
+def _closed_by_peer(sock: Any) -> bool:
+
+    sock.settimeout(0.05)
+    try:
+        return sock.recv(4096) == b""
+    except TimeoutError:
+        return False
+    except (ConnectionResetError, OSError):
+        return True
+    finally:
+        sock.settimeout(None)
+
+
+def test_what_an_unauthenticated_raft_peer_can_make_a_node_hold_is_bounded(
+    tmp_path: Any,
+) -> None:
+    """PySyncObj read any declared length (up to 2 GiB) before authenticating anything,
+    with no deadline and no cap on connections: 3 connections sending a 2 GiB length and
+    100 MiB took a node from 31 to 427 MiB, for good."""
+    import socket
+    import struct
+    import time
+
+    from quorumq.raft.member import MAX_UNAUTHENTICATED, RAFT_HANDSHAKE_S
+
+    from .helpers import wait_for
+
+    member, members = _member(tmp_path)
+    member.start()
+    host, port = members["A"].rsplit(":", 1)
+    opened: list[socket.socket] = []
+    try:
+        wait_for(lambda: member._SyncObj__transport._ready, "the Raft port bound")
+        huge = socket.create_connection((host, int(port)))
+        opened.append(huge)
+        huge.sendall(struct.pack("i", 2**31 - 1) + b"\0" * 65536)
+        wait_for(lambda: _closed_by_peer(huge), "a 2 GiB message refused", 5)
+        silent = [
+            socket.create_connection((host, int(port))) for _ in range(MAX_UNAUTHENTICATED + 8)
+        ]
+        opened += silent
+        started = time.monotonic()
+        wait_for(lambda: sum(_closed_by_peer(s) for s in silent[:8]) == 8, "the oldest closed", 5)
+        wait_for(lambda: all(_closed_by_peer(s) for s in silent), "all closed", 10)
+        assert time.monotonic() - started >= RAFT_HANDSHAKE_S - 1  # the newest stayed a while
+    finally:
+        for s in opened:
+            s.close()
+        member.stop()

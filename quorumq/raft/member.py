@@ -73,8 +73,23 @@ def _create_journal(path: str | None) -> Any:
     return _original_create_journal(path)
 
 
+MAX_RAFT_MESSAGE_BYTES = 32 * 1024 * 1024
+"""The longest Raft message a node reads (AppendEntries batches are at most 4 MiB plus
+one entry of at most 3 MiB; snapshot chunks are smaller). PySyncObj read whatever length
+a peer declared, up to 2 GiB, before it authenticated anything."""
+MAX_UNAUTHENTICATED = 32
+"""Incoming Raft connections that have not yet shown the cluster secret, at most: one
+more closes the oldest of them."""
+RAFT_HANDSHAKE_S = 5.0
+"""An incoming Raft connection that has not shown the cluster secret by then is closed."""
+
+
 class _Transport(TCPTransport):  # type: ignore[misc]
-    """PySyncObj's TCP transport, saying why a peer hangs up during the handshake.
+    """PySyncObj's TCP transport, saying why a peer hangs up during the handshake, and
+    bounding what peers that have not authenticated can make a node hold: at most
+    `MAX_UNAUTHENTICATED` such connections, each for `RAFT_HANDSHAKE_S` at most (3
+    connections each sending a 2 GiB length and 100 MiB took a node from 31 to 427 MiB,
+    for good; messages are capped at `MAX_RAFT_MESSAGE_BYTES` on every connection).
 
     A dialling node sends its key sealed with its cluster secret; a peer with another
     secret cannot open it and closes the connection without a word. Seen from the
@@ -86,6 +101,8 @@ class _Transport(TCPTransport):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._handshaking: set[int] = set()
+        self._arrived: dict[Any, float] = {}
+        """Incoming connections not yet authenticated, by the time they arrived (in order)."""
         self._hang_ups: dict[Any, int] = {}
         """Per peer: handshakes in a row it hung up on."""
         self._hung_up = ThrottledWarning(
@@ -94,6 +111,31 @@ class _Transport(TCPTransport):  # type: ignore[misc]
             "a peer uses another cluster secret (or is not a quorumq node)",
         )
         super().__init__(*args, **kwargs)
+
+    def _onNewIncomingConnection(self, conn: Any) -> None:
+        super()._onNewIncomingConnection(conn)
+        self._arrived[conn] = _tcp.monotonicTime()
+        while len(self._arrived) > MAX_UNAUTHENTICATED:
+            oldest = next(iter(self._arrived))
+            self._drop_unauthenticated(oldest, "too many connections without the secret")
+
+    def _onIncomingMessageReceived(self, conn: Any, message: Any) -> None:
+        super()._onIncomingMessageReceived(conn, message)
+        if conn not in self._unknownConnections:  # it named itself: authenticated
+            self._arrived.pop(conn, None)
+
+    def _onTick(self) -> None:
+        super()._onTick()
+        if self._arrived:
+            deadline = _tcp.monotonicTime() - RAFT_HANDSHAKE_S
+            for conn, arrived in list(self._arrived.items()):
+                if arrived < deadline:
+                    self._drop_unauthenticated(conn, "no handshake in time")
+
+    def _drop_unauthenticated(self, conn: Any, why: str) -> None:
+        self._arrived.pop(conn, None)
+        logger.info("closing an incoming Raft connection: %s", why)
+        conn.disconnect()
 
     def _onOutgoingConnected(self, conn: Any) -> None:
         if self._syncObj.encryptor:
@@ -107,6 +149,7 @@ class _Transport(TCPTransport):  # type: ignore[misc]
         super()._onOutgoingMessageReceived(conn, message)
 
     def _onDisconnected(self, conn: Any) -> None:
+        self._arrived.pop(conn, None)
         if id(conn) in self._handshaking:
             self._handshaking.discard(id(conn))
             peer = self._connToNode(conn)
@@ -143,9 +186,30 @@ def _send(self: Any, message: Any) -> None:
     self._TcpConnection__trySendBuffer()
 
 
+_read_more = TcpConnection._TcpConnection__processRead
+
+
+def _process_read(self: Any) -> bool:
+    """PySyncObj's read, bounded: a declared length outside (0, `MAX_RAFT_MESSAGE_BYTES`]
+    closes the connection, and reading stops once a whole message's worth is buffered
+    (PySyncObj read everything the peer sent before it parsed anything)."""
+    more = bool(_read_more(self))
+    buffer = self._TcpConnection__readBuffer
+    if len(buffer) >= 4:
+        (length,) = struct.unpack_from("i", buffer)
+        if not 0 < length <= MAX_RAFT_MESSAGE_BYTES:
+            logger.warning("closing a Raft connection that announced a %d-byte message", length)
+            self.disconnect()
+            return False
+        if len(buffer) > 4 + length:
+            return False  # parse what is there first
+    return more
+
+
 _syncobj.createJournal = _create_journal
 _syncobj.getEncryptor = RaftCipher
 TcpConnection.send = _send
+TcpConnection._TcpConnection__processRead = _process_read
 
 STEP_DOWN = "quorumq_step_down"
 """A Raft message of ours: a member asks the leader to hand leadership over."""
