@@ -97,13 +97,14 @@ def _command_fields(cmd: Command) -> list[Any]:
         case Enqueue():
             return [_ENQUEUE, cmd.queue, cmd.body, cmd.key, cmd.headers, cmd.producer, cmd.seq]
         case EnqueueBatch():
-            return [
+            fields = [
                 _ENQUEUE_BATCH,
                 cmd.queue,
                 [[m.body, m.key, m.headers] for m in cmd.messages],
                 cmd.producer,
                 cmd.first_seq,
             ]
+            return fields if cmd.seqs is None else [*fields, list(cmd.seqs)]
         case Ack():
             return [_ACK, cmd.queue, cmd.consumer, list(cmd.offsets)]
         case Nack():
@@ -130,15 +131,25 @@ def _command_fields(cmd: Command) -> list[Any]:
     raise TypeError(f"not a command: {cmd!r}")
 
 
-def _batch(queue: str, messages: list[Any], producer: str | None, first_seq: int | None) -> Command:
+def _batch(
+    queue: str,
+    messages: list[Any],
+    producer: str | None,
+    first_seq: int | None,
+    seqs: list[Any] | None = None,
+) -> Command:
     if not isinstance(messages, list):
         raise CodecError("batch messages must be an array")
+    if seqs is not None and not isinstance(seqs, list):
+        raise CodecError("batch seqs must be an array")
     built = []
     for m in messages:
         if not isinstance(m, list) or len(m) != 3:
             raise CodecError("a batch message must be [body, key, headers]")
         built.append(Message(body=m[0], key=m[1], headers=m[2]))
-    return EnqueueBatch(queue=queue, messages=built, producer=producer, first_seq=first_seq)
+    return EnqueueBatch(
+        queue=queue, messages=built, producer=producer, first_seq=first_seq, seqs=seqs
+    )
 
 
 _COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]]] = {
@@ -147,7 +158,7 @@ _COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]
         6,
         lambda q, b, k, h, p, s: Enqueue(queue=q, body=b, key=k, headers=h, producer=p, seq=s),
     ),
-    _ENQUEUE_BATCH: (4, _batch),
+    _ENQUEUE_BATCH: ((4, 5), _batch),  # the fifth, per-message seqs, only when given
     _SUBSCRIBE: (
         (4, 5),  # the fifth, the consumer's timeout, only when it has one
         lambda q, c, n, p, t=None: Subscribe(

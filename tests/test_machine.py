@@ -1015,3 +1015,45 @@ def test_the_default_consumer_timeout_is_thirty_minutes() -> None:
     assert [type(e).__name__ for e in d(Tick(), ts_ms=30 * 60 * 1000 + 1).effects] == [
         "ConsumerDown"
     ]
+
+
+# ------------------------------------------------ batches that number their messages
+
+
+def test_a_batch_numbered_by_its_caller_lands_only_what_is_above_the_producers_last(
+    d: Driver,
+) -> None:
+    """A Spark task numbers its rows by their source offsets: a retry that reads fewer
+    rows (retention trimmed the first ones meanwhile), or cuts its batches elsewhere,
+    still numbers each row as before. Numbered by row count, the retry's rows took the
+    numbers of other rows: retained rows were taken for duplicates and lost."""
+    d(Declare(queue="q"))
+
+    def batch(*seqs: int) -> EnqueueBatch:
+        messages = [Message(body=b"row %d" % s) for s in seqs]
+        return EnqueueBatch(queue="q", messages=messages, producer="spark-q-7-0", seqs=seqs)
+
+    assert d(batch(10, 12, 15)).reply == Enqueued(offset=0, count=3)
+    assert d(batch(12, 15, 17, 20)).reply == Enqueued(offset=3, count=2)  # the retry
+    assert d(batch(15, 17)).reply == Enqueued(offset=None, count=0, duplicate=True)
+    bodies = [m.body for m in d.machine.read("q", 0, 100)]
+    assert bodies == [b"row 10", b"row 12", b"row 15", b"row 17", b"row 20"]
+
+
+def test_numbered_batches_must_number_every_message_in_increasing_order() -> None:
+    message = Message(body=b"x")
+    for seqs, first_seq, producer in [
+        ((1, 1), None, "p"),  # not increasing
+        ((2, 1), None, "p"),
+        ((1,), None, "p"),  # one seq for two messages
+        ((1, 2), 0, "p"),  # with first_seq
+        ((1, 2), None, None),  # without a producer
+    ]:
+        with pytest.raises(ValueError, match="seqs"):
+            EnqueueBatch(
+                queue="q",
+                messages=[message, message],
+                producer=producer,
+                first_seq=first_seq,
+                seqs=seqs,
+            )

@@ -178,14 +178,40 @@ class Enqueue:
             object.__setattr__(self, "headers", headers)
 
 
+def _seqs(value: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class EnqueueBatch:
-    """Append many messages as one log entry: all land, in order, or none do."""
+    """Append many messages as one log entry: all land, in order, or none do.
+
+    With `producer` and `first_seq` the messages take consecutive sequence numbers. With
+    `producer` and `seqs` instead, each message carries its own, strictly increasing but
+    not necessarily consecutive (a Spark task numbers its rows by their source offsets,
+    so that a replay that reads fewer rows still numbers each row as before): those at
+    or below the producer's last are duplicates, the rest land. A producer that numbers
+    its own must have one batch out at a time."""
 
     queue: str = attrs.field(validator=_str)
     messages: tuple[Message, ...] = attrs.field(converter=_messages)
     producer: str | None = attrs.field(default=None, validator=_opt_str)
     first_seq: int | None = attrs.field(default=None, validator=_non_negative)
+    seqs: tuple[int, ...] | None = attrs.field(default=None, converter=_seqs)
+
+    def __attrs_post_init__(self) -> None:
+        seqs = self.seqs
+        if seqs is None:
+            return
+        if self.first_seq is not None or self.producer is None:
+            raise ValueError("seqs go with a producer, and without first_seq")
+        if len(seqs) != len(self.messages):
+            raise ValueError(f"{len(seqs)} seqs for {len(self.messages)} messages")
+        previous = -1
+        for seq in seqs:
+            if type(seq) is not int or seq <= previous:
+                raise ValueError("seqs must be ints >= 0, strictly increasing")
+            previous = seq
 
 
 @attrs.frozen(kw_only=True)

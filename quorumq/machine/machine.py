@@ -363,7 +363,36 @@ class Machine:
         if not cmd.messages:
             return _error(ErrorCode.INVALID, "an enqueue batch needs at least one message")
         messages = [(m.body, m.key, m.headers) for m in cmd.messages]
+        if cmd.seqs is not None and cmd.producer is not None:
+            return self._enqueue_numbered(q, messages, cmd.producer, cmd.seqs, effects)
         return self._enqueue_many(q, messages, cmd.producer, cmd.first_seq, effects)
+
+    def _enqueue_numbered(
+        self,
+        q: QueueState,
+        messages: list[tuple[bytes, str | None, Any]],
+        producer: str,
+        seqs: tuple[int, ...],
+        effects: list[Any],
+    ) -> Reply:
+        """Messages that carry their own sequence numbers: those above the producer's
+        last land (all of them or none), the others are duplicates."""
+        state = q.producers.get(producer)
+        if state is None:
+            refusal = self._check_producer(q, producer, 0, len(messages))
+            if refusal is not None:
+                return refusal
+        last = -1 if state is None else state.last_seq
+        new = [m for m, seq in zip(messages, seqs, strict=True) if seq > last]
+        if not new:
+            return Enqueued(offset=None, count=0, duplicate=True)
+        landed = self._enqueue_many(q, new, None, None, effects)
+        if isinstance(landed, Enqueued):
+            if state is None:
+                state = q.producers[producer] = ProducerState(-1, self._now)
+            state.last_seq = seqs[-1]
+            state.last_ts = self._now
+        return landed
 
     def _subscribe(self, cmd: Subscribe, effects: list[Any]) -> Reply:
         q = self._queue(cmd.queue)
