@@ -12,7 +12,9 @@ nothing: it is a fatal `ProtocolError` (the stream cannot be resynchronised chea
 A frame that is not msgpack, not a map, of an unknown type, or with a missing or
 mistyped field is a non-fatal `ProtocolError`: the frame is skipped and the
 connection goes on. The server answers every `ProtocolError` with an `error` frame,
-and closes the connection only when it is fatal. Nothing here imports sockets.
+and closes the connection when it is fatal, or when the peer has not said `hello` yet
+(an unauthenticated peer gets one error frame, not one per garbage frame). Nothing here
+imports sockets.
 """
 
 from __future__ import annotations
