@@ -231,3 +231,44 @@ def test_a_stuck_consumer_is_cancelled_with_a_reason_and_its_message_goes_to_ano
                 await again.ack()
 
     _serve_with(NodeServer(_config(tmp_path)), body)
+
+
+def test_a_client_cannot_forget_other_clients_producers_with_a_short_prefix(
+    tmp_path: Path,
+) -> None:
+    """Any client could forget every client producer of a queue with the prefixes
+    "0".."f"; a forgotten producer's resend can then be accepted as new."""
+    from quorumq.client import ServerError
+
+    config = attrs.evolve(_config(tmp_path), token="client", admin_token="admin", insecure=False)
+    min_prefix = 12  # client producer ids are 32 random hex characters
+
+    async def producers(client: quorumq.aio.AsyncClient) -> int:
+        count: int = (await client.status())["queues"]["q"]["producers"]
+        return count
+
+    async def body(endpoint: str) -> None:
+        with trio.fail_after(20):
+            async with quorumq.aio.connect(endpoint, "client") as producer:
+                await producer.declare("q")
+                await producer.publish("q", b"m")  # under its random 32-hex producer id
+                own = producer.producer.id_for("q")
+            async with quorumq.aio.connect(endpoint, "client") as other:
+                for prefix in ["0123456789abcdef"[i] for i in range(16)] + [own[: min_prefix - 1]]:
+                    try:
+                        await other.forget_producers("q", prefix)
+                        raise AssertionError(f"a client forgot the producers {prefix!r}*")
+                    except ServerError as e:
+                        assert e.code == "admin_required", e
+                        assert f"at least {min_prefix}" in e.message
+                assert await producers(other) == 1  # every short prefix refused
+                # a long prefix (its own producer's, a Spark batch's) is a client's to forget
+                assert await other.forget_producers("q", own[:min_prefix]) == 1
+                assert await producers(other) == 0
+            async with quorumq.aio.connect(endpoint, "client", admin_token="admin") as admin:
+                await admin.publish("q", b"n")
+                assert await producers(admin) == 1
+                short = admin.producer.id_for("q")[0]  # an operator's cleanup: allowed
+                assert await admin.forget_producers("q", short) == 1
+
+    _serve_with(NodeServer(config), body)

@@ -88,6 +88,8 @@ class MembershipError(Exception):
         self.message = message
 
 
+MIN_FORGET_PREFIX = 12
+"""The shortest producer prefix a client may forget without the admin credential."""
 MAX_WAITING_READS = 64
 """Reads with `wait_ms` one connection may have waiting (each is a task for up to 30 s)."""
 GATHER_BYTES = 1024 * 1024
@@ -600,7 +602,22 @@ class Connection:
         self._propose(frame["id"], command)
 
     def _forget_producers(self, frame: Frame) -> None:
-        command = ForgetProducers(queue=frame["queue"], prefix=frame["prefix"])
+        """A short prefix forgets other clients' producers too ("0".."f" forget them all,
+        and a forgotten producer's resend can then be accepted as new): below
+        `MIN_FORGET_PREFIX` characters it needs the admin credential. (The machine
+        refuses an empty one from anyone.)"""
+        prefix = frame["prefix"]
+        if 0 < len(prefix) < MIN_FORGET_PREFIX and not self.admin:
+            self.error(
+                frame["id"],
+                "admin_required",
+                f"forget_producers with a prefix of {len(prefix)} characters could forget "
+                f"other clients' producers: give at least {MIN_FORGET_PREFIX} (a client's "
+                "producer id is 32 hex characters, a Spark batch's 'spark-<query id>-<batch>-'"
+                "), or prove the admin token",
+            )
+            return
+        command = ForgetProducers(queue=frame["queue"], prefix=prefix)
         self._propose(frame["id"], command)
 
     def _admin_refused(self, frame: Frame) -> bool:
