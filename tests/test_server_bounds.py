@@ -108,22 +108,69 @@ def test_garbage_before_hello_gets_one_error_frame_and_the_connection_closed(
 
 
 def test_connections_over_the_cap_are_refused_with_a_reason(tmp_path: Path) -> None:
-    config = attrs.evolve(_config(tmp_path), max_connections=3, handshake_timeout_s=30)
+    config = attrs.evolve(_config(tmp_path), max_connections=3, max_unauthenticated=2)
 
     async def body(endpoint: str) -> None:
         host, port = endpoint.rsplit(":", 1)
-        silent = [await trio.open_tcp_stream(host, int(port)) for _ in range(3)]
-        try:
-            for stream in silent:  # wait for each welcome: all three are being served
-                await _first_frame(stream)
+        async with contextlib.AsyncExitStack() as clients:
+            for _ in range(3):  # three real clients: they said hello
+                client = await clients.enter_async_context(quorumq.aio.connect(endpoint))
+                await client.status()
             async with await trio.open_tcp_stream(host, int(port)) as extra:
                 frames = await _frames_until_closed(extra, 3)
             assert [f.get("code") for f in frames] == ["too_many_connections"]
+
+    _serve_with(NodeServer(config), body)
+
+
+def test_silent_connections_cannot_lock_real_clients_out(tmp_path: Path) -> None:
+    """Unauthenticated connections counted against the one cap of 1,024: re-opening
+    1,024 silent connections every 5 s locked every real client out. Now at most
+    `max_unauthenticated` wait for their `hello`, and a new one closes the oldest."""
+    config = attrs.evolve(
+        _config(tmp_path), max_connections=8, max_unauthenticated=3, handshake_timeout_s=30
+    )
+    server = NodeServer(config)
+
+    async def body(endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        silent: list[trio.SocketStream] = []
+        most = 0
+        try:
+            with trio.fail_after(20):
+                for _ in range(40):  # an attacker opening connections and saying nothing
+                    stream = await trio.open_tcp_stream(host, int(port))
+                    silent.append(stream)
+                    await _first_frame(stream)  # welcomed: being served
+                    most = max(most, len(server.connections))
+                assert most <= 3  # what they hold is bounded: 3 connections, not 40
+                for _ in range(3):  # and real clients still get in, and stay
+                    async with quorumq.aio.connect(endpoint) as client:
+                        await client.declare("q")
+                        stream = await trio.open_tcp_stream(host, int(port))
+                        silent.append(stream)  # one more silent peer meanwhile
+                        await _first_frame(stream)
+                        assert (await client.status())["clients"] >= 1
+                # the node closed the evicted ones; the newest 3 are still open
+                ended = [await _ended_within(stream, 0.5) for stream in silent]
+                assert ended == [True] * (len(silent) - 3) + [False] * 3
         finally:
             for stream in silent:
                 await stream.aclose()
 
-    _serve_with(NodeServer(config), body)
+    _serve_with(server, body)
+
+
+async def _ended_within(stream: trio.SocketStream, within: float) -> bool:
+    """Whether the node closes `stream` within `within` seconds (reading what is left)."""
+    with trio.move_on_after(within):
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except trio.BrokenResourceError:
+            pass
+        return True
+    return False
 
 
 async def _first_frame(stream: trio.SocketStream) -> dict[str, object]:

@@ -130,6 +130,8 @@ class Connection:
         self.greeted = False
         self.admin = False
         """The peer proved the admin token at hello (or the node needs none)."""
+        self._scope = trio.CancelScope()
+        """Everything this connection runs: `evict` cancels it."""
         self.reading = trio.CancelScope()
         self._hello_deadline = trio.CancelScope()
         self.closed = False
@@ -155,23 +157,35 @@ class Connection:
             }
         )
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                nursery.start_soon(self._writer)
-                nursery.start_soon(self._close_without_hello)
-                try:
-                    with self.reading:
-                        await self._reader()
-                finally:
-                    self.close(self.close_reason or "the client went away")
-                    self._hello_deadline.cancel()  # it kept a closed connection for 5 s
-                    # the writer flushes what is queued (an error frame, say), then ends
-                    nursery.cancel_scope.deadline = trio.current_time() + CLOSE_FLUSH_SECONDS
+            with self._scope:
+                await self._serve()
         except Exception:
             logger.exception("client connection %d failed; closing it", self.number)
         finally:
             self.closed = True
             self.node.forget(self)
+            with trio.CancelScope(shield=True):  # the writer closes it, if it got to run
+                await self.stream.aclose()
+
+    async def _serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._writer)
+            nursery.start_soon(self._close_without_hello)
+            try:
+                with self.reading:
+                    await self._reader()
+            finally:
+                self.close(self.close_reason or "the client went away")
+                self._hello_deadline.cancel()  # it kept a closed connection for 5 s
+                # the writer flushes what is queued (an error frame, say), then ends
+                nursery.cancel_scope.deadline = trio.current_time() + CLOSE_FLUSH_SECONDS
+
+    def evict(self) -> None:
+        """Close at once, without sending what is queued: a newer connection needs this
+        one's place (it has not said `hello`, so it holds nothing of a client's)."""
+        self.close("evicted: too many connections have not said hello")
+        self._scope.cancel()
 
     async def _close_without_hello(self) -> None:
         """A peer that has not said `hello` within the handshake deadline is dropped: a
@@ -334,6 +348,7 @@ class Connection:
         if admin_proof is not None and not self.admin:
             logger.warning("client connection %d: wrong admin token", self.number)
         self.greeted = True
+        self.node.greeted(self)
         self.decoder.max_frame = self.frame_limit
         self.push({"t": "reply", "id": 0, "node": self.node.node_id})
 

@@ -75,7 +75,12 @@ class NodeConfig:
     handshake_timeout_s: float = 5.0
     """A connection that has not said `hello` by then is closed."""
     max_connections: int = 1024
-    """Client connections served at once; one more is refused (`too_many_connections`)."""
+    """Client connections served at once. One more closes the oldest connection that has
+    not said `hello`, if there is one; otherwise it is refused (`too_many_connections`)."""
+    max_unauthenticated: int = 64
+    """Connections that have not said `hello` yet, at once; one more closes the oldest of
+    them (a real client says `hello` within one round trip, so silent peers cannot hold
+    the connection cap and lock real clients out)."""
     outbound_frames: int = 20_000
     """Frames waiting for a client before it counts as a slow consumer and is cut off."""
 
@@ -97,6 +102,11 @@ def check_node_config(config: NodeConfig) -> None:
                 f"insecure mode is for loopback only; the client address "
                 f"{config.listen_host} is not"
             )
+    if not 1 <= config.max_unauthenticated <= config.max_connections:
+        raise ConfigError(
+            f"max unauthenticated connections must be between 1 and max connections "
+            f"({config.max_connections}), not {config.max_unauthenticated}"
+        )
     if not 1 <= config.max_body <= MAX_BODY:
         raise ConfigError(
             f"max body must be between 1 and {MAX_BODY} bytes (a message must fit one log "
@@ -118,6 +128,8 @@ class NodeServer:
         """Consumer ids name this run of this node, so a replayed delivery finds no one."""
         self.consumers: dict[str, Connection] = {}
         self.connections: set[Connection] = set()
+        self.unauthenticated: dict[Connection, None] = {}
+        """The connections of `connections` that have not said `hello`, oldest first."""
         self._downed: set[str] = set()
         self._connection_counter = 0
         self._token: trio.lowlevel.TrioToken | None = None
@@ -158,6 +170,10 @@ class NodeServer:
             await trio.sleep(0.2)
 
     async def _serve_client(self, stream: trio.SocketStream) -> None:
+        if len(self.unauthenticated) >= self.config.max_unauthenticated:
+            self._evict_oldest_unauthenticated()
+        if len(self.connections) >= self.config.max_connections and self.unauthenticated:
+            self._evict_oldest_unauthenticated()
         if len(self.connections) >= self.config.max_connections:
             limit = self.config.max_connections
             refusal = {
@@ -174,11 +190,25 @@ class NodeServer:
         self._connection_counter += 1
         conn = Connection(self, stream, self._connection_counter)
         self.connections.add(conn)
+        self.unauthenticated[conn] = None
         await conn.run()
+
+    def _evict_oldest_unauthenticated(self) -> None:
+        """Close the oldest connection that has not said `hello`, at once, and stop
+        counting it: a newer connection takes its place."""
+        conn = next(iter(self.unauthenticated))
+        del self.unauthenticated[conn]
+        self.connections.discard(conn)
+        conn.evict()
+
+    def greeted(self, conn: Connection) -> None:
+        """`conn` said `hello`: it no longer counts as unauthenticated."""
+        self.unauthenticated.pop(conn, None)
 
     def forget(self, conn: Connection) -> None:
         """The connection is gone: its consumers are down."""
         self.connections.discard(conn)
+        self.unauthenticated.pop(conn, None)
         for consumer in conn.consumers:
             if self.consumers.get(consumer) is conn:
                 del self.consumers[consumer]
