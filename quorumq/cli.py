@@ -245,8 +245,17 @@ def _consume(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import json  # noqa: PLC0415
 
+    from .client import QuorumqError, ServerError  # noqa: PLC0415
+
     with _client(args) as client:
-        print(json.dumps(client.status(audit=args.audit), indent=2, sort_keys=True))
+        try:
+            status = client.status(audit=args.audit)
+        except QuorumqError as e:
+            hint = ""
+            if isinstance(e, ServerError) and e.code == "admin_required":
+                hint = " (an audit needs the admin token: set QUORUMQ_ADMIN_TOKEN)"
+            raise UsageError(f"{e}{hint}") from None
+        print(json.dumps(status, indent=2, sort_keys=True))
     return 0
 
 
@@ -535,7 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--audit",
         action="store_true",
-        help="also the state digest (hashes every message: slow with many queued)",
+        help="also the state digest and the log index it is of (needs the admin token, "
+        "QUORUMQ_ADMIN_TOKEN; one audit at a time per node; the node encodes its state in "
+        "a forked child, about 1.3 s per million 100-byte messages)",
     )
     status.set_defaults(run=_status)
     return parser

@@ -140,3 +140,36 @@ def test_a_node_whose_raft_port_is_taken_says_so_and_exits(tmp_path: object) -> 
     assert result.returncode == 2, result.stderr
     assert f"cannot listen for Raft traffic on 127.0.0.1:{raft_port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_status_audit_needs_the_admin_token_and_says_so_in_one_line() -> None:
+    import json
+    import os
+
+    from quorumq.embedded import Cluster
+
+    with Cluster(1, token="client-token") as cluster:
+        cluster.leader()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QUORUMQ_")}
+        env["QUORUMQ_TOKEN"] = "client-token"
+        args = [sys.executable, "-m", "quorumq", "status", "--audit"]
+        args += ["--endpoints", cluster.endpoint("A")]
+
+        def run(extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                args,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+                env={**env, **extra_env},
+            )
+
+        refused = run({})
+        assert refused.returncode == 2, refused.stderr
+        assert "admin_required" in refused.stderr and "QUORUMQ_ADMIN_TOKEN" in refused.stderr
+        assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+        audited = run({"QUORUMQ_ADMIN_TOKEN": cluster.admin_token})
+        assert audited.returncode == 0, audited.stderr
+        status = json.loads(audited.stdout)
+        assert len(status["digest"]) == 64 and status["machine_index"] >= 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -184,17 +185,23 @@ async def _first_frame(stream: trio.SocketStream) -> dict[str, object]:
 
 def test_status_never_hashes_the_state_unless_audited(tmp_path: Path, monkeypatch: object) -> None:
     """`status` hashed the whole state under the replica lock on the event loop (0.5 s
-    at 200,000 messages: a follower stalled past the election timeout)."""
+    at 200,000 messages: a follower stalled past the election timeout). Now only an
+    audit encodes the state, and not in the node's process (in a forked child)."""
     from quorumq.machine import Machine
 
-    calls: list[int] = []
-    real_digest = Machine.digest
+    calls: list[str] = []
+    real_digest, real_snapshot = Machine.digest, Machine.snapshot
 
-    def counted(self: Machine) -> str:
-        calls.append(1)
+    def counted_digest(self: Machine) -> str:
+        calls.append("digest")
         return real_digest(self)
 
-    monkeypatch.setattr(Machine, "digest", counted)  # type: ignore[attr-defined]
+    def counted_snapshot(self: Machine) -> bytes:
+        calls.append("snapshot")  # in the audit's child, this list is the child's copy
+        return real_snapshot(self)
+
+    monkeypatch.setattr(Machine, "digest", counted_digest)  # type: ignore[attr-defined]
+    monkeypatch.setattr(Machine, "snapshot", counted_snapshot)  # type: ignore[attr-defined]
 
     async def body(endpoint: str) -> None:
         async with quorumq.aio.connect(endpoint) as client:
@@ -203,9 +210,115 @@ def test_status_never_hashes_the_state_unless_audited(tmp_path: Path, monkeypatc
             status = await client.status()
             assert "digest" not in status and calls == []
             audited = await client.status(audit=True)
-            assert len(audited["digest"]) == 64 and calls == [1]
+            assert len(audited["digest"]) == 64 and calls == []
 
     _serve_with(NodeServer(_config(tmp_path)), body)
+
+
+def test_an_audit_is_the_digest_of_the_state_at_the_index_it_names(tmp_path: Path) -> None:
+    from quorumq.machine import Declare, EnqueueBatch, Message
+
+    server = NodeServer(_config(tmp_path))
+
+    async def body(endpoint: str) -> None:
+        replica = server.replica
+        rows = [Message(body=bytes([i % 256]) * 100, key=f"k{i % 7}") for i in range(5000)]
+        for command in (Declare(queue="q"), EnqueueBatch(queue="q", messages=rows)):
+            await trio.to_thread.run_sync(replica.submit, command)
+        with trio.fail_after(10):  # no producers, no TTL: nothing moves the state now
+            index, digest = await trio.to_thread.run_sync(replica.audit)
+            status = await trio.to_thread.run_sync(lambda: replica.status(audit=True))
+        assert (index, digest) == replica.query(lambda m: (m.last_index, m.digest()))
+        assert (status["machine_index"], status["digest"]) == (index, digest)
+
+    _serve_with(server, body)
+
+
+def test_an_audit_needs_the_admin_token(tmp_path: Path) -> None:
+    """Any client could start audits, each a copy of the whole state."""
+    from quorumq.client import ServerError
+
+    config = attrs.evolve(_config(tmp_path), token="client", admin_token="admin", insecure=False)
+
+    async def body(endpoint: str) -> None:
+        with trio.fail_after(10):
+            async with quorumq.aio.connect(endpoint, "client") as client:
+                assert "digest" not in await client.status()  # plain status: any client
+                try:
+                    await client.status(audit=True)
+                    raise AssertionError("a client without the admin token audited")
+                except ServerError as e:
+                    assert e.code == "admin_required" and "QUORUMQ_ADMIN_TOKEN" in e.message
+            async with quorumq.aio.connect(endpoint, "client", admin_token="admin") as admin:
+                assert len((await admin.status(audit=True))["digest"]) == 64
+
+    _serve_with(NodeServer(config), body)
+
+
+def test_an_audit_leaves_the_replica_free_while_it_encodes_and_runs_alone(
+    tmp_path: Path, monkeypatch: object
+) -> None:
+    """The audit encoded the whole state under the replica lock: the Raft thread, which
+    needs it for every entry it applies, stopped for 0.29 s at 200,000 messages (and
+    sent no heartbeats), and every pipelined audit took a thread and a copy of the
+    state. Here the encoding is held up until the test lets it go: meanwhile the node
+    applies and answers, and a second audit is refused."""
+    from quorumq.client import ServerError
+    from quorumq.machine import Machine
+
+    started, release = tmp_path / "encoding", tmp_path / "release"
+    real_snapshot = Machine.snapshot
+
+    def held_snapshot(self: Machine) -> bytes:  # wherever the audit encodes the state
+        started.touch()
+        for _ in range(2000):  # 20 s at most
+            if release.exists():
+                break
+            time.sleep(0.01)
+        return real_snapshot(self)
+
+    monkeypatch.setattr(Machine, "snapshot", held_snapshot)  # type: ignore[attr-defined]
+
+    async def body(endpoint: str) -> None:
+        audits: list[dict[str, object]] = []
+
+        async def audit(client: quorumq.aio.AsyncClient) -> None:
+            audits.append(await client.status(audit=True))
+
+        async with (
+            quorumq.aio.connect(endpoint) as first,
+            quorumq.aio.connect(endpoint) as other,
+            trio.open_nursery() as nursery,
+        ):
+            try:
+                with trio.fail_after(10):
+                    await other.declare("q")
+                    await other.publish_batch("q", [b"m"] * 100)
+                    nursery.start_soon(audit, first)
+                    await _wait_for(started.exists, 10, "the audit encoding the state")
+                with trio.fail_after(5):  # the lock is free: the node applies and answers
+                    offset = await other.publish("q", b"during the audit")
+                    assert (await other.status())["queues"]["q"]["next_offset"] == offset + 1
+                with trio.fail_after(5):
+                    try:
+                        await other.status(audit=True)
+                        raise AssertionError("a second audit ran alongside the first")
+                    except ServerError as e:
+                        assert e.code == "audit_busy"
+                assert not audits
+            finally:
+                release.touch()  # never leave the encoding waiting
+        (audited,) = audits
+        assert len(audited["digest"]) == 64  # type: ignore[arg-type]
+        assert audited["machine_index"] < (await _status_index(endpoint))  # type: ignore[operator]
+
+    _serve_with(NodeServer(_config(tmp_path)), body)
+
+
+async def _status_index(endpoint: str) -> int:
+    async with quorumq.aio.connect(endpoint) as client:
+        index: int = (await client.status())["machine_index"]
+        return index
 
 
 # ------------------------------------------------------------------ credentials

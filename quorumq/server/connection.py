@@ -51,7 +51,7 @@ from ..protocol import (
     encode_frame,
     proof_matches,
 )
-from ..replica import NotAppliedError, ProposalError
+from ..replica import AuditBusyError, AuditFailedError, NotAppliedError, ProposalError
 
 if TYPE_CHECKING:
     from .node import NodeServer
@@ -635,8 +635,9 @@ class Connection:
         command = ForgetProducers(queue=frame["queue"], prefix=prefix)
         self._propose(frame["id"], command)
 
-    def _admin_refused(self, frame: Frame) -> bool:
-        """Membership changes the cluster, not a queue: they need the admin credential."""
+    def _admin_refused(self, frame: Frame, verb: str | None = None) -> bool:
+        """Membership changes the cluster, not a queue, and an audit costs the node a
+        copy of its state: they need the admin credential."""
         if self.admin:
             return False
         why = (
@@ -644,7 +645,8 @@ class Connection:
             if self.node.config.admin_token is None
             else "prove the admin token (QUORUMQ_ADMIN_TOKEN, or admin_token= in the client)"
         )
-        self.error(frame["id"], "admin_required", f"{frame['t']} is an administrative verb; {why}")
+        what = verb or frame["t"]
+        self.error(frame["id"], "admin_required", f"{what} is an administrative verb; {why}")
         return True
 
     def _add_member(self, frame: Frame) -> None:
@@ -670,7 +672,11 @@ class Connection:
         self._nursery.start_soon(run)
 
     def _status(self, frame: Frame) -> None:
-        if frame.get("audit") is True:  # hashes the whole state: in a worker thread
+        if frame.get("audit") is True:
+            # it encodes the whole state (in a child process, one audit at a time): an
+            # administrative verb, or any client could keep a node busy hashing
+            if self._admin_refused(frame, "status with audit"):
+                return
             assert self._nursery is not None
             self._nursery.start_soon(self._audit, frame["id"])
             return
@@ -678,7 +684,16 @@ class Connection:
 
     async def _audit(self, request_id: int) -> None:
         replica = self.node.replica
-        taken = await trio.to_thread.run_sync(lambda: replica.status(audit=True))
+        try:
+            taken = await trio.to_thread.run_sync(
+                lambda: replica.status(audit=True), abandon_on_cancel=True
+            )
+        except AuditBusyError as e:
+            self.error(request_id, "audit_busy", str(e))
+            return
+        except AuditFailedError as e:
+            self.error(request_id, "audit_failed", str(e))
+            return
         self.push({"t": "reply", "id": request_id, "status": self.node.status(taken)})
 
 

@@ -534,7 +534,7 @@ class NodeServer:
 
     def status(self, replica_status: dict[str, Any] | None = None) -> dict[str, Any]:
         """What `quorumq status` shows, O(queues) (`replica_status`: one taken already,
-        say with the audit digest, off the event loop)."""
+        say with the audit digest, from a worker thread)."""
         status = replica_status if replica_status is not None else self.replica.status()
 
         def queues(m: Any) -> dict[str, Any]:
