@@ -3,27 +3,36 @@ and however many consumers subscribe and cancel (issue 13, item 8)."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
 import quorumq.aio
 from quorumq.machine import (
+    Command,
     Declare,
     Enqueue,
+    EnqueueBatch,
     Enqueued,
     Error,
     ForgetProducers,
     Machine,
+    Message,
     Meta,
     Subscribe,
     Tick,
 )
 from quorumq.machine.machine import EVICT_SILENT_MS, MAX_PRODUCERS, PRODUCER_EXPIRY_MS
+from quorumq.protocol import PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
 from quorumq.server import NodeServer
+from quorumq.server.connection import Connection
 
 from .test_server import _config, _serve_with
+from .test_server_bounds import _wait_for
 
 
 def _enqueue(producer: str, seq: int = 0) -> Enqueue:
@@ -145,3 +154,176 @@ def test_reads_waiting_to_be_applied_are_bounded_per_connection(tmp_path: Path) 
             assert codes.count("lagging") == MAX_WAITING_READS
 
     _serve_with(NodeServer(_config(tmp_path)), body)
+
+
+# ---------------------------------------------------- what one client makes a node hold
+
+
+def _waiting_bytes(conn: Connection) -> int:
+    """Encoded bytes the node holds for `conn`, waiting to be sent (trio's channel)."""
+    return sum(len(data) for data in conn.outbox_send._state.data)  # type: ignore[attr-defined]
+
+
+async def _raw_client(endpoint: str) -> tuple[trio.SocketStream, FrameDecoder]:
+    """A client that says hello, then reads only when the test says so (a receive
+    buffer of 4 KiB, so the kernel does not read for it either)."""
+    host, port = endpoint.rsplit(":", 1)
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect((host, int(port)))
+    stream = trio.SocketStream(sock)
+    decoder = FrameDecoder()
+    await _until_frame(stream, decoder, lambda f: f["t"] == "welcome")
+    hello = {"t": "hello", "v": PROTOCOL_VERSION, "client": "raw", "proof": None}
+    await stream.send_all(encode_frame(hello))
+    await _until_frame(stream, decoder, lambda f: f.get("id") == 0)
+    return stream, decoder
+
+
+async def _until_frame(
+    stream: trio.SocketStream, decoder: FrameDecoder, wanted: Callable[[Frame], bool]
+) -> list[Frame]:
+    """Read frames until one is `wanted`; all of them, that one last."""
+    frames: list[Frame] = []
+    with trio.fail_after(10):
+        while True:
+            for frame in decoder.frames():
+                frames.append(frame)
+                if wanted(frame):
+                    return frames
+            decoder.feed(await stream.receive_some(65536))
+
+
+async def _submit(server: NodeServer, command: Command) -> None:
+    await trio.to_thread.run_sync(server.replica.submit, command)
+
+
+def _small_node(tmp_path: Path, **options: int) -> NodeServer:
+    """A node whose limits are small enough for the attacks to cross them quickly."""
+    return NodeServer(attrs.evolve(_config(tmp_path), max_body=64 * 1024, **options))
+
+
+def test_a_consumer_that_does_not_read_is_cut_off_by_bytes_whatever_its_prefetch(
+    tmp_path: Path,
+) -> None:
+    """The cut-off counted frames (20,000 plus the sum of the prefetches), so ten
+    subscriptions at prefetch 65,535 turned it off: everything published was queued
+    for a client that read nothing."""
+    budget = 4 * 1024 * 1024
+    server = _small_node(tmp_path, outbound_bytes=budget)
+
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as publisher:
+            await publisher.declare("q")
+            stream, decoder = await _raw_client(endpoint)
+            async with stream:
+                for i in range(1, 11):
+                    subscribe = {"t": "subscribe", "id": i, "queue": "q", "prefetch": 65535}
+                    await stream.send_all(encode_frame(subscribe))
+                    await _until_frame(stream, decoder, lambda f, i=i: f.get("id") == i)
+                (conn,) = [c for c in server.connections if c.consumers]
+                peak = 0
+
+                async def watch() -> None:
+                    nonlocal peak
+                    while not conn.closed and peak <= budget:
+                        peak = max(peak, _waiting_bytes(conn))
+                        await trio.sleep(0.002)
+                    peak = max(peak, _waiting_bytes(conn))
+
+                with trio.fail_after(60):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(watch)
+                        rows = [Message(body=b"x" * (60 * 1024))] * 15
+                        for _ in range(20):  # 18 MB, a few of it within kernel buffers
+                            if conn.closed or peak > budget:
+                                break
+                            await _submit(server, EnqueueBatch(queue="q", messages=rows))
+                assert peak <= budget, f"{peak} bytes waited for a client that reads nothing"
+                assert conn.close_reason.startswith("slow consumer"), conn.close_reason
+                # its consumers are down: their messages return to the queue
+                await _wait_for(lambda: not server.consumers, 10, "its consumers down")
+
+    _serve_with(server, body)
+
+
+def test_pipelined_reads_wait_in_the_client_not_in_the_node(tmp_path: Path) -> None:
+    """A client that pipelined `read`s and never read its socket made the node queue
+    every reply (20,000 x 768 KiB = 15 GiB). Now the node stops reading its requests
+    while a quarter of the byte budget waits, and answers the rest as it reads."""
+    budget = 4 * 1024 * 1024
+    server = _small_node(tmp_path, outbound_bytes=budget)
+    reads = 50  # 38 MB of replies at once before
+
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as publisher:
+            await publisher.declare("q")
+            rows = [Message(body=b"r" * (14 * 1024))] * 60  # 840 KB
+            await _submit(server, EnqueueBatch(queue="q", messages=rows))
+            stream, decoder = await _raw_client(endpoint)
+            async with stream:
+                (conn,) = [
+                    c
+                    for c in server.connections
+                    if c.number == max(c.number for c in server.connections)
+                ]
+                frames = b"".join(
+                    encode_frame(
+                        {
+                            "t": "read",
+                            "id": i,
+                            "queue": "q",
+                            "start": 0,
+                            "end": 60,
+                            "bucket": None,
+                            "buckets": None,
+                        }
+                    )
+                    for i in range(1, reads + 1)
+                )
+                await stream.send_all(frames)
+                peak = waiting = 0
+                with trio.move_on_after(1):  # the node answers what it can, then waits
+                    while True:
+                        waiting = _waiting_bytes(conn)
+                        peak = max(peak, waiting)
+                        await trio.sleep(0.002)
+                assert peak <= budget // 2, f"{peak} bytes of replies nobody reads"
+                assert len(conn.decoder._buffer) <= 256 * 1024 + 4096
+                assert not conn.closed  # not a slow consumer: it is simply not read
+                replies = await _until_frame(stream, decoder, lambda f: f.get("id") == reads)
+                got = [f for f in replies if f["t"] == "reply"]
+                assert [f["id"] for f in got] == list(range(1, reads + 1))  # none lost
+                assert all(len(f["messages"]) > 50 for f in got)
+
+    _serve_with(server, body)
+
+
+def test_a_connection_has_a_bounded_number_of_consumers(tmp_path: Path) -> None:
+    """Consumers per connection had no cap (each with up to 65,535 prefetch)."""
+    from quorumq.client import ServerError
+
+    server = _small_node(tmp_path, max_consumers=4)
+
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as client:
+            with trio.fail_after(20):
+                await client.declare("q")
+                consumers = [await client.subscribe("q", prefetch=10) for _ in range(4)]
+                try:
+                    await client.subscribe("q", prefetch=10)
+                    raise AssertionError("a fifth consumer on one connection")
+                except ServerError as e:
+                    assert e.code == "too_many_consumers" and "at most" in e.message
+                (conn,) = server.connections
+                assert len(conn.consumers) == 4
+                await consumers[0].cancel()  # it holds nothing: its place comes back
+                while True:
+                    try:
+                        await client.subscribe("q", prefetch=10)
+                        break
+                    except ServerError as e:
+                        assert e.code == "too_many_consumers"
+                        await trio.sleep(0.1)
+
+    _serve_with(server, body)

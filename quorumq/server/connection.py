@@ -2,10 +2,19 @@
 
 Every handler is synchronous and non-blocking: it proposes a command (the reply comes
 back later through the node's trio token) or answers from the local replica. The only
-awaits are in the reader (`receive_some`) and the writer (`send_all`). Outgoing frames
-go through a bounded memory channel: a client that does not read (a slow consumer)
-fills it, and the connection is closed; its consumers are then downed and their
-messages return to the queue.
+awaits are in the reader (`receive_some`, and waiting for room in the outbox) and the
+writer (`send_all`).
+
+What a connection makes the node hold is bounded in bytes. Outgoing frames wait in the
+outbox, counted in encoded bytes plus `FRAME_COST` each. While more than a quarter of
+the node's `outbound_bytes` waits, the reader handles no further request and reads
+nothing more from the socket (back-pressure: requests wait in the client's socket,
+not in the node); a waiting read answers only once there is room. What still arrives
+unasked, deliveries and proposals' replies, is bounded by the consumers' prefetch and
+by the requests already read; a client with more than `outbound_bytes` waiting (or
+more frames than `outbound_frames` plus its consumers' prefetch) does not read: it is
+cut off as a slow consumer, its consumers are downed and their messages return to the
+queue. A connection has at most `max_consumers` consumers.
 
 Publishes from one client that arrive together for the same queue and producer, with
 consecutive sequence numbers, are proposed as one `EnqueueBatch` (one log entry).
@@ -60,10 +69,17 @@ logger = logging.getLogger(__name__)
 
 RECEIVE_CHUNK = 256 * 1024
 CLOSE_FLUSH_SECONDS = 5.0
+"""How long a closing connection may take to send what it has queued."""
 HELLO_FRAME_LIMIT = 4096
 """The largest frame a peer may send before its `hello` is accepted: an unauthenticated
 peer could make a node buffer a full frame (max body + 64 KiB) per connection."""
-"""How long a closing connection may take to send what it has queued."""
+FRAME_COST = 128
+"""Bytes a queued frame costs the node besides its encoding (the bytes object, the
+channel's slot): 20,000 tiny frames are not free."""
+WRITE_BYTES = 1024 * 1024
+"""The writer joins queued frames into one write of about this many bytes at most."""
+PAUSE_FRACTION = 4
+"""Requests wait while more than `outbound_bytes // PAUSE_FRACTION` bytes wait to go out."""
 READ_REPLY_BYTES = 768 * 1024
 """A `read` reply carries about this many bytes of messages at most (one larger message
 goes alone), so it stays within the clients' frame limit; the client asks again."""
@@ -109,6 +125,12 @@ class Connection:
         self.outbox_send, self.outbox_receive = trio.open_memory_channel[bytes](math.inf)
         self.queued = 0
         """Frames waiting to be sent."""
+        self.queued_bytes = 0
+        """What they cost: their encoded bytes plus `FRAME_COST` each."""
+        self.outbound_bytes = node.config.outbound_bytes
+        self.pause_bytes = node.config.outbound_bytes // PAUSE_FRACTION
+        self._room = trio.lowlevel.ParkingLot()
+        """Where tasks wait for the outbox to drain to `pause_bytes` (the reader, reads)."""
         self.prefetches: dict[str, int] = {}
         """Each consumer's prefetch, while it is here."""
         self.prefetch_allowance = 0
@@ -200,7 +222,16 @@ class Connection:
             self.reading.cancel()
 
     async def _reader(self) -> None:
+        """Handle the frames received, and receive more, while the outbox has room: a
+        client that pipelines requests and reads no replies (say 20,000 reads of 768 KiB
+        each) stops being read, rather than fill the node's memory."""
         while not self.closed:
+            await self.room()
+            try:
+                if not self._handle_available():
+                    continue  # stopped for room: the rest of the buffer waits
+            except ClosingError:
+                return
             try:
                 data = await self.stream.receive_some(RECEIVE_CHUNK)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -208,22 +239,29 @@ class Connection:
             if not data:
                 return
             self.decoder.feed(data)
-            try:
-                self._handle_available()
-            except ClosingError:
-                return
+
+    async def room(self) -> None:
+        """Wait until at most `pause_bytes` wait to be sent (or the connection closes)."""
+        while self.queued_bytes > self.pause_bytes and not self.closed:
+            await self._room.park()
 
     async def _writer(self) -> None:
         try:
             async for data in self.outbox_receive:
                 chunks = [data]
-                while len(chunks) < 512:
+                size = len(data)
+                while size < WRITE_BYTES:
                     try:
-                        chunks.append(self.outbox_receive.receive_nowait())
+                        chunk = self.outbox_receive.receive_nowait()
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
+                    chunks.append(chunk)
+                    size += len(chunk)
                 await self.stream.send_all(b"".join(chunks))
                 self.queued -= len(chunks)
+                self.queued_bytes -= size + FRAME_COST * len(chunks)
+                if self.queued_bytes <= self.pause_bytes:
+                    self._room.unpark_all()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
@@ -234,18 +272,24 @@ class Connection:
     # --------------------------------------------------------------- outgoing
 
     def push(self, frame: Frame) -> None:
-        """Queue a frame to send. A client that does not read is cut off once more frames
-        wait than its consumers' prefetch allows plus `outbound_frames` (its consumers are
-        then down and their messages return to the queue)."""
+        """Queue a frame to send. A client that does not read is cut off (its consumers
+        are then down and their messages return to the queue) once this frame would make
+        more than `outbound_bytes` wait, or more frames than its consumers' prefetch
+        allows plus `outbound_frames`."""
         if self.closed:
             return
+        data = encode_frame(frame)
+        cost = len(data) + FRAME_COST
         limit = self.node.config.outbound_frames + self.prefetch_allowance
-        if self.queued >= limit:
-            self.close(f"slow consumer: {self.queued} frames waiting to be sent")
+        if self.queued >= limit or self.queued_bytes + cost > self.outbound_bytes:
+            self.close(
+                f"slow consumer: {self.queued} frames, {self.queued_bytes} bytes waiting to be sent"
+            )
             return
         self.queued += 1
+        self.queued_bytes += cost
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            self.outbox_send.send_nowait(encode_frame(frame))
+            self.outbox_send.send_nowait(data)
 
     def sent_to(self, consumer: str) -> SentDeliveries:
         """What `consumer` of this connection was sent and may still hold."""
@@ -270,6 +314,7 @@ class Connection:
             self.closed = True
             self.close_reason = reason
         self.outbox_send.close()
+        self._room.unpark_all()  # whoever waits for room: there will be none
 
     def reply(self, request_id: int, reply: Reply | None, error: ProposalError | None) -> None:
         """A proposal's outcome, on the trio thread."""
@@ -294,9 +339,12 @@ class Connection:
 
     # --------------------------------------------------------------- incoming
 
-    def _handle_available(self) -> None:
+    def _handle_available(self) -> bool:
+        """Handle the complete frames received. False: it stopped early because more than
+        `pause_bytes` wait to be sent (the frames left wait in the decoder's buffer)."""
         publishes: list[Frame] = []
         acks: dict[tuple[str, bool, bool], list[int]] = {}
+        handled_all = True
         while True:
             try:
                 for frame in self.decoder.frames():
@@ -312,6 +360,9 @@ class Connection:
                         self._flush_publishes(publishes)
                         self._flush_acks(acks)
                         self._handle(frame)
+                    if self.queued_bytes > self.pause_bytes:
+                        handled_all = False
+                        break
                 break
             except ProtocolError as e:
                 self.error(e.request_id, e.code, e.message)
@@ -320,8 +371,12 @@ class Connection:
                 if e.fatal or not self.greeted:
                     self.close(f"protocol error: {e.message}")
                     raise ClosingError from None
+                if self.queued_bytes > self.pause_bytes:
+                    handled_all = False
+                    break
         self._flush_publishes(publishes)
         self._flush_acks(acks)
+        return handled_all
 
     def _hello(self, frame: Frame) -> None:
         if frame["t"] != "hello":
@@ -452,6 +507,15 @@ class Connection:
         self._propose(frame["id"], command)
 
     def _subscribe(self, frame: Frame) -> None:
+        limit = self.node.config.max_consumers
+        if len(self.consumers) >= limit:  # cancelled ones count until they hold nothing
+            self.error(
+                frame["id"],
+                "too_many_consumers",
+                f"a connection may have {limit} consumers at most (cancelled ones count "
+                "until their messages are settled): cancel some, or open another connection",
+            )
+            return
         self._consumer_counter += 1
         consumer = f"{self.node.consumer_prefix}{self.number}.{self._consumer_counter}"
         queue = frame["queue"]
@@ -574,7 +638,9 @@ class Connection:
                 return
             await trio.sleep(delay)
             delay = min(2 * delay, 0.02)
-        self._answer_read(frame)
+        await self.room()  # up to 64 replies of 768 KiB could come due at once
+        if not self.closed:
+            self._answer_read(frame)
 
     def _answer_read(self, frame: Frame) -> None:
         queue, start, end = frame["queue"], frame["start"], frame["end"]

@@ -46,7 +46,7 @@ from ..replica import (
     ReplicaConfig,
     is_loopback,
 )
-from .connection import Connection, MembershipError
+from .connection import READ_REPLY_BYTES, Connection, MembershipError
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,17 @@ class NodeConfig:
     them (a real client says `hello` within one round trip, so silent peers cannot hold
     the connection cap and lock real clients out)."""
     outbound_frames: int = 20_000
-    """Frames waiting for a client before it counts as a slow consumer and is cut off."""
+    """Frames waiting for a client, besides its consumers' prefetch, before it counts as
+    a slow consumer and is cut off."""
+    outbound_bytes: int = 32 * 1024 * 1024
+    """Bytes waiting for a client (frames' encoded bytes plus 128 each) before it counts
+    as a slow consumer and is cut off. Past a quarter of it the node reads no more of
+    the client's requests until it has caught up (back-pressure). At least four of the
+    largest frames a node sends (a delivery of `max_body`, or a read reply of 768 KiB,
+    plus 64 KiB)."""
+    max_consumers: int = 1024
+    """Consumers one connection may have (cancelled ones count until they hold nothing);
+    one more subscribe is refused (`too_many_consumers`)."""
 
 
 MAX_BODY = MAX_COMMAND_BYTES - FRAME_OVERHEAD
@@ -112,6 +122,14 @@ def check_node_config(config: NodeConfig) -> None:
             f"max body must be between 1 and {MAX_BODY} bytes (a message must fit one log "
             f"entry of at most {MAX_COMMAND_BYTES}), not {config.max_body}"
         )
+    largest_frame = max(config.max_body, READ_REPLY_BYTES) + FRAME_OVERHEAD  # sent
+    if config.outbound_bytes < 4 * largest_frame:
+        raise ConfigError(
+            f"outbound bytes must be at least four of the largest frames a node sends "
+            f"({4 * largest_frame} bytes with this max body), not {config.outbound_bytes}"
+        )
+    if config.max_consumers < 1:
+        raise ConfigError(f"max consumers must be at least 1, not {config.max_consumers}")
 
 
 class NodeServer:
