@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -325,5 +326,76 @@ def test_a_connection_has_a_bounded_number_of_consumers(tmp_path: Path) -> None:
                     except ServerError as e:
                         assert e.code == "too_many_consumers"
                         await trio.sleep(0.1)
+
+    _serve_with(server, body)
+
+
+def test_pipelined_publishes_wait_in_the_client_while_the_cluster_commits(
+    tmp_path: Path,
+) -> None:
+    """The node proposed every publish it read, however many were still waiting to be
+    committed: a client that publishes faster than the cluster commits filled the
+    node's Raft queue (it is capped at 100,000 entries of up to 1 MiB). Here nothing
+    commits until the test lets it: the node stops reading the client's publishes once
+    8 MiB of them wait, and takes the rest as they are answered."""
+    server = _small_node(tmp_path)
+    publishes = 400  # 60 KiB each: 24 MB
+
+    async def body(endpoint: str) -> None:
+        replica = server.replica
+        real_propose = replica.propose
+        held: list[tuple[Any, Any]] = []
+        holding = True
+
+        def propose(command: Any, callback: Any = None) -> None:
+            if holding and isinstance(command, Enqueue | EnqueueBatch):
+                held.append((command, callback))  # as if the cluster were slow to commit
+            else:
+                real_propose(command, callback)
+
+        def held_bytes() -> int:
+            return sum(
+                len(c.body) if isinstance(c, Enqueue) else sum(len(m.body) for m in c.messages)
+                for c, _ in held
+            )
+
+        replica.propose = propose  # type: ignore[method-assign]
+        async with quorumq.aio.connect(endpoint) as setup:
+            await setup.declare("q")
+        stream, decoder = await _raw_client(endpoint)
+        async with stream, trio.open_nursery() as nursery:
+            frames = [
+                encode_frame(
+                    {
+                        "t": "publish",
+                        "id": i,
+                        "queue": "q",
+                        "body": b"p" * (60 * 1024),
+                        "key": None,
+                        "headers": None,
+                        "producer": None,
+                        "seq": None,
+                    }
+                )
+                for i in range(1, publishes + 1)
+            ]
+            nursery.start_soon(stream.send_all, b"".join(frames))  # blocks when not read
+            before, stable = -1, 0
+            with trio.fail_after(20):
+                while stable < 20:  # the node proposes no more: 0.2 s without a new one
+                    stable = stable + 1 if len(held) == before else 0
+                    before = len(held)
+                    await trio.sleep(0.01)
+            waiting = held_bytes()
+            assert waiting <= 8 * 1024 * 1024 + 2 * 1024 * 1024, f"{waiting} bytes proposed"
+            assert len(held) < publishes
+            holding = False
+            for command, callback in held:  # the cluster commits: the node reads on
+                real_propose(command, callback)
+            replies = await _until_frame(stream, decoder, lambda f: f.get("id") == publishes)
+            assert sorted(f["id"] for f in replies if f["t"] == "reply") == list(
+                range(1, publishes + 1)
+            )
+            assert replica.query(lambda m: m.stats("q").next_offset) == publishes
 
     _serve_with(server, body)

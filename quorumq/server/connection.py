@@ -9,12 +9,15 @@ What a connection makes the node hold is bounded in bytes. Outgoing frames wait 
 outbox, counted in encoded bytes plus `FRAME_COST` each. While more than a quarter of
 the node's `outbound_bytes` waits, the reader handles no further request and reads
 nothing more from the socket (back-pressure: requests wait in the client's socket,
-not in the node); a waiting read answers only once there is room. What still arrives
-unasked, deliveries and proposals' replies, is bounded by the consumers' prefetch and
-by the requests already read; a client with more than `outbound_bytes` waiting (or
-more frames than `outbound_frames` plus its consumers' prefetch) does not read: it is
-cut off as a slow consumer, its consumers are downed and their messages return to the
-queue. A connection has at most `max_consumers` consumers.
+not in the node); a waiting read answers only once there is room. The same holds
+while more than `PROPOSING_BYTES` of its commands are proposed and not yet answered: a
+client that pipelines publishes faster than the cluster commits them waits, rather
+than fill the Raft queue. What still arrives unasked, deliveries and proposals'
+replies, is bounded by the consumers' prefetch and by the requests already read; a
+client with more than `outbound_bytes` waiting (or more frames than `outbound_frames`
+plus its consumers' prefetch) does not read: it is cut off as a slow consumer, its
+consumers are downed and their messages return to the queue. A connection has at most
+`max_consumers` consumers.
 
 Publishes from one client that arrive together for the same queue and producer, with
 consecutive sequence numbers, are proposed as one `EnqueueBatch` (one log entry).
@@ -80,6 +83,11 @@ WRITE_BYTES = 1024 * 1024
 """The writer joins queued frames into one write of about this many bytes at most."""
 PAUSE_FRACTION = 4
 """Requests wait while more than `outbound_bytes // PAUSE_FRACTION` bytes wait to go out."""
+PROPOSING_BYTES = 8 * 1024 * 1024
+"""Requests wait while more than this many bytes of one connection's commands are
+proposed and not answered (500 pipelined publishes of 512 KiB grew a node by 572 MiB)."""
+PROPOSAL_COST = 256
+"""What a proposal counts for besides its messages' bodies."""
 READ_REPLY_BYTES = 768 * 1024
 """A `read` reply carries about this many bytes of messages at most (one larger message
 goes alone), so it stays within the clients' frame limit; the client asks again."""
@@ -129,8 +137,12 @@ class Connection:
         """What they cost: their encoded bytes plus `FRAME_COST` each."""
         self.outbound_bytes = node.config.outbound_bytes
         self.pause_bytes = node.config.outbound_bytes // PAUSE_FRACTION
+        self.proposing_bytes = 0
+        """What this connection's commands proposed and not yet answered count for
+        (bodies plus `PROPOSAL_COST` each; subscribes, bounded by `max_consumers`, and
+        acks, gathered per read, count nothing)."""
         self._room = trio.lowlevel.ParkingLot()
-        """Where tasks wait for the outbox to drain to `pause_bytes` (the reader, reads)."""
+        """Where tasks wait for room (`room`): the reader, and reads due to answer."""
         self.prefetches: dict[str, int] = {}
         """Each consumer's prefetch, while it is here."""
         self.prefetch_allowance = 0
@@ -240,10 +252,20 @@ class Connection:
                 return
             self.decoder.feed(data)
 
+    def _full(self) -> bool:
+        """Too much waits to be sent, or to be committed: handle no more requests."""
+        return self.queued_bytes > self.pause_bytes or self.proposing_bytes > PROPOSING_BYTES
+
     async def room(self) -> None:
-        """Wait until at most `pause_bytes` wait to be sent (or the connection closes)."""
-        while self.queued_bytes > self.pause_bytes and not self.closed:
+        """Wait until the connection is not `_full` (or it closes)."""
+        while self._full() and not self.closed:
             await self._room.park()
+
+    def answered(self, cost: int) -> None:
+        """A proposal that counted `cost` has its outcome."""
+        self.proposing_bytes -= cost
+        if not self._full():
+            self._room.unpark_all()
 
     async def _writer(self) -> None:
         try:
@@ -260,7 +282,7 @@ class Connection:
                 await self.stream.send_all(b"".join(chunks))
                 self.queued -= len(chunks)
                 self.queued_bytes -= size + FRAME_COST * len(chunks)
-                if self.queued_bytes <= self.pause_bytes:
+                if not self._full():
                     self._room.unpark_all()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
@@ -340,8 +362,8 @@ class Connection:
     # --------------------------------------------------------------- incoming
 
     def _handle_available(self) -> bool:
-        """Handle the complete frames received. False: it stopped early because more than
-        `pause_bytes` wait to be sent (the frames left wait in the decoder's buffer)."""
+        """Handle the complete frames received. False: it stopped early because the
+        connection is `_full` (the frames left wait in the decoder's buffer)."""
         publishes: list[Frame] = []
         acks: dict[tuple[str, bool, bool], list[int]] = {}
         handled_all = True
@@ -360,7 +382,7 @@ class Connection:
                         self._flush_publishes(publishes)
                         self._flush_acks(acks)
                         self._handle(frame)
-                    if self.queued_bytes > self.pause_bytes:
+                    if self._full():
                         handled_all = False
                         break
                 break
@@ -371,7 +393,7 @@ class Connection:
                 if e.fatal or not self.greeted:
                     self.close(f"protocol error: {e.message}")
                     raise ClosingError from None
-                if self.queued_bytes > self.pause_bytes:
+                if self._full():
                     handled_all = False
                     break
         self._flush_publishes(publishes)
@@ -407,8 +429,9 @@ class Connection:
         self.decoder.max_frame = self.frame_limit
         self.push({"t": "reply", "id": 0, "node": self.node.node_id})
 
-    def _propose(self, request_id: int, command: Command) -> None:
-        self.node.propose(command, self, request_id)
+    def _propose(self, request_id: int, command: Command, cost: int = PROPOSAL_COST) -> None:
+        self.proposing_bytes += cost
+        self.node.propose(command, self, request_id, cost=cost)
 
     def _handle(self, frame: Frame) -> None:
         kind = frame["t"]
@@ -488,7 +511,9 @@ class Connection:
                 self.error(f["id"], "invalid", str(e))
             return
         ids = [f["id"] for f in frames]
-        self.node.propose_publishes(command, self, ids)
+        cost = sum(len(f["body"]) + PROPOSAL_COST for f in frames)
+        self.proposing_bytes += cost
+        self.node.propose_publishes(command, self, ids, cost)
 
     def _publish_batch(self, frame: Frame) -> None:
         messages = []
@@ -504,7 +529,7 @@ class Connection:
             producer=frame["producer"],
             first_seq=frame["first_seq"],
         )
-        self._propose(frame["id"], command)
+        self._propose(frame["id"], command, sum(len(m.body) + PROPOSAL_COST for m in messages))
 
     def _subscribe(self, frame: Frame) -> None:
         limit = self.node.config.max_consumers

@@ -373,9 +373,15 @@ class NodeServer:
         conn: Connection,
         request_id: int | None,
         consumer: str | None = None,
+        cost: int = 0,
     ) -> None:
+        """Propose `command` for `conn`; `cost`: what it counts for in `conn`'s
+        `proposing_bytes`, given back with its outcome."""
+
         def done(reply: Reply | None, error: ProposalError | None) -> None:
             self._soon(self._answer, conn, request_id, reply, error, consumer)
+            if cost:
+                self._soon(conn.answered, cost)
 
         self.replica.propose(command, done)
 
@@ -446,9 +452,12 @@ class NodeServer:
             message = str(error) if error is not None else reply.message  # type: ignore[union-attr]
             conn.error(None, "settle_failed", message)
 
-    def propose_publishes(self, command: Command, conn: Connection, ids: list[int]) -> None:
+    def propose_publishes(
+        self, command: Command, conn: Connection, ids: list[int], cost: int
+    ) -> None:
         def done(reply: Reply | None, error: ProposalError | None) -> None:
             self._soon(self._answer_publishes, conn, ids, reply, error)
+            self._soon(conn.answered, cost)
 
         self.replica.propose(command, done)
 
