@@ -4,6 +4,7 @@ and however many consumers subscribe and cancel (issue 13, item 8)."""
 from __future__ import annotations
 
 import socket
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -397,5 +398,35 @@ def test_pipelined_publishes_wait_in_the_client_while_the_cluster_commits(
                 range(1, publishes + 1)
             )
             assert replica.query(lambda m: m.stats("q").next_offset) == publishes
+
+    _serve_with(server, body)
+
+
+def test_a_client_that_goes_away_while_its_requests_wait_is_forgotten(tmp_path: Path) -> None:
+    """While its requests wait for room the node does not read the connection; when the
+    client goes away, the node must still notice, forget it and down its consumers."""
+    server = _small_node(tmp_path, outbound_bytes=4 * 1024 * 1024)
+
+    async def body(endpoint: str) -> None:
+        await _submit(server, Declare(queue="q"))
+        await _submit(server, EnqueueBatch(queue="q", messages=[Message(body=b"r" * 14336)] * 60))
+        stream, decoder = await _raw_client(endpoint)
+        subscribe = {"t": "subscribe", "id": 1, "queue": "q", "prefetch": 10}
+        await stream.send_all(encode_frame(subscribe))
+        await _until_frame(stream, decoder, lambda f: f.get("id") == 1)
+        reads = b"".join(
+            encode_frame(
+                {"t": "read", "id": i, "queue": "q", "start": 0, "end": 60}
+                | {"bucket": None, "buckets": None}
+            )
+            for i in range(2, 40)
+        )
+        await stream.send_all(reads)
+        (conn,) = server.connections
+        await _wait_for(lambda: _waiting_bytes(conn) > 0, 5, "replies waiting for the client")
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.aclose()  # a reset: the client is gone
+        await _wait_for(lambda: not server.connections, 10, "the node forgets the connection")
+        await _wait_for(lambda: not server.consumers, 10, "its consumer downed")
 
     _serve_with(server, body)

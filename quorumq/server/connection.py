@@ -142,7 +142,7 @@ class Connection:
         (bodies plus `PROPOSAL_COST` each; subscribes, bounded by `max_consumers`, and
         acks, gathered per read, count nothing)."""
         self._room = trio.lowlevel.ParkingLot()
-        """Where tasks wait for room (`room`): the reader, and reads due to answer."""
+        """Where tasks wait for room (`_until_room`): the reader, and reads due to answer."""
         self.prefetches: dict[str, int] = {}
         """Each consumer's prefetch, while it is here."""
         self.prefetch_allowance = 0
@@ -238,7 +238,7 @@ class Connection:
         client that pipelines requests and reads no replies (say 20,000 reads of 768 KiB
         each) stops being read, rather than fill the node's memory."""
         while not self.closed:
-            await self.room()
+            await self._until_room()
             try:
                 if not self._handle_available():
                     continue  # stopped for room: the rest of the buffer waits
@@ -256,7 +256,7 @@ class Connection:
         """Too much waits to be sent, or to be committed: handle no more requests."""
         return self.queued_bytes > self.pause_bytes or self.proposing_bytes > PROPOSING_BYTES
 
-    async def room(self) -> None:
+    async def _until_room(self) -> None:
         """Wait until the connection is not `_full` (or it closes)."""
         while self._full() and not self.closed:
             await self._room.park()
@@ -288,6 +288,7 @@ class Connection:
             pass
         finally:
             self.closed = True
+            self._room.unpark_all()  # a reader waiting for room would wait for good
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
 
@@ -663,7 +664,7 @@ class Connection:
                 return
             await trio.sleep(delay)
             delay = min(2 * delay, 0.02)
-        await self.room()  # up to 64 replies of 768 KiB could come due at once
+        await self._until_room()  # up to 64 replies of 768 KiB could come due at once
         if not self.closed:
             self._answer_read(frame)
 
