@@ -343,6 +343,10 @@ def test_leader_marks_a_silent_node_down_and_its_messages_go_elsewhere(tmp_path:
             lambda: leader.query(lambda m: m.unacked("q", "alive")) == (0, 1, 2),
             "the messages redelivered to the live consumer",
         )
+        wait_for(  # the leader applied it; the survivor, whose consumer it is, in its turn
+            lambda: sum(isinstance(e, Deliver) for _, e in cluster.executed[survivor]) >= 3,
+            "the survivor running the redeliveries",
+        )
         downs = [e for _, e in cluster.executed[survivor] if isinstance(e, ConsumerDown)]
         assert downs == []  # the survivor hosts no consumer of the dead node
         redelivered = [e for _, e in cluster.executed[survivor] if isinstance(e, Deliver)]
