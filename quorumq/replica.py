@@ -34,13 +34,14 @@ import gc
 import hashlib
 import ipaddress
 import logging
+import math
 import os
 import select
 import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, NoReturn, TypeVar
 
 import attrs
@@ -93,7 +94,11 @@ def local_effects(
 
 
 def failure_commands(
-    leader: str, silence_s: Mapping[str, float], down: frozenset[str], grace_s: float
+    leader: str,
+    silence_s: Mapping[str, float],
+    down: frozenset[str],
+    grace_s: float,
+    removed: Iterable[str] = (),
 ) -> list[NodeDown | NodeUp]:
     """What `leader` proposes about its peers: `NodeDown` for a node silent longer than
     the grace period, `NodeUp` for a down node heard from again within half of it.
@@ -101,9 +106,15 @@ def failure_commands(
     And about itself: an earlier leader may have marked it down while it was cut off,
     and it may win an election before that leader's `NodeUp` is committed. Only a
     leader proposes these, so without `NodeUp` for itself, consumers on the leader's
-    node could not subscribe until another node led."""
+    node could not subscribe until another node led.
+
+    And about the members `removed` from the cluster: they never answer, so they are
+    marked down. (A removed node was marked down only by the node that removed it, once,
+    from memory: a leader change or a restart lost that, and the removed node's
+    consumers kept their messages.)"""
     commands: list[NodeDown | NodeUp] = []
-    for node, silent_s in sorted({**silence_s, leader: 0.0}.items()):
+    never = {node: math.inf for node in removed if node not in silence_s and node != leader}
+    for node, silent_s in sorted({**never, **silence_s, leader: 0.0}.items()):
         if silent_s > grace_s and node not in down:
             commands.append(NodeDown(node=node))
         elif silent_s < grace_s / 2 and node in down:
@@ -315,8 +326,6 @@ class Replica:
         self._in_flight: InFlight[ProposalError] = InFlight(config.proposal_timeout_s)
         """Proposals in submission order, to answer those PySyncObj never answers."""
         self._last_tick_proposal = 0.0
-        self._removed: set[str] = set()
-        """Replicas this node removed, until the log marks them down."""
         self._auditing = threading.Lock()
         """Held while an audit runs: one at a time."""
         self._audit_child: int | None = None
@@ -442,21 +451,7 @@ class Replica:
 
     def _on_tick(self) -> None:
         self._expire_proposals()
-        self._down_removed_members()
         self._leader_duties()
-
-    def _down_removed_members(self) -> None:
-        """A replica this node removed is marked down, again until the log says so (the
-        first `NodeDown` is easily lost right after a leader hand-over, and a removed
-        node is no longer watched by the leader's failure detection)."""
-        if not self._removed:
-            return
-        down = self.machine.down_nodes()
-        for name in sorted(self._removed):
-            if name in down or name in self.member.members():
-                self._removed.discard(name)
-            else:
-                self._propose_once(("down", name), NodeDown(node=name))
 
     def _expire_proposals(self) -> None:
         timeout = self.config.proposal_timeout_s
@@ -475,7 +470,11 @@ class Replica:
             if address in node_of_address
         }
         for command in failure_commands(
-            self.node_id, silence, self.machine.down_nodes(), self.config.node_down_grace_s
+            self.node_id,
+            silence,
+            self.machine.down_nodes(),
+            self.config.node_down_grace_s,
+            self.member.removed_members,
         ):
             key = ("down" if isinstance(command, NodeDown) else "up", command.node)
             self._propose_once(key, command)
@@ -511,15 +510,10 @@ class Replica:
     def remove_member(self, name: str, callback: Callable[[ProposalError | None], None]) -> None:
         """Propose removing a replica. The leader cannot remove itself: ask it to step
         down first (`ask_leader_to_step_down`). Once removed, the node is marked down so
-        its consumers' messages return to the queue."""
+        its consumers' messages return to the queue (by whichever node leads: a node
+        that consumers are placed on and that is no member is marked down)."""
         address = self.members()[name]
-
-        def done(error: ProposalError | None) -> None:
-            if error is None:
-                self._removed.add(name)  # marked down from the next tick on, until it is
-            callback(error)
-
-        self.member.remove_member(address, _membership_done(done))
+        self.member.remove_member(address, _membership_done(callback))
 
     def ask_leader_to_step_down(self) -> None:
         self.member.ask_leader_to_step_down()

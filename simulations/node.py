@@ -361,29 +361,31 @@ class SimMember(RaftRules):
         """As `RaftMember._write_snapshot`, to bytes (a node's name is its Raft address)."""
         last, prev, cluster = data
         members = [(str(n.id), str(n.id)) for n in cluster]
-        return encode_snapshot(last, prev, members, self._snapshot())
+        return encode_snapshot(last, prev, members, self._snapshot(), self.removed_members)
 
     def _read_snapshot(self, data: bytes) -> tuple[Entry, Entry, set[Any]]:
         try:
-            last, prev, members, machine = decode_snapshot(data, f"{self.name}'s snapshot")
-            self._restore(machine, last[1])
+            stored = decode_snapshot(data, f"{self.name}'s snapshot")
+            self._restore(stored.machine, stored.last[1])
         except Exception as e:
             self._snapshot_load_error = e  # PySyncObj swallows it: RaftRules raises it
             raise
-        return last, prev, {self.network.nodes[address] for address, _ in members}
+        self.removed_members.clear()
+        self.removed_members.update(stored.removed)
+        return stored.last, stored.prev, {self.network.nodes[a] for a, _ in stored.members}
 
     def stored_snapshot(self) -> tuple[Entry, Entry] | None:
         if self.disk.snapshot is None:
             return None
         try:
-            last, prev, _, _ = decode_snapshot(self.disk.snapshot, f"{self.name}'s snapshot")
+            stored = decode_snapshot(self.disk.snapshot, f"{self.name}'s snapshot")
         except ValueError as e:
             raise JournalDamagedError(str(e)) from None
-        return last, prev
+        return stored.last, stored.prev
 
     def _leader_snapshot_arrived(self, data: bytes) -> bool:
         try:
-            last = decode_snapshot(data, "the leader's snapshot")[0]
+            last = decode_snapshot(data, "the leader's snapshot").last
         except ValueError:  # its chunks came out of order (the hostile `reorder` fault)
             self.serializer.counts["garbled"] += 1
             return False
@@ -807,7 +809,11 @@ class SimNode:
         if not member.is_leader() or not member.isReady():
             return
         for command in failure_commands(
-            self.name, member.peer_silence(), self.machine.down_nodes(), self.grace_s
+            self.name,
+            member.peer_silence(),
+            self.machine.down_nodes(),
+            self.grace_s,
+            member.removed_members,
         ):
             key = ("down" if isinstance(command, NodeDown) else "up", command.node)
             if key not in self._pending_duties:

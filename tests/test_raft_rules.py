@@ -538,3 +538,16 @@ def test_what_an_unauthenticated_raft_peer_can_make_a_node_hold_is_bounded(
         for s in opened:
             s.close()
         member.stop()
+
+
+def test_snapshots_keep_the_names_of_removed_members() -> None:
+    """A node that learns a removal only from a snapshot (installed, or its own at
+    start-up after compaction) must still mark the removed node down when it leads."""
+    from quorumq.machine import encoding
+    from quorumq.raft.rules import decode_snapshot, encode_snapshot
+
+    entry = (b"\x04x", 9, 2)
+    blob = encode_snapshot(entry, entry, [("127.0.0.1:1", "A")], b"m", removed=["C", "B"])
+    assert decode_snapshot(blob, "test").removed == ["B", "C"]
+    older = encoding.encode(["quorumq-snapshot", 2, list(entry), list(entry), [], b"m"])
+    assert decode_snapshot(older, "test").removed == []

@@ -517,3 +517,37 @@ def test_a_removed_replica_is_marked_down_even_when_the_first_proposal_is_lost(
     assert lost, "the first NodeDown was not the one lost"
     wait_for(lambda: leader.machine.ready("q") == (0,), "C's message back in the queue")
     cluster.stop("C")
+
+
+def test_a_removed_replica_is_marked_down_by_the_next_leader_when_the_remover_never_does(
+    cluster: Cluster,
+) -> None:
+    """Only the node that handled `remove_member` remembered the removal, in memory: if it
+    stopped leading (or restarted) before its `NodeDown` landed, nobody marked the removed
+    node down. Every node learns removals from the log (and from snapshots)."""
+    leader = cluster.leader()
+    if leader.node_id != "A":
+        _lead(cluster, "A")
+        leader = cluster.leader()
+    leader.submit(Declare(queue="q"))
+    leader.submit(Subscribe(queue="q", consumer="on-c", node="C", prefetch=5))
+    leader.submit(Enqueue(queue="q", body=b"held"))
+    real_propose = leader.propose
+
+    def never_node_down(command: Any, callback: Any = None) -> None:
+        if isinstance(command, NodeDown):
+            if callback is not None:
+                callback(None, OutcomeUnknownError("lost"))
+            return
+        real_propose(command, callback)
+
+    leader.propose = never_node_down  # type: ignore[method-assign]
+    removed = threading.Event()
+    leader.remove_member("C", lambda error: removed.set())
+    assert removed.wait(15)
+    wait_for(lambda: "C" not in cluster.replicas["B"].members(), "B knows C left")
+    _lead(cluster, "B")
+    b = cluster.replicas["B"]
+    wait_for(lambda: "C" in b.machine.down_nodes(), "C marked down by B", 15)
+    wait_for(lambda: b.machine.ready("q") == (0,), "C's message back in the queue")
+    cluster.stop("C")

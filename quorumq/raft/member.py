@@ -458,7 +458,7 @@ class RaftMember(RaftRules):
         last, prev, cluster = data
         try:
             members = [(str(n.id), node_name(n)) for n in cluster]
-            blob = encode_snapshot(last, prev, members, self._snapshot())
+            blob = encode_snapshot(last, prev, members, self._snapshot(), self.removed_members)
             with open(tmp_path, "wb") as f:
                 f.write(blob)
                 f.flush()
@@ -475,20 +475,22 @@ class RaftMember(RaftRules):
     def _read_snapshot(self, path: str) -> tuple[Any, Any, Any]:
         try:
             with open(path, "rb") as f:
-                last, prev, cluster, machine = decode_snapshot(f.read(), path)
-            self._restore(machine)
+                stored = decode_snapshot(f.read(), path)
+            self._restore(stored.machine)
         except Exception as e:
             self._snapshot_load_error = e  # PySyncObj swallows it: RaftRules raises it
             raise
         if self.fsync != "never":
             fsync_directory(self.data_dir)
-        return (last, prev, {_named_node(a, n) for a, n in cluster})
+        self.removed_members.clear()
+        self.removed_members.update(stored.removed)
+        return (stored.last, stored.prev, {_named_node(a, n) for a, n in stored.members})
 
     def stored_snapshot(self) -> tuple[Entry, Entry] | None:
         path = os.path.join(self.data_dir, "snapshot")
         try:
             with open(path, "rb") as f:
-                last, prev, _, _ = decode_snapshot(f.read(), path)
+                stored = decode_snapshot(f.read(), path)
         except FileNotFoundError:
             return None
         except ValueError as e:
@@ -496,7 +498,7 @@ class RaftMember(RaftRules):
                 f"{e}: the node refuses to start. Restore the file, or remove the node from "
                 "the cluster, move its data directory away and add it again empty"
             ) from None
-        return last, prev
+        return stored.last, stored.prev
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
         if isinstance(message, dict) and message.get("type") == STEP_DOWN:
@@ -537,7 +539,7 @@ class RaftMember(RaftRules):
                     os.fsync(f.fileno())
                 f.close()
                 with open(incoming_path, "rb") as r:
-                    last = decode_snapshot(r.read(), incoming_path)[0]
+                    last = decode_snapshot(r.read(), incoming_path).last
             except Exception:
                 logger.exception("receiving the leader's snapshot failed")
                 incoming[0] = None

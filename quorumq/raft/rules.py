@@ -51,8 +51,8 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import pysyncobj.syncobj as _syncobj
 from pysyncobj import SyncObj
@@ -480,6 +480,29 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             return False
         return bool(super()._SyncObj__changeCluster(request))
 
+    @property
+    def removed_members(self) -> set[str]:
+        """Names of the members removed from the configuration (and not added back),
+        as this log says, kept in snapshots: whichever node leads marks them down."""
+        removed: set[str] | None = self.__dict__.get("_removed_members")
+        if removed is None:
+            removed = self.__dict__["_removed_members"] = set()
+        return removed
+
+    def _SyncObj__doChangeCluster(self, request: Any, reverse: bool = False) -> bool:
+        # a removal names the node by its address: its name is known while it is a member
+        names = {str(n.id): str(getattr(n, "name", n.id)) for n in self.otherNodes}
+        changed = bool(super()._SyncObj__doChangeCluster(request, reverse))
+        if changed:
+            node = request[2] if len(request) >= 3 else request[1]
+            address = str(getattr(node, "id", node))
+            name = names.get(address) or str(getattr(node, "name", address))
+            if (request[0] == "add") != reverse:
+                self.removed_members.discard(name)
+            else:
+                self.removed_members.add(name)
+        return changed
+
     def uncommitted_membership_change(self) -> bool:
         """Whether this log holds a configuration entry after the commit index."""
         log = self._SyncObj__raftLog
@@ -590,8 +613,9 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 # ------------------------------------------------------------------ snapshots
 
 
-SNAPSHOT_VERSION = 2
-"""1: members as Raft addresses; 2: members as [Raft address, node name] pairs."""
+SNAPSHOT_VERSION = 3
+"""1: members as Raft addresses; 2: members as [Raft address, node name] pairs; 3: and
+the names of removed members."""
 _SNAPSHOT_MAGIC = b"QQS1"
 """A snapshot file: this, a CRC-32 of the rest, then the encoded snapshot. (Before it a
 bit flipped in a message body loaded cleanly, and the replica served and passed on
@@ -609,11 +633,25 @@ def entries_after(log: Any, index: int, term: int) -> list[Entry]:
     return [(e[0], e[1], e[2]) for e in log[pos + 1 :]]
 
 
+class StoredSnapshot(NamedTuple):
+    last: Entry
+    prev: Entry
+    members: list[tuple[str, str]]
+    """(Raft address, node name) of each member."""
+    machine: bytes
+    removed: list[str]
+    """Names of the members removed from the cluster (`RaftRules.removed_members`)."""
+
+
 def encode_snapshot(
-    last: Entry, prev: Entry, members: list[tuple[str, str]], machine: bytes
+    last: Entry,
+    prev: Entry,
+    members: list[tuple[str, str]],
+    machine: bytes,
+    removed: Iterable[str] = (),
 ) -> bytes:
     """A snapshot file's bytes: the last two applied entries, the members (Raft address
-    and node name), the machine."""
+    and node name), the machine, the names of removed members."""
     payload = encoding.encode(
         [
             "quorumq-snapshot",
@@ -622,28 +660,34 @@ def encode_snapshot(
             [prev[0], prev[1], prev[2]],
             sorted([address, name] for address, name in members),
             machine,
+            sorted(removed),
         ]
     )
     return _SNAPSHOT_MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload
 
 
-def decode_snapshot(data: bytes, source: str) -> tuple[Entry, Entry, list[tuple[str, str]], bytes]:
-    """(last, prev, members, machine) from `encode_snapshot`'s bytes read from `source`;
-    a version 1 snapshot's members are named by their addresses. `ValueError` for a
-    damaged one."""
+def decode_snapshot(data: bytes, source: str) -> StoredSnapshot:
+    """What `encode_snapshot` wrote, read from `source`; a version 1 snapshot's members
+    are named by their addresses. `ValueError` for a damaged one."""
     if data[:4] == _SNAPSHOT_MAGIC:
         payload = data[8:]
         if zlib.crc32(payload) != int.from_bytes(data[4:8], "little"):
             raise ValueError(f"{source} fails its checksum: it is damaged")
         data = payload
     value = encoding.decode(data)
-    if not (isinstance(value, list) and len(value) == 6 and value[0] == "quorumq-snapshot"):
+    if not (isinstance(value, list) and len(value) in (6, 7) and value[0] == "quorumq-snapshot"):
         raise ValueError(f"{source} is not a quorumq snapshot")
-    _, version, last, prev, cluster, machine = value
+    _, version, last, prev, cluster, machine, *rest = value
     if version == 1:
         members = [(address, address) for address in cluster]
-    elif version == SNAPSHOT_VERSION:
+    elif version in (2, SNAPSHOT_VERSION):
         members = [(address, name) for address, name in cluster]
     else:
         raise ValueError(f"unsupported snapshot version {version}")
-    return (last[0], last[1], last[2]), (prev[0], prev[1], prev[2]), members, machine
+    return StoredSnapshot(
+        (last[0], last[1], last[2]),
+        (prev[0], prev[1], prev[2]),
+        members,
+        machine,
+        list(rest[0]) if rest else [],
+    )
