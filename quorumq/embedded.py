@@ -262,7 +262,10 @@ class Cluster:
 
     def status(self, node: str, *, audit: bool = False) -> dict[str, Any]:
         """`node`'s status (`audit`: with the state digest, which hashes every message)."""
-        with Client([self.endpoint(node)], self.token, connect_timeout=2.0) as client:
+        admin = self.admin_token if audit else None  # an audit is administrative
+        with Client(
+            [self.endpoint(node)], self.token, connect_timeout=2.0, admin_token=admin
+        ) as client:
             return client.status(audit=audit)
 
     def leader(self, timeout: float = 15.0) -> str:
