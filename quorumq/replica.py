@@ -42,13 +42,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 import attrs
 from pysyncobj import FAIL_REASON
 
 from .codec import UNSTAMPED, CodecError, decode_entry, encode_entry
 from .machine import (
+    Applied,
     Command,
     ConsumerDown,
     Deliver,
@@ -63,7 +64,7 @@ from .machine import (
     Tick,
 )
 from .raft.member import MAX_COMMAND_BYTES, NOT_APPLIED, Fsync, RaftMember
-from .raft.rules import LeaderClock, wall_clock_ms
+from .raft.rules import LeaderClock, RaftRules, wall_clock_ms
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +300,40 @@ class ReplicaConfig:
         return self.peers[self.node_id]
 
 
+class ReplicaObserver(Protocol):
+    """Told what a replica applies and loads (the simulator's checker and history)."""
+
+    def applied(
+        self, replica: Replica, index: int, payload: bytes, command: Command, applied: Applied
+    ) -> None: ...
+
+    def snapshot_loaded(self, replica: Replica, applied: int, index: int) -> None: ...
+
+
+MemberFactory = Callable[..., RaftRules]
+"""(apply=, snapshot=, restore=, on_tick=) -> the replica's Raft member."""
+EffectFilter = Callable[..., tuple[Effect, ...]]
+"""(effects, node, proxy=, replicas=) -> the effects this node runs (`local_effects`)."""
+
+
+def _raft_member(config: ReplicaConfig) -> MemberFactory:
+    """A real node's Raft member: `RaftMember` on files and sockets."""
+
+    def make(**callbacks: Any) -> RaftMember:
+        return RaftMember(
+            config.node_id,
+            config.peers,
+            data_dir=config.data_dir,
+            password=config.secret or None,
+            fsync=config.fsync,
+            raft_timeouts=config.raft_timeouts,
+            compaction_entries=config.compaction_entries,
+            **callbacks,
+        )
+
+    return make
+
+
 class Replica:
     """A node's member of the replicated queue machine."""
 
@@ -309,12 +344,26 @@ class Replica:
         on_state_replaced: Callable[[], None] | None = None,
         *,
         wall_clock: Callable[[], int] = wall_clock_ms,
+        monotonic: Callable[[], float] = time.monotonic,
+        member_factory: MemberFactory | None = None,
+        observer: ReplicaObserver | None = None,
+        machine_factory: Callable[[], Machine] = Machine,
+        effect_filter: EffectFilter = local_effects,
     ) -> None:
-        """`wall_clock`: this node's wall clock in ms (tests give a wrong one)."""
+        """`wall_clock`, `monotonic`: this node's clocks (tests give a wrong wall clock, the
+        simulator its own clocks). `member_factory`: the Raft member (by default a
+        `RaftMember` on real files and sockets; the simulator's on its disk and network).
+        `observer`: told of every entry applied and snapshot loaded (the simulator's
+        checker). `machine_factory` and `effect_filter`: test-only switches of the
+        negative controls (a machine that loses messages, a node that runs others'
+        effects); the defaults are the real thing."""
         self.config = config
         self.node_id = config.node_id
         self.lock = threading.Lock()
-        self.machine = Machine()
+        self._monotonic = monotonic
+        self._observer = observer
+        self._effect_filter = effect_filter
+        self.machine = machine_factory()
         self._on_effects = on_effects
         self._on_state_replaced = on_state_replaced
         self._effects_through = 0
@@ -330,22 +379,19 @@ class Replica:
         """Held while an audit runs: one at a time."""
         self._audit_child: int | None = None
         """The process id of the running audit's child (`stop` ends it)."""
-        self.member = RaftMember(
-            config.node_id,
-            config.peers,
-            data_dir=config.data_dir,
-            password=config.secret or None,
-            fsync=config.fsync,
-            apply=self._apply,
-            snapshot=self._snapshot,
-            restore=self._restore,
-            on_tick=self._on_tick,
-            raft_timeouts=config.raft_timeouts,
-            compaction_entries=config.compaction_entries,
+        factory = member_factory or _raft_member(config)
+        self.member = factory(
+            apply=self._apply, snapshot=self._snapshot, restore=self._restore, on_tick=self._on_tick
         )
-        self.member.use_leader_clock(LeaderClock(wall_clock))
+        self.member.use_leader_clock(self._leader_clock(wall_clock, monotonic))
         self.member.replicated_time_ms = lambda: self.machine.now_ms  # type: ignore[method-assign]
         self.member.start()
+
+    def _leader_clock(
+        self, wall_clock: Callable[[], int], monotonic: Callable[[], float]
+    ) -> LeaderClock:
+        """The clock this node stamps entries with as leader (the simulator observes it)."""
+        return LeaderClock(wall_clock, monotonic)
 
     @property
     def replay_until(self) -> int:
@@ -372,7 +418,7 @@ class Replica:
             self.member.propose(payload, None)
             return
 
-        once = self._in_flight.track(callback, time.monotonic())
+        once = self._in_flight.track(callback, self._monotonic())
 
         def done(result: Any, reason: int) -> None:
             if reason == FAIL_REASON.SUCCESS:
@@ -413,6 +459,8 @@ class Replica:
             return Error(code=ErrorCode.INVALID, message=f"undecodable log entry: {e}")
         with self.lock:
             applied = self.machine.apply(Meta(index, ts_ms), command)
+        if self._observer is not None:
+            self._observer.applied(self, index, payload, command, applied)
         if index > self._effects_through:
             self._effects_through = index
             if self._on_effects is not None and applied.effects and index > self.replay_until:
@@ -422,7 +470,7 @@ class Replica:
         return applied.reply
 
     def _mine(self, effects: tuple[Effect, ...]) -> tuple[Effect, ...]:
-        return local_effects(
+        return self._effect_filter(
             effects, self.node_id, proxy=self.member.is_leader(), replicas=self.replicas()
         )
 
@@ -436,11 +484,13 @@ class Replica:
         (their effects never run here) or goes back before entries already applied
         (their effects do not run again): `on_state_replaced` lets the node compare what
         it sent with what the machine now says."""
-        machine = Machine.restore(data)
+        machine = type(self.machine).restore(data)
         with self.lock:
             before = self.machine.last_index
             self.machine = machine
             self.snapshots_loaded += 1
+        if self._observer is not None:
+            self._observer.snapshot_loaded(self, before, machine.last_index)
         logger.info(
             "loaded a snapshot at index %d (applied before: %d)", machine.last_index, before
         )
@@ -456,7 +506,7 @@ class Replica:
     def _expire_proposals(self) -> None:
         timeout = self.config.proposal_timeout_s
         self._in_flight.expire(
-            time.monotonic(), lambda: OutcomeUnknownError(f"no outcome within {timeout} s")
+            self._monotonic(), lambda: OutcomeUnknownError(f"no outcome within {timeout} s")
         )
 
     def _leader_duties(self) -> None:
@@ -478,7 +528,7 @@ class Replica:
         ):
             key = ("down" if isinstance(command, NodeDown) else "up", command.node)
             self._propose_once(key, command)
-        now = time.monotonic()
+        now = self._monotonic()
         if now - self._last_tick_proposal >= TICK_EVERY_S:
             self._last_tick_proposal = now
             if self.machine.needs_tick():  # TTLs, and producers that may expire

@@ -54,6 +54,7 @@ from .rules import (
     RaftRules,
     decode_snapshot,
     encode_snapshot,
+    node_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -211,17 +212,8 @@ _syncobj.getEncryptor = RaftCipher
 TcpConnection.send = _send
 TcpConnection._TcpConnection__processRead = _process_read
 
-STEP_DOWN = "quorumq_step_down"
-"""A Raft message of ours: a member asks the leader to hand leadership over."""
-
-
 def _named_node(address: str, name: str) -> Any:
     return TCPNode(address, name=name)
-
-
-def node_name(node: Any) -> str:
-    """The quorumq name a Raft node carries (its address for nodes from before names)."""
-    return str(getattr(node, "name", node.id))
 
 
 # ------------------------------------------------------------------- outcomes
@@ -417,39 +409,11 @@ class RaftMember(RaftRules):
 
     # ------------------------------------------------------------- membership
 
-    def members(self) -> dict[str, str]:
-        """The current Raft configuration as seen here: node name -> Raft address."""
-        nodes = [self.selfNode, *self.otherNodes]
-        return {node_name(n): str(n.id) for n in nodes}
+    def make_node(self, name: str, address: str) -> Any:
+        return _named_node(address, name)
 
-    def add_member(self, name: str, address: str, callback: Callable[[Any, int], None]) -> None:
-        """Propose adding a replica (one change at a time: the leader refuses a second
-        while one is uncommitted, `RaftRules._SyncObj__changeCluster`).
-        `callback(None, FAIL_REASON)` on commit or refusal."""
-        self.addNodeToCluster(_named_node(address, name), callback)
-
-    def remove_member(self, address: str, callback: Callable[[Any, int], None]) -> None:
-        """Propose removing the replica at `address` (a node cannot remove itself)."""
-        self.removeNodeFromCluster(TCPNode(address), callback)
-
-    def connected(self) -> dict[str, bool]:
-        """Per peer name: whether this node has a live Raft connection to it."""
-        return {node_name(n): bool(self.isNodeConnected(n)) for n in self.otherNodes}
-
-    def ask_leader_to_step_down(self) -> None:
-        """Ask the leader (this node or another) to hand leadership to its most caught-up
-        follower now (Raft's TimeoutNow). Best effort: watch the leader to see it happen."""
-
-        def ask() -> None:
-            leader = self._getLeader()
-            if leader is None:
-                return
-            if self._isLeader():
-                self.transferLeadership(None, None)
-            else:
-                self._SyncObj__transport.send(leader, {"type": STEP_DOWN})
-
-        self._calls.put(ask)
+    def run_on_tick_thread(self, call: Callable[[], None]) -> None:
+        self._calls.put(call)
         self._wake()
 
     # -------------------------------------------------------------- snapshots
@@ -499,14 +463,6 @@ class RaftMember(RaftRules):
                 "the cluster, move its data directory away and add it again empty"
             ) from None
         return stored.last, stored.prev
-
-    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
-        if isinstance(message, dict) and message.get("type") == STEP_DOWN:
-            if self._isLeader():
-                logger.info("handing leadership over, as %s asked", node)
-                self.transferLeadership(None, None)
-            return
-        super()._SyncObj__onMessageReceived(node, message)
 
     def _refuse_stale_snapshots(self) -> None:
         """Receive the leader's snapshot beside ours, and install it only if the shared

@@ -55,12 +55,12 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import pysyncobj.syncobj as _syncobj
-from pysyncobj import SyncObj
+from pysyncobj import FAIL_REASON, SyncObj
 from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
 from ..codec import entry_time, stamp_entry
 from ..machine import encoding
-from .journal import JournalDamagedError
+from .journal import DurableJournal, JournalDamagedError
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,15 @@ def trim_known_entries(message: dict[str, Any], log: Any) -> tuple[dict[str, Any
 
 def wall_clock_ms() -> int:
     return int(time.time() * 1000)
+
+
+STEP_DOWN = "quorumq_step_down"
+"""A Raft message of ours: a member asks the leader to hand leadership over."""
+
+
+def node_name(node: Any) -> str:
+    """The quorumq name a Raft node carries (its address for nodes from before names)."""
+    return str(getattr(node, "name", node.id))
 
 
 ARRIVALS_KEPT = 256
@@ -248,6 +257,18 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     leader_clock: LeaderClock | None = None
     """Stamps the time on the entries this node appends as leader (`use_leader_clock`)."""
+    journal: DurableJournal
+    """This member's journal (subclasses open it)."""
+    fatal_error: BaseException | None = None
+    """Why this member stopped by itself (its journal failed): the node must stop."""
+    compaction_error: str | None = None
+    """Why the last snapshot could not be written (None: the last one was), for status."""
+
+    def start(self) -> None:
+        """Start ticking (the owner is set up by then)."""
+
+    def stop(self) -> None:
+        """Stop ticking; close connections and the journal."""
 
     def use_leader_clock(self, clock: LeaderClock) -> None:
         """Stamp raw entries with `clock` as they are appended as leader (call before the
@@ -365,6 +386,11 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             self._send_replies(held)
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
+        if isinstance(message, dict) and message.get("type") == STEP_DOWN:
+            if self._isLeader():
+                logger.info("handing leadership over, as %s asked", node)
+                self.transferLeadership(None, None)
+            return
         append = isinstance(message, dict) and message.get("type") == "append_entries"
         if self._held_replies and not (
             append and message.get("term") == self.raftCurrentTerm and "serialized" not in message
@@ -468,6 +494,53 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     # ------------------------------------------------------------- membership
 
+    def make_node(self, name: str, address: str) -> Any:
+        """A PySyncObj node for member `name` at `address` (subclasses: of their transport)."""
+        raise NotImplementedError
+
+    def run_on_tick_thread(self, call: Callable[[], None]) -> None:
+        """Run `call` where PySyncObj's state may be touched (a real member: on its tick
+        thread, soon; a simulated one: now)."""
+        raise NotImplementedError
+
+    def members(self) -> dict[str, str]:
+        """The current Raft configuration as seen here: node name -> Raft address."""
+        nodes = [self.selfNode, *self.otherNodes]
+        return {node_name(n): str(n.id) for n in nodes}
+
+    def add_member(self, name: str, address: str, callback: Callable[[Any, int], None]) -> None:
+        """Propose adding a replica (one change at a time: the leader refuses a second
+        while one is uncommitted, `_SyncObj__changeCluster`). `callback(None,
+        FAIL_REASON)` on commit or refusal."""
+        self.addNodeToCluster(self.make_node(name, address), callback)
+
+    def remove_member(self, address: str, callback: Callable[[Any, int], None]) -> None:
+        """Propose removing the replica at `address` (a node cannot remove itself)."""
+        node = next((n for n in self.otherNodes if str(n.id) == address), None)
+        if node is None:
+            callback(None, FAIL_REASON.REQUEST_DENIED)  # not a member (any more)
+            return
+        self.removeNodeFromCluster(node, callback)
+
+    def connected(self) -> dict[str, bool]:
+        """Per peer name: whether this node has a live Raft connection to it."""
+        return {node_name(n): bool(self.isNodeConnected(n)) for n in self.otherNodes}
+
+    def ask_leader_to_step_down(self) -> None:
+        """Ask the leader (this node or another) to hand leadership to its most caught-up
+        follower now (Raft's TimeoutNow). Best effort: watch the leader to see it happen."""
+
+        def ask() -> None:
+            leader = self._getLeader()
+            if leader is None:
+                return
+            if self._isLeader():
+                self.transferLeadership(None, None)
+            else:
+                self._SyncObj__transport.send(leader, {"type": STEP_DOWN})
+
+        self.run_on_tick_thread(ask)
+
     def _SyncObj__changeCluster(self, request: Any) -> bool:
         """As leader, append a configuration change only if no earlier one is still
         uncommitted (Raft's single-server changes). PySyncObj 0.3.17 reads its
@@ -491,7 +564,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def _SyncObj__doChangeCluster(self, request: Any, reverse: bool = False) -> bool:
         # a removal names the node by its address: its name is known while it is a member
-        names = {str(n.id): str(getattr(n, "name", n.id)) for n in self.otherNodes}
+        names = {str(n.id): node_name(n) for n in self.otherNodes}
         changed = bool(super()._SyncObj__doChangeCluster(request, reverse))
         if changed:
             node = request[2] if len(request) >= 3 else request[1]
