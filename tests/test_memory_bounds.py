@@ -29,9 +29,9 @@ from quorumq.machine import (
     Tick,
 )
 from quorumq.machine.machine import EVICT_SILENT_MS, MAX_PRODUCERS, PRODUCER_EXPIRY_MS
+from quorumq.node import ConnectionCore
 from quorumq.protocol import PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
 from quorumq.server import NodeServer
-from quorumq.server.connection import Connection
 
 from .test_server import _config, _serve_with
 from .test_server_bounds import _wait_for
@@ -126,7 +126,7 @@ def test_a_node_keeps_no_record_of_cancelled_consumers(tmp_path: Path) -> None:
                 (conn,) = server.connections
                 assert conn.consumers == {} and conn.prefetches == {}
                 assert conn.prefetch_allowance == 0 and not conn.cancelling
-                assert len(server._downed) == 0
+                assert len(server.core._downed) == 0
 
     _serve_with(server, body)
 
@@ -134,7 +134,7 @@ def test_a_node_keeps_no_record_of_cancelled_consumers(tmp_path: Path) -> None:
 def test_reads_waiting_to_be_applied_are_bounded_per_connection(tmp_path: Path) -> None:
     """Each read with `wait_ms` was a task waiting up to 30 s, with no bound."""
     from quorumq.client import ServerError
-    from quorumq.server.connection import MAX_WAITING_READS
+    from quorumq.node.core import MAX_WAITING_READS
 
     async def body(endpoint: str) -> None:
         async with quorumq.aio.connect(endpoint) as client:
@@ -161,9 +161,9 @@ def test_reads_waiting_to_be_applied_are_bounded_per_connection(tmp_path: Path) 
 # ---------------------------------------------------- what one client makes a node hold
 
 
-def _waiting_bytes(conn: Connection) -> int:
+def _waiting_bytes(conn: ConnectionCore) -> int:
     """Encoded bytes the node holds for `conn`, waiting to be sent (trio's channel)."""
-    return sum(len(data) for data in conn.outbox_send._state.data)  # type: ignore[attr-defined]
+    return sum(len(data) for data in conn.outbox)
 
 
 async def _raw_client(endpoint: str) -> tuple[trio.SocketStream, FrameDecoder]:

@@ -236,10 +236,12 @@ _TERMS = st.lists(
 def test_replicated_time_never_runs_faster_than_true_time_whatever_the_wall_clocks(
     offsets: list[int], terms: list[tuple[int, list[tuple[int, bool, bool]]]]
 ) -> None:
-    """Three nodes with wrong wall clocks lead terms in turn (a node may lead only with
-    every committed stamp in its log, as Raft's election rule has it) and stamp entries
-    that reach some of the others. Every stamp stays within the offset queue time got
-    at genesis (the first leader's wall clock) of true time: it never runs faster.
+    """Three nodes with wrong wall clocks lead terms in turn and stamp entries that
+    reach some of the others. A node wins an election as Raft's rule has it: another node
+    votes for it only if its log (last term, then last entry) is at least as up to date;
+    a follower's log ends with the entries of the leader it hears from. Every committed
+    stamp (one on a majority) stays within the offset queue time got at genesis (the
+    first committed stamp: its leader's wall clock) of true time: it never runs faster.
 
     Two defects this caught: a node that anchored at its wall clock in a new cluster,
     stamped nothing, and led again later kept that anchor (8 days ahead); and a wall
@@ -253,28 +255,28 @@ def test_replicated_time_never_runs_faster_than_true_time_whatever_the_wall_cloc
         for i in range(3)
     ]
     known = [0, 0, 0]  # the latest stamp in each node's log
-    committed = 0
+    last_term = [0, 0, 0]  # the term of the last entry in each node's log
     genesis: int | None = None
     for term, (leader, stamps) in enumerate(terms, start=1):
-        if known[leader] < committed:
-            continue  # it would lose the election
+        others = [n for n in range(3) if n != leader]
+        mine = (last_term[leader], known[leader])
+        if not any((last_term[o], known[o]) <= mine for o in others):
+            continue  # nobody votes for it
         clocks[leader].take_over(term, known[leader])
         for elapsed, to_first, to_second in stamps:
             true_ms[0] += elapsed
             ts = clocks[leader].now(term)
             assert ts is not None
-            if genesis is None:
-                genesis = ts - true_ms[0]
-            # (1 ms: the float truncation of monotonic seconds at this magnitude)
-            assert ts - true_ms[0] <= genesis + 1, "queue time ran faster than true time"
-            known[leader] = max(known[leader], ts)
-            others = [n for n in range(3) if n != leader]
+            if to_first or to_second:  # on a majority: committed, applied everywhere
+                if genesis is None:
+                    genesis = ts - true_ms[0]
+                # (1 ms: the float truncation of monotonic seconds at this magnitude)
+                assert ts - true_ms[0] <= genesis + 1, "queue time ran faster than true time"
+            known[leader], last_term[leader] = ts, term
             for node, receives in zip(others, (to_first, to_second), strict=True):
-                if receives:
+                if receives:  # its log now ends with the leader's entries
                     clocks[node].seen(ts)
-                    known[node] = max(known[node], ts)
-            if to_first or to_second:  # on a majority: committed
-                committed = max(committed, ts)
+                    known[node], last_term[node] = ts, term
 
 
 def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
