@@ -24,6 +24,7 @@ from quorumq.client.session import (
     Failed,
     Resolved,
     Resubscribe,
+    keys_of,
 )
 from quorumq.protocol import encode_frame
 
@@ -296,3 +297,30 @@ def test_a_resend_refused_by_a_node_with_other_limits_is_outcome_unknown_not_a_f
         e for e in session.receive(_error(fresh, "too_large")) if isinstance(e, Failed)
     ]
     assert type(never_resent.error) is ServerError  # sent once, refused: not published
+
+
+def test_a_caller_that_stops_waiting_just_after_the_answer_was_read_gets_that_answer() -> None:
+    """The confirm was read as the caller's timeout expired: "outcome unknown" then found
+    the publish confirmed and raised an error that paused nothing, for a message that
+    had landed (an application retry would publish it twice)."""
+    session = _session()
+    request_id, _ = session.publish("q", b"m", "k", None)
+    assert session.receive(_reply(request_id, offset=3)) == [
+        Resolved(request_id, _reply(request_id, offset=3))
+    ]
+    assert session.outcome_unknown(request_id, "no answer within 1 s") is None  # use it
+    assert session.producer.paused == set()
+    refused, _ = session.publish("q", b"n", "j", None)
+    (failed,) = session.receive(_error(refused, "too_large"))
+    assert isinstance(failed, Failed)
+    assert session.outcome_unknown(refused, "no answer within 1 s") is None  # that one too
+
+
+def test_a_caller_cancelled_while_waiting_pauses_the_keys_even_if_the_answer_came() -> None:
+    """A trio caller cancelled as the confirm arrived never sees the offset: its key is
+    paused as after any outcome unknown, so its retry cannot publish the message twice."""
+    session = _session()
+    request_id, frame = session.publish("q", b"m", "k", None)
+    session.receive(_reply(request_id, offset=3))
+    session.cancelled_while_waiting(request_id, keys_of(frame))
+    assert session.producer.paused == {"k"}

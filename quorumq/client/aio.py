@@ -49,14 +49,17 @@ from .session import (
     Resolved,
     Resubscribe,
     RewindLater,
+    keys_of,
 )
 
 logger = logging.getLogger(__name__)
 
 
 class _Answer:
-    def __init__(self, request_id: int) -> None:
+    def __init__(self, request_id: int, keys: frozenset[str] = frozenset()) -> None:
         self.request_id = request_id
+        self.keys = keys
+        """A publish's keys (paused if its caller is cancelled while waiting)."""
         self.done = trio.Event()
         self.frame: dict[str, Any] | None = None
         self.error: QuorumqError | None = None
@@ -307,7 +310,7 @@ class AsyncClient:
         """Take a request id (and sequence) and send, in one step under the send lock."""
         async with self._send_lock:
             request_id, frame = make(*args)
-            answer = self._answers[request_id] = _Answer(request_id)
+            answer = self._answers[request_id] = _Answer(request_id, keys_of(frame))
             await self._write(frame)
         return answer
 
@@ -332,13 +335,14 @@ class AsyncClient:
                 await answer.done.wait()
         except trio.Cancelled:
             self._answers.pop(answer.request_id, None)
-            self._session.outcome_unknown(answer.request_id, "cancelled")
+            self._session.cancelled_while_waiting(answer.request_id, answer.keys)
             raise
         if not answer.done.is_set():
             self._answers.pop(answer.request_id, None)
-            raise self._session.outcome_unknown(
-                answer.request_id, f"no answer within {self.timeout} s"
-            )
+            why = f"no answer within {self.timeout} s"
+            error = self._session.outcome_unknown(answer.request_id, why)
+            assert error is not None  # an answer, once read, sets `done` at once
+            raise error
         if answer.error is not None:
             raise answer.error
         assert answer.frame is not None

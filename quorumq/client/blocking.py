@@ -351,8 +351,11 @@ class Client:
             if publish is None:
                 raise ConnectionLostError(why) from None
             with self._lock:
-                self._futures.pop(publish, None)
                 error = self._session.outcome_unknown(publish, why)
+                if error is not None:
+                    self._futures.pop(publish, None)
+            if error is None:  # the answer was read just now: the reader hands it over
+                return future.result(self.timeout)
             raise error from None
 
     def _request(self, frame: dict[str, Any]) -> dict[str, Any]:

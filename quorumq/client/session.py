@@ -120,10 +120,13 @@ def _at_least(rows: list[list[Any]]) -> int:
     return size
 
 
-def _keys_of(frame: Mapping[str, Any]) -> set[str]:
+def keys_of(frame: Mapping[str, Any]) -> frozenset[str]:
+    """The keys of a publish or publish_batch frame (none for any other frame)."""
     if frame["t"] == "publish":
-        return {frame["key"]} if frame["key"] is not None else set()
-    return {key for _, key, _ in frame["messages"] if key is not None}
+        return frozenset({frame["key"]}) if frame["key"] is not None else frozenset()
+    if frame["t"] == "publish_batch":
+        return frozenset(key for _, key, _ in frame["messages"] if key is not None)
+    return frozenset()
 
 
 def _seq(frame: Mapping[str, Any]) -> int:
@@ -300,20 +303,36 @@ class ClientSession:
         self._resent.update(r for r, _ in frames)
         return [{**f, "retry": True} for _, f in frames]
 
-    def outcome_unknown(self, request_id: int, why: str) -> OutcomeUnknownError:
-        """The caller stops waiting for `request_id`. A publish stays live (it is resent
-        until answered, its answer then read and dropped) and its keys are paused; the
-        error says so."""
+    def outcome_unknown(self, request_id: int, why: str) -> OutcomeUnknownError | None:
+        """The caller stops waiting for publish `request_id` (a timeout, a cancellation).
+
+        Not answered yet: the publish stays live (it is resent until answered, its answer
+        then read and dropped), its keys are paused, and the error to raise says so.
+        Already answered (the answer was read, and is on its way to the caller): None,
+        and nothing changes; the caller takes that answer. Reporting "outcome unknown"
+        then would leave the key unpaused for a publish whose outcome the caller never
+        learns, and the application's retry would publish it twice."""
+        if request_id not in self._pending:
+            return None
         publish = self._unconfirmed.get(request_id)
         if publish is None:
             return OutcomeUnknownError(why)
         self._keys_failed([publish])
-        keys = sorted(_keys_of(publish))
+        keys = sorted(keys_of(publish))
         paused = f"; key{'s' if len(keys) > 1 else ''} {', '.join(map(repr, keys))} paused"
         return OutcomeUnknownError(
             f"{why}: the publish may still land (it is being resent, and is never enqueued "
             f"twice); do not publish it again{paused if keys else ''}"
         )
+
+    def cancelled_while_waiting(self, request_id: int, keys: Iterable[str]) -> None:
+        """A caller was cancelled (trio) while waiting for publish `request_id`, of
+        `keys`: it never learns the outcome, so the keys are paused as after any outcome
+        unknown, even if the answer was read just before (the application cannot tell,
+        and its retry would publish the message twice)."""
+        if self.outcome_unknown(request_id, "cancelled") is None:
+            for key in keys:
+                self.producer.failed(key)
 
     def cancel(self, consumer_id: str | None) -> None:
         """The application cancels this consumer: no resubscribe after a reconnect."""
@@ -494,7 +513,7 @@ class ClientSession:
 
     def _keys_failed(self, frames: Iterable[dict[str, Any]]) -> None:
         for f in frames:
-            for key in _keys_of(f):
+            for key in keys_of(f):
                 self.producer.failed(key)
 
     def _no_longer_behind(self, request_id: int) -> None:
@@ -510,7 +529,7 @@ class ClientSession:
             self.producer.renew(queue)
             for request_id, frame in self._unconfirmed.items():
                 if frame["queue"] == queue and frame["producer"] == producer and _seq(frame) < seq:
-                    for key in _keys_of(frame):  # earlier ones, still out under the old id
+                    for key in keys_of(frame):  # earlier ones, still out under the old id
                         self._behind_retired.setdefault(key, set()).add(request_id)
         doomed = [
             (r, f)
