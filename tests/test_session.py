@@ -194,7 +194,7 @@ def test_resends_go_in_send_order_across_renewed_producer_ids() -> None:
         m1, _ = session.publish("q", b"m1", "b", None)
         session.receive(_error(m1, "too_large"))  # permanent: renews the producer id
         session.producer.paused.discard("b")  # resume("b")
-        with pytest.raises(KeyPausedError, match="retired"):  # a waits for m0 to be answered
+        with pytest.raises(KeyPausedError, match="another producer id"):  # a waits for m0
             session.publish("q", b"m2", "a", None)
         m2, _ = session.publish("q", b"m2", "c", None)
         session.connection_lost()
@@ -324,3 +324,43 @@ def test_a_caller_cancelled_while_waiting_pauses_the_keys_even_if_the_answer_cam
     session.receive(_reply(request_id, offset=3))
     session.cancelled_while_waiting(request_id, keys_of(frame))
     assert session.producer.paused == {"k"}
+
+
+def test_a_key_is_not_wedged_once_none_of_its_publishes_is_live() -> None:
+    """m0 (a), m1 (b), m2 (c); m2 refused at once renews the producer id, so a and b
+    wait for m0 and m1. The resend of m0 refused dropped m1 without releasing key b:
+    publish(key="b") raised KeyPausedError until close(), whatever resume("b") did."""
+    session = _session()
+    m0, _ = session.publish("q", b"m0", "a", None)
+    m1, _ = session.publish("q", b"m1", "b", None)
+    m2, _ = session.publish("q", b"m2", "c", None)
+    session.receive(_error(m2, "too_large"))  # refused at once: the producer id is renewed
+    session.connection_lost()
+    session.connection_made()
+    assert [f["id"] for f in session.unconfirmed()] == [m0, m1]  # resent
+    session.receive(_error(m0, "too_large"))  # a node with a smaller --max-body
+    session.receive(_reply(m1, offset=1))  # (if m1 is still live) it landed
+    session.producer.paused.discard("b")  # resume("b")
+    session.publish("q", b"m3", "b", None)
+    assert "b" in session.settling_keys() and "c" not in session.settling_keys()
+
+
+def test_a_key_waits_for_its_publishes_under_another_producer_id() -> None:
+    """A caller-chosen producer id is ordered against the client's own per key: a
+    publish under one id while the key has an unconfirmed publish under another could
+    land first (the other lost in the Raft pipeline, then resent)."""
+    session = _session()
+    mine, _ = session.publish("q", b"a0", "a", None)
+    with pytest.raises(KeyPausedError, match="another producer id"):
+        session.publish_batch("q", [[b"a1", "a", None]], producer="S", first_seq=0)
+    theirs, _ = session.publish_batch("q", [[b"b0", "b", None]], producer="S", first_seq=0)
+    session.publish_batch("q", [[b"b1", "b", None]], producer="S", first_seq=1)  # same id
+    with pytest.raises(KeyPausedError, match="another producer id"):
+        session.publish("q", b"b2", "b", None)
+    session.publish_batch("r", [[b"x", "a", None]], producer="S", first_seq=0)  # another queue
+    assert session.settling_keys() == {"a", "b"}
+    session.receive(_reply(mine, offset=0))
+    session.publish_batch("q", [[b"a1", "a", None]], producer="S", first_seq=3)
+    session.receive(_reply(theirs, offset=1))
+    with pytest.raises(KeyPausedError):  # b1 is still out under S
+        session.publish("q", b"b2", "b", None)

@@ -63,7 +63,7 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
         try:
             request_id, frame = self.session.publish("q", body, key, None)
         except KeyPausedError:  # paused, or behind a retired producer's unconfirmed one
-            assert key in self.session.producer.paused | set(self.session._behind_retired)
+            assert key in self.session.producer.paused | self.session.settling_keys()
             return
         self.published[key].append(body)
         self.body_of[request_id] = [body]
@@ -76,7 +76,7 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
         try:
             request_id, frame = self.session.publish_batch("q", rows)
         except KeyPausedError:
-            assert set(keys) & (self.session.producer.paused | set(self.session._behind_retired))
+            assert set(keys) & (self.session.producer.paused | self.session.settling_keys())
             return
         for body, key, _ in rows:
             self.published[key].append(body)

@@ -13,6 +13,10 @@ keeps what makes publishing idempotent and ordered:
   neither an application's retry nor a later publish of the key overtakes it;
 * resends go out in the order the publishes were first sent, across producer ids
   (a producer id is renewed after a failure), so a key's order holds;
+* the queue orders each producer id's sequence alone, so a key with a publish still
+  unconfirmed under one id (this client's, retired by a failure, or one a caller chose)
+  takes no publish under another until that one is answered; which keys are waiting
+  is derived from the live publishes, so none can stay wedged once they are answered;
 * a cancelled consumer is never subscribed again after a reconnect;
 * a publish refused for good makes the later ones of that producer impossible (the
   queue expects the refused sequence next): they fail too, and the queue gets a fresh
@@ -145,10 +149,10 @@ class ClientSession:
         self._rewinding: set[str] = set()
         self._resent: set[int] = set()
         """Publishes sent more than once: a refusal of a resend leaves the outcome unknown."""
-        self._behind_retired: dict[str, set[int]] = {}
-        """Keys with publishes still unconfirmed under a producer id that a failure
-        retired, and those requests: a new publish of such a key (under the new id)
-        could land before them if one of them is lost and resent, so it waits."""
+        self._live: dict[tuple[str, str], dict[str, int]] = {}
+        """(queue, key) -> producer id -> how many unconfirmed publishes of that key the
+        producer has: the keys still settling, and under which ids. A publish of a key
+        under another producer id than one of these waits (`_check_not_behind`)."""
         self._cancelled: set[str] = set()
         """Consumers the application cancelled: kept for their acks, never resubscribed."""
         self.closed = False
@@ -178,7 +182,7 @@ class ClientSession:
         frame = {**frame, "id": request_id}
         self._pending.add(request_id)
         if idempotent:
-            self._unconfirmed[request_id] = frame
+            self._add_unconfirmed(request_id, frame)
         if subscribing is not None:
             self._subscribing[request_id] = subscribing
         return request_id, frame
@@ -186,8 +190,8 @@ class ClientSession:
     def publish(
         self, queue: str, body: bytes, key: str | None, headers: Mapping[str, str] | None
     ) -> tuple[int, dict[str, Any]]:
-        self._check_not_behind(key)
         self.producer.check(key)
+        self._check_not_behind(queue, [key], self.producer.id_for(queue))
         self._check_fits(
             [[body, key, headers]],
             lambda: publish_frame(0, queue, body, key, headers, _LONGEST_ID, 2**62),
@@ -209,8 +213,9 @@ class ClientSession:
         if (producer is None) != (first_seq is None):
             raise ValueError("producer and first_seq go together")
         for _, key, _ in rows:
-            self._check_not_behind(key)
             self.producer.check(key)
+        own = producer if producer is not None else self.producer.id_for(queue)
+        self._check_not_behind(queue, [key for _, key, _ in rows], own)
         self._check_fits(
             rows,
             lambda: {
@@ -353,12 +358,48 @@ class ClientSession:
             self.max_body = body if type(body) is int else None
             self.max_frame = frame if type(frame) is int else None
 
-    def _check_not_behind(self, key: str | None) -> None:
-        if key is not None and key in self._behind_retired:
-            raise KeyPausedError(
-                f"an earlier publish of key {key!r} is still unconfirmed under a producer id "
-                "that a failure retired; publish it again once that one is answered"
-            )
+    def settling_keys(self) -> set[str]:
+        """Keys with a publish still live: unconfirmed, and resent until answered."""
+        return {key for _, key in self._live}
+
+    def _check_not_behind(
+        self, queue: str, keys: Iterable[str | None], producer: str
+    ) -> None:
+        """`KeyPausedError` for a publish under `producer` of a key that has a publish
+        still unconfirmed under another producer id (a failure retired this client's
+        id, or a caller chose its own): the queue orders each producer's sequence alone,
+        so if the earlier one is lost and resent, it would land after this one."""
+        for key in keys:
+            if key is None:
+                continue
+            others = self._live.get((queue, key), {}).keys() - {producer}
+            if others:
+                raise KeyPausedError(
+                    f"an earlier publish of key {key!r} to {queue!r} is still unconfirmed "
+                    "under another producer id, and could land after this one: publish it "
+                    f"once {key!r} has left settling_keys()"
+                )
+
+    def _add_unconfirmed(self, request_id: int, frame: dict[str, Any]) -> None:
+        self._unconfirmed[request_id] = frame
+        for key in keys_of(frame):
+            producers = self._live.setdefault((frame["queue"], key), {})
+            producers[frame["producer"]] = producers.get(frame["producer"], 0) + 1
+
+    def _drop_unconfirmed(self, request_id: int) -> dict[str, Any] | None:
+        """No longer live (answered, or certainly never to land)."""
+        frame = self._unconfirmed.pop(request_id, None)
+        if frame is None:
+            return None
+        for key in keys_of(frame):
+            where = (frame["queue"], key)
+            producers = self._live[where]
+            producers[frame["producer"]] -= 1
+            if not producers[frame["producer"]]:
+                del producers[frame["producer"]]
+                if not producers:
+                    del self._live[where]
+        return frame
 
     def _check_fits(self, rows: list[list[Any]], frame: Callable[[], dict[str, Any]]) -> None:
         """`too_large` now for a publish ([body, key, headers] `rows`) the node would
@@ -412,7 +453,7 @@ class ClientSession:
         events: list[Event] = [Failed(r, error) for r in sorted(self._pending)]
         self._pending.clear()
         self._unconfirmed.clear()
-        self._behind_retired.clear()
+        self._live.clear()
         self._resent.clear()
         self._subscribing.clear()
         events += [ConsumerEnded(c, f"connection lost: {error}") for c in self.consumers.values()]
@@ -428,7 +469,7 @@ class ClientSession:
         ]
         self._pending.clear()
         self._unconfirmed.clear()
-        self._behind_retired.clear()
+        self._live.clear()
         self._resent.clear()
         self._subscribing.clear()
         events += [ConsumerEnded(c, "client closed") for c in self.consumers.values()]
@@ -470,8 +511,7 @@ class ClientSession:
         if request_id not in self._pending:
             return []  # a second answer to a resent request
         self._pending.discard(request_id)
-        self._unconfirmed.pop(request_id, None)
-        self._no_longer_behind(request_id)
+        self._drop_unconfirmed(request_id)
         if not error:
             self._resent.discard(request_id)
         consumer = self._subscribing.pop(request_id, None)
@@ -516,21 +556,10 @@ class ClientSession:
             for key in keys_of(f):
                 self.producer.failed(key)
 
-    def _no_longer_behind(self, request_id: int) -> None:
-        for key in [k for k, ids in self._behind_retired.items() if request_id in ids]:
-            ids = self._behind_retired[key]
-            ids.discard(request_id)
-            if not ids:
-                del self._behind_retired[key]
-
     def _give_up_after(self, publish: dict[str, Any]) -> list[Event]:
         queue, producer, seq = publish["queue"], publish["producer"], _seq(publish)
         if self.producer.id_for(queue) == producer:
-            self.producer.renew(queue)
-            for request_id, frame in self._unconfirmed.items():
-                if frame["queue"] == queue and frame["producer"] == producer and _seq(frame) < seq:
-                    for key in keys_of(frame):  # earlier ones, still out under the old id
-                        self._behind_retired.setdefault(key, set()).add(request_id)
+            self.producer.renew(queue)  # earlier ones still out under the old id hold their keys
         doomed = [
             (r, f)
             for r, f in self._unconfirmed.items()
@@ -538,7 +567,7 @@ class ClientSession:
         ]
         events: list[Event] = []
         for request_id, frame in doomed:
-            del self._unconfirmed[request_id]
+            self._drop_unconfirmed(request_id)
             self._pending.discard(request_id)
             self._keys_failed([frame])
             error: QuorumqError = QuorumqError(
