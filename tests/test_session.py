@@ -278,25 +278,37 @@ def test_what_is_sent_always_fits_the_nodes_limits(
     assert len(encode_frame(frame)) <= max_frame
 
 
-def test_a_resend_refused_by_a_node_with_other_limits_is_outcome_unknown_not_a_failure() -> None:
+def test_a_resend_refused_by_a_node_with_other_limits_is_outcome_unknown_and_stays_live() -> (
+    None
+):
     """Configuration drift: the first attempt landed on a node, its confirm was lost, and
-    a node with a smaller --max-body refused the resend. It was reported "not published"."""
+    a node with a smaller --max-body refused the resend. It was reported "not published";
+    then "outcome unknown" but dropped, so the key settled while an earlier attempt could
+    still be in the Raft pipeline (a read then proves nothing). Now it stays live, and so
+    do the later ones of its producer: each is settled by its own answer."""
     session = _session()
-    first, _ = session.publish("q", b"m0", "k", None)
+    first, sent = session.publish("q", b"m0", "k", None)
     later, _ = session.publish("q", b"m1", "j", None)
     session.connection_lost()
     session.connection_made()
     assert [f["id"] for f in session.unconfirmed()] == [first, later]  # resent
     refused = session.receive(_error(first, "too_large"))
-    errors = {e.request_id: e.error for e in refused if isinstance(e, Failed)}
-    assert isinstance(errors[first], OutcomeUnknownError)
-    assert isinstance(errors[later], OutcomeUnknownError)  # it was sent before too
-    assert session.producer.paused == {"k", "j"}
-    fresh, _ = session.publish("q", b"m2", None, None)
+    assert [type(e.error) for e in refused if isinstance(e, Failed)] == [OutcomeUnknownError]
+    assert session.producer.paused == {"k"}
+    assert session.settling_keys() == {"k", "j"}  # both live
+    assert [f["id"] for f in session.rewind("q")] == [later]  # not to this node again
+    fresh, frame = session.publish("q", b"m2", None, None)
+    assert frame["producer"] != sent["producer"]  # a fresh id
     (never_resent,) = [
         e for e in session.receive(_error(fresh, "too_large")) if isinstance(e, Failed)
     ]
     assert type(never_resent.error) is ServerError  # sent once, refused: not published
+    assert session.receive(_reply(later, offset=1)) == [Resolved(later, _reply(later, offset=1))]
+    session.connection_lost()
+    session.connection_made()
+    assert [f["id"] for f in session.unconfirmed()] == [first]  # to the next node
+    session.receive(_reply(first, offset=0))
+    assert session.settling_keys() == set()
 
 
 def test_a_caller_that_stops_waiting_just_after_the_answer_was_read_gets_that_answer() -> None:

@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from quorumq.client.core import KeyPausedError
+from quorumq.client.core import KeyPausedError, OutcomeUnknownError
 from quorumq.client.session import ClientSession, Failed, Resolved, RewindLater
 from quorumq.machine import (
     Declare,
@@ -50,6 +50,7 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
         self.waiting: set[int] = set()  # request ids the application waits for
         self.counter = 0
         self.rewinds: list[str] = []
+        self.events: list[Failed] = []  # failures reported to the application
 
     # ------------------------------------------------------------ the app
 
@@ -167,6 +168,7 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
                 self.waiting.discard(event.request_id)
                 self.told_ok.update(self.body_of[event.request_id])
             elif isinstance(event, Failed) and event.request_id in self.waiting:
+                self.events.append(event)
                 self.waiting.discard(event.request_id)
                 self._expect_paused(event.request_id)
 
@@ -241,3 +243,31 @@ def test_a_key_is_not_overtaken_by_its_next_publish_under_a_renewed_producer_id(
     m.an_entry_commits()
     assert [x.body for x in m.machine.read("q", 0, 10)] == [b"a1", b"a4"]
     m.each_publish_lands_at_most_once_and_each_key_in_order()
+
+
+def test_a_publish_is_not_told_not_published_when_a_resend_before_it_is_refused() -> None:
+    """a1 and b2 land, their replies are lost, the client reconnects and publishes c3,
+    and a node with a smaller --max-body refuses a1's resend. c3 (and b2) were failed as
+    "not published", yet the log then held [a1, b2, c3]: an application retry of c3
+    would have been a duplicate."""
+    m = SessionAgainstTheMachine()
+    m.publish("a")  # a1
+    m.publish("b")  # b2
+    for _ in range(2):
+        m.node_reads_a_frame(refuse=5)
+        m.an_entry_commits()
+        m.a_reply_arrives(lose=0)  # lost
+    m.reconnect()  # a1 and b2 resent
+    m.publish("c")  # c3: sent first on this connection
+    m.node_reads_a_frame(refuse=0)  # a1's resend: too large for this node
+    m.a_reply_arrives(lose=5)
+    failed = {e.request_id: e.error for e in m.events if isinstance(e, Failed)}
+    assert list(failed.values()) and all(
+        isinstance(e, OutcomeUnknownError) for e in failed.values()
+    ), failed  # a1: outcome unknown; b2 and c3: not failed
+    for _ in range(2):
+        m.node_reads_a_frame(refuse=5)
+        m.an_entry_commits()
+        m.a_reply_arrives(lose=5)
+    assert [x.body for x in m.machine.read("q", 0, 10)] == [b"a1", b"b2", b"c3"]
+    assert m.told_ok == {b"b2", b"c3"}

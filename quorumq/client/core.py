@@ -138,6 +138,10 @@ class Producer:
             producer = self._ids[queue] = uuid.uuid4().hex
         return producer
 
+    def current(self, queue: str) -> str | None:
+        """The id of this producer for `queue`, if it has one yet."""
+        return self._ids.get(queue)
+
     def take(self, queue: str, count: int = 1) -> tuple[str, int]:
         seq = self._next.get(queue, 0)
         self._next[queue] = seq + count

@@ -18,9 +18,14 @@ keeps what makes publishing idempotent and ordered:
   takes no publish under another until that one is answered; which keys are waiting
   is derived from the live publishes, so none can stay wedged once they are answered;
 * a cancelled consumer is never subscribed again after a reconnect;
-* a publish refused for good makes the later ones of that producer impossible (the
-  queue expects the refused sequence next): they fail too, and the queue gets a fresh
-  producer id;
+* a publish refused for certain (its only attempt refused, or the queue expects a
+  sequence number no live publish holds) makes the later ones of that producer
+  impossible (the queue expects the refused sequence next): they fail too, "not
+  published", and the queue gets a fresh producer id;
+* a resend refused (a node with a smaller --max-body, a queue full for now) settles
+  nothing: an earlier attempt may have landed or may yet. The caller is told outcome
+  unknown, the key paused; the publish stays live and goes again on the next
+  connection, and the later ones of its producer stay live, each settled by its answer;
 * a subscription is registered when its reply is read, before the deliveries that
   follow it on the same connection;
 * a subscribe (the user's, or a consumer's after its connection broke or its node was
@@ -149,6 +154,9 @@ class ClientSession:
         self._rewinding: set[str] = set()
         self._resent: set[int] = set()
         """Publishes sent more than once: a refusal of a resend leaves the outcome unknown."""
+        self._parked: set[int] = set()
+        """Live publishes whose resend this connection's node refused: sent again only on
+        the next connection (outcome unknown until a node answers them)."""
         self._live: dict[tuple[str, str], dict[str, int]] = {}
         """(queue, key) -> producer id -> how many unconfirmed publishes of that key the
         producer has: the keys still settling, and under which ids. A publish of a key
@@ -296,14 +304,15 @@ class ClientSession:
         return frame
 
     def unconfirmed(self, queue: str | None = None) -> list[dict[str, Any]]:
-        """Unconfirmed publishes (of `queue`, or all), in the order they were first sent
-        (request ids grow in send order; per producer that is sequence order), marked as
-        resends. Not by producer id: a renewed id is random, and its publishes would
-        overtake earlier ones of the same key half of the time."""
+        """Unconfirmed publishes (of `queue`, or all) to send again, in the order they
+        were first sent (request ids grow in send order; per producer that is sequence
+        order), marked as resends. Not by producer id: a renewed id is random, and its
+        publishes would overtake earlier ones of the same key half of the time. Not those
+        whose resend this connection's node refused: they go on the next connection."""
         frames = [
             (r, f)
             for r, f in sorted(self._unconfirmed.items())
-            if queue is None or f["queue"] == queue
+            if (queue is None or f["queue"] == queue) and r not in self._parked
         ]
         self._resent.update(r for r, _ in frames)
         return [{**f, "retry": True} for _, f in frames]
@@ -353,6 +362,7 @@ class ClientSession:
     def connection_made(self, welcome: Mapping[str, Any] | None = None) -> None:
         """A new connection is in place (its unconfirmed publishes are being sent)."""
         self.connected = True
+        self._parked.clear()  # sent again now, to this node
         if welcome is not None:
             body, frame = welcome.get("max_body"), welcome.get("max_frame")
             self.max_body = body if type(body) is int else None
@@ -455,6 +465,7 @@ class ClientSession:
         self._unconfirmed.clear()
         self._live.clear()
         self._resent.clear()
+        self._parked.clear()
         self._subscribing.clear()
         events += [ConsumerEnded(c, f"connection lost: {error}") for c in self.consumers.values()]
         self.consumers.clear()
@@ -471,6 +482,7 @@ class ClientSession:
         self._unconfirmed.clear()
         self._live.clear()
         self._resent.clear()
+        self._parked.clear()
         self._subscribing.clear()
         events += [ConsumerEnded(c, "client closed") for c in self.consumers.values()]
         self.consumers.clear()
@@ -501,83 +513,121 @@ class ClientSession:
         return []
 
     def _resolve(self, request_id: int, frame: dict[str, Any]) -> list[Event]:
-        publish = self._unconfirmed.get(request_id)
-        error = frame["t"] == "error"
-        if publish is not None and error and self._may_resend(publish, frame):
-            if publish["queue"] in self._rewinding:
-                return []
-            self._rewinding.add(publish["queue"])
-            return [RewindLater(publish["queue"])]
         if request_id not in self._pending:
-            return []  # a second answer to a resent request
+            return []  # answered before (a second answer to a resent request)
+        publish = self._unconfirmed.get(request_id)
+        if publish is not None:
+            return self._publish_answered(request_id, publish, frame)
+        self._pending.discard(request_id)
+        consumer = self._subscribing.pop(request_id, None)
+        if frame["t"] == "error":
+            return [Failed(request_id, ServerError(frame["code"], frame["message"]))]
+        if consumer is not None:
+            consumer.id = frame["consumer"]
+            self.consumers[consumer.id] = consumer
+        return [Resolved(request_id, frame)]
+
+    def _publish_answered(
+        self, request_id: int, publish: dict[str, Any], frame: dict[str, Any]
+    ) -> list[Event]:
+        """A publish's answer. A refusal is one of: retriable (resend the queue's live
+        publishes, after `REWIND_DELAY`); out of order behind an earlier live publish
+        (resend it after that one); certain (the publish never lands: "not published");
+        or the refusal of a resend that settles nothing (outcome unknown)."""
+        if frame["t"] == "reply":
+            self._settled(request_id)
+            return [Resolved(request_id, frame)]
+        code, message = frame["code"], frame["message"]
+        if code in RETRIABLE:
+            return self._rewind_later(publish["queue"])
+        expected = frame.get("expected_seq")
+        proof = False
+        if code == "out_of_order" and isinstance(expected, int):
+            earlier = self._live_covering(publish, expected)
+            if earlier in self._parked:  # it is sent again on the next connection, and so
+                self._parked.add(request_id)  # is this one
+                return []
+            if earlier is not None:
+                return self._rewind_later(publish["queue"])
+            # The queue expects a sequence number that no live publish of this producer
+            # holds (0, though, is also what a producer the queue forgot gets).
+            proof = expected != 0
+        if proof or request_id not in self._resent:
+            # this attempt was the only one, or no attempt of it can land any more
+            self._settled(request_id)
+            self._keys_failed([publish])
+            refusal = Failed(request_id, ServerError(code, message))
+            return [refusal, *self._give_up_after(publish)]
+        # A resend refused (by a node with a smaller --max-body, say, or a queue full
+        # for now): an earlier attempt may have landed, or may still be in the Raft
+        # pipeline. Not "not published": the publish stays live, sent again on the next
+        # connection, so the key settles once a node answers it. Later publishes of the
+        # same producer stay live too, each settled by its own answer (if this one did
+        # not land, theirs is out_of_order behind it). New ones take a fresh producer id.
+        first = request_id not in self._parked
+        self._parked.add(request_id)
+        self._keys_failed([publish])
+        self._retire(publish)
+        if not first:
+            return []
+        return [
+            Failed(
+                request_id,
+                OutcomeUnknownError(
+                    f"a resend was refused ({code}: {message}), but an earlier attempt may "
+                    "have landed or may yet: the publish stays live (sent again after the "
+                    "next reconnect) and lands at most once; do not publish it again"
+                ),
+            )
+        ]
+
+    def _rewind_later(self, queue: str) -> list[Event]:
+        if queue in self._rewinding:
+            return []
+        self._rewinding.add(queue)
+        return [RewindLater(queue)]
+
+    def _live_covering(self, publish: dict[str, Any], seq: int) -> int | None:
+        """The live publish of `publish`'s queue and producer that holds sequence `seq`."""
+        for request_id, f in self._unconfirmed.items():
+            if f["queue"] != publish["queue"] or f["producer"] != publish["producer"]:
+                continue
+            count = 1 if f["t"] == "publish" else len(f["messages"])
+            if _seq(f) <= seq < _seq(f) + count:
+                return request_id
+        return None
+
+    def _settled(self, request_id: int) -> None:
+        """`request_id` is answered for good: no longer pending, live or resent."""
         self._pending.discard(request_id)
         self._drop_unconfirmed(request_id)
-        if not error:
-            self._resent.discard(request_id)
-        consumer = self._subscribing.pop(request_id, None)
-        if not error:
-            if consumer is not None:
-                consumer.id = frame["consumer"]
-                self.consumers[consumer.id] = consumer
-            return [Resolved(request_id, frame)]
-        refusal: QuorumqError = ServerError(frame["code"], frame["message"])
-        if publish is not None and request_id in self._resent:
-            # an earlier attempt may have landed (a node with a smaller --max-body, say,
-            # refuses the resend): not "not published", but outcome unknown
-            refusal = OutcomeUnknownError(
-                f"a resend was refused ({frame['code']}: {frame['message']}), but an earlier "
-                "attempt may have landed; do not publish it again"
-            )
-        events: list[Event] = [Failed(request_id, refusal)]
         self._resent.discard(request_id)
-        if publish is not None:
-            self._keys_failed([publish])
-            events += self._give_up_after(publish)
-        return events
-
-    def _may_resend(self, publish: dict[str, Any], error: dict[str, Any]) -> bool:
-        """Retriable, or out of order behind an earlier publish that is still unconfirmed."""
-        if self.closed:
-            return False
-        if error["code"] in RETRIABLE:
-            return True
-        expected = error.get("expected_seq")
-        if error["code"] != "out_of_order" or expected is None:
-            return False
-        return any(
-            f["queue"] == publish["queue"]
-            and f["producer"] == publish["producer"]
-            and _seq(f) == expected
-            for f in self._unconfirmed.values()
-        )
+        self._parked.discard(request_id)
 
     def _keys_failed(self, frames: Iterable[dict[str, Any]]) -> None:
         for f in frames:
             for key in keys_of(f):
                 self.producer.failed(key)
 
+    def _retire(self, publish: dict[str, Any]) -> None:
+        """After a refusal, this client's publishes to the queue take a fresh producer id
+        (the queue expects the refused sequence number next from the old one)."""
+        if self.producer.current(publish["queue"]) == publish["producer"]:
+            self.producer.renew(publish["queue"])
+
     def _give_up_after(self, publish: dict[str, Any]) -> list[Event]:
+        """`publish` never lands: nor does any later one of its producer (the queue takes
+        a producer's sequence numbers in order). Those are not live any more."""
         queue, producer, seq = publish["queue"], publish["producer"], _seq(publish)
-        if self.producer.id_for(queue) == producer:
-            self.producer.renew(queue)  # earlier ones still out under the old id hold their keys
-        doomed = [
-            (r, f)
-            for r, f in self._unconfirmed.items()
-            if f["queue"] == queue and f["producer"] == producer and _seq(f) > seq
-        ]
+        self._retire(publish)  # earlier ones still out under the old id hold their keys
         events: list[Event] = []
-        for request_id, frame in doomed:
-            self._drop_unconfirmed(request_id)
-            self._pending.discard(request_id)
-            self._keys_failed([frame])
-            error: QuorumqError = QuorumqError(
-                f"not published: an earlier publish to {queue!r} failed"
-            )
-            if request_id in self._resent:  # sent before: it may have landed then
-                self._resent.discard(request_id)
-                error = OutcomeUnknownError(
-                    f"an earlier publish to {queue!r} failed and this one was sent before: "
-                    "it may have landed; do not publish it again"
+        for request_id, frame in list(self._unconfirmed.items()):
+            if frame["queue"] == queue and frame["producer"] == producer and _seq(frame) > seq:
+                self._settled(request_id)
+                self._keys_failed([frame])
+                error = QuorumqError(
+                    f"not published: an earlier publish to {queue!r} under the same producer "
+                    "id was refused, and the queue takes that id's sequence numbers in order"
                 )
-            events.append(Failed(request_id, error))
+                events.append(Failed(request_id, error))
         return events
