@@ -32,14 +32,18 @@ def test_a_publish_with_no_confirm_in_time_is_outcome_unknown_pauses_its_key_and
             assert client.paused_keys() == {"k"}
             with pytest.raises(KeyPausedError):  # the app's retry: refused, not a duplicate
                 client.publish("q", b"m", key="k")
+            assert client.settling_keys() == {"k"}  # still live: a read proves nothing yet
+            with pytest.raises(KeyPausedError, match="settling_keys"):
+                client.resume("k")
         finally:
             cluster.resume("A")
         client.timeout = 20.0
         client.publish("q", b"n", key="other")  # resends go first, in order
+        wait_for(lambda: not client.settling_keys(), "k to settle")
         reader = cluster.client("B")
         wait_for(lambda: len(reader.read("q", 0, 10)) >= 2, "both in the log")
         assert [m.body for m in reader.read("q", 0, 10)] == [b"m", b"n"]  # m once
-        client.resume("k")
+        client.resume("k")  # it landed: the application does not publish it again
         client.publish("q", b"o", key="k")
 
 

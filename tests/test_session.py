@@ -193,7 +193,7 @@ def test_resends_go_in_send_order_across_renewed_producer_ids() -> None:
         m0, _ = session.publish("q", b"m0", "a", None)
         m1, _ = session.publish("q", b"m1", "b", None)
         session.receive(_error(m1, "too_large"))  # permanent: renews the producer id
-        session.producer.paused.discard("b")  # resume("b")
+        session.resume("b")
         with pytest.raises(KeyPausedError, match="another producer id"):  # a waits for m0
             session.publish("q", b"m2", "a", None)
         m2, _ = session.publish("q", b"m2", "c", None)
@@ -352,7 +352,7 @@ def test_a_key_is_not_wedged_once_none_of_its_publishes_is_live() -> None:
     assert [f["id"] for f in session.unconfirmed()] == [m0, m1]  # resent
     session.receive(_error(m0, "too_large"))  # a node with a smaller --max-body
     session.receive(_reply(m1, offset=1))  # (if m1 is still live) it landed
-    session.producer.paused.discard("b")  # resume("b")
+    session.resume("b")
     session.publish("q", b"m3", "b", None)
     assert "b" in session.settling_keys() and "c" not in session.settling_keys()
 
@@ -376,3 +376,20 @@ def test_a_key_waits_for_its_publishes_under_another_producer_id() -> None:
     session.receive(_reply(theirs, offset=1))
     with pytest.raises(KeyPausedError):  # b1 is still out under S
         session.publish("q", b"b2", "b", None)
+
+
+def test_a_key_is_resumed_only_once_none_of_its_publishes_is_live() -> None:
+    """The README said: after outcome unknown, find it with read, then resume. But the
+    publish was still live: a read that missed it proved nothing, and the retry that
+    followed landed as well (offsets 0 and 1)."""
+    session = _session()
+    request_id, _ = session.publish("q", b"m", "k", None)
+    assert session.outcome_unknown(request_id, "no answer within 1 s") is not None
+    assert session.settling_keys() == {"k"}
+    with pytest.raises(KeyPausedError, match=r"settling_keys\(\)"):
+        session.resume("k")
+    assert session.producer.paused == {"k"}
+    session.receive(_reply(request_id, offset=0))
+    assert session.settling_keys() == set()
+    session.resume("k")  # now a read tells whether it landed
+    session.publish("q", b"next", "k", None)

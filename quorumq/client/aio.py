@@ -392,10 +392,16 @@ class AsyncClient:
         return [] if first is None else list(range(first, first + len(rows)))
 
     def paused_keys(self) -> set[str]:
+        """Keys whose publishes fail fast (`KeyPausedError`) until `resume(key)`."""
         return set(self.producer.paused)
 
+    def settling_keys(self) -> set[str]:
+        """As the blocking client's: keys with a publish still live."""
+        return self._session.settling_keys()
+
     def resume(self, key: str) -> None:
-        self.producer.paused.discard(key)
+        """As the blocking client's (`KeyPausedError` while the key is settling)."""
+        self._session.resume(key)
 
     async def subscribe(
         self, queue: str, prefetch: int = 100, *, timeout_ms: int | None = None

@@ -458,11 +458,22 @@ class Client:
         return [] if first is None else list(range(first, first + len(rows)))
 
     def paused_keys(self) -> set[str]:
-        return set(self.producer.paused)
+        """Keys whose publishes fail fast (`KeyPausedError`) until `resume(key)`."""
+        with self._lock:
+            return set(self.producer.paused)
+
+    def settling_keys(self) -> set[str]:
+        """Keys with a publish still live (unconfirmed, resent until a node answers it).
+        After `OutcomeUnknownError`, wait until its key has left: then nothing more can
+        land for it, a `read` tells whether it landed, and `resume(key)` is allowed."""
+        with self._lock:
+            return self._session.settling_keys()
 
     def resume(self, key: str) -> None:
-        """Publishing for `key` may go on after a failure was handled."""
-        self.producer.paused.discard(key)
+        """Publishing for `key` may go on after a failure was handled. `KeyPausedError`
+        while the key is in `settling_keys()` (a publish of it may still land)."""
+        with self._lock:
+            self._session.resume(key)
 
     def subscribe(
         self, queue: str, prefetch: int = 100, *, timeout_ms: int | None = None

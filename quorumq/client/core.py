@@ -33,7 +33,9 @@ class ServerError(QuorumqError):
 
 
 class KeyPausedError(QuorumqError):
-    """A publish for this key failed earlier; call `resume(key)` once it is handled."""
+    """Not sent: a publish for this key failed earlier (call `resume(key)` once it is
+    handled), or one is still live under another producer id (wait until the key has
+    left `settling_keys()`); also `resume(key)`'s refusal while the key is settling."""
 
 
 class ConnectionLostError(QuorumqError):
@@ -46,7 +48,9 @@ class OutcomeUnknownError(ConnectionLostError):
 
     Do not publish it again (that would be a second message): its key is paused, so
     later publishes of that key fail fast (`KeyPausedError`) instead of overtaking it.
-    Call `resume(key)` once you have decided (e.g. after finding it with `read`)."""
+    Wait until the key has left the client's `settling_keys()`: then nothing more can
+    land for it, and a `read` tells whether it landed. Then `resume(key)` (refused
+    before), and publish it again only if it did not land."""
 
 
 Row = list[Any]

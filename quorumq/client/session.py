@@ -336,7 +336,8 @@ class ClientSession:
         paused = f"; key{'s' if len(keys) > 1 else ''} {', '.join(map(repr, keys))} paused"
         return OutcomeUnknownError(
             f"{why}: the publish may still land (it is being resent, and is never enqueued "
-            f"twice); do not publish it again{paused if keys else ''}"
+            f"twice); do not publish it again{paused if keys else ''} (once the key has left "
+            "settling_keys(), read to see whether it landed, then resume it)"
         )
 
     def cancelled_while_waiting(self, request_id: int, keys: Iterable[str]) -> None:
@@ -369,8 +370,22 @@ class ClientSession:
             self.max_frame = frame if type(frame) is int else None
 
     def settling_keys(self) -> set[str]:
-        """Keys with a publish still live: unconfirmed, and resent until answered."""
+        """Keys with a publish still live: unconfirmed, and resent until answered. Once a
+        key has left, nothing more can land for it, and a read tells what did."""
         return {key for _, key in self._live}
+
+    def resume(self, key: str) -> None:
+        """Publishing `key` may go on. Refused (`KeyPausedError`) while the key has a
+        live publish: one whose outcome is unknown may still land, so a read that misses
+        it proves nothing, and a retry decided on it would be a second message."""
+        if key in self.settling_keys():
+            raise KeyPausedError(
+                f"key {key!r} still has a publish that is live (unconfirmed, being resent "
+                f"until a node answers it): wait until {key!r} leaves settling_keys(); then "
+                "nothing more can land for it, a read tells whether it landed, and "
+                f"resume({key!r}) is allowed"
+            )
+        self.producer.paused.discard(key)
 
     def _check_not_behind(
         self, queue: str, keys: Iterable[str | None], producer: str
