@@ -15,6 +15,7 @@ from quorumq.client.core import (
     OutcomeUnknownError,
     QuorumqError,
     ServerError,
+    TooManyUnconfirmedError,
 )
 from quorumq.client.session import (
     SUBSCRIBE_RETRY_FIRST,
@@ -393,3 +394,31 @@ def test_a_key_is_resumed_only_once_none_of_its_publishes_is_live() -> None:
     assert session.settling_keys() == set()
     session.resume("k")  # now a read tells whether it landed
     session.publish("q", b"next", "k", None)
+
+
+def test_a_publish_past_the_unconfirmed_limits_fails_before_anything_is_sent() -> None:
+    """A node that never answers (stopped, its TCP kept alive by the kernel) made the
+    unconfirmed publishes, and every rewind's resends, grow without bound."""
+    session = ClientSession(
+        settle=lambda _d, _a, _r: None, max_unconfirmed=2, max_unconfirmed_bytes=100
+    )
+    session.connection_made()
+    first, _ = session.publish("q", b"x" * 10, "a", None)
+    session.publish("q", b"x" * 10, None, None)
+    with pytest.raises(TooManyUnconfirmedError, match=r"max_unconfirmed=2"):
+        session.publish("q", b"x", "k", None)
+    with pytest.raises(TooManyUnconfirmedError):
+        session.publish_batch("q", [[b"x", None, None]])
+    assert session.producer.paused == set()  # not sent: nothing to pause
+    session.receive(_reply(first, offset=0))
+    _, frame = session.publish("q", b"x", "k", None)
+    assert frame["seq"] == 2  # the refused ones took no sequence number
+    session = ClientSession(settle=lambda _d, _a, _r: None, max_unconfirmed_bytes=100)
+    session.connection_made()
+    big, _ = session.publish("q", b"x" * 500, None, None)  # alone, any size goes
+    with pytest.raises(TooManyUnconfirmedError, match=r"max_unconfirmed_bytes=100"):
+        session.publish("q", b"x", None, None)
+    session.receive(_reply(big, offset=0))
+    session.publish("q", b"x" * 60, None, None)
+    with pytest.raises(TooManyUnconfirmedError, match="bytes"):
+        session.publish_batch("q", [[b"x" * 30, "k", {"h": "v" * 10}]])

@@ -10,6 +10,7 @@ from .core import (
     QuorumqError,
     ReadResult,
     ServerError,
+    TooManyUnconfirmedError,
 )
 
 __all__ = [
@@ -23,5 +24,6 @@ __all__ = [
     "ReadResult",
     "ServerError",
     "StreamMessage",
+    "TooManyUnconfirmedError",
     "connect",
 ]

@@ -40,6 +40,8 @@ from .core import (
     report_node_error,
 )
 from .session import (
+    MAX_UNCONFIRMED,
+    MAX_UNCONFIRMED_BYTES,
     REWIND_DELAY,
     ClientSession,
     ConsumerEnded,
@@ -117,6 +119,8 @@ class AsyncClient:
         timeout: float = 30.0,
         connect_timeout: float = 5.0,
         admin_token: str | None = None,
+        max_unconfirmed: int = MAX_UNCONFIRMED,
+        max_unconfirmed_bytes: int = MAX_UNCONFIRMED_BYTES,
     ) -> None:
         self._endpoints = parse_endpoints(endpoints)
         self._token = token
@@ -124,7 +128,11 @@ class AsyncClient:
         self._nursery = nursery
         self.timeout = timeout
         self._connect_timeout = connect_timeout
-        self._session = ClientSession(self._settle)
+        self._session = ClientSession(
+            self._settle,
+            max_unconfirmed=max_unconfirmed,
+            max_unconfirmed_bytes=max_unconfirmed_bytes,
+        )
         self.producer = self._session.producer
         self._answers: dict[int, _Answer] = {}
         self._send_lock = trio.Lock()

@@ -38,6 +38,8 @@ from .core import (
     report_node_error,
 )
 from .session import (
+    MAX_UNCONFIRMED,
+    MAX_UNCONFIRMED_BYTES,
     REWIND_DELAY,
     ClientSession,
     ConsumerEnded,
@@ -165,8 +167,13 @@ class Client:
         timeout: float = 30.0,
         connect_timeout: float = 5.0,
         admin_token: str | None = None,
+        max_unconfirmed: int = MAX_UNCONFIRMED,
+        max_unconfirmed_bytes: int = MAX_UNCONFIRMED_BYTES,
     ) -> None:
-        """`admin_token`: for administrative verbs (`add_member`, `remove_member`)."""
+        """`admin_token`: for administrative verbs (`add_member`, `remove_member`).
+        `max_unconfirmed`, `max_unconfirmed_bytes`: how many publishes, and how many
+        bytes of them, may wait for their confirms at once; past either, a publish fails
+        before anything is sent (`TooManyUnconfirmedError`; its key is not paused)."""
         self._endpoints = parse_endpoints(endpoints)
         self._token = token
         self._admin_token = admin_token
@@ -176,7 +183,11 @@ class Client:
         self._sock: socket.socket | None = None
         self._generation = 0
         self._endpoint_index = 0
-        self._session = ClientSession(self._settle)
+        self._session = ClientSession(
+            self._settle,
+            max_unconfirmed=max_unconfirmed,
+            max_unconfirmed_bytes=max_unconfirmed_bytes,
+        )
         self._futures: dict[int, Future[dict[str, Any]]] = {}
         self.producer = self._session.producer
         self.node: str | None = None

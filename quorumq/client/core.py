@@ -38,6 +38,12 @@ class KeyPausedError(QuorumqError):
     left `settling_keys()`); also `resume(key)`'s refusal while the key is settling."""
 
 
+class TooManyUnconfirmedError(QuorumqError):
+    """Not sent, and its key not paused: the client already holds as many unconfirmed
+    publishes (or bytes of them) as its `max_unconfirmed` (`max_unconfirmed_bytes`)
+    allows. Wait for confirms, then publish it again (or raise the limit)."""
+
+
 class ConnectionLostError(QuorumqError):
     """No endpoint could be reached (or the connection broke and could not be restored)."""
 

@@ -54,6 +54,7 @@ from .core import (
     Producer,
     QuorumqError,
     ServerError,
+    TooManyUnconfirmedError,
     delivery_from,
     publish_frame,
 )
@@ -65,6 +66,11 @@ _LONGEST_ID = "f" * 32
 
 REWIND_DELAY = 0.05
 """Seconds before resending a queue's unconfirmed publishes after a retriable failure."""
+
+MAX_UNCONFIRMED = 10_000
+"""Unconfirmed publishes (requests: a batch counts once) a client holds at most."""
+MAX_UNCONFIRMED_BYTES = 64 * 1024 * 1024
+"""Bytes of unconfirmed publishes (bodies, keys, headers) a client holds at most."""
 
 SUBSCRIBE_RETRIABLE = RETRIABLE | {"node_down"}
 """Error codes after which a subscribe is tried again."""
@@ -129,6 +135,13 @@ def _at_least(rows: list[list[Any]]) -> int:
     return size
 
 
+def _size_of(frame: Mapping[str, Any]) -> int:
+    """What a publish or publish_batch frame's messages take (`_at_least`)."""
+    if frame["t"] == "publish":
+        return _at_least([[frame["body"], frame["key"], frame["headers"]]])
+    return _at_least(frame["messages"])
+
+
 def keys_of(frame: Mapping[str, Any]) -> frozenset[str]:
     """The keys of a publish or publish_batch frame (none for any other frame)."""
     if frame["t"] == "publish":
@@ -143,13 +156,30 @@ def _seq(frame: Mapping[str, Any]) -> int:
 
 
 class ClientSession:
-    def __init__(self, settle: Callable[[Delivery, bool, bool], Any]) -> None:
+    def __init__(
+        self,
+        settle: Callable[[Delivery, bool, bool], Any],
+        *,
+        max_unconfirmed: int = MAX_UNCONFIRMED,
+        max_unconfirmed_bytes: int = MAX_UNCONFIRMED_BYTES,
+    ) -> None:
+        """`max_unconfirmed`, `max_unconfirmed_bytes`: how many unconfirmed publishes,
+        and how many bytes of them, the session holds at most; a publish past either
+        fails before anything is sent (`TooManyUnconfirmedError`). Unconfirmed publishes
+        are kept, and resent, until answered: a node that never answers would otherwise
+        make them grow without bound."""
+        if max_unconfirmed < 1 or max_unconfirmed_bytes < 1:
+            raise ValueError("max_unconfirmed and max_unconfirmed_bytes must be positive")
+        self.max_unconfirmed = max_unconfirmed
+        self.max_unconfirmed_bytes = max_unconfirmed_bytes
         self.producer = Producer()
         self.consumers: dict[str, Any] = {}
         self._settle = settle
         self._next_id = 1
         self._pending: set[int] = set()
         self._unconfirmed: dict[int, dict[str, Any]] = {}
+        self._unconfirmed_bytes = 0
+        """Bytes of the unconfirmed publishes' bodies, keys and headers."""
         self._subscribing: dict[int, Any] = {}
         self._rewinding: set[str] = set()
         self._resent: set[int] = set()
@@ -204,6 +234,7 @@ class ClientSession:
             [[body, key, headers]],
             lambda: publish_frame(0, queue, body, key, headers, _LONGEST_ID, 2**62),
         )
+        self._check_room([[body, key, headers]])
         producer, seq = self.producer.take(queue)
         frame = publish_frame(0, queue, body, key, headers, producer, seq)
         return self.request(frame, idempotent=True)
@@ -235,6 +266,7 @@ class ClientSession:
                 "id": 2**62,
             },
         )
+        self._check_room(rows)
         if producer is None or first_seq is None:
             producer, first_seq = self.producer.take(queue, len(rows))
         frame = {
@@ -405,8 +437,27 @@ class ClientSession:
                     f"once {key!r} has left settling_keys()"
                 )
 
+    def _check_room(self, rows: list[list[Any]]) -> None:
+        """`TooManyUnconfirmedError` for a publish past the session's limits (one
+        publish alone always fits: the node's --max-body bounds it)."""
+        if len(self._unconfirmed) >= self.max_unconfirmed:
+            raise TooManyUnconfirmedError(
+                f"not sent: {len(self._unconfirmed)} publishes are unconfirmed, the "
+                f"client's limit (max_unconfirmed={self.max_unconfirmed}); the key is not "
+                "paused: wait for confirms and publish it again, or raise max_unconfirmed"
+            )
+        size = _at_least(rows)
+        if self._unconfirmed and self._unconfirmed_bytes + size > self.max_unconfirmed_bytes:
+            raise TooManyUnconfirmedError(
+                f"not sent: {self._unconfirmed_bytes} bytes of publishes are unconfirmed, "
+                f"and {size} more would pass the client's limit (max_unconfirmed_bytes="
+                f"{self.max_unconfirmed_bytes}); the key is not paused: wait for confirms "
+                "and publish it again, or raise max_unconfirmed_bytes"
+            )
+
     def _add_unconfirmed(self, request_id: int, frame: dict[str, Any]) -> None:
         self._unconfirmed[request_id] = frame
+        self._unconfirmed_bytes += _size_of(frame)
         for key in keys_of(frame):
             producers = self._live.setdefault((frame["queue"], key), {})
             producers[frame["producer"]] = producers.get(frame["producer"], 0) + 1
@@ -416,6 +467,7 @@ class ClientSession:
         frame = self._unconfirmed.pop(request_id, None)
         if frame is None:
             return None
+        self._unconfirmed_bytes -= _size_of(frame)
         for key in keys_of(frame):
             where = (frame["queue"], key)
             producers = self._live[where]
@@ -478,6 +530,7 @@ class ClientSession:
         events: list[Event] = [Failed(r, error) for r in sorted(self._pending)]
         self._pending.clear()
         self._unconfirmed.clear()
+        self._unconfirmed_bytes = 0
         self._live.clear()
         self._resent.clear()
         self._parked.clear()
@@ -495,6 +548,7 @@ class ClientSession:
         ]
         self._pending.clear()
         self._unconfirmed.clear()
+        self._unconfirmed_bytes = 0
         self._live.clear()
         self._resent.clear()
         self._parked.clear()
