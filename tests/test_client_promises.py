@@ -5,18 +5,124 @@ fit fails at once and leaves the client usable."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import socket
+import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import trio
 
 import quorumq.aio
-from quorumq.client import KeyPausedError, OutcomeUnknownError, ServerError
+from quorumq.client import (
+    Client,
+    ConnectionLostError,
+    Consumer,
+    KeyPausedError,
+    OutcomeUnknownError,
+    ServerError,
+)
 from quorumq.embedded import Cluster
 
 from .helpers import wait_for
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """For the tests that stop a node only briefly (each resumes it before it ends)."""
+    with Cluster(3, node_down_grace=30.0) as c:
+        c.leader()
+        yield c
+
+
+class HeldAnswers:
+    """A TCP proxy on 127.0.0.1 to one node, for one client: what the client sends goes
+    through at once, what the node sends back waits while `hold()` is in force. A node
+    that answers late, whatever Raft does meanwhile."""
+
+    def __init__(self, endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def release(self) -> None:
+        self._flowing.set()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            client, _ = self._listener.accept()
+            node = socket.create_connection(self._upstream)
+            self._sockets += [client, node]
+            for source, sink, gated in ((client, node, False), (node, client, True)):
+                thread = threading.Thread(
+                    target=self._pump, args=(source, sink, gated), daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, gated: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if gated:
+                    self._flowing.wait()
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._flowing.set()
+        self._listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        assert not any(t.is_alive() for t in self._threads), "a proxy thread is left"
+
+    def __enter__(self) -> HeldAnswers:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def _receive_all(consumer: Consumer, count: int, within: float = 15.0) -> set[int]:
+    """Offsets of `count` deliveries to `consumer` (acked), or fewer after `within` s."""
+    got: set[int] = set()
+    deadline = time.monotonic() + within
+    while len(got) < count and time.monotonic() < deadline:
+        delivery = consumer.get(timeout=max(deadline - time.monotonic(), 0.01))
+        if delivery is not None:
+            got.add(delivery.offset)
+            delivery.ack()
+    return got
+
+
+def _consumers(client: Client, queue: str) -> int:
+    return int(client.status()["queues"][queue]["consumers"])
+
+
+async def _until(condition: Callable[[], Any]) -> None:
+    """Poll `condition` (the caller's cancel scope bounds the wait)."""
+    while True:
+        if condition():
+            return
+        await trio.sleep(0.02)
 
 
 def test_a_publish_with_no_confirm_in_time_is_outcome_unknown_pauses_its_key_and_lands_once() -> (
@@ -86,3 +192,106 @@ def test_a_body_over_the_frame_limit_fails_at_once_and_leaves_the_client_usable(
         assert time.monotonic() - started < 2
         assert client.publish("q", b"small") == 0
 
+
+
+def test_a_subscribe_that_timed_out_leaves_no_consumer_holding_messages(cluster: Cluster) -> None:
+    """Node stopped, subscribe(prefetch=10) raised after 1 s, node resumed: the session
+    registered the late subscription, which took 10 of 20 messages that nobody read,
+    and was subscribed again after every reconnect. (The node's answers are held back
+    here, rather than the node stopped: a stopped node may lose the subscribe to an
+    election when it runs again.)"""
+    admin = cluster.client("B")
+    admin.declare("ghost")
+    live = cluster.client("B").subscribe("ghost", prefetch=100)
+    with HeldAnswers(cluster.endpoint("A")) as late:
+        client = Client([late.endpoint], timeout=1.0)
+        try:
+            late.hold()
+            with pytest.raises(ConnectionLostError, match="no answer"):
+                client.subscribe("ghost", prefetch=10)
+            with pytest.raises(ConnectionLostError, match="no answer"):
+                client.status()
+            assert client._futures == {}  # nothing kept for answers nobody waits for
+            wait_for(lambda: _consumers(admin, "ghost") == 2, "the subscribe to land")
+            late.release()
+            for i in range(20):
+                admin.publish("ghost", b"%d" % i)
+            assert _receive_all(live, 20) == set(range(20))
+            wait_for(lambda: _consumers(admin, "ghost") == 1, "the late one to be cancelled")
+            assert client._session.consumers == {}
+        finally:
+            client.close()
+
+
+def test_a_trio_subscribe_cancelled_then_answered_leaves_no_consumer(cluster: Cluster) -> None:
+    """The same with a trio subscribe cancelled by move_on_after."""
+    admin = cluster.client("B")
+    admin.declare("ghost-aio")
+    live = cluster.client("B").subscribe("ghost-aio", prefetch=100)
+
+    async def main(late: HeldAnswers) -> None:
+        async with quorumq.aio.connect(late.endpoint, timeout=10.0) as client:
+            late.hold()
+            with trio.move_on_after(1) as waited:
+                await client.subscribe("ghost-aio", prefetch=10)
+            assert waited.cancelled_caught
+            with trio.move_on_after(0.5):
+                await client.status()
+            assert client._answers == {}
+            await trio.to_thread.run_sync(
+                wait_for, lambda: _consumers(admin, "ghost-aio") == 2, "the subscribe to land"
+            )
+            late.release()
+            for i in range(20):
+                await trio.to_thread.run_sync(admin.publish, "ghost-aio", b"%d" % i)
+            got = await trio.to_thread.run_sync(_receive_all, live, 20)
+            assert got == set(range(20))
+            await trio.to_thread.run_sync(
+                wait_for, lambda: _consumers(admin, "ghost-aio") == 1, "it to be cancelled"
+            )
+            assert client._session.consumers == {}
+
+    with HeldAnswers(cluster.endpoint("A")) as late:
+        trio.run(main, late)
+
+
+def test_a_consumer_cancelled_while_it_subscribes_again_stays_cancelled(cluster: Cluster) -> None:
+    """The connection broke; the application cancelled a consumer before it was
+    subscribed again. The cancel recorded its old id, and the resubscribe went ahead
+    under a new one. Here the next endpoint answers nothing for the connect timeout, so
+    the cancel lands inside that window every time."""
+    admin = cluster.client("B")
+    admin.declare("recancel")
+
+    async def silent(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1")
+            )
+            port = listeners[0].socket.getsockname()[1]
+            endpoints = [cluster.endpoint("A"), f"127.0.0.1:{port}", cluster.endpoint("B")]
+            async with quorumq.aio.connect(
+                endpoints, timeout=10.0, connect_timeout=1.0
+            ) as client:
+                cancelled = await client.subscribe("recancel", prefetch=10)
+                kept = await client.subscribe("recancel", prefetch=10)
+                before = {cancelled.id, kept.id}  # downed with the first connection
+                assert client._stream is not None
+                await client._stream.aclose()  # the connection breaks
+                with trio.fail_after(5):
+                    await _until(lambda: not client._session.connected)
+                await cancelled.cancel()  # while the client reconnects
+                assert cancelled.cancelled
+                with trio.fail_after(15):
+                    await _until(lambda: kept.id in client._session.consumers)
+                # the cancelled one subscribed first before, and would again: its answer
+                # would have come first
+                assert list(client._session.consumers) == [kept.id]
+                status = await client.status()
+                assert set(status["queues"]["recancel"]["consumer_ids"]) - before == {kept.id}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -25,6 +25,7 @@ from quorumq.client.session import (
     Failed,
     Resolved,
     Resubscribe,
+    Send,
     keys_of,
 )
 from quorumq.protocol import encode_frame
@@ -35,6 +36,7 @@ class _Consumer:
     queue: str
     prefetch: int = 10
     id: str = ""
+    cancel_requested: bool = False
 
 
 def _session() -> ClientSession:
@@ -210,13 +212,65 @@ def test_a_cancelled_consumer_is_not_subscribed_again_after_a_reconnect() -> Non
     for consumer, consumer_id in ((kept, "n.1"), (cancelled, "n.2")):
         request_id, _ = session.subscribe(consumer)
         session.receive(_reply(request_id, consumer=consumer_id))
-    session.cancel("n.2")
+    cancel = session.cancel(cancelled)
+    assert cancel is not None and cancel[1] == {"t": "cancel", "consumer": "n.2", "id": cancel[0]}
     delivery = {"t": "deliver", "consumer": "n.2", "offset": 4, "key": None, "body": b"x"}
     more = {"headers": None, "redelivered": False, "delivery_count": 0, "node": "A"}
     assert session.receive({**delivery, **more})  # in flight before the cancel: delivered
     events = session.connection_lost()
     assert Resubscribe(kept) in events and Resubscribe(cancelled) not in events
     assert ConsumerEnded(cancelled, "cancelled") in events
+
+
+def test_a_consumer_cancelled_while_it_subscribes_again_is_not_subscribed_again() -> None:
+    """The connection broke, and the application cancelled the consumer before its
+    resubscribe: the cancel recorded its old id, and the resubscribe went ahead under a
+    new one, holding prefetch messages nobody read."""
+    session = _session()
+    consumer = _Consumer("q")
+    request_id, _ = session.subscribe(consumer)
+    session.receive(_reply(request_id, consumer="n.1"))
+    assert session.connection_lost() == [Resubscribe(consumer)]
+    session.connection_made()
+    in_flight, _ = session.subscribe(consumer)  # the resubscribe had started
+    assert session.cancel(consumer) is None  # not subscribed on this connection: no frame
+    with pytest.raises(QuorumqError, match="cancelled"):
+        session.subscribe(consumer)  # a later attempt is refused
+    events = session.receive(_reply(in_flight, consumer="n.2"))
+    assert Send({"t": "cancel", "consumer": "n.2", "id": in_flight + 1}) in events
+    assert session.consumers == {}  # not registered: no resubscribe, no deliveries
+    assert session.connection_lost() == []
+
+
+def test_a_subscribe_answered_after_its_caller_stopped_waiting_is_cancelled_at_once() -> None:
+    """A subscribe timed out (or its trio caller was cancelled), then succeeded: the
+    session registered a consumer nobody read, which took prefetch messages and was
+    subscribed again after every reconnect."""
+    session = _session()
+    consumer = _Consumer("q")
+    request_id, _ = session.subscribe(consumer)
+    assert session.abandon(request_id) is True
+    events = session.receive(_reply(request_id, consumer="n.1"))
+    assert events == [Send({"t": "cancel", "consumer": "n.1", "id": request_id + 1})]
+    assert session.consumers == {}
+    delivery = {"t": "deliver", "consumer": "n.1", "offset": 4, "key": None, "body": b"x"}
+    more = {"headers": None, "redelivered": False, "delivery_count": 0, "node": "A"}
+    assert session.receive({**delivery, **more}) == [
+        Send({"t": "nack", "consumer": "n.1", "offsets": [4], "requeue": True})
+    ]  # given before the cancel: back to the queue
+    assert session.receive({"t": "cancelled", "consumer": "n.1", "reason": "cancelled"}) == []
+    assert session.connection_lost() == []  # nothing to subscribe again, nothing failed
+
+    session.connection_made()
+    read, _ = session.request({"t": "status"})  # any other request: forgotten
+    assert session.abandon(read) is True
+    assert session.receive(_reply(read, status={})) == []
+    refused, _ = session.subscribe(_Consumer("q"))
+    session.abandon(refused)
+    assert session.receive(_error(refused, "unknown_queue")) == []
+    answered, _ = session.request({"t": "status"})
+    session.receive(_reply(answered, status={}))
+    assert session.abandon(answered) is False  # read already: the caller takes it
 
 
 def test_a_publish_whose_caller_stopped_waiting_stays_live_and_pauses_its_key() -> None:

@@ -51,6 +51,7 @@ from .session import (
     Resolved,
     Resubscribe,
     RewindLater,
+    Send,
     keys_of,
 )
 
@@ -78,6 +79,8 @@ class AsyncConsumer:
         self._send, self._receive = trio.open_memory_channel[Delivery | None](math.inf)
         self.cancelled = False
         self.cancel_reason = ""
+        self.cancel_requested = False
+        """Cancelled, or ended: never subscribed again (`ClientSession.cancel`)."""
         self.timeout_ms: int | None = None
         """How long it may hold a delivery (None: the queue's consumer timeout)."""
 
@@ -96,14 +99,21 @@ class AsyncConsumer:
         return delivery
 
     async def cancel(self) -> None:
-        """No new deliveries; ack what you hold. Never subscribed again after a reconnect."""
-        self.client._session.cancel(self.id)
+        """No new deliveries; ack what you hold. Never subscribed again after a reconnect
+        (nor by a subscribe of it still out: that one is cancelled when answered)."""
+        client = self.client
         try:
-            await self.client._request({"t": "cancel", "consumer": self.id})
+            request = client._session.cancel(self)  # at once, before any checkpoint
+            if request is not None:
+                request_id, frame = request
+                answer = client._answers[request_id] = _Answer(request_id)
+                await client._send_whole(frame)
+                await client._wait(answer)
         finally:
             self._stop("cancelled")
 
     def _stop(self, reason: str) -> None:
+        self.cancel_requested = True
         self.cancelled = True
         self.cancel_reason = reason
         self._send.send_nowait(None)
@@ -259,6 +269,8 @@ class AsyncClient:
                 self._nursery.start_soon(self._resubscribe, e.consumer)
             elif isinstance(e, RewindLater):
                 self._nursery.start_soon(self._rewind, e.queue)
+            elif isinstance(e, Send):
+                self._nursery.start_soon(self._send_whole, e.frame)
 
     async def _rewind(self, queue: str) -> None:
         await trio.sleep(REWIND_DELAY)
@@ -270,7 +282,8 @@ class AsyncClient:
         try:
             await self._subscribe_retrying(consumer)
         except QuorumqError as e:
-            consumer._stop(self._session.resubscribe_failed(consumer.queue, e))
+            if not consumer.cancel_requested:  # (a cancelled one has ended already)
+                consumer._stop(self._session.resubscribe_failed(consumer.queue, e))
 
     async def _subscribe_retrying(self, consumer: AsyncConsumer) -> None:
         """Subscribe `consumer`. After a failure that a leader change or a lost connection
@@ -323,16 +336,24 @@ class AsyncClient:
         return answer
 
     async def _wait(self, answer: _Answer, deadline: float | None = None) -> dict[str, Any]:
-        """The answer, by `deadline` (trio time; by default the client's `timeout` from now)."""
+        """The answer, by `deadline` (trio time; by default the client's `timeout` from now).
+        No answer by then (or the caller cancelled): the request is forgotten
+        (`ClientSession.abandon`: a subscribe answered later is cancelled at once)."""
         if deadline is None:
             deadline = trio.current_time() + self.timeout
-        with trio.move_on_at(deadline):
-            await answer.done.wait()
-            if answer.error is not None:
-                raise answer.error
-            assert answer.frame is not None
-            return answer.frame
-        raise ConnectionLostError(f"no answer within {self.timeout} s")
+        try:
+            with trio.move_on_at(deadline):
+                await answer.done.wait()
+        finally:
+            if not answer.done.is_set():
+                self._answers.pop(answer.request_id, None)
+                self._session.abandon(answer.request_id)
+        if not answer.done.is_set():
+            raise ConnectionLostError(f"no answer within {self.timeout} s")
+        if answer.error is not None:
+            raise answer.error
+        assert answer.frame is not None
+        return answer.frame
 
     async def _confirm(self, answer: _Answer) -> dict[str, Any]:
         """A publish's confirm. No answer within the client's `timeout`, or the caller
@@ -358,6 +379,12 @@ class AsyncClient:
 
     async def _request(self, frame: dict[str, Any]) -> dict[str, Any]:
         return await self._wait(await self._issue(self._session.request, frame))
+
+    async def _send_whole(self, frame: dict[str, Any]) -> None:
+        """Send `frame` (nobody waits for its answer), whatever cancels the caller."""
+        with trio.CancelScope(shield=True):
+            async with self._send_lock:
+                await self._write(frame)
 
     async def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
         frame = self._session.settle_frame(delivery, ack, requeue)

@@ -49,6 +49,7 @@ from .session import (
     Resolved,
     Resubscribe,
     RewindLater,
+    Send,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,8 @@ class Consumer:
         self._deliveries: queue_module.Queue[Delivery | None] = queue_module.Queue()
         self.cancelled = False
         self.cancel_reason = ""
+        self.cancel_requested = False
+        """Cancelled, or ended: never subscribed again (`ClientSession.cancel`)."""
         self.timeout_ms: int | None = None
         """How long it may hold a delivery (None: the queue's consumer timeout)."""
 
@@ -142,15 +145,19 @@ class Consumer:
             yield delivery
 
     def cancel(self) -> None:
-        """No new deliveries; ack what you hold. Never subscribed again after a reconnect."""
-        with self.client._lock:
-            self.client._session.cancel(self.id)
+        """No new deliveries; ack what you hold. Never subscribed again after a reconnect
+        (nor by a subscribe of it still out: that one is cancelled when answered)."""
+        client = self.client
         try:
-            self.client._request({"t": "cancel", "consumer": self.id})
+            with client._lock:
+                request = client._session.cancel(self)
+            if request is not None:
+                client._wait(*client._track(request))
         finally:
             self._stop("cancelled")
 
     def _stop(self, reason: str) -> None:
+        self.cancel_requested = True
         self.cancelled = True
         self.cancel_reason = reason
         self._deliveries.put(None)
@@ -312,6 +319,8 @@ class Client:
                 timer = threading.Timer(REWIND_DELAY, self._rewind, args=(e.queue,))
                 timer.daemon = True
                 timer.start()
+            elif isinstance(e, Send):
+                self._send(e.frame)
 
     def _rewind(self, queue: str) -> None:
         with self._lock:
@@ -322,7 +331,8 @@ class Client:
         try:
             self._subscribe_retrying(consumer)
         except QuorumqError as e:
-            consumer._stop(self._session.resubscribe_failed(consumer.queue, e))
+            if not consumer.cancel_requested:  # (a cancelled one has ended already)
+                consumer._stop(self._session.resubscribe_failed(consumer.queue, e))
 
     # ---------------------------------------------------------------- sending
 
@@ -337,44 +347,52 @@ class Client:
             except OSError:
                 _hang_up(sock)  # the reader notices and reconnects
 
-    def _track(self, request: tuple[int, dict[str, Any]]) -> Future[dict[str, Any]]:
+    def _track(
+        self, request: tuple[int, dict[str, Any]]
+    ) -> tuple[int, Future[dict[str, Any]]]:
         request_id, frame = request
         future: Future[dict[str, Any]] = Future()
         self._futures[request_id] = future
         self._send(frame)
-        return future
+        return request_id, future
 
     def _wait(
         self,
+        request_id: int,
         future: Future[dict[str, Any]],
         deadline: float | None = None,
         *,
-        publish: int | None = None,
+        publish: bool = False,
     ) -> dict[str, Any]:
         """The answer, by `deadline` (monotonic; by default the client's `timeout` from now).
-        For a `publish` (its request id), no answer in time is `OutcomeUnknownError`: the
-        publish stays live and its key is paused (`ClientSession.outcome_unknown`)."""
+        No answer in time: `ConnectionLostError`, and the request is forgotten
+        (`ClientSession.abandon`); for a `publish`, `OutcomeUnknownError`: the publish
+        stays live and its key is paused (`ClientSession.outcome_unknown`)."""
         limit = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             return future.result(limit)
         except TimeoutError:
             why = f"no answer within {self.timeout} s"
-            if publish is None:
-                raise ConnectionLostError(why) from None
+            error: QuorumqError | None
             with self._lock:
-                error = self._session.outcome_unknown(publish, why)
+                if publish:
+                    error = self._session.outcome_unknown(request_id, why)
+                elif self._session.abandon(request_id):
+                    error = ConnectionLostError(why)
+                else:
+                    error = None
                 if error is not None:
-                    self._futures.pop(publish, None)
+                    self._futures.pop(request_id, None)
             if error is None:  # the answer was read just now: the reader hands it over
                 return future.result(self.timeout)
             raise error from None
 
     def _request(self, frame: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
-            future = self._track(self._session.request(frame))
-        return self._wait(future)
+            request = self._track(self._session.request(frame))
+        return self._wait(*request)
 
-    def _subscribe(self, consumer: Consumer) -> Future[dict[str, Any]]:
+    def _subscribe(self, consumer: Consumer) -> tuple[int, Future[dict[str, Any]]]:
         with self._lock:
             return self._track(self._session.subscribe(consumer))
 
@@ -387,7 +405,7 @@ class Client:
         while True:
             attempt += 1
             try:
-                self._wait(self._subscribe(consumer), deadline)
+                self._wait(*self._subscribe(consumer), deadline)
                 return
             except QuorumqError as e:
                 with self._lock:
@@ -427,8 +445,7 @@ class Client:
     ) -> tuple[int, Future[dict[str, Any]]]:
         check_message(body, key, headers)
         with self._lock:  # sequence order is send order
-            request = self._session.publish(queue, body, key, headers)
-            return request[0], self._track(request)
+            return self._track(self._session.publish(queue, body, key, headers))
 
     def publish(
         self,
@@ -443,7 +460,7 @@ class Client:
         still being resent and may land, once; don't publish it again. Its key is paused
         until `resume(key)`. Any other error: it was not published, and its key is paused."""
         request_id, future = self._publish(queue, body, key, headers)
-        offset: int = self._wait(future, publish=request_id)["offset"]
+        offset: int = self._wait(request_id, future, publish=True)["offset"]
         return offset
 
     def publish_batch(
@@ -463,9 +480,10 @@ class Client:
         sequence numbers of the producer); an older resend returns an empty list."""
         rows = batch_rows(messages)
         with self._lock:
-            request = self._session.publish_batch(queue, rows, producer, first_seq)
-            future = self._track(request)
-        first: int | None = self._wait(future, publish=request[0])["offset"]
+            request_id, future = self._track(
+                self._session.publish_batch(queue, rows, producer, first_seq)
+            )
+        first: int | None = self._wait(request_id, future, publish=True)["offset"]
         return [] if first is None else list(range(first, first + len(rows)))
 
     def paused_keys(self) -> set[str]:

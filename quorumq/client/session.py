@@ -17,7 +17,12 @@ keeps what makes publishing idempotent and ordered:
   unconfirmed under one id (this client's, retired by a failure, or one a caller chose)
   takes no publish under another until that one is answered; which keys are waiting
   is derived from the live publishes, so none can stay wedged once they are answered;
-* a cancelled consumer is never subscribed again after a reconnect;
+* a cancelled consumer is never subscribed again after a reconnect (its
+  `cancel_requested`, set at once, outlives its id); a subscribe answered after its
+  caller stopped waiting, or for a consumer cancelled meanwhile, is cancelled at once,
+  and what it was given is nacked back to the queue;
+* a request whose caller stopped waiting is forgotten (`abandon`), so a node that never
+  answers leaves nothing growing behind;
 * a publish refused for certain (its only attempt refused, or the queue expects a
   sequence number no live publish holds) makes the later ones of that producer
   impossible (the queue expects the refused sequence next): they fail too, "not
@@ -84,6 +89,9 @@ class ConsumerLike(Protocol):
     id: str
     queue: str
     prefetch: int
+    cancel_requested: bool
+    """Set by `ClientSession.cancel` (and by the shell when the consumer ends): it is
+    never subscribed again, and a subscription of it answered late is cancelled."""
 
 
 @attrs.frozen
@@ -116,13 +124,21 @@ class Resubscribe:
 
 
 @attrs.frozen
+class Send:
+    """Write `frame` now; nobody waits for its answer (a cancel of a subscription that
+    nobody reads, a nack of what such a subscription was given)."""
+
+    frame: dict[str, Any]
+
+
+@attrs.frozen
 class RewindLater:
     """Call `rewind(queue)` after `REWIND_DELAY` seconds and send what it returns."""
 
     queue: str
 
 
-Event = Resolved | Failed | Delivered | ConsumerEnded | Resubscribe | RewindLater
+Event = Resolved | Failed | Delivered | ConsumerEnded | Resubscribe | RewindLater | Send
 
 
 def _at_least(rows: list[list[Any]]) -> int:
@@ -191,8 +207,11 @@ class ClientSession:
         """(queue, key) -> producer id -> how many unconfirmed publishes of that key the
         producer has: the keys still settling, and under which ids. A publish of a key
         under another producer id than one of these waits (`_check_not_behind`)."""
-        self._cancelled: set[str] = set()
-        """Consumers the application cancelled: kept for their acks, never resubscribed."""
+        self._abandoned: set[int] = set()
+        """Subscribes whose caller stopped waiting: if one succeeds, it is cancelled."""
+        self._ghosts: set[str] = set()
+        """Consumer ids subscribed for nobody (abandoned, or cancelled meanwhile), being
+        cancelled on this connection: what they are given is nacked back at once."""
         self.closed = False
         self.connected = False
         """Between `connection_made` and `connection_lost`."""
@@ -282,6 +301,8 @@ class ClientSession:
         """The subscribe request; `ConnectionLostError` while there is no connection (a
         request sent then would be lost without an answer, and only publishes are sent
         again on the next connection)."""
+        if consumer.cancel_requested:
+            raise QuorumqError("the consumer was cancelled: it is not subscribed again")
         if not self.connected and not self.closed:
             if self.lost is not None:
                 raise ConnectionLostError(str(self.lost))
@@ -381,10 +402,31 @@ class ClientSession:
             for key in keys:
                 self.producer.failed(key)
 
-    def cancel(self, consumer_id: str | None) -> None:
-        """The application cancels this consumer: no resubscribe after a reconnect."""
-        if consumer_id is not None:
-            self._cancelled.add(consumer_id)
+    def cancel(self, consumer: ConsumerLike) -> tuple[int, dict[str, Any]] | None:
+        """The application cancels `consumer`: it is never subscribed again (nor after a
+        reconnect), and stays registered for its acks. The cancel request to send if it
+        is subscribed on this connection; None if not (a subscribe of it still out is
+        cancelled when its answer comes, see `_resolve`)."""
+        consumer.cancel_requested = True
+        if self.consumers.get(consumer.id) is not consumer:
+            return None
+        return self.request({"t": "cancel", "consumer": consumer.id})
+
+    def abandon(self, request_id: int) -> bool:
+        """The caller stops waiting for `request_id`, a request other than a publish (a
+        timeout, a cancellation; for a publish see `outcome_unknown`). True: no answer
+        yet, and none is kept for it (a subscribe that succeeds later is cancelled at
+        once: a consumer nobody reads would hold `prefetch` messages, and be subscribed
+        again after every reconnect). False: its answer was read; the caller takes it."""
+        if request_id not in self._pending:
+            return False
+        if request_id in self._unconfirmed:
+            raise ValueError("a publish is not abandoned: see outcome_unknown")
+        if request_id in self._subscribing:
+            self._abandoned.add(request_id)  # its answer must still be read
+        else:
+            self._pending.discard(request_id)
+        return True
 
     def rewind(self, queue: str) -> list[dict[str, Any]]:
         self._rewinding.discard(queue)
@@ -514,13 +556,16 @@ class ClientSession:
         for request_id in sorted(self._pending - set(self._unconfirmed)):
             self._pending.discard(request_id)
             self._subscribing.pop(request_id, None)
-            events.append(Failed(request_id, ConnectionLostError("the connection broke")))
-        events += [Resubscribe(c) for i, c in self.consumers.items() if i not in self._cancelled]
-        events += [
-            ConsumerEnded(c, "cancelled") for i, c in self.consumers.items() if i in self._cancelled
-        ]
+            if request_id not in self._abandoned:
+                events.append(Failed(request_id, ConnectionLostError("the connection broke")))
+        self._abandoned.clear()
+        self._ghosts.clear()  # the node downs them with the connection
+        for consumer in self.consumers.values():
+            if consumer.cancel_requested:
+                events.append(ConsumerEnded(consumer, "cancelled"))
+            else:
+                events.append(Resubscribe(consumer))
         self.consumers.clear()
-        self._cancelled.clear()
         return events
 
     def give_up(self, error: QuorumqError) -> list[Event]:
@@ -535,6 +580,8 @@ class ClientSession:
         self._resent.clear()
         self._parked.clear()
         self._subscribing.clear()
+        self._abandoned.clear()
+        self._ghosts.clear()
         events += [ConsumerEnded(c, f"connection lost: {error}") for c in self.consumers.values()]
         self.consumers.clear()
         return events
@@ -553,6 +600,8 @@ class ClientSession:
         self._resent.clear()
         self._parked.clear()
         self._subscribing.clear()
+        self._abandoned.clear()
+        self._ghosts.clear()
         events += [ConsumerEnded(c, "client closed") for c in self.consumers.values()]
         self.consumers.clear()
         return events
@@ -562,18 +611,20 @@ class ClientSession:
     def receive(self, frame: dict[str, Any]) -> list[Event]:
         kind = frame["t"]
         if kind == "deliver":
+            if frame["consumer"] in self._ghosts:  # give it back to the queue
+                nack = {"t": "nack", "consumer": frame["consumer"], "offsets": [frame["offset"]]}
+                return [Send({**nack, "requeue": True})]
             consumer = self.consumers.get(frame["consumer"])
             if consumer is None:
                 return []
             return [Delivered(consumer, delivery_from(frame, consumer.queue, self._settle))]
         if kind == "cancelled":
+            self._ghosts.discard(frame["consumer"])
             consumer = self.consumers.pop(frame["consumer"], None)
-            cancelled_here = frame["consumer"] in self._cancelled
-            self._cancelled.discard(frame["consumer"])
             if consumer is None:
                 return []
-            if frame["reason"] == "node_down" and not cancelled_here:  # come back elsewhere
-                return [Resubscribe(consumer)]
+            if frame["reason"] == "node_down" and not consumer.cancel_requested:
+                return [Resubscribe(consumer)]  # to come back elsewhere
             return [ConsumerEnded(consumer, frame["reason"])]
         if kind in ("reply", "error"):
             request_id = frame.get("id")
@@ -589,12 +640,24 @@ class ClientSession:
             return self._publish_answered(request_id, publish, frame)
         self._pending.discard(request_id)
         consumer = self._subscribing.pop(request_id, None)
+        abandoned = request_id in self._abandoned
+        self._abandoned.discard(request_id)
+        events: list[Event] = []
         if frame["t"] == "error":
-            return [Failed(request_id, ServerError(frame["code"], frame["message"]))]
+            error = ServerError(frame["code"], frame["message"])
+            return [] if abandoned else [Failed(request_id, error)]
         if consumer is not None:
-            consumer.id = frame["consumer"]
-            self.consumers[consumer.id] = consumer
-        return [Resolved(request_id, frame)]
+            if abandoned or consumer.cancel_requested:  # subscribed for nobody: cancel it
+                self._ghosts.add(frame["consumer"])
+                cancel = {"t": "cancel", "consumer": frame["consumer"], "id": self._next_id}
+                self._next_id += 1  # not pending: nobody waits for its answer
+                events.append(Send(cancel))
+            else:
+                consumer.id = frame["consumer"]
+                self.consumers[consumer.id] = consumer
+        if not abandoned:
+            events.append(Resolved(request_id, frame))
+        return events
 
     def _publish_answered(
         self, request_id: int, publish: dict[str, Any], frame: dict[str, Any]
