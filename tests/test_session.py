@@ -25,6 +25,7 @@ from quorumq.client.session import (
     Failed,
     Resolved,
     Resubscribe,
+    RewindLater,
     Send,
     keys_of,
 )
@@ -81,8 +82,8 @@ def test_a_closed_session_takes_no_request() -> None:
 # ------------------------------------------------------- subscribing again
 
 
-def _error(frame_id: int, code: str) -> dict[str, Any]:
-    return {"t": "error", "id": frame_id, "code": code, "message": "from the node"}
+def _error(frame_id: int, code: str, **fields: Any) -> dict[str, Any]:
+    return {"t": "error", "id": frame_id, "code": code, "message": "from the node", **fields}
 
 
 LEADER_CHANGE = ServerError("not_applied", "no leader")
@@ -476,3 +477,24 @@ def test_a_publish_past_the_unconfirmed_limits_fails_before_anything_is_sent() -
     session.publish("q", b"x" * 60, None, None)
     with pytest.raises(TooManyUnconfirmedError, match="bytes"):
         session.publish_batch("q", [[b"x" * 30, "k", {"h": "v" * 10}]])
+
+
+def test_a_refusal_of_an_attempt_already_sent_again_starts_no_other_rewind() -> None:
+    """30 publishes of 1 MB in flight, a leader change: the first not_applied started a
+    rewind, which resent all of them, and each stale outcome_unknown of the first
+    attempts that followed started another, resending the whole queue again and again.
+    Once the blocking client stopped holding its lock while writing, this stormed the
+    node into leader change after leader change, and nothing was confirmed."""
+    session = _session()
+    ids = [session.publish("q", b"m%d" % i, None, None)[0] for i in range(3)]
+    assert session.receive(_error(ids[0], "not_applied")) == [RewindLater("q")]
+    assert [f["id"] for f in session.rewind("q")] == ids  # second attempts
+    for request_id in ids[1:]:  # their first attempts' refusals, read late: stale
+        assert session.receive(_error(request_id, "outcome_unknown")) == [], request_id
+    assert session.receive(_error(ids[1], "out_of_order", expected_seq=0)) == [
+        RewindLater("q")
+    ]  # a second attempt's refusal: that one counts
+    session.rewind("q")
+    for request_id in ids:
+        session.receive(_reply(request_id, offset=request_id))
+    assert session.settling_keys() == set() and session.unconfirmed() == []

@@ -7,7 +7,8 @@ keeps what makes publishing idempotent and ordered:
 * every publish has a producer id and sequence number (per queue) and stays
   "unconfirmed" until its reply; after a reconnect, or a retriable failure, the
   unconfirmed publishes of a queue are resent in sequence order (a "rewind"), and the
-  queue recognises the ones it already has;
+  queue recognises the ones it already has; a retriable failure of an attempt that a
+  rewind has already sent again is stale, and starts no other rewind;
 * a publish whose confirm the caller stopped waiting for (a timeout, a cancellation)
   stays live and is resent as any other; its key is paused (`outcome_unknown`), so
   neither an application's retry nor a later publish of the key overtakes it;
@@ -200,6 +201,12 @@ class ClientSession:
         self._rewinding: set[str] = set()
         self._resent: set[int] = set()
         """Publishes sent more than once: a refusal of a resend leaves the outcome unknown."""
+        self._attempts: dict[int, int] = {}
+        """Live publishes -> attempts sent on this connection and not answered yet. The
+        node answers each attempt once (with its proposal's outcome, or outcome_unknown
+        at its proposal timeout). A retriable refusal of one while a newer attempt is
+        out is stale: that newer one's answer decides (a rewind for every stale refusal
+        would resend the whole queue again and again, a storm under load)."""
         self._parked: set[int] = set()
         """Live publishes whose resend this connection's node refused: sent again only on
         the next connection (outcome unknown until a node answers them)."""
@@ -240,6 +247,7 @@ class ClientSession:
         self._pending.add(request_id)
         if idempotent:
             self._add_unconfirmed(request_id, frame)
+            self._attempts[request_id] = 1
         if subscribing is not None:
             self._subscribing[request_id] = subscribing
         return request_id, frame
@@ -368,6 +376,8 @@ class ClientSession:
             if (queue is None or f["queue"] == queue) and r not in self._parked
         ]
         self._resent.update(r for r, _ in frames)
+        for request_id, _ in frames:
+            self._attempts[request_id] = self._attempts.get(request_id, 0) + 1
         return [{**f, "retry": True} for _, f in frames]
 
     def outcome_unknown(self, request_id: int, why: str) -> OutcomeUnknownError | None:
@@ -438,6 +448,7 @@ class ClientSession:
         """A new connection is in place (its unconfirmed publishes are being sent)."""
         self.connected = True
         self._parked.clear()  # sent again now, to this node
+        self._attempts.clear()  # answers to the last connection's attempts never come
         if welcome is not None:
             body, frame = welcome.get("max_body"), welcome.get("max_frame")
             self.max_body = body if type(body) is int else None
@@ -579,6 +590,7 @@ class ClientSession:
         self._live.clear()
         self._resent.clear()
         self._parked.clear()
+        self._attempts.clear()
         self._subscribing.clear()
         self._abandoned.clear()
         self._ghosts.clear()
@@ -599,6 +611,7 @@ class ClientSession:
         self._live.clear()
         self._resent.clear()
         self._parked.clear()
+        self._attempts.clear()
         self._subscribing.clear()
         self._abandoned.clear()
         self._ghosts.clear()
@@ -666,12 +679,17 @@ class ClientSession:
         publishes, after `REWIND_DELAY`); out of order behind an earlier live publish
         (resend it after that one); certain (the publish never lands: "not published");
         or the refusal of a resend that settles nothing (outcome unknown)."""
+        newer = self._attempts.get(request_id, 1) - 1  # attempts still out after this one
+        if newer > 0:
+            self._attempts[request_id] = newer
+        else:
+            self._attempts.pop(request_id, None)
         if frame["t"] == "reply":
             self._settled(request_id)
             return [Resolved(request_id, frame)]
         code, message = frame["code"], frame["message"]
         if code in RETRIABLE:
-            return self._rewind_later(publish["queue"])
+            return [] if newer else self._rewind_later(publish["queue"])
         expected = frame.get("expected_seq")
         proof = False
         if code == "out_of_order" and isinstance(expected, int):
@@ -680,7 +698,7 @@ class ClientSession:
                 self._parked.add(request_id)  # is this one
                 return []
             if earlier is not None:
-                return self._rewind_later(publish["queue"])
+                return [] if newer else self._rewind_later(publish["queue"])
             # The queue expects a sequence number that no live publish of this producer
             # holds (0, though, is also what a producer the queue forgot gets).
             proof = expected != 0
@@ -735,6 +753,7 @@ class ClientSession:
         self._drop_unconfirmed(request_id)
         self._resent.discard(request_id)
         self._parked.discard(request_id)
+        self._attempts.pop(request_id, None)
 
     def _keys_failed(self, frames: Iterable[dict[str, Any]]) -> None:
         for f in frames:
