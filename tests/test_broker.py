@@ -210,8 +210,8 @@ def test_an_ack_refused_for_one_offset_still_settles_the_others(cluster: Cluster
     assert all(held)
     # one ack frame naming a held offset and one the consumer does not hold (as when a
     # nack took a key's later messages back and the client acks one of those with others)
-    consumer_client._send(
-        {"t": "ack", "consumer": consumer.id, "offsets": [held[0].offset, 10**6]}  # type: ignore[union-attr]
+    consumer_client._send_frames(
+        [{"t": "ack", "consumer": consumer.id, "offsets": [held[0].offset, 10**6]}]  # type: ignore[union-attr]
     )
     wait_for(
         lambda: client.status()["queues"]["strand"]["unacked"] == 1,

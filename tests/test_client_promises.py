@@ -40,51 +40,62 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-class HeldAnswers:
-    """A TCP proxy on 127.0.0.1 to one node, for one client: what the client sends goes
-    through at once, what the node sends back waits while `hold()` is in force. A node
-    that answers late, whatever Raft does meanwhile."""
+class Proxy:
+    """A TCP proxy on 127.0.0.1 to one node, for one client. `hold_answers()`: what the
+    node sends back waits (a node that answers late, whatever Raft does meanwhile).
+    `stop_reading()`: the proxy reads nothing more from the client, whose writes then
+    fill the socket buffers and block (a node that stopped reading, as a SIGSTOPped one,
+    without stopping a Raft member). `release()` ends both."""
 
     def __init__(self, endpoint: str) -> None:
         host, port = endpoint.rsplit(":", 1)
         self._upstream = (host, int(port))
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._flowing = threading.Event()
-        self._flowing.set()
+        self._answers = threading.Event()
+        self._requests = threading.Event()
+        self.release()
         self._sockets: list[socket.socket] = []
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads[0].start()
 
-    def hold(self) -> None:
-        self._flowing.clear()
+    def hold_answers(self) -> None:
+        self._answers.clear()
+
+    def stop_reading(self) -> None:
+        self._requests.clear()
 
     def release(self) -> None:
-        self._flowing.set()
+        self._answers.set()
+        self._requests.set()
 
     def _accept(self) -> None:
         with contextlib.suppress(OSError):
             client, _ = self._listener.accept()
             node = socket.create_connection(self._upstream)
             self._sockets += [client, node]
-            for source, sink, gated in ((client, node, False), (node, client, True)):
-                thread = threading.Thread(
-                    target=self._pump, args=(source, sink, gated), daemon=True
-                )
+            for source, sink, gate in (
+                (client, node, self._requests),
+                (node, client, self._answers),
+            ):
+                thread = threading.Thread(target=self._pump, args=(source, sink, gate), daemon=True)
                 self._threads.append(thread)
                 thread.start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, gated: bool) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, gate: threading.Event) -> None:
         with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                if gated:
-                    self._flowing.wait()
+            while True:
+                gate.wait()
+                data = source.recv(65536)
+                if not data:
+                    break
+                gate.wait()
                 sink.sendall(data)
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
-        self._flowing.set()
+        self.release()
         self._listener.close()
         for sock in self._sockets:
             with contextlib.suppress(OSError):
@@ -94,7 +105,7 @@ class HeldAnswers:
             thread.join(timeout=5)
         assert not any(t.is_alive() for t in self._threads), "a proxy thread is left"
 
-    def __enter__(self) -> HeldAnswers:
+    def __enter__(self) -> Proxy:
         return self
 
     def __exit__(self, *_exc: object) -> None:
@@ -129,8 +140,9 @@ def test_a_publish_with_no_confirm_in_time_is_outcome_unknown_pauses_its_key_and
     None
 ):
     with Cluster(3) as cluster:
-        client = cluster.client("A", timeout=1.0)
-        client.declare("q")
+        client = cluster.client("A", timeout=10.0)
+        client.declare("q")  # (a young cluster may still be electing its leader)
+        client.timeout = 1.0
         cluster.pause("A")
         try:
             with pytest.raises(OutcomeUnknownError, match="may still land"):
@@ -167,9 +179,7 @@ def test_a_cancelled_publish_never_leaves_half_a_frame_on_the_connection() -> No
                     with trio.move_on_after(1):
                         async with trio.open_nursery() as nursery:
                             for i in range(24):
-                                nursery.start_soon(
-                                    client.publish, "q", b"x" * 1_000_000, f"big{i}"
-                                )
+                                nursery.start_soon(client.publish, "q", b"x" * 1_000_000, f"big{i}")
                 finally:
                     cluster.resume("A")
                 client.timeout = 20.0
@@ -193,7 +203,6 @@ def test_a_body_over_the_frame_limit_fails_at_once_and_leaves_the_client_usable(
         assert client.publish("q", b"small") == 0
 
 
-
 def test_a_subscribe_that_timed_out_leaves_no_consumer_holding_messages(cluster: Cluster) -> None:
     """Node stopped, subscribe(prefetch=10) raised after 1 s, node resumed: the session
     registered the late subscription, which took 10 of 20 messages that nobody read,
@@ -203,10 +212,10 @@ def test_a_subscribe_that_timed_out_leaves_no_consumer_holding_messages(cluster:
     admin = cluster.client("B")
     admin.declare("ghost")
     live = cluster.client("B").subscribe("ghost", prefetch=100)
-    with HeldAnswers(cluster.endpoint("A")) as late:
+    with Proxy(cluster.endpoint("A")) as late:
         client = Client([late.endpoint], timeout=1.0)
         try:
-            late.hold()
+            late.hold_answers()
             with pytest.raises(ConnectionLostError, match="no answer"):
                 client.subscribe("ghost", prefetch=10)
             with pytest.raises(ConnectionLostError, match="no answer"):
@@ -229,9 +238,9 @@ def test_a_trio_subscribe_cancelled_then_answered_leaves_no_consumer(cluster: Cl
     admin.declare("ghost-aio")
     live = cluster.client("B").subscribe("ghost-aio", prefetch=100)
 
-    async def main(late: HeldAnswers) -> None:
+    async def main(late: Proxy) -> None:
         async with quorumq.aio.connect(late.endpoint, timeout=10.0) as client:
-            late.hold()
+            late.hold_answers()
             with trio.move_on_after(1) as waited:
                 await client.subscribe("ghost-aio", prefetch=10)
             assert waited.cancelled_caught
@@ -251,7 +260,7 @@ def test_a_trio_subscribe_cancelled_then_answered_leaves_no_consumer(cluster: Cl
             )
             assert client._session.consumers == {}
 
-    with HeldAnswers(cluster.endpoint("A")) as late:
+    with Proxy(cluster.endpoint("A")) as late:
         trio.run(main, late)
 
 
@@ -273,9 +282,7 @@ def test_a_consumer_cancelled_while_it_subscribes_again_stays_cancelled(cluster:
             )
             port = listeners[0].socket.getsockname()[1]
             endpoints = [cluster.endpoint("A"), f"127.0.0.1:{port}", cluster.endpoint("B")]
-            async with quorumq.aio.connect(
-                endpoints, timeout=10.0, connect_timeout=1.0
-            ) as client:
+            async with quorumq.aio.connect(endpoints, timeout=10.0, connect_timeout=1.0) as client:
                 cancelled = await client.subscribe("recancel", prefetch=10)
                 kept = await client.subscribe("recancel", prefetch=10)
                 before = {cancelled.id, kept.id}  # downed with the first connection
@@ -295,3 +302,136 @@ def test_a_consumer_cancelled_while_it_subscribes_again_stays_cancelled(cluster:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def _returns_within(seconds: float, call: Callable[[], object]) -> bool:
+    """Whether `call()` returns within `seconds` (run in a thread left to finish)."""
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
+def test_a_write_to_a_node_that_stopped_reading_ends_by_the_timeout_and_the_client_moves_on(
+    cluster: Cluster,
+) -> None:
+    """Node stopped, timeout=2, thirty 1 MB publish_async calls: sendall blocked for as
+    long as the node was stopped, holding the session lock, so nothing else of the
+    client ran (not even close()). Now the write is dropped after the timeout, the
+    client reconnects to the next node and resends, and every message lands once. (The
+    socket buffers to a peer that reads nothing take 3 to 4 MB here, so 6.5 MB in 65 kB
+    messages are enough. A proxy stops reading rather than a node being stopped, to
+    keep Raft out of it: 1 MB entries with a stopped member stall its commits.)"""
+    with Proxy(cluster.endpoint("A")) as stalled:
+        client = Client([stalled.endpoint, cluster.endpoint("B")], timeout=2.0)
+        try:
+            client.declare("stuck")
+            outcome: list[object] = []
+
+            def publish_much() -> None:
+                try:
+                    for i in range(100):
+                        body = b"%03d" % i + b"x" * 65_000
+                        client.publish_async("stuck", body, key=f"k{i}")
+                    outcome.append(client.publish("stuck", b"last", key="last"))
+                except Exception as e:  # reported by the assertion below
+                    outcome.append(e)
+
+            publisher = threading.Thread(target=publish_much, daemon=True)
+            stalled.stop_reading()
+            publisher.start()
+            deadline = time.monotonic() + 20
+            while client.node == "A":  # until the write is dropped and the client moves on
+                assert _returns_within(1.0, client.settling_keys), "the session lock is held"
+                assert time.monotonic() < deadline, "the write still blocks"
+                publisher.join(0.1)
+            publisher.join(30)
+            assert not publisher.is_alive()
+            (last,) = outcome  # an offset, or outcome unknown (resent meanwhile)
+            assert isinstance(last, int | OutcomeUnknownError), last
+            wait_for(lambda: client.settling_keys() == set(), "the resends to settle", 30)
+            read = cluster.client("B").read("stuck", 0, 101, wait=10)
+            bodies = [m.body[:3] for m in read]
+            assert sorted(bodies) == sorted({b"%03d" % i for i in range(100)} | {b"las"})
+        finally:
+            stalled.release()
+            client.close()
+
+
+def test_close_never_waits_for_a_write_to_a_node_that_stopped_reading(cluster: Cluster) -> None:
+    with Proxy(cluster.endpoint("A")) as stalled:
+        client = Client([stalled.endpoint], timeout=30.0)
+        client.declare("stuck-close")
+        failed: list[BaseException] = []
+
+        def publish_much() -> None:
+            try:
+                for _ in range(100):
+                    client.publish_async("stuck-close", b"x" * 65_000)
+            except Exception as e:
+                failed.append(e)
+
+        stalled.stop_reading()
+        publisher = threading.Thread(target=publish_much, daemon=True)
+        publisher.start()
+        publisher.join(2.0)
+        assert publisher.is_alive()  # blocked writing (the buffers are full)
+        assert _returns_within(5.0, client.close), "close() waited"
+        publisher.join(5.0)
+        assert not publisher.is_alive()
+        assert [str(e) for e in failed] == ["the client is closed"]
+
+
+def test_closing_a_blocking_client_while_it_reconnects_leaves_no_connection(
+    cluster: Cluster,
+) -> None:
+    """close() while the reader thread was reconnecting: the new connection was put in
+    place anyway, with a reader thread that lived on."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    port = silent.getsockname()[1]
+    accepted = threading.Event()
+    held: list[socket.socket] = []
+
+    def hold_one() -> None:
+        with contextlib.suppress(OSError):
+            connection, _ = silent.accept()
+            held.append(connection)
+            accepted.set()
+
+    holder = threading.Thread(target=hold_one, daemon=True)
+    holder.start()
+    client = Client(
+        [cluster.endpoint("A"), f"127.0.0.1:{port}", cluster.endpoint("B")],
+        timeout=10.0,
+        connect_timeout=1.0,
+    )
+    installed: list[socket.socket] = []
+    reconnected = threading.Event()
+    install, on_lost = client._install, client._on_lost
+
+    def installing(sock: socket.socket, *rest: Any) -> None:
+        installed.append(sock)
+        install(sock, *rest)
+
+    def lost(generation: int) -> None:
+        try:
+            on_lost(generation)
+        finally:
+            reconnected.set()
+
+    client._install = installing  # type: ignore[method-assign]
+    client._on_lost = lost  # type: ignore[method-assign]
+    try:
+        assert client._sock is not None
+        client._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks
+        assert accepted.wait(10)  # reconnecting: the next endpoint answers nothing
+        client.close()
+        assert reconnected.wait(10)
+        assert client._sock is None
+        assert all(s.fileno() == -1 for s in installed), "a connection was put in place"
+    finally:
+        client.close()
+        silent.close()
+        for connection in held:
+            connection.close()
+        holder.join(5)

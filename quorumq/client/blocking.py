@@ -7,17 +7,25 @@ the reader thread connects to the next endpoint, resends every unconfirmed publi
 order and subscribes its consumers again (messages they held come back redelivered). A
 subscribe that fails because of a leader change or a lost connection is tried again,
 with backoff, until the client's `timeout` has passed (`ClientSession.subscribe_retry_delay`).
+
+Two locks: `_send_lock` orders writes (a publish takes its sequence number and is
+written under it, so send order is sequence order), `_lock` guards the session. A
+write never holds `_lock`, and ends by the client's `timeout` (else the connection is
+dropped and the reader thread reconnects): a node that stops reading cannot stall the
+reader thread, the other callers or `close()`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue as queue_module
+import select
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -152,7 +160,7 @@ class Consumer:
             with client._lock:
                 request = client._session.cancel(self)
             if request is not None:
-                client._wait(*client._track(request))
+                client._wait(*client._issue(lambda: request))
         finally:
             self._stop("cancelled")
 
@@ -187,6 +195,11 @@ class Client:
         self.timeout = timeout
         self._connect_timeout = connect_timeout
         self._lock = threading.RLock()
+        """Guards the session, the futures and the socket reference. Never held while a
+        socket blocks: the reader thread and `close` need it at any time."""
+        self._send_lock = threading.Lock()
+        """Serialises writes, so that send order is sequence order. Taken before `_lock`
+        (never while holding it); held while writing, which ends by the `timeout`."""
         self._sock: socket.socket | None = None
         self._generation = 0
         self._endpoint_index = 0
@@ -207,6 +220,8 @@ class Client:
         errors = []
         while True:
             for _ in range(len(self._endpoints)):
+                if self._session.closed:
+                    raise QuorumqError("the client is closed")
                 host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
                 self._endpoint_index += 1
                 try:
@@ -230,19 +245,25 @@ class Client:
     def _install(
         self, sock: socket.socket, decoder: FrameDecoder, welcome: dict[str, Any]
     ) -> None:
-        """Use the new connection; first resend every unconfirmed publish, in order, under
-        the same lock, so no new publish overtakes them."""
+        """Use the new connection (unless the client was closed meanwhile); first resend
+        every unconfirmed publish, in order, under the send lock, so no new publish
+        overtakes them."""
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         keep_alive(sock)
-        with self._lock:
-            self._sock = sock
-            self._session.connection_made(welcome)
-            self._generation += 1
-            self.node = str(welcome["node"])
-            generation = self._generation
-            for frame in self._session.unconfirmed():
-                self._send(frame)
+        with self._send_lock:
+            with self._lock:
+                if self._session.closed:
+                    _hang_up(sock)
+                    raise QuorumqError("the client is closed")
+                self._sock = sock
+                self._session.connection_made(welcome)
+                self._generation += 1
+                self.node = str(welcome["node"])
+                generation = self._generation
+                resends = self._session.unconfirmed()
+            for frame in resends:
+                self._write(sock, frame)
         threading.Thread(
             target=self._read_loop,
             args=(sock, decoder, generation),
@@ -299,6 +320,10 @@ class Client:
     # ----------------------------------------------------------------- events
 
     def _handle(self, events: list[Event]) -> None:
+        """Act on the session's events (never holding `_lock`)."""
+        sends = [e.frame for e in events if isinstance(e, Send)]
+        if sends:  # not in the reader thread: a write may wait for the send lock
+            threading.Thread(target=self._send_frames, args=(sends,), daemon=True).start()
         for e in events:
             if isinstance(e, Resolved | Failed):
                 with self._lock:
@@ -319,13 +344,13 @@ class Client:
                 timer = threading.Timer(REWIND_DELAY, self._rewind, args=(e.queue,))
                 timer.daemon = True
                 timer.start()
-            elif isinstance(e, Send):
-                self._send(e.frame)
 
     def _rewind(self, queue: str) -> None:
-        with self._lock:
-            for frame in self._session.rewind(queue):
-                self._send(frame)
+        with self._send_lock:
+            with self._lock:
+                frames, sock = self._session.rewind(queue), self._sock
+            for frame in frames:
+                self._write(sock, frame)
 
     def _resubscribe(self, consumer: Consumer) -> None:
         try:
@@ -336,24 +361,40 @@ class Client:
 
     # ---------------------------------------------------------------- sending
 
-    def _send(self, frame: dict[str, Any]) -> None:
-        data = encode_frame(frame)
-        with self._lock:
-            sock = self._sock
-            if sock is None:
-                return  # sent again after the reconnect, if it is a publish
-            try:
-                sock.sendall(data)
-            except OSError:
-                _hang_up(sock)  # the reader notices and reconnects
+    def _write(self, sock: socket.socket | None, frame: dict[str, Any]) -> None:
+        """Write `frame` whole on `sock`, under the send lock, by the client's `timeout`
+        from now: a node that stopped reading (stopped, its buffers full) would otherwise
+        block the writer for ever. Past the deadline, or on an error, the connection is
+        dropped (part of the frame may be out); the reader reconnects and the
+        unconfirmed publishes are sent again. No connection (None): a publish goes with
+        the resends after the reconnect."""
+        if sock is None:
+            return
+        failed = _send_by(sock, encode_frame(frame), time.monotonic() + self.timeout)
+        if failed is not None:
+            if failed is TimeoutError:
+                logger.warning("a frame could not be written in %s s: reconnecting", self.timeout)
+            _hang_up(sock)  # the reader notices and reconnects
 
-    def _track(
-        self, request: tuple[int, dict[str, Any]]
+    def _send_frames(self, frames: list[dict[str, Any]]) -> None:
+        with self._send_lock:
+            with self._lock:
+                sock = self._sock
+            for frame in frames:
+                self._write(sock, frame)
+
+    def _issue(
+        self, make: Callable[..., tuple[int, dict[str, Any]]], *args: Any
     ) -> tuple[int, Future[dict[str, Any]]]:
-        request_id, frame = request
-        future: Future[dict[str, Any]] = Future()
-        self._futures[request_id] = future
-        self._send(frame)
+        """Take a request id (and a publish's sequence number) and send, in one step
+        under the send lock, so send order is sequence order; the session lock only
+        while taking them."""
+        with self._send_lock:
+            with self._lock:
+                request_id, frame = make(*args)
+                future = self._futures[request_id] = Future()
+                sock = self._sock
+            self._write(sock, frame)
         return request_id, future
 
     def _wait(
@@ -388,13 +429,7 @@ class Client:
             raise error from None
 
     def _request(self, frame: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            request = self._track(self._session.request(frame))
-        return self._wait(*request)
-
-    def _subscribe(self, consumer: Consumer) -> tuple[int, Future[dict[str, Any]]]:
-        with self._lock:
-            return self._track(self._session.subscribe(consumer))
+        return self._wait(*self._issue(self._session.request, frame))
 
     def _subscribe_retrying(self, consumer: Consumer) -> None:
         """Subscribe `consumer`. After a failure that a leader change or a lost connection
@@ -405,7 +440,7 @@ class Client:
         while True:
             attempt += 1
             try:
-                self._wait(*self._subscribe(consumer), deadline)
+                self._wait(*self._issue(self._session.subscribe, consumer), deadline)
                 return
             except QuorumqError as e:
                 with self._lock:
@@ -421,7 +456,7 @@ class Client:
         with self._lock:
             frame = self._session.settle_frame(delivery, ack, requeue)
         if frame is not None:
-            self._send(frame)
+            self._send_frames([frame])
 
     # --------------------------------------------------------------- the verbs
 
@@ -444,8 +479,7 @@ class Client:
         self, queue: str, body: bytes, key: str | None, headers: Mapping[str, str] | None
     ) -> tuple[int, Future[dict[str, Any]]]:
         check_message(body, key, headers)
-        with self._lock:  # sequence order is send order
-            return self._track(self._session.publish(queue, body, key, headers))
+        return self._issue(self._session.publish, queue, body, key, headers)
 
     def publish(
         self,
@@ -479,10 +513,9 @@ class Client:
         again. Its offsets come back while the queue remembers them (the last 1,024
         sequence numbers of the producer); an older resend returns an empty list."""
         rows = batch_rows(messages)
-        with self._lock:
-            request_id, future = self._track(
-                self._session.publish_batch(queue, rows, producer, first_seq)
-            )
+        request_id, future = self._issue(
+            self._session.publish_batch, queue, rows, producer, first_seq
+        )
         first: int | None = self._wait(request_id, future, publish=True)["offset"]
         return [] if first is None else list(range(first, first + len(rows)))
 
@@ -578,6 +611,8 @@ class Client:
         return status
 
     def close(self) -> None:
+        """Fail what is pending, end the consumers, drop the connection. Never waits for
+        a write: one in progress fails at once, its connection gone."""
         with self._lock:
             events = self._session.close()
             sock, self._sock = self._sock, None
@@ -590,6 +625,32 @@ class Client:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def _send_by(
+    sock: socket.socket, data: bytes, deadline: float
+) -> type[TimeoutError] | type[OSError] | None:
+    """Write all of `data` on the blocking `sock` by `deadline` (monotonic time), without
+    blocking past it. None once written; `TimeoutError` if the deadline passed first,
+    `OSError` if the connection failed (either way part of `data` may be out, so the
+    connection must go)."""
+    view = memoryview(data)
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLOUT)
+        while view:
+            try:
+                sent = sock.send(view, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return TimeoutError
+                poller.poll(math.ceil(left * 1000))
+                continue
+            view = view[sent:]
+    except (OSError, ValueError):  # ValueError: closed meanwhile (no file descriptor)
+        return OSError
+    return None
 
 
 def _hang_up(sock: socket.socket) -> None:
