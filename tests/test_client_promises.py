@@ -435,3 +435,30 @@ def test_closing_a_blocking_client_while_it_reconnects_leaves_no_connection(
         for connection in held:
             connection.close()
         holder.join(5)
+
+
+def test_a_publish_async_future_fails_as_outcome_unknown_after_the_timeout(
+    cluster: Cluster,
+) -> None:
+    """The future of publish_async never failed while the node was silent: an
+    application waiting with future.result(t) got TimeoutError, its key was not paused,
+    and the publish stayed live, so its retry was a second message."""
+    admin = cluster.client("B")
+    admin.declare("async")
+    with Proxy(cluster.endpoint("A")) as late:
+        client = Client([late.endpoint], timeout=1.0)
+        try:
+            late.hold_answers()
+            future = client.publish_async("async", b"m", key="k")
+            with pytest.raises(OutcomeUnknownError, match="may still land"):
+                future.result(10)
+            assert client.paused_keys() == {"k"} and client.settling_keys() == {"k"}
+            with pytest.raises(KeyPausedError):  # the application's retry: no duplicate
+                client.publish_async("async", b"m", key="k")
+            late.release()
+            wait_for(lambda: client.settling_keys() == set(), "k to settle")
+            assert [m.body for m in admin.read("async", 0, 1, wait=10)] == [b"m"]  # once
+            client.resume("k")
+            assert client.publish_async("async", b"n", key="k").result(10)["offset"] == 1
+        finally:
+            client.close()

@@ -212,7 +212,15 @@ class Client:
         self.producer = self._session.producer
         self.node: str | None = None
         """The node this client is connected to."""
+        self._deadlines: dict[int, tuple[float, float]] = {}
+        """Unanswered publishes -> (monotonic deadline, the timeout it was given): their
+        futures fail with outcome unknown then (`_watch_deadlines`)."""
+        self._deadline_changed = threading.Condition(self._lock)
+        self._watching_until = math.inf
         self._connect(deadline=time.monotonic() + connect_timeout)
+        threading.Thread(
+            target=self._watch_deadlines, daemon=True, name="quorumq-client-deadlines"
+        ).start()
 
     # -------------------------------------------------------------- connecting
 
@@ -328,6 +336,7 @@ class Client:
             if isinstance(e, Resolved | Failed):
                 with self._lock:
                     future = self._futures.pop(e.request_id, None)
+                    self._deadlines.pop(e.request_id, None)
                 if future is None or future.done():
                     continue
                 if isinstance(e, Resolved):
@@ -384,18 +393,62 @@ class Client:
                 self._write(sock, frame)
 
     def _issue(
-        self, make: Callable[..., tuple[int, dict[str, Any]]], *args: Any
+        self,
+        make: Callable[..., tuple[int, dict[str, Any]]],
+        *args: Any,
+        publish: bool = False,
     ) -> tuple[int, Future[dict[str, Any]]]:
         """Take a request id (and a publish's sequence number) and send, in one step
         under the send lock, so send order is sequence order; the session lock only
-        while taking them."""
+        while taking them. A `publish`'s future fails with outcome unknown if no answer
+        comes within the client's `timeout` (`_watch_deadlines`)."""
         with self._send_lock:
             with self._lock:
                 request_id, frame = make(*args)
                 future = self._futures[request_id] = Future()
                 sock = self._sock
+                if publish:
+                    deadline = time.monotonic() + self.timeout
+                    self._deadlines[request_id] = (deadline, self.timeout)
+                    if deadline < self._watching_until:
+                        self._deadline_changed.notify()
             self._write(sock, frame)
         return request_id, future
+
+    def _watch_deadlines(self) -> None:
+        """Fail the future of a publish with no answer within the client's `timeout` (as
+        it was when the publish was sent) with the session's outcome unknown, which
+        pauses its keys: a `publish_async` future is held to `publish`'s contract, and
+        an application waiting on it with its own timeout cannot take a publish that
+        is still live for a failed one. Runs until the client is closed."""
+        while True:
+            expired: list[tuple[Future[dict[str, Any]], QuorumqError]] = []
+            with self._lock:
+                while not expired:
+                    if self._session.closed:
+                        return
+                    now = time.monotonic()
+                    due = [r for r, (at, _) in self._deadlines.items() if at <= now]
+                    for request_id in due:
+                        _, timeout = self._deadlines.pop(request_id)
+                        future = self._futures.get(request_id)
+                        if future is None or future.done():
+                            continue  # its caller gave up already (`publish`), or answered
+                        why = f"no answer within {timeout} s"
+                        error = self._session.outcome_unknown(request_id, why)
+                        if error is None:
+                            continue  # answered just now: the reader thread hands it over
+                        del self._futures[request_id]
+                        expired.append((future, error))
+                    if not expired:
+                        self._watching_until = min(
+                            (at for at, _ in self._deadlines.values()), default=math.inf
+                        )
+                        wait = self._watching_until - now
+                        self._deadline_changed.wait(None if wait == math.inf else wait)
+                self._watching_until = -math.inf  # no need to wake it: it looks again now
+            for future, failure in expired:
+                future.set_exception(failure)
 
     def _wait(
         self,
@@ -472,14 +525,17 @@ class Client:
         key: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> Future[dict[str, Any]]:
-        """Publish without waiting; the future's result has the `offset` once committed."""
+        """Publish without waiting; the future's result has the `offset` once committed.
+
+        It fails as `publish` would: with `OutcomeUnknownError` (the key paused) if no
+        confirm comes within the client's `timeout`; the publish then stays live."""
         return self._publish(queue, body, key, headers)[1]
 
     def _publish(
         self, queue: str, body: bytes, key: str | None, headers: Mapping[str, str] | None
     ) -> tuple[int, Future[dict[str, Any]]]:
         check_message(body, key, headers)
-        return self._issue(self._session.publish, queue, body, key, headers)
+        return self._issue(self._session.publish, queue, body, key, headers, publish=True)
 
     def publish(
         self,
@@ -514,7 +570,7 @@ class Client:
         sequence numbers of the producer); an older resend returns an empty list."""
         rows = batch_rows(messages)
         request_id, future = self._issue(
-            self._session.publish_batch, queue, rows, producer, first_seq
+            self._session.publish_batch, queue, rows, producer, first_seq, publish=True
         )
         first: int | None = self._wait(request_id, future, publish=True)["offset"]
         return [] if first is None else list(range(first, first + len(rows)))
@@ -616,6 +672,8 @@ class Client:
         with self._lock:
             events = self._session.close()
             sock, self._sock = self._sock, None
+            self._deadlines.clear()
+            self._deadline_changed.notify()  # the deadline watcher ends
         if sock is not None:
             _hang_up(sock)
         self._handle(events)
