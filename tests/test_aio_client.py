@@ -6,10 +6,14 @@ from typing import Any
 
 import pytest
 import trio
+from trio.testing import MockClock, wait_all_tasks_blocked
 
 import quorumq.aio
-from quorumq.client import ServerError
+from quorumq.client import QuorumqError, ServerError
+from quorumq.client.aio import AsyncClient, AsyncConsumer
+from quorumq.client.core import delivery_from
 from quorumq.embedded import Cluster
+from quorumq.protocol import FrameDecoder
 
 from .helpers import wait_for
 
@@ -99,3 +103,43 @@ def test_closing_the_client_returns_what_its_full_consumer_held(cluster: Cluster
 
     trio.run(main)
     wait_for(lambda: held() == 0, "returned on close", 10)
+
+
+def test_an_ack_cancelled_while_it_waits_to_be_written_is_written_all_the_same() -> None:
+    """Delivery.ack() marks the delivery settled before the frame is written: an ack
+    cancelled while it waited for the send lock was lost, and could not be sent again
+    ("already acked"). No node here: a stream that records what is written."""
+    written = FrameDecoder()
+
+    class Recording:
+        async def send_all(self, data: bytes) -> None:
+            written.feed(data)
+
+        async def aclose(self) -> None:
+            pass
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            client = AsyncClient("127.0.0.1:1", None, nursery)
+            client._session.connection_made()
+            client._stream = Recording()  # type: ignore[assignment]
+            consumer = AsyncConsumer(client, "q", 10)
+            consumer.id = "n.1"
+            client._session.consumers["n.1"] = consumer
+            frame = {"consumer": "n.1", "offset": 7, "key": None, "body": b"m", "headers": None}
+            more = {"redelivered": False, "delivery_count": 0, "node": "A"}
+            delivery = delivery_from({**frame, **more}, "q", client._settle)
+
+            async def ack_within_a_second() -> None:
+                with trio.move_on_after(1):
+                    await delivery.ack()
+
+            async with client._send_lock:  # another frame is being written
+                nursery.start_soon(ack_within_a_second)
+                await trio.sleep(5)  # the ack's caller gives up meanwhile
+            await wait_all_tasks_blocked()
+            assert list(written.frames()) == [{"t": "ack", "consumer": "n.1", "offsets": [7]}]
+            with pytest.raises(QuorumqError, match="already acked"):
+                await delivery.ack()
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))

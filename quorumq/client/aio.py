@@ -387,10 +387,12 @@ class AsyncClient:
                 await self._write(frame)
 
     async def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
+        """Send an ack or nack, whatever cancels the caller: the delivery is marked
+        settled already, so one lost waiting for the send lock could not be sent again
+        ("already acked"), and the message would stay held."""
         frame = self._session.settle_frame(delivery, ack, requeue)
         if frame is not None:
-            async with self._send_lock:
-                await self._write(frame)
+            await self._send_whole(frame)
 
     # --------------------------------------------------------------- the verbs
 
