@@ -476,7 +476,8 @@ class AsyncClient:
     async def forget_producers(self, queue: str, prefix: str) -> int:
         """Forget the idempotent producers of `queue` whose id starts with `prefix` (not
         empty); return how many. Only for producers that will never resend: a forgotten
-        producer's next publish is accepted as new, whatever its sequence number."""
+        producer is new again, so its next publish must have sequence number 0, and any
+        other is refused (`out_of_order`, expected 0)."""
         frame = {"t": "forget_producers", "queue": queue, "prefix": prefix}
         reply = await self._request(frame)
         return int(reply["forgotten"])

@@ -642,7 +642,8 @@ class Client:
     def forget_producers(self, queue: str, prefix: str) -> int:
         """Forget the idempotent producers of `queue` whose id starts with `prefix` (not
         empty); return how many. Only for producers that will never resend: a forgotten
-        producer's next publish is accepted as new, whatever its sequence number."""
+        producer is new again, so its next publish must have sequence number 0, and any
+        other is refused (`out_of_order`, expected 0)."""
         reply = self._request({"t": "forget_producers", "queue": queue, "prefix": prefix})
         return int(reply["forgotten"])
 
