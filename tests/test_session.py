@@ -498,3 +498,30 @@ def test_a_refusal_of_an_attempt_already_sent_again_starts_no_other_rewind() -> 
     for request_id in ids:
         session.receive(_reply(request_id, offset=request_id))
     assert session.settling_keys() == set() and session.unconfirmed() == []
+
+
+def test_a_publish_refused_as_out_of_order_never_stays_live_for_ever() -> None:
+    """The queue expects 0 from a producer it forgot (forget_producers, 7 days of
+    silence): a resend of this client's publish 1 was then parked as outcome unknown,
+    resent on every reconnect and refused every time, its key settling for ever. And a
+    batch under a caller's own producer id, sent ahead of that producer's first, did the
+    same (the property test found it)."""
+    session = _session()
+    first, _ = session.publish("q", b"m0", "a", None)
+    session.receive(_reply(first, offset=0))
+    later, _ = session.publish("q", b"m1", "b", None)
+    session.connection_lost()
+    session.connection_made()
+    session.unconfirmed()  # resent: refused, its outcome is unknown (it may have landed)
+    (forgotten,) = session.receive(_error(later, "out_of_order", expected_seq=0))
+    assert isinstance(forgotten, Failed) and isinstance(forgotten.error, OutcomeUnknownError)
+    assert "forgot" in str(forgotten.error)
+    assert session.settling_keys() == set() and session.producer.paused == {"b"}
+
+    ahead, _ = session.publish_batch("q", [[b"x", "c", None]], producer="S", first_seq=1)
+    session.connection_lost()
+    session.connection_made()
+    session.unconfirmed()
+    (refused,) = session.receive(_error(ahead, "out_of_order", expected_seq=0))
+    assert isinstance(refused, Failed) and type(refused.error) is ServerError  # replay it
+    assert session.settling_keys() == set() and session.unconfirmed() == []

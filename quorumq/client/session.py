@@ -27,7 +27,9 @@ keeps what makes publishing idempotent and ordered:
 * a publish refused for certain (its only attempt refused, or the queue expects a
   sequence number no live publish holds) makes the later ones of that producer
   impossible (the queue expects the refused sequence next): they fail too, "not
-  published", and the queue gets a fresh producer id;
+  published", and the queue gets a fresh producer id. (Expecting 0 from this client's
+  own producer id, whose 0 it took, the queue shows it forgot the producer: an earlier
+  attempt may have landed, none can any more; outcome unknown, and no longer live.);
 * a resend refused (a node with a smaller --max-body, a queue full for now) settles
   nothing: an earlier attempt may have landed or may yet. The caller is told outcome
   unknown, the key paused; the publish stays live and goes again on the next
@@ -207,6 +209,8 @@ class ClientSession:
         at its proposal timeout). A retriable refusal of one while a newer attempt is
         out is stale: that newer one's answer decides (a rewind for every stale refusal
         would resend the whole queue again and again, a storm under load)."""
+        self._chosen: set[int] = set()
+        """Live publishes under a producer id and sequence numbers their caller chose."""
         self._parked: set[int] = set()
         """Live publishes whose resend this connection's node refused: sent again only on
         the next connection (outcome unknown until a node answers them)."""
@@ -294,6 +298,7 @@ class ClientSession:
             },
         )
         self._check_room(rows)
+        chosen = producer is not None
         if producer is None or first_seq is None:
             producer, first_seq = self.producer.take(queue, len(rows))
         frame = {
@@ -303,7 +308,10 @@ class ClientSession:
             "producer": producer,
             "first_seq": first_seq,
         }
-        return self.request(frame, idempotent=True)
+        request_id, frame = self.request(frame, idempotent=True)
+        if chosen:
+            self._chosen.add(request_id)
+        return request_id, frame
 
     def subscribe(self, consumer: ConsumerLike) -> tuple[int, dict[str, Any]]:
         """The subscribe request; `ConnectionLostError` while there is no connection (a
@@ -518,6 +526,7 @@ class ClientSession:
     def _drop_unconfirmed(self, request_id: int) -> dict[str, Any] | None:
         """No longer live (answered, or certainly never to land)."""
         frame = self._unconfirmed.pop(request_id, None)
+        self._chosen.discard(request_id)
         if frame is None:
             return None
         self._unconfirmed_bytes -= _size_of(frame)
@@ -591,6 +600,7 @@ class ClientSession:
         self._resent.clear()
         self._parked.clear()
         self._attempts.clear()
+        self._chosen.clear()
         self._subscribing.clear()
         self._abandoned.clear()
         self._ghosts.clear()
@@ -612,6 +622,7 @@ class ClientSession:
         self._resent.clear()
         self._parked.clear()
         self._attempts.clear()
+        self._chosen.clear()
         self._subscribing.clear()
         self._abandoned.clear()
         self._ghosts.clear()
@@ -691,7 +702,7 @@ class ClientSession:
         if code in RETRIABLE:
             return [] if newer else self._rewind_later(publish["queue"])
         expected = frame.get("expected_seq")
-        proof = False
+        certain = request_id not in self._resent  # this attempt was the only one
         if code == "out_of_order" and isinstance(expected, int):
             earlier = self._live_covering(publish, expected)
             if earlier in self._parked:  # it is sent again on the next connection, and so
@@ -699,11 +710,13 @@ class ClientSession:
                 return []
             if earlier is not None:
                 return [] if newer else self._rewind_later(publish["queue"])
-            # The queue expects a sequence number that no live publish of this producer
-            # holds (0, though, is also what a producer the queue forgot gets).
-            proof = expected != 0
-        if proof or request_id not in self._resent:
-            # this attempt was the only one, or no attempt of it can land any more
+            if expected == 0 and request_id not in self._chosen:
+                return self._forgotten(request_id, publish)
+            # The queue waits for a sequence number that no live publish holds, and this
+            # client never sends it again: no attempt of this one can land any more. (A
+            # caller that chose its producer id replays with the same numbers.)
+            certain = True
+        if certain:
             self._settled(request_id)
             self._keys_failed([publish])
             refusal = Failed(request_id, ServerError(code, message))
@@ -730,6 +743,21 @@ class ClientSession:
                 ),
             )
         ]
+
+    def _forgotten(self, request_id: int, publish: dict[str, Any]) -> list[Event]:
+        """The queue expects sequence number 0 from this client's producer id, whose 0
+        it took: it forgot the producer (`forget_producers`, or 7 days of silence). An
+        earlier attempt may have landed before that; none can any more (the queue takes
+        only 0 from a producer it forgot, and the id is retired)."""
+        self._settled(request_id)
+        self._keys_failed([publish])
+        self._retire(publish)
+        error = OutcomeUnknownError(
+            f"the queue forgot this client's producer id for {publish['queue']!r}: an "
+            "earlier attempt may have landed before it did, and none can any more; do "
+            "not publish it again before a read tells whether it landed"
+        )
+        return [Failed(request_id, error)]
 
     def _rewind_later(self, queue: str) -> list[Event]:
         if queue in self._rewinding:
