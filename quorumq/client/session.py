@@ -11,7 +11,11 @@ keeps what makes publishing idempotent and ordered:
   rewind has already sent again is stale, and starts no other rewind;
 * a publish whose confirm the caller stopped waiting for (a timeout, a cancellation)
   stays live and is resent as any other; its key is paused (`outcome_unknown`), so
-  neither an application's retry nor a later publish of the key overtakes it;
+  neither an application's retry nor a later publish of the key overtakes it; and
+  `resume(key)` is refused while the key has a live publish (`settling_keys()`): once it
+  has none, nothing more can land for it, and a read tells what did;
+* at most `max_unconfirmed` publishes (and `max_unconfirmed_bytes` of them) are live:
+  past that a publish fails before anything is sent (`TooManyUnconfirmedError`);
 * resends go out in the order the publishes were first sent, across producer ids
   (a producer id is renewed after a failure), so a key's order holds;
 * the queue orders each producer id's sequence alone, so a key with a publish still
