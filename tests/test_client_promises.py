@@ -95,12 +95,13 @@ class Proxy:
             sink.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
-        self.release()
+        """Drop both connections (what the proxy still holds is not passed on)."""
         self._listener.close()
         for sock in self._sockets:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
+        self.release()
         for thread in self._threads:
             thread.join(timeout=5)
         assert not any(t.is_alive() for t in self._threads), "a proxy thread is left"
@@ -122,6 +123,19 @@ def _receive_all(consumer: Consumer, count: int, within: float = 15.0) -> set[in
             got.add(delivery.offset)
             delivery.ack()
     return got
+
+
+def _declare(cluster: Cluster, queue: str) -> None:
+    """Declare `queue`, again after a leader change (a test before may have loaded the
+    cluster into one); a declare of the same options is idempotent."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            cluster.client().declare(queue)
+            return
+        except ServerError as e:
+            if e.code not in ("not_applied", "outcome_unknown") or time.monotonic() > deadline:
+                raise
 
 
 def _consumers(client: Client, queue: str) -> int:
@@ -210,7 +224,7 @@ def test_a_subscribe_that_timed_out_leaves_no_consumer_holding_messages(cluster:
     here, rather than the node stopped: a stopped node may lose the subscribe to an
     election when it runs again.)"""
     admin = cluster.client("B")
-    admin.declare("ghost")
+    _declare(cluster, "ghost")
     live = cluster.client("B").subscribe("ghost", prefetch=100)
     with Proxy(cluster.endpoint("A")) as late:
         client = Client([late.endpoint], timeout=1.0)
@@ -235,7 +249,7 @@ def test_a_subscribe_that_timed_out_leaves_no_consumer_holding_messages(cluster:
 def test_a_trio_subscribe_cancelled_then_answered_leaves_no_consumer(cluster: Cluster) -> None:
     """The same with a trio subscribe cancelled by move_on_after."""
     admin = cluster.client("B")
-    admin.declare("ghost-aio")
+    _declare(cluster, "ghost-aio")
     live = cluster.client("B").subscribe("ghost-aio", prefetch=100)
 
     async def main(late: Proxy) -> None:
@@ -269,8 +283,7 @@ def test_a_consumer_cancelled_while_it_subscribes_again_stays_cancelled(cluster:
     subscribed again. The cancel recorded its old id, and the resubscribe went ahead
     under a new one. Here the next endpoint answers nothing for the connect timeout, so
     the cancel lands inside that window every time."""
-    admin = cluster.client("B")
-    admin.declare("recancel")
+    _declare(cluster, "recancel")
 
     async def silent(stream: trio.SocketStream) -> None:
         await trio.sleep_forever()
@@ -325,7 +338,7 @@ def test_a_write_to_a_node_that_stopped_reading_ends_by_the_timeout_and_the_clie
     with Proxy(cluster.endpoint("A")) as stalled:
         client = Client([stalled.endpoint, cluster.endpoint("B")], timeout=2.0)
         try:
-            client.declare("stuck")
+            _declare(cluster, "stuck")
             outcome: list[object] = []
 
             def publish_much() -> None:
@@ -354,14 +367,14 @@ def test_a_write_to_a_node_that_stopped_reading_ends_by_the_timeout_and_the_clie
             bodies = [m.body[:3] for m in read]
             assert sorted(bodies) == sorted({b"%03d" % i for i in range(100)} | {b"las"})
         finally:
-            stalled.release()
+            stalled.close()  # (what the client wrote to it is dropped with it)
             client.close()
 
 
 def test_close_never_waits_for_a_write_to_a_node_that_stopped_reading(cluster: Cluster) -> None:
     with Proxy(cluster.endpoint("A")) as stalled:
         client = Client([stalled.endpoint], timeout=30.0)
-        client.declare("stuck-close")
+        _declare(cluster, "stuck-close")
         failed: list[BaseException] = []
 
         def publish_much() -> None:
@@ -444,7 +457,7 @@ def test_a_publish_async_future_fails_as_outcome_unknown_after_the_timeout(
     application waiting with future.result(t) got TimeoutError, its key was not paused,
     and the publish stayed live, so its retry was a second message."""
     admin = cluster.client("B")
-    admin.declare("async")
+    _declare(cluster, "async")
     with Proxy(cluster.endpoint("A")) as late:
         client = Client([late.endpoint], timeout=1.0)
         try:
