@@ -161,9 +161,7 @@ _COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]
     _ENQUEUE_BATCH: ((4, 5), _batch),  # the fifth, per-message seqs, only when given
     _SUBSCRIBE: (
         (4, 5),  # the fifth, the consumer's timeout, only when it has one
-        lambda q, c, n, p, t=None: Subscribe(
-            queue=q, consumer=c, node=n, prefetch=p, timeout_ms=t
-        ),
+        lambda q, c, n, p, t=None: Subscribe(queue=q, consumer=c, node=n, prefetch=p, timeout_ms=t),
     ),
     _CANCEL: (2, lambda q, c: Cancel(queue=q, consumer=c)),
     _ACK: (3, lambda q, c, o: Ack(queue=q, consumer=c, offsets=o)),

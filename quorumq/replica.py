@@ -309,6 +309,9 @@ class ReplicaObserver(Protocol):
 
     def snapshot_loaded(self, replica: Replica, applied: int, index: int) -> None: ...
 
+    def proposed_duty(self, replica: Replica, command: Command) -> None:
+        """As leader, the replica proposes `command` (`NodeDown`, `NodeUp`, `Tick`)."""
+
 
 MemberFactory = Callable[..., RaftRules]
 """(apply=, snapshot=, restore=, on_tick=) -> the replica's Raft member."""
@@ -539,6 +542,8 @@ class Replica:
             return
         self._pending.add(key)
         logger.info("proposing %s", command)
+        if self._observer is not None:
+            self._observer.proposed_duty(self, command)
         self.propose(command, lambda _reply, _error: self._pending.discard(key))
 
     # ------------------------------------------------------------- membership

@@ -13,7 +13,7 @@ from quorumq.scenarios import SCENARIOS
 from quorumq.scenarios import render as render_scenario
 
 from .faults import PROFILES
-from .node import AS_IS, REAL
+from .node import REAL
 from .render import run_html, scenario_html
 from .runner import RunConfig, run, sweep
 from .workload import WorkloadConfig
@@ -27,7 +27,7 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
         steps=args.steps,
         fault_interval_s=args.fault_interval,
         workload=WorkloadConfig(rate=args.rate, message_ttl_ms=args.ttl),
-        variant=AS_IS if args.as_is else REAL,
+        variant=REAL,
         compaction_entries=args.compaction,
         disk_faults=not args.no_disk_faults,
     )
@@ -70,14 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument(
         "--ttl", type=int, metavar="MS", help="give the queue a message TTL (default: none)"
     )
-    common.add_argument(
-        "--no-disk-faults", action="store_true", help="leave out the disk faults"
-    )
-    common.add_argument(
-        "--as-is",
-        action="store_true",
-        help="model the server exactly as it is today (without the proposed restart fix)",
-    )
+    common.add_argument("--no-disk-faults", action="store_true", help="leave out the disk faults")
     one = sub.add_parser("run", parents=[common], help="run one seed and print a summary")
     one.add_argument("--seed", type=int, required=True)
     one.add_argument("--render", type=Path, help="write an HTML timeline of the run here")

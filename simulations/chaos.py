@@ -140,7 +140,10 @@ class Producer:
             try:
                 future = self.client.publish_async(QUEUE, b"%d:%d" % (self.number, seq), key)
             except QuorumqError:  # the key is paused after a failure: we handled it
-                self.client.resume(key)
+                if key in self.client.settling_keys():
+                    self._stop.wait(0.05)  # a publish of it may still land: let it settle
+                else:
+                    self.client.resume(key)
                 continue
             window.append((seq, future))
             self.sent += 1

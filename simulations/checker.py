@@ -95,6 +95,7 @@ class Record:
     offsets: set[int] = attrs.field(factory=set)
     acked: bool = False
     dropped: bool = False
+    unknown: bool = False
     published_ms: int = 0
     """True time (simulated ms) when its producer made it."""
 
@@ -155,6 +156,10 @@ class Checker:
         if offset is not None:
             record.offsets.add(offset)
 
+    def outcome_unknown(self, body: bytes) -> None:
+        """Its producer was told the outcome is unknown: it may or may not land (once)."""
+        self.records[body].unknown = True
+
     def refused(self, body: bytes, reason: str) -> None:
         self.records[body].refused = True
         self.violation("refused", f"{body!r} was refused for good: {reason}")
@@ -170,6 +175,11 @@ class Checker:
             return
         record.received += 1
         record.offsets.add(delivery.offset)
+        if record.refused and record.received == 1:
+            self.violation(
+                "phantom",
+                f"{delivery.body!r} was reported not published to its producer, and landed",
+            )
         key = _delivery_key(delivery)
         got = self.got[key] = self.got.get(key, 0) + 1
         if got > self.made.get(key, 0):

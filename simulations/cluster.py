@@ -18,8 +18,6 @@ from .network import Network
 from .node import REAL, SimDisk, SimNode, SimSerializer, Variant
 from .world import WALL_EPOCH_MS, World, micros
 
-CLIENT_LATENCY_S = (0.0002, 0.001)
-
 
 class Observer(Protocol):
     def on_applied(
@@ -75,10 +73,8 @@ class Cluster:
         self.client_random = world.stream("clients")
         self._opening: str | None = None
         """The node starting: PySyncObj asks for its journal and serializer."""
-        self._links: dict[tuple[Any, ...], int] = {}
-        self.clients: list[Any] = []
-        """Producers and consumers: each has `node` (the node it is connected to, or None)
-        and `connection_lost(node)`."""
+        self.links: dict[Any, None] = {}
+        """Open client connections (`SimLink`), in the order they opened."""
 
     # ------------------------------------------------------------------ disks
 
@@ -168,8 +164,8 @@ class Cluster:
         if node.was_leader:
             for o in self.observers:
                 o.on_leadership(node, False)
-        for client in list(self.clients_of(node)):
-            self.world.at(self._link_arrival((node, client, "down")), client.connection_lost, node)
+        for link in self.links_of(node):
+            link.broken_by_node()
 
     def on_fatal(self, node: SimNode, error: BaseException) -> None:
         """`node` stopped itself (its journal failed): its process exits, as a real node's
@@ -200,7 +196,7 @@ class Cluster:
         node.paused = False
         self.world.trace(f"resume {name}")
         self.network.resume(name)
-        node.wake()
+        node.resumed()
 
     def running(self) -> list[SimNode]:
         return [n for n in self.nodes.values() if n is not None]
@@ -217,41 +213,14 @@ class Cluster:
 
     # ---------------------------------------------------------------- clients
 
-    def clients_of(self, node: SimNode) -> list[Any]:
-        return [c for c in self.clients if c.node is node]
+    def links_of(self, node: SimNode) -> list[Any]:
+        """The open client connections to `node`, in the order they opened."""
+        return [link for link in self.links if link.node is node]
 
-    def consumer_by_id(self, consumer: str) -> Any:
-        return self.consumers.get(consumer)
-
-    def _link_arrival(self, link: tuple[Any, ...]) -> int:
-        """When a frame sent now on a client connection arrives: in order, as on TCP."""
-        low, high = micros(CLIENT_LATENCY_S[0]), micros(CLIENT_LATENCY_S[1])
-        when = self.world.now_us + low + int(self.client_random.random() * (high - low))
-        when = max(when, self._links.get(link, 0))
-        self._links[link] = when
-        return when
-
-    def send_to_client(self, fn: Callable[..., None], node: SimNode, *args: Any) -> None:
-        """A frame from `node` to the client `fn` belongs to; lost if the node dies first."""
-
-        def arrive() -> None:
-            if node.alive:
-                fn(node, *args)
-
-        client = getattr(fn, "__self__", None)
-        self.world.at(self._link_arrival((node, client, "down")), arrive)
-
-    def send_to_node(
-        self, client: Any, node: SimNode, fn: Callable[..., None] | None, *args: Any
-    ) -> None:
-        """A frame from `client` to `node`, read on the node's next tick (`fn` None: an
-        ack or nack, gathered with others read at once)."""
-
-        def arrive() -> None:
-            if node.alive:
-                node.receive(client, fn, *args)
-
-        self.world.at(self._link_arrival((node, client, "up")), arrive)
+    def members(self) -> list[str]:
+        """The nodes that are members of the cluster (all of them, until membership
+        changes are simulated)."""
+        return list(self.names)
 
     # -------------------------------------------------------------- observing
 

@@ -104,6 +104,22 @@ class Network:
 
     # ------------------------------------------------------------ membership
 
+    def node(self, name: str) -> StableNode:
+        """The PySyncObj node for host `name` (a host added later gets one here)."""
+        node = self.nodes.get(name)
+        if node is None:
+            self.add_host(name)
+            node = self.nodes[name]
+        return node
+
+    def add_host(self, name: str) -> None:
+        """A new host joins the network (a node added to the cluster runs there)."""
+        if name in self.nodes:
+            return
+        self.names.append(name)
+        self.nodes[name] = StableNode(name)
+        self.inbox[name] = []
+
     def attach(self, name: str, transport: SimTransport) -> None:
         """A member starts: its connections come up after a retry delay."""
         self.transports[name] = transport

@@ -34,100 +34,64 @@ another effect filter. The default is the real thing.
 
 from __future__ import annotations
 
+import math
 import random
 import zlib
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import attrs
-from pysyncobj import FAIL_REASON, SyncObjConf
+from pysyncobj import SyncObjConf
 from pysyncobj.config import SERIALIZER_STATE
 
-from quorumq.codec import UNSTAMPED, CodecError, decode_entry, encode_entry
-from quorumq.deliveries import SentDeliveries
-from quorumq.deliveries import missing as missing_deliveries
 from quorumq.machine import (
-    OK,
-    Ack,
+    Applied,
     Command,
-    ConsumerDown,
-    Deliver,
-    Down,
     Effect,
-    Error,
-    ErrorCode,
     Machine,
-    Meta,
-    Nack,
     NodeDown,
-    Reply,
-    Subscribe,
+    NodeUp,
 )
+from quorumq.node import ConnectionCore, NodeConfig, NodeCore
+from quorumq.node.core import ProposalCallback
 from quorumq.raft.journal import DurableJournal, JournalDamagedError, JournalFailedError
-from quorumq.raft.member import NOT_APPLIED
-from quorumq.raft.rules import Entry, LeaderClock, RaftRules, decode_snapshot, encode_snapshot
-from quorumq.replica import PROPOSAL_TIMEOUT_S, InFlight, failure_commands, local_effects
+from quorumq.raft.rules import (
+    Entry,
+    LeaderClock,
+    RaftRules,
+    decode_snapshot,
+    encode_snapshot,
+)
+from quorumq.replica import ProposalError, Replica, ReplicaConfig, local_effects
 
 from .disk import SimFiles
 from .network import Network, SimTransport
-from .world import World, micros
+from .world import US, World, micros
 
-if TYPE_CHECKING:
-    from .workload import SimConsumer
+T = TypeVar("T")
 
 TICK_COST_US = 100
 PER_MESSAGE_COST_US = 20
 """Simulated CPU time of a tick: what arrives meanwhile waits for the next tick, so
 proposals group into one AppendEntries under load, as they do on a real node."""
 
-SETTLE_ATTEMPTS = 20
-"""As the real server: an ack or nack is proposed again this often after a failure."""
-
 EffectFilter = Callable[..., tuple[Effect, ...]]
 
 
 @attrs.frozen(kw_only=True)
 class Variant:
-    """What a node runs. The defaults are quorumq's; tests swap in broken ones."""
+    """Test-only switches of the negative controls, given to the node's real Replica:
+    another machine, or another effect filter. The defaults are the real thing. (Other
+    controls patch the real node core in the test that runs them.)"""
 
     name: str = "real"
     machine: Callable[[], Machine] = Machine
     effect_filter: EffectFilter = local_effects
     """(effects, node, proxy=, replicas=) -> the effects this node runs."""
-    down_stale_consumers: bool = True
-    """A restarted node proposes `Down` for the consumers of its earlier runs once it has
-    caught up. The real server (quorumq/server/node.py) does not do this yet: a node
-    restarted within the node-down grace period leaves them in the queue holding their
-    messages forever (found by seed 2, see `AS_IS`). Proposed fix, modelled here."""
-    retry_down: bool = True
-    """A `Down` the node proposes for a closed consumer is proposed again when a leader
-    change loses it. The real server proposes it once, with no callback: a lost `Down`
-    leaves the dead consumer holding its messages forever (found by seed 7, `AS_IS`).
-    Proposed fix, modelled here."""
-    retry_unknown_nack: bool = True
-    """A requeueing `Nack` whose outcome is unknown (leader change) is proposed again if
-    this node's replica, caught up, shows the consumer still holding the messages. The
-    real server gives up on it and tells no one: if it was lost, the live consumer holds
-    the message until it disconnects (found by seed 27, `AS_IS`). Proposed fix."""
-    resettle_refused_batch: bool = True
-    """An ack (nack) refused because one of its offsets is no longer held is proposed
-    again for the offsets still held. The real server refuses the whole gathered `Ack`
-    (`Connection._gather_ack`) and answers the refusal: when a consumer acks a message
-    that its own nack of an earlier one returned with its key, together with others
-    read in the same read, those others stay held by the live consumer forever (found
-    by seed 1 at 1,000 records/s, `AS_IS`). Proposed fix, modelled here."""
 
 
 REAL = Variant()
-AS_IS = Variant(
-    name="as-is",
-    down_stale_consumers=False,
-    retry_down=False,
-    retry_unknown_nack=False,
-    resettle_refused_batch=False,
-)
-"""The node's server exactly as quorumq/server/node.py is today."""
 
 
 # ---------------------------------------------------------------------- disk
@@ -297,10 +261,11 @@ class SimMember(RaftRules):
         *,
         apply: Callable[[int, bytes], Any],
         snapshot: Callable[[], bytes],
-        restore: Callable[[bytes, int], None],
+        restore: Callable[[bytes], None],
         on_tick: Callable[[], None],
         raft_timeouts: tuple[float, float],
         compaction_entries: int | None = None,
+        members: list[str] | None = None,
     ) -> None:
         self.name = name
         self.network = network
@@ -324,9 +289,10 @@ class SimMember(RaftRules):
             leaderFallbackTimeout=max(2.0, raft_timeouts[1] * 2),
             appendEntriesBatchSizeBytes=4 * 1024 * 1024,
             commandsWaitLeader=True,
+            dynamicMembershipChange=True,
         )
-        others = [network.nodes[n] for n in network.names if n != name]
-        super().__init__(network.nodes[name], others, conf, transport=self.transport)
+        others = [network.node(n) for n in (members or network.names) if n != name]
+        super().__init__(network.node(name), others, conf, transport=self.transport)
         self.journal: DurableJournal = self._SyncObj__raftLog
         self.check_stored_state()
         self.poller = SimPoller(network, name, self)
@@ -355,6 +321,12 @@ class SimMember(RaftRules):
     def make_durable(self) -> None:
         self.journal.sync()
 
+    def make_node(self, name: str, address: str) -> Any:
+        return self.network.node(address)
+
+    def run_on_tick_thread(self, call: Callable[[], None]) -> None:
+        call()  # one thread: the simulator's
+
     # -------------------------------------------------------------- snapshots
 
     def _write_snapshot(self, data: tuple[Entry, Entry, Any]) -> bytes:
@@ -366,13 +338,13 @@ class SimMember(RaftRules):
     def _read_snapshot(self, data: bytes) -> tuple[Entry, Entry, set[Any]]:
         try:
             stored = decode_snapshot(data, f"{self.name}'s snapshot")
-            self._restore(stored.machine, stored.last[1])
+            self._restore(stored.machine)
         except Exception as e:
             self._snapshot_load_error = e  # PySyncObj swallows it: RaftRules raises it
             raise
         self.removed_members.clear()
         self.removed_members.update(stored.removed)
-        return stored.last, stored.prev, {self.network.nodes[a] for a, _ in stored.members}
+        return stored.last, stored.prev, {self.network.node(a) for a, _ in stored.members}
 
     def stored_snapshot(self) -> tuple[Entry, Entry] | None:
         if self.disk.snapshot is None:
@@ -414,12 +386,88 @@ class ObservedLeaderClock(LeaderClock):
 
 # ---------------------------------------------------------------------- node
 
-ProposalCallback = Callable[[Reply | None, str | None], None]
-"""(reply, None) when applied here; (None, "not_applied" | "unknown") otherwise."""
+
+class SimReplica(Replica):
+    """The real replica; its leader clock tells the simulation when it stamps."""
+
+    def __init__(self, node: SimNode, *args: Any, **kwargs: Any) -> None:
+        self._sim_node = node
+        super().__init__(*args, **kwargs)
+
+    def _leader_clock(
+        self, wall_clock: Callable[[], int], monotonic: Callable[[], float]
+    ) -> LeaderClock:
+        return ObservedLeaderClock(wall_clock, monotonic, self._sim_node.sim.on_stamp)
+
+
+class _SimReplicaHandle:
+    """The replica as the core sees it: outcomes arrive as events of their own, after
+    the tick that produced them (as the trio token hands them over on a real node), and
+    not at all once the node's process is gone."""
+
+    def __init__(self, node: SimNode) -> None:
+        self._node = node
+        self.node_id = node.name
+
+    def _soon(self, fn: Callable[..., None], *args: Any) -> None:
+        self._node.soon(fn, *args)
+
+    def propose(self, command: Command, callback: ProposalCallback | None = None) -> None:
+        replica = self._node.replica
+        if callback is None:
+            replica.propose(command)
+        else:
+            replica.propose(command, lambda reply, error: self._soon(callback, reply, error))
+        self._node.wake()
+
+    def query(self, read: Callable[[Machine], T]) -> T:
+        return self._node.replica.query(read)
+
+    def members(self) -> dict[str, str]:
+        return self._node.replica.members()
+
+    def status(self, *, audit: bool = False) -> dict[str, Any]:
+        return self._node.replica.status()
+
+    def add_member(
+        self, name: str, address: str, callback: Callable[[ProposalError | None], None]
+    ) -> None:
+        self._node.replica.add_member(name, address, lambda error: self._soon(callback, error))
+        self._node.wake()
+
+    def remove_member(self, name: str, callback: Callable[[ProposalError | None], None]) -> None:
+        self._node.replica.remove_member(name, lambda error: self._soon(callback, error))
+        self._node.wake()
+
+    def ask_leader_to_step_down(self) -> None:
+        self._node.replica.ask_leader_to_step_down()
+        self._node.wake()
+
+
+class _SimShell:
+    """What the core asks of its shell, done by the simulated node."""
+
+    def __init__(self, node: SimNode) -> None:
+        self._node = node
+
+    def wake(self, conn: ConnectionCore) -> None:
+        self._node.wake_conn(conn)
+
+    def timers_changed(self) -> None:
+        self._node.timers_changed()
+
+    def run_in_worker(
+        self, work: Callable[[], Any], done: Callable[[Any, BaseException | None], None]
+    ) -> None:
+        self._node.run_in_worker(work, done)
 
 
 class SimNode:
-    """One run (incarnation) of a node: a Raft member, its machine, its server duties."""
+    """One run (incarnation) of a node: the real `Replica` on a `SimMember`, and the real
+    `NodeCore` serving its clients' connections (`SimLink`s), ticked by the simulator.
+    What a real node's trio shell and Raft thread do, the simulator does here: it hands
+    the replica's effects and outcomes to the core after the tick, reads the bytes that
+    arrived from clients, writes what the core queued, runs the core's timers."""
 
     def __init__(
         self,
@@ -437,62 +485,99 @@ class SimNode:
         self.world: World = sim.world
         self.name = name
         self.incarnation = incarnation
-        self.variant: Variant = sim.variant
-        self.machine = self.variant.machine()
-        self.replicas = frozenset(sim.names)
-        self.grace_s = grace_s
+        self.disk = disk
         self.tick_us = micros(tick_s)
-        self.consumers: dict[str, SimConsumer] = {}
-        """Consumers connected to this node, by id."""
-        self._queue_of: dict[str, str] = {}
-        """The queue of each consumer connected here."""
-        self._subscribing: dict[str, ProposalCallback] = {}
-        """Consumers whose subscribe is not answered yet, and where the answer goes."""
-        self._sent: dict[str, SentDeliveries] = {}
-        """What each consumer connected here was sent and may still hold."""
-        self._effects_through = 0
-        """The highest log index this run applied: a snapshot install can take the machine
-        back below it, and entries applied again must not run their effects again."""
-        self.snapshots_loaded = 0
-        self._downed: set[str] = set()
-        self._pending_duties: set[tuple[str, str]] = set()
-        self._downing: set[str] = set()
-        self._stale_scanned: tuple[int, int] | None = None
-        """(applied index, `Down`s lost) at the last scan for stale consumers."""
-        self._downs_lost = 0
-        self._in_flight: InFlight[str] = InFlight(PROPOSAL_TIMEOUT_S)
-        """As the replica's: a proposal PySyncObj never answers is "unknown" after 15 s."""
-        self.member = SimMember(
-            sim.network,
-            name,
-            disk,
-            apply=self._apply,
-            snapshot=self._snapshot,
-            restore=self._restore,
-            on_tick=self._on_tick,
-            raft_timeouts=raft_timeouts,
-            compaction_entries=compaction_entries,
-        )
-        self.member.use_leader_clock(
-            ObservedLeaderClock(lambda: sim.wall_ms(name), self.world.monotonic, sim.on_stamp)
-        )
-        self.member.replicated_time_ms = lambda: self.machine.now_ms  # type: ignore[method-assign]
         self.alive = True
         self.paused = False
+        self.was_leader = False
         self._tick_at: int | None = None
         self._ticking = False
         self._woken_in_tick = False
-        self._frames: dict[object, list[tuple[Callable[..., None] | None, tuple[Any, ...]]]] = {}
-        """Client frames not read yet, by connection (in order of first arrival)."""
         self._busy_until = 0
-        self._consumer_counter = 0
-        self.was_leader = False
+        self._core_timer_at: int | None = None
+        self._flushing: set[ConnectionCore] = set()
+        self._accepting: list[Any] = []
+        """Client connections that arrived while the node was paused."""
+        self._inbound: dict[Any, list[bytes]] = {}
+        """Bytes from client links, not read yet (in order of first arrival)."""
+        variant: Variant = sim.variant
+        self._config = replica_config = ReplicaConfig(
+            node_id=name,
+            peers={n: n for n in sim.members()},
+            data_dir=f"/sim/{name}",
+            secret="simulated",
+            node_down_grace_s=grace_s,
+            raft_timeouts=raft_timeouts,
+            compaction_entries=compaction_entries or 10**12,
+        )
+        self.replica = SimReplica(
+            self,
+            replica_config,
+            lambda index, effects: self.soon(self._effects, index, effects),
+            lambda: self.soon(self._state_replaced),
+            wall_clock=lambda: sim.wall_ms(name),
+            monotonic=self.world.monotonic,
+            member_factory=self._make_member,
+            observer=self,
+            machine_factory=variant.machine,
+            effect_filter=variant.effect_filter,
+        )
+        rng = self.world.stream(f"node-{name}-{incarnation}")
+        self.core = NodeCore(
+            NodeConfig(replica=replica_config, insecure=True),
+            _SimReplicaHandle(self),
+            _SimShell(self),
+            self.world.monotonic,
+            random_bytes=rng.randbytes,
+        )
+        self.timers_changed()
+
+    def _make_member(self, **callbacks: Any) -> SimMember:
+        return SimMember(
+            self.sim.network,
+            self.name,
+            self.disk,
+            raft_timeouts=self._config.raft_timeouts,
+            compaction_entries=self._config.compaction_entries,
+            members=sorted(self._config.peers),
+            **callbacks,
+        )
+
+    @property
+    def member(self) -> SimMember:
+        member: SimMember = self.replica.member  # type: ignore[assignment]
+        return member
+
+    @property
+    def machine(self) -> Machine:
+        return self.replica.machine
 
     @property
     def replay_until(self) -> int:
-        """Entries up to here are replayed from this node's own journal: no effects (as
-        `Replica.replay_until`, which drops when the journal is truncated)."""
-        return self.member.journal.replay_until
+        return self.replica.replay_until
+
+    def soon(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` after the current event, if this run of the node is alive."""
+
+        def run() -> None:
+            if self.alive:
+                fn(*args)
+
+        self.world.after(0, run)
+
+    # -------------------------------------------------------------- observing
+
+    def applied(
+        self, replica: Replica, index: int, payload: bytes, command: Command, applied: Applied
+    ) -> None:
+        self.sim.on_applied(self, index, zlib.crc32(payload), command, applied)
+
+    def snapshot_loaded(self, replica: Replica, applied: int, index: int) -> None:
+        self.sim.on_snapshot_loaded(self, applied, index)
+
+    def proposed_duty(self, replica: Replica, command: Command) -> None:
+        if isinstance(command, NodeDown | NodeUp):
+            self.sim.on_failure_command(self, command)
 
     # ------------------------------------------------------------------ ticks
 
@@ -538,285 +623,127 @@ class SimNode:
             self.sim.on_leadership(self, leader)
         self.wake(0 if self._woken_in_tick else self.tick_us)
 
+    def resumed(self) -> None:
+        """A paused node runs again: it ticks, and its core's timers run."""
+        self.wake()
+        accepting, self._accepting = self._accepting, []
+        for link in accepting:
+            if link.open:
+                self.accept(link)
+        self._core_timer_at = None
+        self.timers_changed()
+        for conn in sorted(self.core.connections, key=lambda c: c.number):
+            self.wake_conn(conn)
+
+    # ---------------------------------------------------- from the replica
+
+    def _effects(self, index: int, effects: tuple[Effect, ...]) -> None:
+        self.core.effects_applied(index, effects)
+
+    def _state_replaced(self) -> None:
+        self.core.state_replaced()
+
+    # ------------------------------------------------------- the core's shell
+
+    def timers_changed(self) -> None:
+        core: NodeCore | None = self.__dict__.get("core")
+        if core is None:
+            return  # the core is being built: asked once it is (`__init__`)
+        when_s = core.next_timer()
+        if when_s is None:
+            return
+        when = max(math.ceil(when_s * US), self.world.now_us)  # never before it is due
+        if self._core_timer_at is not None and self._core_timer_at <= when:
+            return
+        self._core_timer_at = when
+        self.world.at(when, self._core_timers_due, when)
+
+    def _core_timers_due(self, when: int) -> None:
+        if self._core_timer_at != when:
+            return
+        self._core_timer_at = None
+        if not self.alive or self.paused:
+            return  # `resumed` schedules them again
+        self.core.run_timers()
+        self.timers_changed()
+
+    def run_in_worker(
+        self, work: Callable[[], Any], done: Callable[[Any, BaseException | None], None]
+    ) -> None:
+        def run() -> None:
+            try:
+                result = work()
+            except Exception as e:
+                done(None, e)
+            else:
+                done(result, None)
+
+        self.soon(run)
+
+    def wake_conn(self, conn: ConnectionCore) -> None:
+        if conn not in self._flushing:
+            self._flushing.add(conn)
+            self.soon(self._flush, conn)
+
     # ---------------------------------------------------------------- clients
 
-    def receive(self, client: object, fn: Callable[..., None] | None, *args: Any) -> None:
-        """A frame from `client` reaches this node's socket: read on the next tick (a
-        paused node reads it when resumed). `fn` None: an ack or nack (`args[0]`)."""
-        self._frames.setdefault(client, []).append((fn, args))
+    def accept(self, link: Any) -> None:
+        """A client connected (`SimLink`): the core's connection for it, in `link.conn`
+        (a paused node accepts once it is resumed)."""
+        if self.paused:
+            self._accepting.append(link)
+            return
+        conn = self.core.connection_made()
+        conn.transport = link
+        link.conn = conn
+
+    def receive(self, link: Any, data: bytes) -> None:
+        """Bytes from `link` reach this node's socket: read on the next tick (a paused
+        node reads them when resumed)."""
+        self._inbound.setdefault(link, []).append(data)
         if not self.paused:
             self.wake()
 
+    def link_closed(self, link: Any) -> None:
+        """The client closed its connection (or its process died)."""
+        self._inbound.pop(link, None)
+        if link in self._accepting:
+            self._accepting.remove(link)
+        if link.conn is not None:
+            self.core.connection_lost(link.conn)
+
     def _read_clients(self) -> None:
-        """Handle every frame that arrived since the last tick, one connection at a time
-        in order of arrival, as `Connection._handle_available` handles one read: the
-        acks (nacks) of a consumer read together become one `Ack` (`Nack`)."""
-        frames, self._frames = self._frames, {}
-        for read in frames.values():
-            settles: dict[tuple[str, bool, bool], Ack | Nack] = {}
-            for fn, args in read:
-                if fn is not None:
-                    self._flush_settles(settles)
-                    fn(*args)
-                    continue
-                command: Ack | Nack = args[0]
-                nack = isinstance(command, Nack)
-                key = (command.consumer, nack, nack and command.requeue)
-                gathered = settles.get(key)
-                settles[key] = (
-                    command
-                    if gathered is None
-                    else attrs.evolve(gathered, offsets=[*gathered.offsets, *command.offsets])
-                )
-            self._flush_settles(settles)
+        """Hand the core the bytes that arrived since the last tick, connection by
+        connection in order of arrival, while it wants them (back-pressure)."""
+        inbound, self._inbound = self._inbound, {}
+        for link, chunks in inbound.items():
+            conn = link.conn
+            if conn is None:
+                self._inbound[link] = chunks  # not accepted yet (it was paused)
+                continue
+            if conn.done:
+                continue
+            if not conn.wants_data:
+                self._inbound[link] = chunks  # read once there is room
+                continue
+            self.core.data_received(conn, b"".join(chunks))
 
-    def _flush_settles(self, settles: dict[tuple[str, bool, bool], Ack | Nack]) -> None:
-        for command in settles.values():
-            self.settle(command)
-        settles.clear()
-
-    # -------------------------------------------------------------- proposing
-
-    def propose(self, command: Command, callback: ProposalCallback | None) -> None:
-        """Submit a command through this node's member (it forwards to the leader)."""
-        payload = encode_entry(UNSTAMPED, command)  # the leader stamps the time
-        if callback is None:
-            self.member.propose(payload, None)
-        else:
-            once = self._in_flight.track(callback, self.world.monotonic())
-
-            def done(result: Any, reason: int) -> None:
-                if reason == FAIL_REASON.SUCCESS:
-                    once(result, None)
-                else:
-                    once(None, "not_applied" if reason in NOT_APPLIED else "unknown")
-
-            self.member.propose(payload, done)
-        self.wake()
-
-    def settle(self, command: Ack | Nack, attempt: int = 1) -> None:
-        """As the real server: propose an ack or nack, and again if a failure lost it
-        (an ack is safe to repeat; a requeueing nack only when surely not applied)."""
-
-        def done(reply: Reply | None, error: str | None) -> None:
-            repeat = error == "not_applied" or (error == "unknown" and isinstance(command, Ack))
-            if repeat and attempt < SETTLE_ATTEMPTS and self.alive:
-                self.settle(command, attempt + 1)
-            elif error == "unknown" and self.variant.retry_unknown_nack and self.alive:
-                self._nack_if_still_held(command, attempt)
-            elif (
-                isinstance(reply, Error)
-                and reply.code == ErrorCode.NOT_HELD
-                and self.variant.resettle_refused_batch
-            ):
-                self._settle_still_held(command, attempt)
-
-        self.propose(command, done)
-
-    def _settle_still_held(self, command: Ack | Nack, attempt: int) -> None:
-        """Refused whole because some offset is no longer held (a nack returned it with
-        its key, or an earlier attempt landed): settle the offsets this replica, which
-        has just applied the refusal, shows the consumer still holding."""
-        if not self.alive or attempt >= SETTLE_ATTEMPTS:
+    def _flush(self, conn: ConnectionCore) -> None:
+        """Write what the core queued for `conn`; end the connection if the core ends it."""
+        self._flushing.discard(conn)
+        link = conn.transport
+        if link is None or conn.closed:
             return
-        if command.queue in self.machine.queues():
-            held = set(self.machine.unacked(command.queue, command.consumer))
-            offsets = [o for o in command.offsets if o in held]
-            if offsets:
-                self.settle(attrs.evolve(command, offsets=offsets), attempt + 1)
-
-    def _nack_if_still_held(self, command: Ack | Nack, attempt: int) -> None:
-        """Once this replica has caught up: nack again what the consumer still holds."""
-        if not self.alive or attempt >= SETTLE_ATTEMPTS:
+        if conn.aborted:
+            link.broken_by_node()
+            self.core.connection_lost(conn)
             return
-        member = self.member
-        if member.raftLastApplied < member.raftCommitIndex or member._getLeader() is None:
-            self.world.after(micros(0.1), self._nack_if_still_held, command, attempt)
-            return
-        if command.queue in self.machine.queues():
-            held = set(self.machine.unacked(command.queue, command.consumer))
-            if set(command.offsets) <= held:
-                self.settle(command, attempt + 1)
-
-    def new_consumer_id(self) -> str:
-        self._consumer_counter += 1
-        return f"{self.name}.{self.incarnation}.{self._consumer_counter}"
-
-    def subscribe(self, client: SimConsumer, command: Subscribe, reply: ProposalCallback) -> None:
-        """A subscribe frame arrives (as `Connection._subscribe`): the consumer is served
-        here from now on; its `Subscribe` is proposed."""
-        consumer = command.consumer
-        self.consumers[consumer] = client
-        self._queue_of[consumer] = command.queue
-        self._subscribing[consumer] = reply
-
-        def done(result: Reply | None, error: str | None) -> None:
-            answer = self._subscribing.pop(consumer, None)
-            if answer is not None:  # else answered already (`_resync_consumers`)
-                answer(result, error)
-
-        self.propose(command, done)
-
-    def consumer_gone(self, consumer: str) -> None:
-        """The consumer's connection closed: its messages go back (`Down`)."""
-        self._forget(consumer)
-        self._down(consumer)
-
-    def _forget(self, consumer: str) -> None:
-        self.consumers.pop(consumer, None)
-        self._queue_of.pop(consumer, None)
-        self._subscribing.pop(consumer, None)
-        self._sent.pop(consumer, None)
-
-    def _down(self, consumer: str) -> None:
-        if consumer in self._downed:
-            return
-        self._downed.add(consumer)
-        if not self.variant.retry_down:
-            self.propose(Down(consumer=consumer), None)
-            return
-
-        def done(_reply: Reply | None, error: str | None) -> None:
-            if error is not None and self.alive:
-                self._downed.discard(consumer)
-                self._down(consumer)
-
-        self.propose(Down(consumer=consumer), done)
-
-    # --------------------------------------------------------------- applying
-
-    def _apply(self, index: int, payload: bytes) -> Reply:
-        try:
-            ts_ms, command = decode_entry(payload)
-        except CodecError as e:
-            return Error(code=ErrorCode.INVALID, message=f"undecodable log entry: {e}")
-        applied = self.machine.apply(Meta(index, ts_ms), command)
-        self.sim.on_applied(self, index, zlib.crc32(payload), command, applied)
-        if index > self._effects_through:
-            self._effects_through = index
-            if applied.effects and index > self.replay_until:
-                mine = self.variant.effect_filter(
-                    applied.effects,
-                    self.name,
-                    proxy=self.member.is_leader(),
-                    replicas=self.replicas,
-                )
-                if mine:
-                    self._route(index, mine)
-        return applied.reply
-
-    def _snapshot(self) -> bytes:
-        return self.machine.snapshot()
-
-    def _restore(self, data: bytes, last_index: int) -> None:
-        """A snapshot load (as `Replica._restore`), up to log index `last_index`: this
-        node's own at start-up, or the leader's when this node is behind the leader's
-        compacted log. The node then compares what its consumers were sent with what the
-        machine says they hold, soon, as the server's trio thread does."""
-        applied = self.member.raftLastApplied
-        self.machine = type(self.machine).restore(data)
-        self.snapshots_loaded += 1
-        self.sim.on_snapshot_loaded(self, applied, last_index)
-        self.world.after(0, self._resync_consumers)
-
-    def _resync_consumers(self) -> None:
-        """As `NodeServer._resync_consumers`: send each consumer served here the held
-        deliveries the snapshot skipped, and cancel those the machine removed."""
-        if not self.alive:
-            return
-        index = self.machine.last_index
-        for consumer, queue in list(self._queue_of.items()):
-            held = self.machine.held_deliveries(queue, consumer)
-            if held is not None and consumer in self._subscribing:
-                # its Subscribe was among the skipped entries: PySyncObj will not answer it
-                self._subscribing.pop(consumer)(OK, None)
-            missing = missing_deliveries(held, self._sent_to(consumer), index)
-            if missing is None:
-                if consumer not in self._subscribing:  # else its Subscribe is not applied yet
-                    down = ConsumerDown(
-                        queue=queue, consumer=consumer, node=self.name, reason="node_down"
-                    )
-                    self._route(None, (down,))
-            elif missing:
-                self._route(None, missing)
-
-    def _sent_to(self, consumer: str) -> SentDeliveries:
-        sent = self._sent.get(consumer)
-        if sent is None:
-            sent = self._sent[consumer] = SentDeliveries()
-        return sent
-
-    def _route(self, index: int | None, effects: tuple[Effect, ...]) -> None:
-        """Run this node's effects of log entry `index` (None: `_resync_consumers`'s)."""
-        for e in effects:
-            if type(e) is Deliver:
-                consumer = self.consumers.get(e.consumer)
-                if consumer is None and e.node != self.name:
-                    consumer = self.sim.consumer_by_id(e.consumer)  # proxied by the leader
-                if consumer is None or not consumer.connected:
-                    self._down(e.consumer)
-                    continue
-                sent = self._sent_to(e.consumer)
-                if index is not None and sent.covers(index):
-                    continue  # `_resync_consumers` got there first
-                sent.record(e)
-                if sent.full() and e.queue in self.machine.queues():
-                    sent.keep(self.machine.unacked(e.queue, e.consumer))
-                self.sim.send_to_client(consumer.receive, self, index, e)
-            elif type(e) is ConsumerDown:
-                self._downed.discard(e.consumer)
-                consumer = self.consumers.get(e.consumer)
-                self._forget(e.consumer)
-                if consumer is not None:
-                    self.sim.send_to_client(consumer.cancelled, self, e.consumer, e.reason)
-
-    # ---------------------------------------------------------- leader duties
-
-    def _on_tick(self) -> None:
-        self._in_flight.expire(self.world.monotonic(), lambda: "unknown")
-        if self.variant.down_stale_consumers and self.member.isReady():
-            self._down_stale_consumers()
-        self._leader_duties()
-
-    def _down_stale_consumers(self) -> None:
-        """`Down` for this node's consumers from its earlier runs (their connections died
-        with the process), proposed again until applied."""
-        scan = (self.machine.last_index, self._downs_lost)
-        if scan == self._stale_scanned:
-            return  # nothing applied and no Down lost since the last scan: same answer
-        self._stale_scanned = scan
-        mine = f"{self.name}.{self.incarnation}."
-        for queue in self.machine.queues():
-            for consumer in self.machine.consumers(queue):
-                if (
-                    consumer.startswith(f"{self.name}.")
-                    and not consumer.startswith(mine)
-                    and consumer not in self._downing
-                ):
-                    self._downing.add(consumer)
-                    self.propose(Down(consumer=consumer), self._down_stale_done(consumer))
-
-    def _down_stale_done(self, consumer: str) -> ProposalCallback:
-        def done(_reply: Reply | None, error: str | None) -> None:
-            if error is not None:
-                self._downing.discard(consumer)  # lost: propose it again next tick
-                self._downs_lost += 1
-
-        return done
-
-    def _leader_duties(self) -> None:
-        member = self.member
-        if not member.is_leader() or not member.isReady():
-            return
-        for command in failure_commands(
-            self.name,
-            member.peer_silence(),
-            self.machine.down_nodes(),
-            self.grace_s,
-            member.removed_members,
-        ):
-            key = ("down" if isinstance(command, NodeDown) else "up", command.node)
-            if key not in self._pending_duties:
-                self._pending_duties.add(key)
-                self.sim.on_failure_command(self, command)
-                self.propose(command, lambda _r, _e, key=key: self._pending_duties.discard(key))
+        while conn.outbox:
+            data, frames, cost = conn.take_output(1024 * 1024)
+            link.to_client(data)
+            self.core.sent(conn, frames, cost)
+        if conn.done:
+            link.broken_by_node()
+            self.core.connection_lost(conn)
+        elif conn.wants_data and link in self._inbound:
+            self.wake()  # what waited for room is read on the next tick

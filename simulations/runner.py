@@ -321,7 +321,8 @@ class _CountingHandler(logging.Handler):
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[None]:
-        logs = [logging.getLogger(name) for name in ("pysyncobj", "quorumq.raft.journal")]
+        names = ("pysyncobj", "quorumq.raft.journal", "quorumq.client", "quorumq.node")
+        logs = [logging.getLogger(name) for name in names]
         propagate = [log.propagate for log in logs]
         for log in logs:
             log.addHandler(self)

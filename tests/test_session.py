@@ -334,9 +334,7 @@ def test_what_is_sent_always_fits_the_nodes_limits(
     assert len(encode_frame(frame)) <= max_frame
 
 
-def test_a_resend_refused_by_a_node_with_other_limits_is_outcome_unknown_and_stays_live() -> (
-    None
-):
+def test_a_resend_refused_by_a_node_with_other_limits_is_outcome_unknown_and_stays_live() -> None:
     """Configuration drift: the first attempt landed on a node, its confirm was lost, and
     a node with a smaller --max-body refused the resend. It was reported "not published";
     then "outcome unknown" but dropped, so the key settled while an earlier attempt could

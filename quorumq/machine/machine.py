@@ -70,6 +70,7 @@ def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
         q.forget_producer(producer)
     return len(q.producers) < MAX_PRODUCERS
 
+
 _SNAPSHOT_FORMAT = "quorumq-machine"
 _SNAPSHOT_VERSION = 3
 """2: retention counts keys, headers and an overhead per message (`message_cost`), and
@@ -286,9 +287,7 @@ class Machine:
                     f"seq must be 0, not {seq}",
                     0,
                 )
-            if len(q.producers) >= MAX_PRODUCERS and not _make_room_for_a_producer(
-                q, self._now
-            ):
+            if len(q.producers) >= MAX_PRODUCERS and not _make_room_for_a_producer(q, self._now):
                 return _error(
                     ErrorCode.TOO_MANY_PRODUCERS,
                     f"queue {q.name!r} remembers {len(q.producers)} producers, each active "

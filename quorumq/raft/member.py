@@ -212,6 +212,7 @@ _syncobj.getEncryptor = RaftCipher
 TcpConnection.send = _send
 TcpConnection._TcpConnection__processRead = _process_read
 
+
 def _named_node(address: str, name: str) -> Any:
     return TCPNode(address, name=name)
 
