@@ -87,6 +87,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "messages": (_LIST,),
         "producer": (_S, _N),
         "first_seq": (_I, _N),
+        "seqs": (_LIST, _N),
     },
     "subscribe": {"id": (_I,), "queue": (_S,), "prefetch": (_I,)},
     "cancel": {"id": (_I,), "consumer": (_S,)},
@@ -140,7 +141,9 @@ def encode_frame(frame: Frame) -> bytes:
 
 
 def check_frame(frame: object) -> Frame:
-    """Check a decoded frame against the schema; extra fields are allowed and ignored."""
+    """Check a decoded frame against the schema; extra fields are allowed and ignored. A
+    field that may be nil may also be left out: it is filled in as nil, so that code
+    reading a checked frame finds every field of its schema."""
     if not isinstance(frame, dict):
         raise ProtocolError("bad_frame", "a frame must be a msgpack map")
     kind = frame.get("t")
@@ -150,7 +153,9 @@ def check_frame(frame: object) -> Frame:
         raise ProtocolError("unknown_frame", f"unknown frame type {kind!r}", request_id=request_id)
     for field, types in spec.items():
         value = frame.get(field)
-        if type(value) not in types:
+        if value is None and _N in types:
+            frame[field] = None
+        elif type(value) not in types:
             expected = " or ".join("nil" if t is _N else t.__name__ for t in types)
             raise ProtocolError(
                 "bad_frame",

@@ -1,12 +1,17 @@
 """The `quorumq` streaming sink: rows (`key`, `value`, optional `headers`) into a queue.
 
 Effectively once without two-phase commit: every task writes under its own idempotent
-producer id, `spark-<query id>-<batch id>-<partition>`, with sequence numbers counting
-its rows from 0. The query id survives restarts from the checkpoint, and a replayed
-micro-batch re-reads exactly the same input range, so a replayed task sends the same
-producer id and sequence numbers again, and the queue answers the resends as
-duplicates instead of enqueueing them twice. A task that died half-way resends what
-landed (recognised) and goes on with the rest.
+producer id, `spark-<query id>-<batch id>-<partition>`, and numbers each row: by its
+`offset` column when the input has one (a quorumq source's offsets, or any number
+that increases within a partition), else by its position in the task. The query id
+survives restarts from the checkpoint, and a replayed micro-batch re-reads the same
+input range, so a replayed task sends the same producer id and numbers again, and the
+queue answers the resends as duplicates instead of enqueueing them twice. A task that
+died half-way resends what landed (recognised) and goes on with the rest.
+
+Numbering by offset also holds when a replay reads fewer rows (a retention trim
+between two attempts, with `failOnDataLoss=false`): each row keeps its number, where
+numbering by position would shift the rest onto numbers already used, and drop them.
 
 Spark runs batch b only once batch b-1 is in the checkpoint's commit log, so when batch
 b commits, batch b-1 can never be replayed: `commit` then has the queue forget b-1's
@@ -22,7 +27,7 @@ from typing import Any
 import attrs
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceStreamWriter, WriterCommitMessage
-from pyspark.sql.types import BinaryType, MapType, StringType, StructType
+from pyspark.sql.types import BinaryType, IntegerType, LongType, MapType, StringType, StructType
 
 import quorumq
 from quorumq.client import QuorumqError, ServerError
@@ -56,14 +61,20 @@ def batch_prefix(query: str, batch: int | str) -> str:
 
 
 def check_sink_schema(schema: StructType) -> None:
-    """`value` (binary or string) is required; `key` (string) and `headers`
-    (map<string,string>) are optional; any other column is refused by name."""
+    """`value` (binary or string) is required; `key` (string), `headers`
+    (map<string,string>) and `offset` (long: numbers the rows) are optional; any other
+    column is refused by name."""
     types = {f.name: f.dataType for f in schema.fields}
     if "value" not in types:
         raise OptionError(f"the quorumq sink needs a 'value' column; got {sorted(types)}")
-    extra = sorted(set(types) - {"key", "value", "headers"})
+    extra = sorted(set(types) - {"key", "value", "headers", "offset"})
     if extra:
-        raise OptionError(f"the quorumq sink writes key, value and headers; drop or rename {extra}")
+        raise OptionError(
+            f"the quorumq sink writes key, value and headers, numbered by offset; "
+            f"drop or rename {extra}"
+        )
+    if "offset" in types and not isinstance(types["offset"], LongType | IntegerType):
+        raise OptionError(f"column 'offset' must be a long, not {types['offset']}")
     if not isinstance(types["value"], BinaryType | StringType):
         raise OptionError(f"column 'value' must be binary or string, not {types['value']}")
     if "key" in types and not isinstance(types["key"], StringType):
@@ -89,8 +100,7 @@ def task_producer() -> tuple[str, str]:
     return query, f"{batch_prefix(query, batch)}{context.partitionId()}"
 
 
-def message_of(row: Any) -> tuple[bytes, str | None, Mapping[str, str] | None]:
-    fields = row.asDict()
+def message_of(fields: Mapping[str, Any]) -> tuple[bytes, str | None, Mapping[str, str] | None]:
     value = fields["value"]
     if value is None:
         raise ValueError("the quorumq sink cannot write a row whose value is null")
@@ -101,6 +111,28 @@ def message_of(row: Any) -> tuple[bytes, str | None, Mapping[str, str] | None]:
     return body, fields.get("key"), headers or None
 
 
+def numbered_rows(rows: Iterator[Any]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each row's fields and its sequence number: its `offset` column, which must
+    increase within the task, or else its position in the task."""
+    previous: int | None = None
+    for position, row in enumerate(rows):
+        fields = row.asDict()
+        if "offset" not in fields:
+            yield position, fields
+            continue
+        offset = fields.pop("offset")
+        if offset is None or offset < 0:
+            raise ValueError(f"the quorumq sink numbers rows by 'offset'; got {offset!r}")
+        if previous is not None and offset <= previous:
+            raise ValueError(
+                f"the quorumq sink numbers rows by 'offset', which must increase within a "
+                f"partition; got {offset} after {previous} (drop the column to number rows "
+                f"by position, or keep the source's partitioning)"
+            )
+        previous = offset
+        yield offset, fields
+
+
 class QuorumqStreamWriter(DataSourceStreamWriter):  # type: ignore[misc]
     def __init__(self, options: WriteOptions, schema: StructType) -> None:
         check_sink_schema(schema)
@@ -109,19 +141,21 @@ class QuorumqStreamWriter(DataSourceStreamWriter):  # type: ignore[misc]
     def write(self, iterator: Iterator[Any]) -> PartitionWritten:
         query, producer = task_producer()
         options = self.options
-        seq = 0
+        rows = 0
         with quorumq.connect(list(options.endpoints), options.token) as client:
             chunk: list[tuple[bytes, str | None, Mapping[str, str] | None]] = []
-            for row in iterator:
-                chunk.append(message_of(row))
+            seqs: list[int] = []
+            for seq, fields in numbered_rows(iterator):
+                chunk.append(message_of(fields))
+                seqs.append(seq)
                 if len(chunk) >= options.batch_rows:
-                    client.publish_batch(options.queue, chunk, producer=producer, first_seq=seq)
-                    seq += len(chunk)
-                    chunk = []
+                    client.publish_batch(options.queue, chunk, producer=producer, seqs=seqs)
+                    rows += len(chunk)
+                    chunk, seqs = [], []
             if chunk:
-                client.publish_batch(options.queue, chunk, producer=producer, first_seq=seq)
-                seq += len(chunk)
-        return PartitionWritten(query, producer, seq)
+                client.publish_batch(options.queue, chunk, producer=producer, seqs=seqs)
+                rows += len(chunk)
+        return PartitionWritten(query, producer, rows)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
         """Every task's rows are confirmed by the queue already. The batch before this

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from quorumq.client import Client, ConnectionLostError, KeyPausedError, ServerError
 from quorumq.embedded import Cluster
-from quorumq.protocol import PROTOCOL_VERSION, FrameDecoder, encode_frame
+from quorumq.protocol import PROTOCOL_VERSION, SCHEMA, FrameDecoder, auth_proof, encode_frame
 
 from .helpers import wait_for
 
@@ -94,6 +98,27 @@ def test_the_blocking_client_forgets_producers_by_prefix(cluster: Cluster) -> No
         client.forget_producers("forget", "")
 
 
+def test_a_batch_numbered_by_its_own_seqs_lands_what_is_above_the_last(
+    cluster: Cluster,
+) -> None:
+    """Sequence numbers with gaps (a Spark task numbers rows by source offsets): a
+    resend that overlaps lands only the messages above the producer's last."""
+    client = cluster.client()
+    client.declare("numbered")
+    publish = client.publish_batch
+    assert publish("numbered", [b"a", b"b", b"c"], producer="job-7-0", seqs=[0, 5, 9]) == [0, 1, 2]
+    assert publish("numbered", [b"b", b"c", b"d"], producer="job-7-0", seqs=[5, 9, 12]) == [3]
+    assert publish("numbered", [b"c"], producer="job-7-0", seqs=[9]) == []
+    assert [m.body for m in client.read("numbered", 0, 10)] == [b"a", b"b", b"c", b"d"]
+    with pytest.raises(ValueError, match="strictly increasing; got 3 after 5"):
+        publish("numbered", [b"x", b"y"], producer="job-7-0", seqs=[5, 3])
+    with pytest.raises(ValueError, match="seqs go with a producer"):
+        publish("numbered", [b"x"], seqs=[20])
+    with pytest.raises(ValueError, match="2 seqs for 1 messages"):
+        publish("numbered", [b"x"], producer="job-7-0", seqs=[20, 21])
+    assert len(client.read("numbered", 0, 10)) == 4  # nothing more was sent
+
+
 def test_an_oversized_message_is_refused_and_the_node_keeps_serving(cluster: Cluster) -> None:
     client = cluster.client()
     client.declare("big")
@@ -106,30 +131,115 @@ def test_an_oversized_message_is_refused_and_the_node_keeps_serving(cluster: Clu
     assert client.publish("big", b"small", key="k") == 0
 
 
-def test_bad_frames_get_typed_errors_and_the_connection_survives(cluster: Cluster) -> None:
+def _raw_session(cluster: Cluster) -> tuple[socket.socket, Callable[[], dict[str, Any]]]:
+    """A socket past `hello` on the first node, and a function that reads its next frame
+    (`ConnectionError` if the node closes it)."""
     host, port = cluster.endpoint(cluster.nodes[0]).split(":")
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        decoder = FrameDecoder()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    decoder = FrameDecoder()
 
-        def receive() -> dict[str, object]:
-            while True:
-                for frame in decoder.frames():
-                    return frame
-                decoder.feed(sock.recv(65536))
+    def receive() -> dict[str, Any]:
+        while True:
+            for frame in decoder.frames():
+                return frame
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("the node closed the connection")
+            decoder.feed(data)
 
-        welcome = receive()
-        from quorumq.protocol import auth_proof
+    proof = auth_proof("s3cret-token", receive()["nonce"])
+    sock.sendall(encode_frame({"t": "hello", "v": PROTOCOL_VERSION, "client": "t", "proof": proof}))
+    assert receive()["t"] == "reply"
+    return sock, receive
 
-        proof = auth_proof("s3cret-token", welcome["nonce"])  # type: ignore[arg-type]
-        sock.sendall(
-            encode_frame({"t": "hello", "v": PROTOCOL_VERSION, "client": "t", "proof": proof})
-        )
-        assert receive()["t"] == "reply"
+
+_SCALARS = {
+    bytes: st.binary(max_size=8),
+    str: st.sampled_from(["", "q", "basic", "k", "A", "p-1", "x" * 300]),
+    int: st.one_of(st.integers(-3, 70_000), st.sampled_from([2**31, 2**63 - 1, -(2**63)])),
+    bool: st.booleans(),
+    type(None): st.none(),
+}
+_ANY = st.recursive(
+    st.one_of(*_SCALARS.values(), st.floats(allow_nan=True)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(["a", "ttl_ms"]), inner)
+    ),
+    max_leaves=8,
+)
+_VALUES = {
+    **_SCALARS,
+    list: st.lists(_ANY, max_size=4),
+    dict: st.dictionaries(st.text(max_size=12), _ANY, max_size=4),
+}
+_CLIENT_FRAMES = sorted(
+    kind
+    for kind in SCHEMA
+    if kind not in ("hello", "welcome", "reply", "error", "deliver", "cancelled")
+)
+
+
+@st.composite
+def schema_shaped_frames(draw: st.DrawFn) -> dict[str, Any]:
+    """A frame the schema lets through, with odd values: each field of one of its
+    allowed types (a nil-able one may be left out), plus unknown fields."""
+    kind = draw(st.sampled_from(_CLIENT_FRAMES))
+    frame: dict[str, Any] = {"t": kind}
+    for field, types in SCHEMA[kind].items():
+        if field == "id":
+            continue
+        if type(None) in types and draw(st.booleans()):
+            continue  # left out
+        frame[field] = draw(st.one_of(*(_VALUES[t] for t in types)))
+    frame.update(draw(st.dictionaries(st.sampled_from(["seqs", "extra", "t2"]), _ANY, max_size=2)))
+    return frame
+
+
+@pytest.fixture(scope="module")
+def raw_session(cluster: Cluster) -> Any:
+    sock, receive = _raw_session(cluster)
+    with sock:
+        yield sock, receive
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(frames=st.lists(schema_shaped_frames(), min_size=1, max_size=4))
+def test_every_frame_the_schema_lets_through_is_answered_and_the_connection_lives(
+    raw_session: Any, frames: list[dict[str, Any]]
+) -> None:
+    """A missing nil-able field once closed the connection (the node core read
+    `frame["first_seq"]`): whatever a frame's values, the node answers it or ignores it,
+    and goes on serving this connection."""
+    sock, receive = raw_session
+    for n, frame in enumerate(frames, start=1):
+        sock.sendall(encode_frame({**frame, "id": n}))
+    sock.sendall(encode_frame({"t": "status", "id": 10_000}))
+    while True:  # every answer before the status reply is a reply or a typed error
+        answer = receive()
+        assert answer["t"] in ("reply", "error", "deliver", "cancelled"), answer
+        if answer["t"] == "error":
+            assert answer["code"] != "internal", answer
+        if answer.get("id") == 10_000:
+            assert answer["t"] == "reply"
+            break
+
+
+def test_bad_frames_get_typed_errors_and_the_connection_survives(cluster: Cluster) -> None:
+    sock, receive = _raw_session(cluster)
+    with sock:
         sock.sendall(encode_frame({"t": "launch", "id": 5}))
         error = receive()
         assert (error["t"], error["code"], error["id"]) == ("error", "unknown_frame", 5)
         sock.sendall(encode_frame({"t": "publish", "id": 6, "queue": 3}))
         assert receive()["code"] == "bad_frame"
+        batch = {"t": "publish_batch", "id": 8, "queue": "basic", "messages": [[b"x", None, None]]}
+        for seqs in ([3.0], [2, 1], [1, 2], "3", [-1]):  # a float, out of order, too many...
+            sock.sendall(encode_frame({**batch, "producer": "p-raw", "seqs": seqs}))
+            assert receive()["code"] in ("bad_frame", "invalid"), seqs
+        sock.sendall(encode_frame({**batch, "producer": None, "seqs": [1]}))
+        assert receive()["code"] in ("bad_frame", "invalid")
         sock.sendall(encode_frame({"t": "status", "id": 7}))
         assert receive()["t"] == "reply"  # still served
         sock.sendall(b"\xff\xff\xff\xff")  # a length no frame may have

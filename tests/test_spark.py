@@ -264,6 +264,7 @@ def test_queue_to_spark_to_queue_restarted_midway_has_each_input_once(
         headers = create_map(lit("source"), lit("spark"), lit("empty"), lit(None).cast("string"))
         return (
             source.select(
+                col("offset"),  # numbers each row in the sink
                 col("key"),
                 fail_once_at_250(col("offset"), col("value")).alias("value"),
                 headers.alias("headers"),
@@ -299,6 +300,43 @@ def test_queue_to_spark_to_queue_restarted_midway_has_each_input_once(
     for key in {m.key for m in out}:  # and each key's messages in their input order
         numbers = [int(m.body[5:]) for m in out if m.key == key]
         assert numbers == sorted(numbers)
+
+
+def test_a_sink_task_retried_after_a_retention_trim_writes_each_row_once(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `failOnDataLoss=false`, a retention trim between two attempts of a task
+    makes the retry read fewer rows. Numbered by position, the retry's rows took the
+    numbers of rows the first attempt wrote, and were dropped as duplicates: here rows
+    6 to 8 were lost. Numbered by their `offset` column, each row keeps its number."""
+    from pyspark.sql import Row
+    from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType
+
+    from spark_source import sink
+    from spark_source.options import WriteOptions
+
+    cluster.client().declare("trimmed-out")
+    schema = StructType(
+        [
+            StructField("offset", LongType(), False),
+            StructField("key", StringType()),
+            StructField("value", BinaryType()),
+        ]
+    )
+    options = WriteOptions(endpoints=tuple(cluster.endpoints), queue="trimmed-out", batch_rows=2)
+    writer = sink.QuorumqStreamWriter(options, schema)
+    monkeypatch.setattr(sink, "task_producer", lambda: ("query", "spark-query-0-0"))
+
+    def rows(offsets: range) -> Iterator[Any]:
+        return iter(Row(offset=o, key="k", value=b"row-%d" % o) for o in offsets)
+
+    writer.write(rows(range(0, 6)))  # the first attempt dies after six rows landed
+    written = writer.write(rows(range(3, 10)))  # the retry: 0..2 were trimmed meanwhile
+    assert written.rows == 7
+    bodies = [m.body for m in cluster.client().read("trimmed-out", 0, 100)]
+    assert bodies == [b"row-%d" % o for o in range(10)]
+    with pytest.raises(ValueError, match="must increase within a partition; got 4 after 7"):
+        writer.write(rows(range(7, 3, -3)))
 
 
 def test_the_sink_forgets_each_batchs_producers_once_the_next_batch_commits(

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import trio
 
 from ..protocol import FrameDecoder, ProtocolError, encode_frame, keep_alive
-from .blocking import MessageLike, batch_rows
+from .blocking import MessageLike, batch_rows, landed_offsets
 from .core import (
     ConnectionLostError,
     Delivery,
@@ -421,12 +421,15 @@ class AsyncClient:
         *,
         producer: str | None = None,
         first_seq: int | None = None,
+        seqs: Sequence[int] | None = None,
     ) -> list[int]:
-        """As the blocking client's `publish_batch` (including a caller's own producer)."""
+        """As the blocking client's `publish_batch` (a caller's own producer, `seqs`)."""
         rows = batch_rows(messages)
-        answer = await self._issue(self._session.publish_batch, queue, rows, producer, first_seq)
-        first: int | None = (await self._confirm(answer))["offset"]
-        return [] if first is None else list(range(first, first + len(rows)))
+        wanted = None if seqs is None else list(seqs)
+        answer = await self._issue(
+            self._session.publish_batch, queue, rows, producer, first_seq, wanted
+        )
+        return landed_offsets(await self._confirm(answer), len(rows))
 
     def paused_keys(self) -> set[str]:
         """Keys whose publishes fail fast (`KeyPausedError`) until `resume(key)`."""

@@ -25,7 +25,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -69,6 +69,14 @@ MessageLike = (
     | Mapping[str, Any]
 )
 _ROW_FIELDS = frozenset({"body", "key", "headers"})
+
+
+def landed_offsets(answer: Mapping[str, Any], count: int) -> list[int]:
+    """The offsets of a batch's messages that landed: all `count` of them, or (a batch
+    numbered by `seqs`) the last `answer["count"]`; none for a duplicate."""
+    first: int | None = answer["offset"]
+    landed = answer.get("count", count)
+    return [] if first is None else list(range(first, first + landed))
 
 
 def batch_rows(messages: Iterable[MessageLike]) -> list[list[Any]]:
@@ -250,9 +258,7 @@ class Client:
                 raise ConnectionLostError("no quorumq node answered: " + "; ".join(distinct[-6:]))
             time.sleep(0.1)
 
-    def _install(
-        self, sock: socket.socket, decoder: FrameDecoder, welcome: dict[str, Any]
-    ) -> None:
+    def _install(self, sock: socket.socket, decoder: FrameDecoder, welcome: dict[str, Any]) -> None:
         """Use the new connection (unless the client was closed meanwhile); first resend
         every unconfirmed publish, in order, under the send lock, so no new publish
         overtakes them."""
@@ -560,6 +566,7 @@ class Client:
         *,
         producer: str | None = None,
         first_seq: int | None = None,
+        seqs: Sequence[int] | None = None,
     ) -> list[int]:
         """Publish messages as one log entry (all land, in order, or none); their offsets.
 
@@ -567,13 +574,19 @@ class Client:
         replays its input after a crash passes its own `producer` id and `first_seq`,
         derived from that input: a resent batch is then recognised and not enqueued
         again. Its offsets come back while the queue remembers them (the last 1,024
-        sequence numbers of the producer); an older resend returns an empty list."""
+        sequence numbers of the producer); an older resend returns an empty list.
+
+        Or `producer` and `seqs`, one number per message, strictly increasing but with
+        gaps allowed (say, each input record's own offset): the messages numbered above
+        the producer's last land, the others are duplicates, so a replay that reads
+        fewer records still numbers each as before. The offsets of those that landed
+        come back. One such batch per producer at a time: wait for its answer."""
         rows = batch_rows(messages)
+        wanted = None if seqs is None else list(seqs)
         request_id, future = self._issue(
-            self._session.publish_batch, queue, rows, producer, first_seq, publish=True
+            self._session.publish_batch, queue, rows, producer, first_seq, wanted, publish=True
         )
-        first: int | None = self._wait(request_id, future, publish=True)["offset"]
-        return [] if first is None else list(range(first, first + len(rows)))
+        return landed_offsets(self._wait(request_id, future, publish=True), len(rows))
 
     def paused_keys(self) -> set[str]:
         """Keys whose publishes fail fast (`KeyPausedError`) until `resume(key)`."""

@@ -56,6 +56,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from ..machine.commands import check_seqs
 from ..protocol import encode_frame
 from .core import (
     RETRIABLE,
@@ -280,11 +281,17 @@ class ClientSession:
         rows: list[list[Any]],
         producer: str | None = None,
         first_seq: int | None = None,
+        seqs: list[int] | None = None,
     ) -> tuple[int, dict[str, Any]]:
         """A batch under this client's producer id, or under the caller's `producer` and
-        `first_seq` (a caller that derives them from its input, so that a replay of the
-        same input is recognised by the queue)."""
-        if (producer is None) != (first_seq is None):
+        `first_seq`, or `producer` and one sequence number per message (`seqs`, strictly
+        increasing): a caller that derives them from its input, so that a replay of the
+        same input is recognised by the queue."""
+        if seqs is not None:
+            if producer is None or first_seq is not None:
+                raise ValueError("seqs go with a producer, and without first_seq")
+            check_seqs(seqs, len(rows))
+        elif (producer is None) != (first_seq is None):
             raise ValueError("producer and first_seq go together")
         for _, key, _ in rows:
             self.producer.check(key)
@@ -299,19 +306,22 @@ class ClientSession:
                 "producer": producer or _LONGEST_ID,
                 "first_seq": 2**62,
                 "id": 2**62,
+                **({} if seqs is None else {"seqs": [2**62] * len(rows)}),
             },
         )
         self._check_room(rows)
         chosen = producer is not None
-        if producer is None or first_seq is None:
+        if producer is None:
             producer, first_seq = self.producer.take(queue, len(rows))
-        frame = {
+        frame: dict[str, Any] = {
             "t": "publish_batch",
             "queue": queue,
             "messages": rows,
             "producer": producer,
             "first_seq": first_seq,
         }
+        if seqs is not None:
+            frame["seqs"] = list(seqs)
         request_id, frame = self.request(frame, idempotent=True)
         if chosen:
             self._chosen.add(request_id)
@@ -484,9 +494,7 @@ class ClientSession:
             )
         self.producer.paused.discard(key)
 
-    def _check_not_behind(
-        self, queue: str, keys: Iterable[str | None], producer: str
-    ) -> None:
+    def _check_not_behind(self, queue: str, keys: Iterable[str | None], producer: str) -> None:
         """`KeyPausedError` for a publish under `producer` of a key that has a publish
         still unconfirmed under another producer id (a failure retired this client's
         id, or a caller chose its own): the queue orders each producer's sequence alone,

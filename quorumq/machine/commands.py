@@ -182,6 +182,20 @@ def _seqs(value: Iterable[int] | None) -> tuple[int, ...] | None:
     return None if value is None else tuple(value)
 
 
+def check_seqs(seqs: Iterable[int], count: int) -> None:
+    """`ValueError` unless `seqs` numbers `count` messages with ints >= 0, strictly
+    increasing: what a batch that carries its own sequence numbers must send."""
+    previous, seen = -1, 0
+    for seq in seqs:
+        if type(seq) is not int or seq <= previous:
+            raise ValueError(
+                f"seqs must be ints >= 0, strictly increasing; got {seq!r} after {previous}"
+            )
+        previous, seen = seq, seen + 1
+    if seen != count:
+        raise ValueError(f"{seen} seqs for {count} messages")
+
+
 @attrs.frozen(kw_only=True)
 class EnqueueBatch:
     """Append many messages as one log entry: all land, in order, or none do.
@@ -205,13 +219,7 @@ class EnqueueBatch:
             return
         if self.first_seq is not None or self.producer is None:
             raise ValueError("seqs go with a producer, and without first_seq")
-        if len(seqs) != len(self.messages):
-            raise ValueError(f"{len(seqs)} seqs for {len(self.messages)} messages")
-        previous = -1
-        for seq in seqs:
-            if type(seq) is not int or seq <= previous:
-                raise ValueError("seqs must be ints >= 0, strictly increasing")
-            previous = seq
+        check_seqs(seqs, len(self.messages))
 
 
 @attrs.frozen(kw_only=True)
