@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from quorumq.client.core import (
     ConnectionLostError,
     Delivery,
+    Producer,
     QuorumqError,
     check_hello_answer,
     hello_frame,
@@ -39,7 +40,7 @@ from quorumq.client.session import (
 )
 from quorumq.protocol import FrameDecoder, ProtocolError, encode_frame
 
-from .world import micros
+from .world import WALL_EPOCH_MS, micros
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -137,7 +138,10 @@ class SimClient:
         self.request_timeout_us = micros(request_timeout_s)
         self.reconnect_s = reconnect_s
         self.subscribe_for_s = subscribe_for_s
-        self.session = ClientSession(self._settle)
+        self.session = ClientSession(
+            self._settle,
+            producer=Producer(clock_ms=self._wall_ms, make_id=self._producer_id),
+        )
         self.link: SimLink | None = None
         self._decoder = FrameDecoder()
         self._welcome: dict[str, Any] | None = None
@@ -146,6 +150,14 @@ class SimClient:
         """Consumers to subscribe again once the next connection is in place."""
         self.closed = False
         self.connect()
+
+    def _wall_ms(self) -> int:
+        """The client host's wall clock: the simulated epoch (clients' clocks are right)."""
+        return WALL_EPOCH_MS + self.world.now_ms
+
+    def _producer_id(self, generation: int) -> str:
+        """As a real client's, from the seed's client stream instead of uuid4."""
+        return f"g{generation:x}-{self.cluster.producer_ids.getrandbits(64):016x}"
 
     @property
     def node(self) -> SimNode | None:

@@ -71,6 +71,7 @@ class Cluster:
         self.consumers: dict[str, Any] = {}
         """Every consumer id ever subscribed -> its client (for proxied deliveries)."""
         self.client_random = world.stream("clients")
+        self.producer_ids = world.stream("producer-ids")
         self._opening: str | None = None
         """The node starting: PySyncObj asks for its journal and serializer."""
         self.links: dict[Any, None] = {}

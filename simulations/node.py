@@ -34,7 +34,6 @@ another effect filter. The default is the real thing.
 
 from __future__ import annotations
 
-import math
 import random
 import zlib
 from collections import Counter
@@ -67,7 +66,7 @@ from quorumq.replica import ProposalError, Replica, ReplicaConfig, local_effects
 
 from .disk import SimFiles
 from .network import Network, SimTransport
-from .world import US, World, micros
+from .world import World, first_micros_at, micros
 
 T = TypeVar("T")
 
@@ -652,7 +651,7 @@ class SimNode:
         when_s = core.next_timer()
         if when_s is None:
             return
-        when = max(math.ceil(when_s * US), self.world.now_us)  # never before it is due
+        when = max(first_micros_at(when_s), self.world.now_us)
         if self._core_timer_at is not None and self._core_timer_at <= when:
             return
         self._core_timer_at = when

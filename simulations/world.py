@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import heapq
+import math
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,6 +46,19 @@ def seconds(us: int) -> float:
 
 def micros(s: float) -> int:
     return round(s * US)
+
+
+def first_micros_at(when_s: float) -> int:
+    """The first microsecond at which `World.monotonic` reads `when_s` or later. Not
+    just `ceil(when_s * US)`: that product can round down, and a timer scheduled then
+    would find the clock still short of its time, run nothing, and be scheduled again
+    at the same instant, for ever (simulator seed 125)."""
+    when = math.ceil(when_s * US)
+    while when / US < when_s:
+        when += 1
+    while when > 0 and (when - 1) / US >= when_s:
+        when -= 1
+    return when
 
 
 class World:

@@ -119,6 +119,31 @@ def test_a_batch_numbered_by_its_own_seqs_lands_what_is_above_the_last(
     assert len(client.read("numbered", 0, 10)) == 4  # nothing more was sent
 
 
+def test_a_client_whose_producer_the_queue_forgot_goes_on_under_a_newer_id(
+    cluster: Cluster,
+) -> None:
+    """Client producer ids carry a generation (`g<wall ms hex>-...`). Once a queue forgot
+    one, every unknown id of that generation or below is refused (`producer_forgotten`):
+    a resend of the forgotten producer is never enqueued as new. The client's first
+    attempt is "not published", its key paused; its next id is above the generation."""
+    client = cluster.client()
+    client.declare("forgetful")
+    assert client.publish("forgetful", b"a", key="k") == 0
+    producer = client.producer.current("forgetful")
+    assert producer is not None and producer.startswith("g")
+    admin = Client(cluster.endpoints, cluster.token, admin_token=cluster.admin_token)
+    assert admin.forget_producers("forgetful", "g") == 1  # a short prefix needs the admin token
+    with pytest.raises(ServerError, match="producer_forgotten"):
+        client.publish("forgetful", b"b", key="k")
+    assert client.paused_keys() == {"k"}
+    client.resume("k")
+    assert client.publish("forgetful", b"b", key="k") == 1
+    renewed = client.producer.current("forgetful")
+    assert renewed is not None and renewed != producer
+    assert int(renewed[1:].split("-")[0], 16) > int(producer[1:].split("-")[0], 16)
+    assert [m.body for m in client.read("forgetful", 0, 10)] == [b"a", b"b"]
+
+
 def test_an_oversized_message_is_refused_and_the_node_keeps_serving(cluster: Cluster) -> None:
     client = cluster.client()
     client.declare("big")

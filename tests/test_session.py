@@ -13,6 +13,7 @@ from quorumq.client.core import (
     ConnectionLostError,
     KeyPausedError,
     OutcomeUnknownError,
+    Producer,
     QuorumqError,
     ServerError,
     TooManyUnconfirmedError,
@@ -523,3 +524,33 @@ def test_a_publish_refused_as_out_of_order_never_stays_live_for_ever() -> None:
     (refused,) = session.receive(_error(ahead, "out_of_order", expected_seq=0))
     assert isinstance(refused, Failed) and type(refused.error) is ServerError  # replay it
     assert session.settling_keys() == set() and session.unconfirmed() == []
+
+
+def test_a_producer_the_queue_forgot_is_refused_not_duplicated_and_the_next_id_is_newer() -> None:
+    """Ids carry a generation (the wall clock when made, in ms). A queue that forgot a
+    producer refuses unknown ids of that generation or below (`producer_forgotten`,
+    with the generation). A first attempt is "not published"; a resend's outcome is
+    unknown (an earlier attempt may have landed before the queue forgot the id), and it
+    is not live any more. Either way the next id is above the generation, even from a
+    clock behind it."""
+    session = ClientSession(
+        settle=lambda _d, _a, _r: None, producer=Producer(clock_ms=lambda: 0x1000)
+    )
+    session.connection_made()
+    first, frame = session.publish("q", b"m0", "a", None)
+    assert frame["producer"].startswith("g1000-")
+    (refused,) = session.receive(_error(first, "producer_forgotten", generation=0x5000))
+    assert isinstance(refused, Failed) and isinstance(refused.error, ServerError)
+    assert refused.error.code == "producer_forgotten"
+    assert session.producer.paused == {"a"} and session.settling_keys() == set()
+
+    second, frame = session.publish("q", b"m1", "b", None)
+    assert frame["producer"].startswith("g5001-") and frame["seq"] == 0
+    session.connection_lost()
+    session.connection_made()
+    session.unconfirmed()  # resent
+    (unknown,) = session.receive(_error(second, "producer_forgotten", generation=0x6000))
+    assert isinstance(unknown, Failed) and isinstance(unknown.error, OutcomeUnknownError)
+    assert session.settling_keys() == set() and session.unconfirmed() == []
+    _, frame = session.publish("q", b"m2", "c", None)
+    assert frame["producer"].startswith("g6001-")

@@ -3,6 +3,7 @@ sweep CI runs (real machine, real PySyncObj, simulated clock and network)."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import subprocess
@@ -12,6 +13,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import attrs
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 from pysyncobj.config import SERIALIZER_STATE
 
 from quorumq.machine import Applied, Down, Machine, Meta, Tick
@@ -23,7 +26,7 @@ from simulations.faults import PROFILES, kinds_of, schedule
 from simulations.node import SimDisk, SimSerializer, Variant
 from simulations.runner import RunConfig, outcome, run
 from simulations.workload import WorkloadConfig
-from simulations.world import World
+from simulations.world import US, World, first_micros_at
 
 CI_SEEDS = range(200)
 OPEN_FAILURES: set[int] = set()
@@ -205,6 +208,23 @@ def test_world_runs_events_in_time_then_scheduling_order() -> None:
     assert seen == ["first", "second", "late"]
 
 
+@given(
+    st.one_of(
+        st.floats(0, 1e6, allow_nan=False),
+        st.tuples(st.integers(0, 10**11), st.floats(0, 100)).map(lambda t: t[0] / US + t[1]),
+        # a microsecond and the next float up: 4.2964780000000005 s, seed 125's
+        st.integers(0, 10**9).map(lambda us: math.nextafter(us / US, math.inf)),
+    )
+)
+@example(4.2964780000000005)
+def test_a_timer_is_run_at_the_first_microsecond_the_clock_reads_its_time(when_s: float) -> None:
+    """The node core's timers are in seconds (floats); `ceil(when_s * US)` alone once
+    rounded down, and a node ran its due timers at the same instant for ever (seed 125)."""
+    when = first_micros_at(when_s)
+    assert when / US >= when_s
+    assert when == 0 or (when - 1) / US < when_s
+
+
 def test_random_streams_depend_only_on_seed_and_name() -> None:
     a, b = World(5), World(5)
     assert a.stream("x").random() == b.stream("x").random()
@@ -359,6 +379,8 @@ def test_negative_control_delivering_to_non_local_consumers_is_caught() -> None:
 # a seed of the CI sweep that catches it must fail; the real thing passes. The
 # simulator runs the node's own code (`NodeCore`, `Replica`, `RaftRules`,
 # `DurableJournal`, `ClientSession`), so the patch is to the code a real node runs.
+# A change that shifts the runs (say, a longer frame) can move which seeds catch a
+# control: find them again by running the patched code over the first 100 CI seeds.
 
 
 def _kinds(config: RunConfig) -> set[str]:
@@ -511,16 +533,16 @@ def test_a_journal_that_cuts_at_damage_instead_of_refusing_is_caught(
     """The journal as it was: a bad record anywhere (a flipped bit), or a log shorter
     than the stored commit index (a meta file ahead), was cut silently. The node then
     voted as if its log were short, and a lagging candidate overwrote committed entries:
-    seed 10 applies another command at a committed index (`log`), seed 21 loses
-    confirmed records and its replicas diverge (3 of the first 60 CI seeds). With the
-    real journal the damaged node refuses to start."""
+    seeds 10 and 33 apply another command at a committed index (`log`) and lose
+    confirmed records (3 of the first 80 CI seeds). With the real journal the damaged
+    node refuses to start."""
     from quorumq.raft.journal import DurableJournal
 
-    assert run(ci_config(10)).ok and run(ci_config(21)).ok
+    assert run(ci_config(10)).ok and run(ci_config(33)).ok
     monkeypatch.setattr(DurableJournal, "_check_cut", lambda self, data, pos: None)
     monkeypatch.setattr(DurableJournal, "_check_commit_index", lambda self: None)
-    assert "log" in _kinds(ci_config(10))
-    assert {"lost", "converge"} <= _kinds(ci_config(21))
+    assert {"log", "lost"} <= _kinds(ci_config(10))
+    assert {"log", "lost"} <= _kinds(ci_config(33))
 
 
 def test_a_leader_clock_that_follows_its_wall_clock_within_a_bound_is_caught(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -129,24 +130,49 @@ class Delivery:
         self._settled.append(how)
 
 
+def generation_id(generation: int) -> str:
+    """A producer id of `generation`, "g<hex>-<random>": a queue that forgot producers
+    of this generation or below refuses it (`producer_forgotten`) instead of taking a
+    resend of a forgotten producer for a new one."""
+    return f"g{generation:x}-{uuid.uuid4().hex}"
+
+
+def wall_clock_ms() -> int:
+    return int(time.time() * 1000)
+
+
 class Producer:
     """An idempotent producer: an id and a sequence per queue, and the paused keys.
 
     After a publish fails for good (queue full, too large, ...) the queue gets a fresh
     producer id: later sequence numbers of the old id can never be accepted, since the
-    queue expects the failed one next.
+    queue expects the failed one next. Ids carry a generation, the wall clock in ms
+    when made, and always above any generation a queue said it forgot (`above`).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        clock_ms: Callable[[], int] = wall_clock_ms,
+        make_id: Callable[[int], str] = generation_id,
+    ) -> None:
         self._ids: dict[str, str] = {}
         self._next: dict[str, int] = {}
         self.paused: set[str] = set()
+        self._clock_ms = clock_ms
+        self._make_id = make_id
+        self._floor = 0
 
     def id_for(self, queue: str) -> str:
         producer = self._ids.get(queue)
         if producer is None:
-            producer = self._ids[queue] = uuid.uuid4().hex
+            generation = max(self._clock_ms(), self._floor + 1)
+            producer = self._ids[queue] = self._make_id(generation)
         return producer
+
+    def above(self, generation: int) -> None:
+        """Ids made from now on have a generation above `generation` (one a queue
+        forgot: an id of it or below would be refused)."""
+        self._floor = max(self._floor, generation)
 
     def current(self, queue: str) -> str | None:
         """The id of this producer for `queue`, if it has one yet."""

@@ -186,17 +186,19 @@ class ClientSession:
         *,
         max_unconfirmed: int = MAX_UNCONFIRMED,
         max_unconfirmed_bytes: int = MAX_UNCONFIRMED_BYTES,
+        producer: Producer | None = None,
     ) -> None:
         """`max_unconfirmed`, `max_unconfirmed_bytes`: how many unconfirmed publishes,
         and how many bytes of them, the session holds at most; a publish past either
         fails before anything is sent (`TooManyUnconfirmedError`). Unconfirmed publishes
         are kept, and resent, until answered: a node that never answers would otherwise
-        make them grow without bound."""
+        make them grow without bound. `producer`: where producer ids come from (the
+        simulator gives one on its own clock and random stream)."""
         if max_unconfirmed < 1 or max_unconfirmed_bytes < 1:
             raise ValueError("max_unconfirmed and max_unconfirmed_bytes must be positive")
         self.max_unconfirmed = max_unconfirmed
         self.max_unconfirmed_bytes = max_unconfirmed_bytes
-        self.producer = Producer()
+        self.producer = producer if producer is not None else Producer()
         self.consumers: dict[str, Any] = {}
         self._settle = settle
         self._next_id = 1
@@ -715,6 +717,14 @@ class ClientSession:
             return [] if newer else self._rewind_later(publish["queue"])
         expected = frame.get("expected_seq")
         certain = request_id not in self._resent  # this attempt was the only one
+        if code == "producer_forgotten":
+            # The queue forgot producers of this id's generation: new ids go above it.
+            # A first attempt certainly did not land (below); an earlier attempt of a
+            # resend may have, before the queue forgot the id, and none can any more.
+            generation = frame.get("generation")
+            self.producer.above(generation if isinstance(generation, int) else 0)
+            if not certain:
+                return self._forgotten(request_id, publish)
         if code == "out_of_order" and isinstance(expected, int):
             earlier = self._live_covering(publish, expected)
             if earlier in self._parked:  # it is sent again on the next connection, and so
@@ -757,15 +767,15 @@ class ClientSession:
         ]
 
     def _forgotten(self, request_id: int, publish: dict[str, Any]) -> list[Event]:
-        """The queue expects sequence number 0 from this client's producer id, whose 0
-        it took: it forgot the producer (`forget_producers`, or 7 days of silence). An
-        earlier attempt may have landed before that; none can any more (the queue takes
-        only 0 from a producer it forgot, and the id is retired)."""
+        """The queue forgot this publish's producer id (`forget_producers`, or an hour of
+        silence when it needed room): it expects sequence number 0, whose publish it
+        took, or it refuses the id's generation (`producer_forgotten`). An earlier
+        attempt may have landed before that; none can any more (the id is retired)."""
         self._settled(request_id)
         self._keys_failed([publish])
         self._retire(publish)
         error = OutcomeUnknownError(
-            f"the queue forgot this client's producer id for {publish['queue']!r}: an "
+            f"the queue forgot the producer id {publish['producer']!r} of {publish['queue']!r}: an "
             "earlier attempt may have landed before it did, and none can any more; do "
             "not publish it again before a read tells whether it landed"
         )
