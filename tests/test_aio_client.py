@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -143,3 +144,56 @@ def test_an_ack_cancelled_while_it_waits_to_be_written_is_written_all_the_same()
                 await delivery.ack()
 
     trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_a_client_closed_while_it_reconnects_does_not_connect_again(cluster: Cluster) -> None:
+    """Closed while its reader was reconnecting, the trio client once installed the new
+    connection all the same, and subscribed its consumers again on it: a closed client
+    held messages nobody read. Here the reconnect's handshake waits at a forwarder until
+    the client is closed; the client must then drop that connection at once."""
+    node = cluster.endpoint(cluster.leader())
+    host, port = node.rsplit(":", 1)
+
+    async def main() -> None:
+        gate = trio.Event()
+        downstream: list[trio.SocketStream] = []
+        closed_by_client = trio.Event()
+        reconnecting = trio.Event()
+
+        async def forward(source: trio.SocketStream, sink: trio.SocketStream) -> None:
+            try:
+                async for data in source:
+                    await sink.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            if source is downstream[-1] and len(downstream) == 2:
+                closed_by_client.set()
+            await sink.aclose()
+
+        async def serve(stream: trio.SocketStream) -> None:
+            downstream.append(stream)
+            if len(downstream) == 2:
+                reconnecting.set()
+                await gate.wait()  # the reconnect's welcome waits here
+            upstream = await trio.open_tcp_stream(host, int(port))
+            async with trio.open_nursery() as pumps:
+                pumps.start_soon(forward, stream, upstream)
+                pumps.start_soon(forward, upstream, stream)
+
+        async with trio.open_nursery() as nursery:
+            (listener,) = await nursery.start(
+                functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1")
+            )
+            endpoint = f"127.0.0.1:{listener.socket.getsockname()[1]}"
+            async with quorumq.aio.connect(endpoint, cluster.token, timeout=30) as client:
+                await client.declare("closed-while-reconnecting")
+                await downstream[0].aclose()  # the connection breaks: the client reconnects
+                with trio.fail_after(10):
+                    await reconnecting.wait()
+                await client.aclose()
+                gate.set()
+                with trio.fail_after(10):  # it closes the new connection, does not keep it
+                    await closed_by_client.wait()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -245,6 +245,9 @@ class AsyncClient:
                 ]
                 self._handle(self._session.give_up(ConnectionLostError(str(e))) + ended)
                 return
+            if self._session.closed:  # closed while it reconnected: nothing more to do
+                await stream.aclose()
+                return
             await self._install(stream)
             self._handle([e for e in lost if isinstance(e, Resubscribe)])
 
