@@ -478,6 +478,33 @@ def test_a_restarted_ex_leader_runs_the_effects_of_what_replaced_its_tail(
     assert _kinds(ci_config(34)) & {"unsettled", "lost", "liveness"}
 
 
+def test_a_node_that_installs_a_snapshot_must_send_what_it_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the resync after a snapshot install (`NodeCore.state_replaced`), a
+    consumer on a follower that caught up from the leader's snapshot holds messages it
+    was never sent (seeds 65 and 69 of the first 200)."""
+    from quorumq.node.core import NodeCore
+
+    assert run(ci_config(65)).ok
+    monkeypatch.setattr(NodeCore, "state_replaced", lambda self: None)
+    assert _kinds(ci_config(65)) & {"lost", "liveness", "unsettled"}
+
+
+def test_a_proposal_pysyncobj_never_answers_must_time_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command proposed by an ex-leader whose entry a snapshot install then skipped is
+    never answered by PySyncObj: without the replica's timeout (`InFlight.expire`)
+    nobody proposes it again, and what it settles stays held (seeds 73 and 77 of the
+    first 200)."""
+    from quorumq.replica import InFlight
+
+    assert run(ci_config(73)).ok
+    monkeypatch.setattr(InFlight, "expire", lambda self, now, error: None)
+    assert _kinds(ci_config(73)) & {"lost", "unsettled", "liveness"}
+
+
 def test_a_follower_must_refuse_a_leader_snapshot_older_than_what_it_applied(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
