@@ -183,7 +183,9 @@ def run(config: RunConfig) -> Result:
             cluster.start(name)
         _hand_leadership_over(cluster, born.handovers)
         declare(cluster, config.workload.queue_options())
-        world.run_until(30 * US, lambda: QUEUE in _queues(cluster))
+        world.run_until(world.now_us + 30 * US, lambda: QUEUE in _queues(cluster))
+        if QUEUE not in _queues(cluster):
+            raise RuntimeError(f"seed {config.seed}: the queue was not declared within 30 s")
         clients = start_workload(cluster, checker, config.workload)
         consumers = [c for c in clients if isinstance(c, SimConsumer)]
         producers = [c for c in clients if isinstance(c, SimProducer)]
@@ -273,15 +275,21 @@ def _hand_leadership_over(cluster: Cluster, times: int) -> None:
     world = cluster.world
     for _ in range(times):
         world.run_until(world.now_us + 30 * US, lambda: cluster.leader() is not None)
-        leader = cluster.leader()
-        if leader is None:
+        old = cluster.leader()
+        if old is None:
             return
-        world.trace(f"genesis handover from {leader.name}")
-        leader.member.transferLeadership(None, None)
-        world.run_until(
-            world.now_us + 30 * US,
-            lambda old=leader: (new := cluster.leader()) is not None and new is not old,
-        )
+        world.trace(f"genesis handover from {old.name}")
+        deadline = world.now_us + 30 * US
+
+        def handed_over(old: SimNode = old) -> bool:
+            return (new := cluster.leader()) is not None and new is not old
+
+        while not handed_over() and world.now_us < deadline:
+            # PySyncObj denies the transfer until a follower has caught up (a leader
+            # elected a moment ago has not sent its first entry yet): ask again
+            if cluster.leader() is old:
+                old.member.transferLeadership(None, None)
+            world.run_until(min(deadline, world.now_us + micros(0.05)), handed_over)
 
 
 def describe_node(node: SimNode) -> str:

@@ -253,7 +253,7 @@ def test_fault_kinds_can_be_listed() -> None:
 def test_a_run_without_faults_delivers_and_acks_every_record() -> None:
     result = run(ci_config(1, faults="none", steps=500))
     assert result.ok, result.summary()
-    assert result.counts["published"] > 50
+    assert result.counts["published"] > 30  # about 50: 10 records/s for 5 s
     assert result.counts["acked"] == result.counts["confirmed"] == result.counts["published"]
     assert result.counts["lost"] == result.counts["duplicated"] == 0
     assert result.deliveries >= result.counts["published"]
@@ -468,14 +468,15 @@ def test_a_restarted_ex_leader_runs_the_effects_of_what_replaced_its_tail(
 ) -> None:
     """A restarted ex-leader whose uncommitted journal tail was replaced must run the
     effects of the entries that replaced it (`DurableJournal.replay_until`); counting
-    every entry on disk at start-up as replayed strands them (seed 34)."""
+    every entry on disk at start-up as replayed strands them (seed 683: a rare case,
+    1 of the first 800 seeds)."""
     from quorumq.raft.journal import DurableJournal
 
-    assert run(ci_config(34)).ok
+    assert run(ci_config(683)).ok
     monkeypatch.setattr(
         DurableJournal, "replay_until", property(lambda self: self.last_index_at_open)
     )
-    assert _kinds(ci_config(34)) & {"unsettled", "lost", "liveness"}
+    assert _kinds(ci_config(683)) & {"unsettled", "lost", "liveness"}
 
 
 def test_a_node_that_installs_a_snapshot_must_send_what_it_skipped(
@@ -538,12 +539,12 @@ def test_queue_time_from_an_unclamped_wall_clock_is_caught_by_the_clock_faults(
 def test_a_leader_that_anchored_at_its_wrong_wall_clock_and_leads_again_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Seed 99 starts with skewed wall clocks and hands leadership over before anything
+    """Seed 18 starts with skewed wall clocks and hands leadership over before anything
     is proposed (`Genesis`). With `take_over` keeping the node's earlier anchor (its
     wall clock, from a term in which it stamped nothing), the node moves queue time by
     its skew when it leads again (`time_ahead`; found by a real-process test, CI); the
-    real clock passes. Seeds 231, 369 and 492 catch it too."""
-    assert run(ci_config(99)).ok
+    real clock passes. Seeds 88, 173 and 182 of the first 200 catch it too."""
+    assert run(ci_config(18)).ok
 
     def keeps_its_earlier_anchor(self: LeaderClock, term: int, replicated_ms: int) -> None:
         base = replicated_ms if replicated_ms > 0 else max(0, self.wall_ms())
@@ -551,7 +552,7 @@ def test_a_leader_that_anchored_at_its_wrong_wall_clock_and_leads_again_is_caugh
         self._anchor = (term, self._last, self.monotonic())
 
     monkeypatch.setattr(LeaderClock, "take_over", keeps_its_earlier_anchor)
-    assert "time_ahead" in _kinds(ci_config(99))
+    assert "time_ahead" in _kinds(ci_config(18))
 
 
 def test_a_journal_that_cuts_at_damage_instead_of_refusing_is_caught(
