@@ -31,13 +31,31 @@ from quorumq.raft.journal import PAGE, meta_bytes
 
 
 class SimFile:
-    __slots__ = ("data", "synced")
+    __slots__ = ("data", "dirty_from", "synced")
 
     def __init__(self) -> None:
         self.data = bytearray()
         """What the process reads and writes."""
-        self.synced = b""
+        self.synced = bytearray()
         """What a power loss leaves of it."""
+        self.dirty_from = 0
+        """The lowest offset written or cut since the last sync: a sync after appends
+        only copies what was appended (copying the whole journal at every sync took a
+        sixth of a run's time)."""
+
+    def reset(self, content: bytes | bytearray) -> None:
+        """The file holds `content`, synced."""
+        self.data = bytearray(content)
+        self.synced = bytearray(content)
+        self.dirty_from = len(content)
+
+    def sync(self) -> None:
+        n = len(self.synced)
+        if self.dirty_from >= n and len(self.data) >= n:
+            self.synced += self.data[n:]
+        else:
+            self.synced = bytearray(self.data)
+        self.dirty_from = len(self.data)
 
 
 class SimFiles:
@@ -85,6 +103,7 @@ class SimFiles:
             self._short_write = False
             self._no_space = True
             data = bytes(data)[: len(data) // 2]
+        f.dirty_from = min(f.dirty_from, len(f.data))
         f.data += data
         self.writes += 1
         return len(data)
@@ -93,12 +112,13 @@ class SimFiles:
         if self._sync_fails:
             self._sync_fails = False
             raise OSError(errno.EIO, "Input/output error")
-        f = self._fds[fd]
-        f.synced = bytes(f.data)
+        self._fds[fd].sync()
         self.syncs += 1
 
     def truncate(self, fd: int, size: int) -> None:
-        del self._fds[fd].data[size:]
+        f = self._fds[fd]
+        f.dirty_from = min(f.dirty_from, size)
+        del f.data[size:]
 
     def close(self, fd: int) -> None:
         del self._fds[fd]
@@ -140,8 +160,7 @@ class SimFiles:
                 if kept and self.random.random() < 0.3:  # the last page never came
                     zeros = end - max(synced, (end - 1) // PAGE * PAGE)
                     kept = kept[: len(kept) - zeros] + bytes(zeros)
-            f.data = bytearray(f.synced + kept)
-            f.synced = bytes(f.data)
+            f.reset(f.synced + kept)
 
     def flip_bit(self, path: str, start: int = 0) -> bool:
         """Flip one bit at random at or after byte `start` of what is on disk."""
@@ -150,8 +169,7 @@ class SimFiles:
             return False
         data = bytearray(f.synced)
         data[self.random.randrange(start, len(data))] ^= 1 << self.random.randrange(8)
-        f.synced = bytes(data)
-        f.data = bytearray(data)
+        f.reset(data)
         return True
 
     def set_commit_index(self, meta_path: str, index: int) -> bool:
@@ -161,8 +179,7 @@ class SimFiles:
             return False
         meta: Any = encoding.decode(f.synced[8:])
         meta["commit_index"] = index
-        f.synced = meta_bytes(meta)
-        f.data = bytearray(f.synced)
+        f.reset(meta_bytes(meta))
         return True
 
     def fail_next_write(self) -> None:
