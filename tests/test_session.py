@@ -554,3 +554,38 @@ def test_a_producer_the_queue_forgot_is_refused_not_duplicated_and_the_next_id_i
     assert session.settling_keys() == set() and session.unconfirmed() == []
     _, frame = session.publish("q", b"m2", "c", None)
     assert frame["producer"].startswith("g6001-")
+
+
+def test_a_batch_numbered_by_seqs_refused_at_once_fails_alone_and_the_session_goes_on() -> None:
+    """A refusal of a `seqs` batch once crashed the session (it did arithmetic on the
+    frame's first_seq, None there): the blocking client's reader thread died and the
+    client never reconnected. The queue takes a numbered batch whatever came before it,
+    so a later one under the same producer is not failed with it."""
+    session = _session()
+    refused, frame = session.publish_batch("q", [[b"x", "a", None]], "N", None, [3])
+    assert frame["seqs"] == [3] and frame["first_seq"] is None
+    (failed,) = session.receive(_error(refused, "unknown_queue"))
+    assert isinstance(failed, Failed) and isinstance(failed.error, ServerError)
+    later, _ = session.publish_batch("q", [[b"y", "b", None]], "N", None, [5])
+    (answer,) = session.receive(_reply(later, offset=0, count=1))
+    assert isinstance(answer, Resolved)
+
+
+def test_a_second_batch_numbered_by_seqs_waits_for_the_first() -> None:
+    """With two live, the later could land first, and the earlier, resent, would be
+    taken for a duplicate (numbers below the producer's last) and confirmed, lost."""
+    session = _session()
+    first, _ = session.publish_batch("q", [[b"x", None, None]], "N", None, [0])
+    with pytest.raises(QuorumqError, match="still live"):
+        session.publish_batch("q", [[b"y", None, None]], "N", None, [1])
+    session.receive(_reply(first, offset=0, count=1))
+    session.publish_batch("q", [[b"y", None, None]], "N", None, [1])
+
+
+def test_sequence_numbers_past_what_the_wire_carries_are_refused_before_sending() -> None:
+    session = _session()
+    with pytest.raises(ValueError, match="strictly increasing"):
+        session.publish_batch("q", [[b"x", None, None]], "N", None, [2**64])
+    with pytest.raises(ValueError, match="first_seq must be in"):
+        session.publish_batch("q", [[b"x", None, None]], "S", 2**63)
+    assert session.unconfirmed() == [] and session.settling_keys() == set()

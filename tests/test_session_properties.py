@@ -97,6 +97,9 @@ class _Call:
     bodies: list[bytes]
     rows: list[list[Any]]
     first_seq: int | None = None
+    seqs: list[int] | None = None
+    """A batch under producer "N", numbered by its caller with gaps (as the Spark sink
+    numbers rows by their source offsets)."""
 
 
 class SessionAgainstTheMachine(RuleBasedStateMachine):
@@ -135,6 +138,8 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
         self.unknown: dict[bytes, int] = {}  # body -> its call, outcome unknown
         self.s_next = 0  # the application's own producer "S": its next sequence number
         self.s_failed: dict[int, int] = {}  # first_seq -> call, to replay
+        self.n_next = 0  # the application's numbered producer "N": its next free number
+        self.n_failed: dict[int, int] = {}  # first of its seqs -> call, to replay
         self.rewinds: list[str] = []
         self.subscribing: dict[int, _Consumer] = {}  # request id -> consumer being subscribed
         self.held: list[_Consumer] = []  # consumers the application holds
@@ -195,21 +200,31 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
             if isinstance(event.error, OutcomeUnknownError):
                 self.unknown[body] = call
             else:  # not published
-                if self.calls[call].first_seq is None:  # (else: replayed with its numbers)
+                if not self._replayed_with_its_numbers(call):
                     self.must_not_land.add(call)
                 self.not_published[body] = call
-        first_seq = self.calls[call].first_seq
+        self._to_replay(call)
+
+    def _replayed_with_its_numbers(self, call: int) -> bool:
+        return self.calls[call].first_seq is not None or self.calls[call].seqs is not None
+
+    def _to_replay(self, call: int) -> None:
+        first_seq, seqs = self.calls[call].first_seq, self.calls[call].seqs
         if first_seq is not None:
             self.s_failed[first_seq] = call
+        if seqs is not None:
+            self.n_failed[seqs[0]] = call
 
     def _expect_paused(self, call: int) -> None:
         keys = {b.decode()[0] for b in self.calls[call].bodies}
         assert keys <= self.session.producer.paused, (keys, self.session.producer.paused)
 
-    def _new_call(self, bodies: list[bytes], first_seq: int | None = None) -> int:
+    def _new_call(
+        self, bodies: list[bytes], first_seq: int | None = None, seqs: list[int] | None = None
+    ) -> int:
         call = len(self.calls)
         rows = [[b, b.decode()[0], {"c": str(call)}] for b in bodies]
-        self.calls.append(_Call(bodies, rows, first_seq))
+        self.calls.append(_Call(bodies, rows, first_seq, seqs))
         return call
 
     def _published(self, request_id: int, frame: dict[str, Any], call: int) -> None:
@@ -277,6 +292,35 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
         self.s_next += len(rows)
         self._published(request_id, frame, call)
 
+    @precondition(lambda self: not self.n_failed)
+    @rule(
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
+        gaps=st.lists(st.integers(0, 3), min_size=3, max_size=3),
+    )
+    def publish_batch_numbered_by_its_input(self, keys: list[str], gaps: list[int]) -> None:
+        """A caller that numbers each message from its input, with gaps (the Spark sink
+        numbers rows by their source offsets), one batch at a time; a failed batch is
+        replayed with the same numbers before any later one."""
+        seqs, number = [], self.n_next
+        for i in range(len(keys)):
+            number += gaps[i]
+            seqs.append(number)
+            number += 1
+        call = self._new_call([self._body(k) for k in keys], seqs=seqs)
+        rows = self.calls[call].rows
+        try:
+            request_id, frame = self.session.publish_batch("q", rows, "N", None, seqs)
+        except (KeyPausedError, TooManyUnconfirmedError) as e:
+            self._refused_before_sending(e, set(keys))
+            return
+        except QuorumqError as e:  # one is still live: the session refuses a second
+            assert "still live" in str(e)
+            assert any(f["producer"] == "N" for f in self.session.unconfirmed()), e
+            note("a numbered batch refused: one is live")
+            return
+        self.n_next = number
+        self._published(request_id, frame, call)
+
     @precondition(lambda self: self.waiting or self.subscribing)
     @rule(data=st.data(), cancelled=st.booleans())
     def stop_waiting(self, data: Any, cancelled: bool) -> None:
@@ -303,9 +347,7 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
         self._expect_paused(call)
         for body in self.calls[call].bodies:
             self.unknown[body] = call
-        first_seq = self.calls[call].first_seq
-        if first_seq is not None:
-            self.s_failed[first_seq] = call
+        self._to_replay(call)
 
     @rule(key=st.sampled_from(KEYS))
     def resume(self, key: str) -> None:
@@ -336,18 +378,24 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
             self.must_not_land.add(call)  # settled and missing: it never lands now
         else:
             call = self.not_published[body]
-        first_seq = self.calls[call].first_seq
-        if first_seq is not None:  # replayed as it was, with its sequence numbers
-            if self.s_failed.get(first_seq) != call or first_seq != min(self.s_failed):
+        first_seq, seqs = self.calls[call].first_seq, self.calls[call].seqs
+        if first_seq is not None or seqs is not None:  # replayed as it was, with its numbers
+            failed = self.s_failed if seqs is None else self.n_failed
+            first = first_seq if seqs is None else seqs[0]
+            if failed.get(first) != call or first != min(failed):
                 return  # the caller replays its input in order
             rows = self.calls[call].rows
+            producer = "S" if seqs is None else "N"
             try:
-                request_id, frame = self.session.publish_batch("q", rows, "S", first_seq)
+                request_id, frame = self.session.publish_batch("q", rows, producer, first_seq, seqs)
             except (KeyPausedError, TooManyUnconfirmedError) as e:
                 self._refused_before_sending(e, {r[1] for r in rows})
                 return
+            except QuorumqError as e:  # an attempt of it is still live
+                assert seqs is not None and "still live" in str(e), e
+                return
             note("replayed with its sequence numbers")
-            del self.s_failed[first_seq]
+            del failed[first]
             self.must_not_land.discard(call)  # the same call again: it may land now
             self._published(request_id, frame, call)
             return
@@ -457,6 +505,7 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
                 messages=[Message(body=b, key=k, headers=h) for b, k, h in frame["messages"]],
                 producer=frame["producer"],
                 first_seq=frame["first_seq"],
+                seqs=frame.get("seqs"),
             )
         reply = self._apply(command)
         live = proposal.connection == self.connection and self.connected
@@ -473,7 +522,12 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
                 "expected_seq": reply.expected_seq,
             }
         elif isinstance(reply, Enqueued):
-            answer = {"t": "reply", "id": frame["id"], "offset": reply.offset}
+            answer = {
+                "t": "reply",
+                "id": frame["id"],
+                "offset": reply.offset,
+                "count": reply.count,
+            }
         elif frame["t"] == "subscribe":
             answer = {"t": "reply", "id": frame["id"], "consumer": frame["consumer"]}
         else:

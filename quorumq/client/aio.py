@@ -206,12 +206,18 @@ class AsyncClient:
         self._welcome = welcome
         return stream, decoder
 
-    async def _install(self, stream: trio.SocketStream) -> None:
+    async def _install(self, stream: trio.SocketStream) -> bool:
+        """Make `stream` the connection and resend what is unconfirmed; False (and the
+        stream closed) if the client was closed meanwhile."""
         async with self._send_lock:
+            if self._session.closed:
+                await stream.aclose()
+                return False
             self._stream = stream
             self._session.connection_made(self._welcome)
             for frame in self._session.unconfirmed():
                 await self._write(frame)
+        return True
 
     async def _run(self, stream: trio.SocketStream, decoder: FrameDecoder) -> None:
         """The reader task: frames in, events out; reconnects when the connection breaks."""
@@ -229,6 +235,8 @@ class AsyncClient:
                     decoder.feed(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
                 pass
+            except Exception:  # a bug of ours: lose this connection, not the client
+                logger.exception("the client failed on a frame from the node; reconnecting")
             if self._session.closed:
                 return
             self._stream = None
@@ -245,10 +253,8 @@ class AsyncClient:
                 ]
                 self._handle(self._session.give_up(ConnectionLostError(str(e))) + ended)
                 return
-            if self._session.closed:  # closed while it reconnected: nothing more to do
-                await stream.aclose()
+            if not await self._install(stream):  # closed while it reconnected
                 return
-            await self._install(stream)
             self._handle([e for e in lost if isinstance(e, Resubscribe)])
 
     # ----------------------------------------------------------------- events

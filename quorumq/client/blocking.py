@@ -307,7 +307,9 @@ class Client:
                 decoder.feed(data)
         except OSError:
             pass
-        sock.close()
+        except Exception:  # a bug of ours: lose this connection, not the client
+            logger.exception("the client failed on a frame from the node; reconnecting")
+        _hang_up(sock)
         self._on_lost(generation)
 
     def _on_lost(self, generation: int) -> None:

@@ -51,12 +51,12 @@ keeps what makes publishing idempotent and ordered:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
 
-from ..machine.commands import check_seqs
+from ..machine.commands import MAX_SEQ, check_seqs
 from ..protocol import encode_frame
 from .core import (
     RETRIABLE,
@@ -175,8 +175,15 @@ def keys_of(frame: Mapping[str, Any]) -> frozenset[str]:
     return frozenset()
 
 
-def _seq(frame: Mapping[str, Any]) -> int:
-    return int(frame["seq"] if frame["t"] == "publish" else frame["first_seq"])
+def _numbers(frame: Mapping[str, Any]) -> Sequence[int]:
+    """The sequence numbers a publish or publish_batch frame carries."""
+    if frame["t"] == "publish":
+        return (int(frame["seq"]),)
+    seqs = frame.get("seqs")
+    if seqs is not None:
+        return seqs  # type: ignore[no-any-return]
+    first = int(frame["first_seq"])
+    return range(first, first + len(frame["messages"]))
 
 
 class ClientSession:
@@ -293,8 +300,20 @@ class ClientSession:
             if producer is None or first_seq is not None:
                 raise ValueError("seqs go with a producer, and without first_seq")
             check_seqs(seqs, len(rows))
+            if any(
+                f["queue"] == queue and f["producer"] == producer
+                for f in self._unconfirmed.values()
+            ):
+                # the queue would take the later batch first and the earlier one, resent,
+                # for a duplicate of numbers below the producer's last: lost
+                raise QuorumqError(
+                    f"a batch under producer {producer!r} numbered by seqs is still live: "
+                    "send the next one once it is answered"
+                )
         elif (producer is None) != (first_seq is None):
             raise ValueError("producer and first_seq go together")
+        elif first_seq is not None and not 0 <= first_seq <= MAX_SEQ - len(rows):
+            raise ValueError(f"first_seq must be in 0..{MAX_SEQ - len(rows)}, got {first_seq}")
         for _, key, _ in rows:
             self.producer.check(key)
         own = producer if producer is not None else self.producer.id_for(queue)
@@ -792,8 +811,7 @@ class ClientSession:
         for request_id, f in self._unconfirmed.items():
             if f["queue"] != publish["queue"] or f["producer"] != publish["producer"]:
                 continue
-            count = 1 if f["t"] == "publish" else len(f["messages"])
-            if _seq(f) <= seq < _seq(f) + count:
+            if seq in _numbers(f):
                 return request_id
         return None
 
@@ -819,11 +837,18 @@ class ClientSession:
     def _give_up_after(self, publish: dict[str, Any]) -> list[Event]:
         """`publish` never lands: nor does any later one of its producer (the queue takes
         a producer's sequence numbers in order). Those are not live any more."""
-        queue, producer, seq = publish["queue"], publish["producer"], _seq(publish)
         self._retire(publish)  # earlier ones still out under the old id hold their keys
+        if publish.get("seqs") is not None:
+            return []  # the queue takes a batch numbered by its caller whatever came before
+        queue, producer, seq = publish["queue"], publish["producer"], _numbers(publish)[0]
         events: list[Event] = []
         for request_id, frame in list(self._unconfirmed.items()):
-            if frame["queue"] == queue and frame["producer"] == producer and _seq(frame) > seq:
+            if (
+                frame["queue"] == queue
+                and frame["producer"] == producer
+                and frame.get("seqs") is None
+                and _numbers(frame)[0] > seq
+            ):
                 self._settled(request_id)
                 self._keys_failed([frame])
                 error = QuorumqError(

@@ -182,12 +182,16 @@ def _seqs(value: Iterable[int] | None) -> tuple[int, ...] | None:
     return None if value is None else tuple(value)
 
 
+MAX_SEQ = 2**63 - 1
+"""The largest sequence number (one the wire's msgpack and every replica can carry)."""
+
+
 def check_seqs(seqs: Iterable[int], count: int) -> None:
     """`ValueError` unless `seqs` numbers `count` messages with ints >= 0, strictly
     increasing: what a batch that carries its own sequence numbers must send."""
     previous, seen = -1, 0
     for seq in seqs:
-        if type(seq) is not int or seq <= previous:
+        if type(seq) is not int or seq <= previous or seq > MAX_SEQ:
             raise ValueError(
                 f"seqs must be ints >= 0, strictly increasing; got {seq!r} after {previous}"
             )
