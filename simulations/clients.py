@@ -157,7 +157,7 @@ class SimClient:
 
     def _producer_id(self, generation: int) -> str:
         """As a real client's, from the seed's client stream instead of uuid4."""
-        return f"g{generation:x}-{self.cluster.producer_ids.getrandbits(64):016x}"
+        return f"g{generation:x}-{self.cluster.producer_ids.getrandbits(128):032x}"
 
     @property
     def node(self) -> SimNode | None:

@@ -41,6 +41,11 @@ def _enqueue(producer: str, seq: int = 0) -> Enqueue:
     return Enqueue(queue="q", body=b"x", producer=producer, seq=seq)
 
 
+def _gid(generation: int, n: int = 0) -> str:
+    """A client producer id of `generation` (its wall clock in ms when made)."""
+    return f"g{generation:x}-{n:032x}"
+
+
 def test_a_queue_remembers_a_bounded_number_of_producers() -> None:
     """100,000 short-lived producers, one a second: every one was kept for 7 days before.
     Room is made by forgetting producers silent for an hour; a forgotten one's resend is
@@ -48,13 +53,13 @@ def test_a_queue_remembers_a_bounded_number_of_producers() -> None:
     m = Machine()
     m.apply(Meta(1, 0), Declare(queue="q"))
     for i in range(100_000):
-        reply = m.apply(Meta(i + 2, i * 1000), _enqueue(f"g{i * 1000 + 1:x}-c")).reply
+        reply = m.apply(Meta(i + 2, i * 1000), _enqueue(_gid(i * 1000 + 1))).reply
         assert isinstance(reply, Enqueued) and not reply.duplicate
     assert len(m.producers("q")) <= MAX_PRODUCERS
     now = 100_000 * 1000
-    recent = m.apply(Meta(10**6, now), _enqueue(f"g{99_999_001:x}-c")).reply
+    recent = m.apply(Meta(10**6, now), _enqueue(_gid(99_999_001))).reply
     assert isinstance(recent, Enqueued) and recent.duplicate
-    forgotten = m.apply(Meta(10**6 + 1, now), _enqueue("g1-c")).reply  # its resend, say
+    forgotten = m.apply(Meta(10**6 + 1, now), _enqueue(_gid(1))).reply  # its resend, say
     assert isinstance(forgotten, Error) and forgotten.code == "producer_forgotten"
     assert forgotten.generation is not None and forgotten.generation >= 0
 
@@ -79,19 +84,42 @@ def test_a_forgotten_producers_resend_is_refused_not_enqueued_twice() -> None:
     """Forgotten by expiry (7 days silent) or by `forget_producers`, a producer's resend
     of seq 0 was taken for a new producer's first publish: a second offset."""
     m = Machine()
-    m.apply(Meta(1, 0), Declare(queue="q"))
-    m.apply(Meta(2, 0), _enqueue("g10-a"))
-    m.apply(Meta(3, 0), _enqueue("g20-b"))
-    m.apply(Meta(4, 0), ForgetProducers(queue="q", prefix="g20-"))
-    reply = m.apply(Meta(5, 0), _enqueue("g20-b")).reply
+    day = 86_400_000
+    m.apply(Meta(1, day), Declare(queue="q"))
+    m.apply(Meta(2, day), _enqueue(_gid(day - 20, 1)))
+    m.apply(Meta(3, day), _enqueue(_gid(day - 10, 2)))
+    m.apply(Meta(4, day), ForgetProducers(queue="q", prefix=_gid(day - 10, 2)))
+    reply = m.apply(Meta(5, day), _enqueue(_gid(day - 10, 2))).reply
     assert isinstance(reply, Error) and reply.code == "producer_forgotten"
-    m.apply(Meta(6, PRODUCER_EXPIRY_MS + 1), Tick())  # g10-a: 7 days silent
-    reply = m.apply(Meta(7, PRODUCER_EXPIRY_MS + 2), _enqueue("g10-a")).reply
+    assert reply.generation == day - 10
+    later = day + PRODUCER_EXPIRY_MS + 1
+    m.apply(Meta(6, later), Tick())  # the first: 7 days silent
+    reply = m.apply(Meta(7, later), _enqueue(_gid(day - 20, 1))).reply
     assert isinstance(reply, Error) and reply.code == "producer_forgotten"
-    fresh = m.apply(Meta(8, PRODUCER_EXPIRY_MS + 3), _enqueue("g21-new")).reply
+    fresh = m.apply(Meta(8, later), _enqueue(_gid(later, 3))).reply
     assert isinstance(fresh, Enqueued) and fresh.offset == 2
     restored = Machine.restore(m.snapshot())  # every replica knows it, restored too
-    assert isinstance(restored.apply(Meta(9, 0), _enqueue("g15-x")).reply, Error)
+    assert isinstance(restored.apply(Meta(9, later), _enqueue(_gid(day - 15, 4))).reply, Error)
+
+
+def test_no_producer_id_can_move_the_forgotten_generation_past_the_queues_time() -> None:
+    """A client without the admin token published under `gffffffffffffffff-...` and had
+    it forgotten (its own prefix is long enough): the mark went to 2**64 - 1, and every
+    client's first publish to the queue was refused for good. The mark stops at the
+    queue's time; ids not of the client's exact form carry no generation (a caller's
+    own `gc-nightly` was read as generation 12, `g0-loader` refused on a new queue)."""
+    m = Machine()
+    now = 1_800_000_000_000
+    m.apply(Meta(1, now), Declare(queue="q"))
+    poison = _gid(2**64 - 1, 7)
+    m.apply(Meta(2, now), _enqueue(poison))
+    m.apply(Meta(3, now), ForgetProducers(queue="q", prefix=poison))
+    honest = m.apply(Meta(4, now + 5), _enqueue(_gid(now + 1, 8))).reply
+    assert isinstance(honest, Enqueued)
+    slow = m.apply(Meta(5, now + 5), _enqueue(_gid(now - 1, 9))).reply
+    assert isinstance(slow, Error) and slow.generation == now
+    for index, own in enumerate(("gc-nightly", "g0-loader", "gbad-idea", f"g0-{0:032x}"), 6):
+        assert isinstance(m.apply(Meta(index, now + 5), _enqueue(own)).reply, Enqueued), own
 
 
 def test_time_moves_while_producers_are_remembered_so_they_can_expire() -> None:

@@ -397,11 +397,14 @@ def test_a_client_cannot_forget_other_clients_producers_with_a_short_prefix(
     tmp_path: Path,
 ) -> None:
     """Any client could forget every client producer of a queue with the prefixes
-    "0".."f"; a forgotten producer's resend can then be accepted as new."""
+    "0".."f"; a forgotten producer's resend can then be accepted as new. Client ids
+    begin with their generation ("g<ms>-"), which anyone can guess: 169 prefixes of 12
+    characters forgot other clients' producers (review F). A client's prefix must now
+    reach 12 characters into the random part."""
     from quorumq.client import ServerError
 
     config = attrs.evolve(_config(tmp_path), token="client", admin_token="admin", insecure=False)
-    min_prefix = 12  # client producer ids are 32 random hex characters
+    min_prefix = 12  # characters of a client id's random part (after "g<ms>-")
 
     async def producers(client: quorumq.aio.AsyncClient) -> int:
         count: int = (await client.status())["queues"]["q"]["producers"]
@@ -413,8 +416,14 @@ def test_a_client_cannot_forget_other_clients_producers_with_a_short_prefix(
                 await producer.declare("q")
                 await producer.publish("q", b"m")  # under its random 32-hex producer id
                 own = producer.producer.id_for("q")
+            guessable = own.index("-") + 1  # "g<generation>-"
             async with quorumq.aio.connect(endpoint, "client") as other:
-                for prefix in ["0123456789abcdef"[i] for i in range(16)] + [own[: min_prefix - 1]]:
+                for prefix in [
+                    *"0123456789abcdefg",
+                    own[: min_prefix - 1],
+                    own[:min_prefix],  # "g" and the generation: a time, guessed
+                    own[: guessable + min_prefix - 1],
+                ]:
                     try:
                         await other.forget_producers("q", prefix)
                         raise AssertionError(f"a client forgot the producers {prefix!r}*")
@@ -423,7 +432,7 @@ def test_a_client_cannot_forget_other_clients_producers_with_a_short_prefix(
                         assert f"at least {min_prefix}" in e.message
                 assert await producers(other) == 1  # every short prefix refused
                 # a long prefix (its own producer's, a Spark batch's) is a client's to forget
-                assert await other.forget_producers("q", own[:min_prefix]) == 1
+                assert await other.forget_producers("q", own[: guessable + min_prefix]) == 1
                 assert await producers(other) == 0
             async with quorumq.aio.connect(endpoint, "client", admin_token="admin") as admin:
                 await admin.publish("q", b"n")

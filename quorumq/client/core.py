@@ -130,6 +130,10 @@ class Delivery:
         self._settled.append(how)
 
 
+MAX_GENERATION = 2**64 - 1
+"""The largest generation an id carries (16 hex digits: the queue parses no more)."""
+
+
 def generation_id(generation: int) -> str:
     """A producer id of `generation`, "g<hex>-<random>": a queue that forgot producers
     of this generation or below refuses it (`producer_forgotten`) instead of taking a
@@ -165,7 +169,7 @@ class Producer:
     def id_for(self, queue: str) -> str:
         producer = self._ids.get(queue)
         if producer is None:
-            generation = max(self._clock_ms(), self._floor + 1)
+            generation = min(max(self._clock_ms(), self._floor + 1), MAX_GENERATION)
             producer = self._ids[queue] = self._make_id(generation)
         return producer
 

@@ -59,6 +59,7 @@ import attrs
 from ..machine.commands import MAX_SEQ, check_seqs
 from ..protocol import encode_frame
 from .core import (
+    MAX_GENERATION,
     RETRIABLE,
     ConnectionLostError,
     Delivery,
@@ -69,12 +70,13 @@ from .core import (
     ServerError,
     TooManyUnconfirmedError,
     delivery_from,
+    generation_id,
     publish_frame,
 )
 
 logger = logging.getLogger(__name__)
 
-_LONGEST_ID = "f" * 32
+_LONGEST_ID = generation_id(MAX_GENERATION)
 """A producer id as long as the client makes them: for sizing a frame before it is sent."""
 
 REWIND_DELAY = 0.05

@@ -67,7 +67,7 @@ def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
         (s.last_ts, p) for p, s in q.producers.items() if now - s.last_ts >= EVICT_SILENT_MS
     )
     for _, producer in silent[: max(1, len(q.producers) // 10)]:
-        q.forget_producer(producer)
+        q.forget_producer(producer, now)
     return len(q.producers) < MAX_PRODUCERS
 
 
@@ -528,7 +528,7 @@ class Machine:
             return q
         if not cmd.prefix:
             return _error(ErrorCode.INVALID, "an empty prefix would forget every producer")
-        return Forgotten(count=q.forget_producers(cmd.prefix))
+        return Forgotten(count=q.forget_producers(cmd.prefix, self._now))
 
     def needs_tick(self) -> bool:
         """Whether time must move on even with no other command: a queue has a message
@@ -556,7 +556,7 @@ class Machine:
                 for producer in sorted(
                     p for p, s in q.producers.items() if now - s.last_ts > PRODUCER_EXPIRY_MS
                 ):
-                    q.forget_producer(producer)
+                    q.forget_producer(producer, now)
         self._run([q for q in self._queues.values() if q.outbox], effects)
         return OK
 

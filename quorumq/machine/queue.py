@@ -44,6 +44,7 @@ dead-letters or drops them, since that may touch another queue.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterable, Mapping
 from heapq import heappop, heappush
@@ -108,18 +109,20 @@ class _Lane:
         """Whose heap the live entry is in: the owner's, or None for `free_keys`."""
 
 
+_GENERATION_ID = re.compile(r"g([0-9a-f]{1,16})-[0-9a-f]{32}\Z")
+
+
 def producer_generation(producer: str) -> int | None:
-    """The generation a producer id carries: ids of the form "g<hex>-<anything>" (the
-    clients make theirs so, the generation from their wall clock in ms). A queue that
-    forgot a producer refuses every unknown id of that generation or below
-    (`producer_forgotten`): a resend of a forgotten producer is never taken for a new
-    one. Other ids (a caller's own, say Spark's) carry none."""
-    if producer[:1] != "g":
+    """The generation a producer id carries: ids of exactly the form the clients make,
+    "g<1 to 16 hex digits>-<32 hex digits>", the generation (at least 1) from their wall
+    clock in ms. A queue that forgot a producer refuses every unknown id of that
+    generation or below (`producer_forgotten`): a resend of a forgotten producer is
+    never taken for a new one. Other ids (a caller's own, say Spark's) carry none."""
+    match = _GENERATION_ID.match(producer)
+    if match is None:
         return None
-    digits, dash, _ = producer[1:].partition("-")
-    if not dash or not 0 < len(digits) <= 16 or digits.strip("0123456789abcdef"):
-        return None
-    return int(digits, 16)
+    generation = int(match.group(1), 16)
+    return generation if generation > 0 else None
 
 
 class ProducerState:
@@ -250,18 +253,20 @@ class QueueState:
     def first_retained(self) -> int:
         return self.stream_base + self.stream_head
 
-    def forget_producer(self, producer: str) -> None:
-        """Drop `producer`'s state; no id of its generation (or below) is new from now on."""
+    def forget_producer(self, producer: str, now: int) -> None:
+        """Drop `producer`'s state; no id of its generation (or below) is new from now on.
+        The mark never passes the queue's time `now`: an id made with a clock far ahead
+        (or made up to be, `gffffffffffffffff-...`) cannot lock every client out."""
         del self.producers[producer]
         generation = producer_generation(producer)
-        if generation is not None and generation > self.forgotten_generation:
-            self.forgotten_generation = generation
+        if generation is not None:
+            self.forgotten_generation = max(self.forgotten_generation, min(generation, now))
 
-    def forget_producers(self, prefix: str) -> int:
+    def forget_producers(self, prefix: str, now: int) -> int:
         """Drop the state of every producer whose id starts with `prefix`; return how many."""
         gone = sorted(p for p in self.producers if p.startswith(prefix))
         for producer in gone:
-            self.forget_producer(producer)
+            self.forget_producer(producer, now)
         return len(gone)
 
     # ------------------------------------------------------------- enqueueing

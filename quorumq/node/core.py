@@ -43,6 +43,7 @@ import heapq
 import itertools
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -876,20 +877,21 @@ class NodeCore:
         self._propose_for(conn, frame["id"], command)
 
     def _forget_producers(self, conn: ConnectionCore, frame: Frame) -> None:
-        """A short prefix forgets other clients' producers too ("0".."f" forget them all,
-        and a forgotten producer's resend can then be accepted as new): below
-        `MIN_FORGET_PREFIX` characters it needs the admin credential. (The machine
-        refuses an empty one from anyone.)"""
+        """A short prefix forgets other clients' producers too ("g" forgets them all):
+        without the admin credential a prefix must name at least `MIN_FORGET_PREFIX`
+        characters that cannot be guessed, which in a client's id ("g<ms>-<32 random
+        hex>") are those after the dash. (The machine refuses an empty one from anyone.)"""
         prefix = frame["prefix"]
-        if 0 < len(prefix) < MIN_FORGET_PREFIX and not conn.admin:
+        if prefix and not conn.admin and _guessable(prefix):
             self._error(
                 conn,
                 frame["id"],
                 "admin_required",
-                f"forget_producers with a prefix of {len(prefix)} characters could forget "
-                f"other clients' producers: give at least {MIN_FORGET_PREFIX} (a client's "
-                "producer id is 32 hex characters, a Spark batch's 'spark-<query id>-<batch>-'"
-                "), or prove the admin token",
+                f"forget_producers with the prefix {prefix!r} could forget other clients' "
+                f"producers: give at least {MIN_FORGET_PREFIX} characters, and for a "
+                f"client's producer id ('g<generation>-<32 hex>') {MIN_FORGET_PREFIX} of "
+                "its random part after the dash (a Spark batch's 'spark-<query id>-<batch>-' "
+                "passes), or prove the admin token",
             )
             return
         command = ForgetProducers(queue=frame["queue"], prefix=prefix)
@@ -1122,6 +1124,23 @@ class NodeCore:
                 )
                 self.effects_applied(None, missing)
 
+
+
+_GENERATION_PREFIX = re.compile(r"g[0-9a-f]{0,16}(-[0-9a-f]*)?\Z")
+
+
+def _guessable(prefix: str) -> bool:
+    """Whether `prefix` could match producers of other clients: shorter than
+    `MIN_FORGET_PREFIX`, or the start of a client's id ("g<ms hex>-<random hex>") that
+    reaches fewer than `MIN_FORGET_PREFIX` characters into the random part (the
+    generation is a time in ms: anyone can guess it)."""
+    if len(prefix) < MIN_FORGET_PREFIX:
+        return True
+    match = _GENERATION_PREFIX.match(prefix)
+    if match is None:
+        return False
+    random_part = match.group(1)
+    return random_part is None or len(random_part) - 1 < MIN_FORGET_PREFIX
 
 class _MembershipChange:
     """One `members add` or `members remove`: proposed again while the leader refuses it
