@@ -104,7 +104,9 @@ def _command_fields(cmd: Command) -> list[Any]:
                 cmd.producer,
                 cmd.first_seq,
             ]
-            return fields if cmd.seqs is None else [*fields, list(cmd.seqs)]
+            if cmd.seqs is None:
+                return fields
+            return [*fields, list(cmd.seqs), True] if cmd.opens else [*fields, list(cmd.seqs)]
         case Ack():
             return [_ACK, cmd.queue, cmd.consumer, list(cmd.offsets)]
         case Nack():
@@ -137,6 +139,7 @@ def _batch(
     producer: str | None,
     first_seq: int | None,
     seqs: list[Any] | None = None,
+    opens: Any = False,
 ) -> Command:
     if not isinstance(messages, list):
         raise CodecError("batch messages must be an array")
@@ -148,7 +151,7 @@ def _batch(
             raise CodecError("a batch message must be [body, key, headers]")
         built.append(Message(body=m[0], key=m[1], headers=m[2]))
     return EnqueueBatch(
-        queue=queue, messages=built, producer=producer, first_seq=first_seq, seqs=seqs
+        queue=queue, messages=built, producer=producer, first_seq=first_seq, seqs=seqs, opens=opens
     )
 
 
@@ -158,7 +161,7 @@ _COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]
         6,
         lambda q, b, k, h, p, s: Enqueue(queue=q, body=b, key=k, headers=h, producer=p, seq=s),
     ),
-    _ENQUEUE_BATCH: ((4, 5), _batch),  # the fifth, per-message seqs, only when given
+    _ENQUEUE_BATCH: ((4, 5, 6), _batch),  # seqs and opens only when given
     _SUBSCRIBE: (
         (4, 5),  # the fifth, the consumer's timeout, only when it has one
         lambda q, c, n, p, t=None: Subscribe(queue=q, consumer=c, node=n, prefetch=p, timeout_ms=t),

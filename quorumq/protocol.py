@@ -88,6 +88,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "producer": (_S, _N),
         "first_seq": (_I, _N),
         "seqs": (_LIST, _N),
+        "opens": (_BOOL, _N),
     },
     "subscribe": {"id": (_I,), "queue": (_S,), "prefetch": (_I,)},
     "cancel": {"id": (_I,), "consumer": (_S,)},

@@ -145,15 +145,24 @@ class QuorumqStreamWriter(DataSourceStreamWriter):  # type: ignore[misc]
         with quorumq.connect(list(options.endpoints), options.token) as client:
             chunk: list[tuple[bytes, str | None, Mapping[str, str] | None]] = []
             seqs: list[int] = []
+
+            def send() -> None:
+                # the task's first batch opens its producer: once the queue forgot the
+                # producer (its batch committed, or evicted), a zombie attempt's later
+                # batches are refused instead of landing again
+                client.publish_batch(
+                    options.queue, chunk, producer=producer, seqs=seqs, opens=rows == 0
+                )
+
             for seq, fields in numbered_rows(iterator):
                 chunk.append(message_of(fields))
                 seqs.append(seq)
                 if len(chunk) >= options.batch_rows:
-                    client.publish_batch(options.queue, chunk, producer=producer, seqs=seqs)
+                    send()
                     rows += len(chunk)
                     chunk, seqs = [], []
             if chunk:
-                client.publish_batch(options.queue, chunk, producer=producer, seqs=seqs)
+                send()
                 rows += len(chunk)
         return PartitionWritten(query, producer, rows)
 

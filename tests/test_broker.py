@@ -102,21 +102,33 @@ def test_a_batch_numbered_by_its_own_seqs_lands_what_is_above_the_last(
     cluster: Cluster,
 ) -> None:
     """Sequence numbers with gaps (a Spark task numbers rows by source offsets): a
-    resend that overlaps lands only the messages above the producer's last."""
+    resend that overlaps lands only the messages above the producer's last. A producer
+    the queue does not know (new, or forgotten) takes only its opening batch."""
     client = cluster.client()
     client.declare("numbered")
     publish = client.publish_batch
-    assert publish("numbered", [b"a", b"b", b"c"], producer="job-7-0", seqs=[0, 5, 9]) == [0, 1, 2]
-    assert publish("numbered", [b"b", b"c", b"d"], producer="job-7-0", seqs=[5, 9, 12]) == [3]
-    assert publish("numbered", [b"c"], producer="job-7-0", seqs=[9]) == []
+    with pytest.raises(ServerError, match="out_of_order"):
+        publish("numbered", [b"a"], producer="job-7-partition-0", seqs=[0])
+    opened = publish(
+        "numbered", [b"a", b"b", b"c"], producer="job-7-partition-0", seqs=[0, 5, 9], opens=True
+    )
+    assert opened == [0, 1, 2]
+    assert publish(
+        "numbered", [b"b", b"c", b"d"], producer="job-7-partition-0", seqs=[5, 9, 12]
+    ) == [3]
+    assert publish("numbered", [b"c"], producer="job-7-partition-0", seqs=[9]) == []
     assert [m.body for m in client.read("numbered", 0, 10)] == [b"a", b"b", b"c", b"d"]
     with pytest.raises(ValueError, match="strictly increasing; got 3 after 5"):
-        publish("numbered", [b"x", b"y"], producer="job-7-0", seqs=[5, 3])
+        publish("numbered", [b"x", b"y"], producer="job-7-partition-0", seqs=[5, 3])
     with pytest.raises(ValueError, match="seqs go with a producer"):
         publish("numbered", [b"x"], seqs=[20])
     with pytest.raises(ValueError, match="2 seqs for 1 messages"):
-        publish("numbered", [b"x"], producer="job-7-0", seqs=[20, 21])
+        publish("numbered", [b"x"], producer="job-7-partition-0", seqs=[20, 21])
     assert len(client.read("numbered", 0, 10)) == 4  # nothing more was sent
+    assert client.forget_producers("numbered", "job-7-partition-0") == 1
+    with pytest.raises(ServerError, match="out_of_order"):  # a zombie's resend, say
+        publish("numbered", [b"d"], producer="job-7-partition-0", seqs=[12])
+    assert len(client.read("numbered", 0, 10)) == 4
 
 
 def test_a_client_whose_producer_the_queue_forgot_goes_on_under_a_newer_id(

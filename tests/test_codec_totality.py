@@ -47,14 +47,15 @@ _OPTION_NAMES = [
 ]
 _OPTIONS = st.dictionaries(st.sampled_from(_OPTION_NAMES), _SCALARS, max_size=4)
 _ARITY = {1: 2, 2: 6, 3: 4, 4: 4, 5: 2, 6: 3, 7: 4, 8: 1, 9: 1, 10: 1, 11: 3, 12: 0, 13: 2}
-_OPTIONAL_LAST = {3, 4}
-"""Commands with an optional last field: a batch's seqs, a subscribe's timeout."""
+_OPTIONAL_LAST = {3: 2, 4: 1}
+"""Commands with optional last fields, how many: a batch's seqs and opens, a
+subscribe's timeout."""
 
 
 @st.composite
 def raw_commands(draw: Any) -> bytes:
     tag = draw(st.sampled_from(sorted(_ARITY)))
-    optional = 1 if tag in _OPTIONAL_LAST and draw(st.booleans()) else 0
+    optional = draw(st.integers(0, _OPTIONAL_LAST.get(tag, 0)))
     fields: list[Any] = [draw(_VALUES) for _ in range(_ARITY[tag] + optional)]
     if tag == 1 and fields:
         fields[1] = draw(_OPTIONS)
@@ -62,6 +63,8 @@ def raw_commands(draw: Any) -> bytes:
         fields[1] = draw(st.lists(st.lists(_SCALARS, min_size=3, max_size=3), max_size=3))
     if tag == 3 and optional:  # per-message seqs: often a list of ints
         fields[4] = draw(st.one_of(_VALUES, st.lists(st.integers(-2, 40), max_size=3)))
+    if tag == 3 and optional == 2:  # opens: often a bool
+        fields[5] = draw(st.one_of(_VALUES, st.booleans()))
     if fields and draw(st.booleans()):
         fields[0] = "q"  # often about the queue that exists
     return bytes(msgpack.packb([VERSION, tag, *fields], use_bin_type=True))

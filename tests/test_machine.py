@@ -1029,15 +1029,45 @@ def test_a_batch_numbered_by_its_caller_lands_only_what_is_above_the_producers_l
     numbers of other rows: retained rows were taken for duplicates and lost."""
     d(Declare(queue="q"))
 
-    def batch(*seqs: int) -> EnqueueBatch:
+    def batch(*seqs: int, opens: bool = False) -> EnqueueBatch:
         messages = [Message(body=b"row %d" % s) for s in seqs]
-        return EnqueueBatch(queue="q", messages=messages, producer="spark-q-7-0", seqs=seqs)
+        return EnqueueBatch(
+            queue="q", messages=messages, producer="spark-q-7-0", seqs=seqs, opens=opens
+        )
 
-    assert d(batch(10, 12, 15)).reply == Enqueued(offset=0, count=3)
+    assert d(batch(10, 12, 15, opens=True)).reply == Enqueued(offset=0, count=3)
     assert d(batch(12, 15, 17, 20)).reply == Enqueued(offset=3, count=2)  # the retry
     assert d(batch(15, 17)).reply == Enqueued(offset=None, count=0, duplicate=True)
     bodies = [m.body for m in d.machine.read("q", 0, 100)]
     assert bodies == [b"row 10", b"row 12", b"row 15", b"row 17", b"row 20"]
+
+
+def test_a_producer_numbering_its_own_starts_only_with_the_batch_that_opens_it(
+    d: Driver,
+) -> None:
+    """Numbered batches had no "first seq must be 0" rule: once the queue forgot a Spark
+    task's producer (its batch committed, or evicted), a zombie attempt's later batch,
+    resent, was taken for a new producer and landed a second time (review D)."""
+    d(Declare(queue="q"))
+
+    def batch(*seqs: int, opens: bool = False) -> EnqueueBatch:
+        messages = [Message(body=b"row %d" % s) for s in seqs]
+        return EnqueueBatch(
+            queue="q", messages=messages, producer="spark-q-3-1", seqs=seqs, opens=opens
+        )
+
+    refused = d(batch(4, 5)).reply
+    assert isinstance(refused, Error) and refused.code == ErrorCode.OUT_OF_ORDER
+    assert d(batch(1, 2, opens=True)).reply == Enqueued(offset=0, count=2)
+    assert d(batch(4, 5)).reply == Enqueued(offset=2, count=2)
+    d(ForgetProducers(queue="q", prefix="spark-q-3-"))
+    again = d(batch(4, 5)).reply  # the zombie's resend
+    assert isinstance(again, Error) and again.code == ErrorCode.OUT_OF_ORDER
+    assert len(d.machine.read("q", 0, 100)) == 4
+    with pytest.raises(ValueError, match="opens goes with seqs"):
+        EnqueueBatch(
+            queue="q", messages=[Message(body=b"x")], producer="p", first_seq=0, opens=True
+        )
 
 
 def test_numbered_batches_must_number_every_message_in_increasing_order() -> None:

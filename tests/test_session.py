@@ -589,3 +589,22 @@ def test_sequence_numbers_past_what_the_wire_carries_are_refused_before_sending(
     with pytest.raises(ValueError, match="first_seq must be in"):
         session.publish_batch("q", [[b"x", None, None]], "S", 2**63)
     assert session.unconfirmed() == [] and session.settling_keys() == set()
+
+
+def test_a_numbered_batch_refused_as_out_of_order_is_never_live_for_ever() -> None:
+    """A queue that does not know a numbered batch's producer (forgotten, or not opened
+    by it) refuses it `out_of_order`, naming its first number: the session took that
+    for "behind an earlier live publish", found the batch itself, and rewound it for
+    ever (the property test found it). A first attempt is not published; a resend's
+    outcome is unknown, and it is not live."""
+    session = _session()
+    first, _ = session.publish_batch("q", [[b"x", "a", None]], "N", None, [4])
+    (refused,) = session.receive(_error(first, "out_of_order", expected_seq=4))
+    assert isinstance(refused, Failed) and type(refused.error) is ServerError
+    resent, _ = session.publish_batch("q", [[b"y", "b", None]], "N", None, [6], True)
+    session.connection_lost()
+    session.connection_made()
+    session.unconfirmed()
+    (unknown,) = session.receive(_error(resent, "out_of_order", expected_seq=6))
+    assert isinstance(unknown, Failed) and isinstance(unknown.error, OutcomeUnknownError)
+    assert session.settling_keys() == set() and session.unconfirmed() == []

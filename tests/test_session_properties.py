@@ -100,6 +100,8 @@ class _Call:
     seqs: list[int] | None = None
     """A batch under producer "N", numbered by its caller with gaps (as the Spark sink
     numbers rows by their source offsets)."""
+    opens: bool = False
+    """N's first batch (it opens the producer)."""
 
 
 class SessionAgainstTheMachine(RuleBasedStateMachine):
@@ -139,6 +141,7 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
         self.s_next = 0  # the application's own producer "S": its next sequence number
         self.s_failed: dict[int, int] = {}  # first_seq -> call, to replay
         self.n_next = 0  # the application's numbered producer "N": its next free number
+        self.n_opened = False  # N's opening batch was sent
         self.n_failed: dict[int, int] = {}  # first of its seqs -> call, to replay
         self.rewinds: list[str] = []
         self.subscribing: dict[int, _Consumer] = {}  # request id -> consumer being subscribed
@@ -307,9 +310,10 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
             seqs.append(number)
             number += 1
         call = self._new_call([self._body(k) for k in keys], seqs=seqs)
+        self.calls[call].opens = opens = not self.n_opened
         rows = self.calls[call].rows
         try:
-            request_id, frame = self.session.publish_batch("q", rows, "N", None, seqs)
+            request_id, frame = self.session.publish_batch("q", rows, "N", None, seqs, opens)
         except (KeyPausedError, TooManyUnconfirmedError) as e:
             self._refused_before_sending(e, set(keys))
             return
@@ -319,6 +323,7 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
             note("a numbered batch refused: one is live")
             return
         self.n_next = number
+        self.n_opened = True
         self._published(request_id, frame, call)
 
     @precondition(lambda self: self.waiting or self.subscribing)
@@ -387,7 +392,9 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
             rows = self.calls[call].rows
             producer = "S" if seqs is None else "N"
             try:
-                request_id, frame = self.session.publish_batch("q", rows, producer, first_seq, seqs)
+                request_id, frame = self.session.publish_batch(
+                    "q", rows, producer, first_seq, seqs, self.calls[call].opens
+                )
             except (KeyPausedError, TooManyUnconfirmedError) as e:
                 self._refused_before_sending(e, {r[1] for r in rows})
                 return
@@ -506,6 +513,7 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
                 producer=frame["producer"],
                 first_seq=frame["first_seq"],
                 seqs=frame.get("seqs"),
+                opens=bool(frame.get("opens")),
             )
         reply = self._apply(command)
         live = proposal.connection == self.connection and self.connected

@@ -431,12 +431,13 @@ class AsyncClient:
         producer: str | None = None,
         first_seq: int | None = None,
         seqs: Sequence[int] | None = None,
+        opens: bool = False,
     ) -> list[int]:
         """As the blocking client's `publish_batch` (a caller's own producer, `seqs`)."""
         rows = batch_rows(messages)
         wanted = None if seqs is None else list(seqs)
         answer = await self._issue(
-            self._session.publish_batch, queue, rows, producer, first_seq, wanted
+            self._session.publish_batch, queue, rows, producer, first_seq, wanted, opens
         )
         return landed_offsets(await self._confirm(answer), len(rows))
 

@@ -569,6 +569,7 @@ class Client:
         producer: str | None = None,
         first_seq: int | None = None,
         seqs: Sequence[int] | None = None,
+        opens: bool = False,
     ) -> list[int]:
         """Publish messages as one log entry (all land, in order, or none); their offsets.
 
@@ -582,11 +583,21 @@ class Client:
         gaps allowed (say, each input record's own offset): the messages numbered above
         the producer's last land, the others are duplicates, so a replay that reads
         fewer records still numbers each as before. The offsets of those that landed
-        come back. One such batch per producer at a time: wait for its answer."""
+        come back. One such batch per producer at a time: wait for its answer. The
+        producer's first batch says so (`opens=True`): a producer the queue does not
+        know (never seen, or forgotten) takes only that one, and refuses a later one
+        (`out_of_order`) rather than landing it a second time."""
         rows = batch_rows(messages)
         wanted = None if seqs is None else list(seqs)
         request_id, future = self._issue(
-            self._session.publish_batch, queue, rows, producer, first_seq, wanted, publish=True
+            self._session.publish_batch,
+            queue,
+            rows,
+            producer,
+            first_seq,
+            wanted,
+            opens,
+            publish=True,
         )
         return landed_offsets(self._wait(request_id, future, publish=True), len(rows))
 

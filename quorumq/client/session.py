@@ -293,11 +293,13 @@ class ClientSession:
         producer: str | None = None,
         first_seq: int | None = None,
         seqs: list[int] | None = None,
+        opens: bool = False,
     ) -> tuple[int, dict[str, Any]]:
         """A batch under this client's producer id, or under the caller's `producer` and
         `first_seq`, or `producer` and one sequence number per message (`seqs`, strictly
         increasing): a caller that derives them from its input, so that a replay of the
-        same input is recognised by the queue."""
+        same input is recognised by the queue. `opens`: this `seqs` batch is the
+        producer's first (a producer the queue does not know takes only that one)."""
         if seqs is not None:
             if producer is None or first_seq is not None:
                 raise ValueError("seqs go with a producer, and without first_seq")
@@ -312,6 +314,8 @@ class ClientSession:
                     f"a batch under producer {producer!r} numbered by seqs is still live: "
                     "send the next one once it is answered"
                 )
+        elif opens:
+            raise ValueError("opens goes with seqs")
         elif (producer is None) != (first_seq is None):
             raise ValueError("producer and first_seq go together")
         elif first_seq is not None and not 0 <= first_seq <= MAX_SEQ - len(rows):
@@ -345,6 +349,8 @@ class ClientSession:
         }
         if seqs is not None:
             frame["seqs"] = list(seqs)
+            if opens:
+                frame["opens"] = True
         request_id, frame = self.request(frame, idempotent=True)
         if chosen:
             self._chosen.add(request_id)
@@ -746,7 +752,14 @@ class ClientSession:
             self.producer.above(generation if isinstance(generation, int) else 0)
             if not certain:
                 return self._forgotten(request_id, publish)
-        if code == "out_of_order" and isinstance(expected, int):
+        if code == "out_of_order" and publish.get("seqs") is not None:
+            # A numbered batch is refused so only by a queue that does not know its
+            # producer (new and not opened by it, or forgotten): never behind another
+            # publish of ours. An earlier attempt may have landed before the queue
+            # forgot the producer; this one never will.
+            if not certain:
+                return self._forgotten(request_id, publish)
+        elif code == "out_of_order" and isinstance(expected, int):
             earlier = self._live_covering(publish, expected)
             if earlier in self._parked:  # it is sent again on the next connection, and so
                 self._parked.add(request_id)  # is this one

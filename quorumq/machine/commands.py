@@ -209,17 +209,24 @@ class EnqueueBatch:
     not necessarily consecutive (a Spark task numbers its rows by their source offsets,
     so that a replay that reads fewer rows still numbers each row as before): those at
     or below the producer's last are duplicates, the rest land. A producer that numbers
-    its own must have one batch out at a time."""
+    its own must have one batch out at a time, and says which batch is its first
+    (`opens`): a producer the queue does not know takes only that one (as a producer
+    numbered from 0 must start at 0), so a later batch resent after the queue forgot
+    the producer is refused instead of landing a second time."""
 
     queue: str = attrs.field(validator=_str)
     messages: tuple[Message, ...] = attrs.field(converter=_messages)
     producer: str | None = attrs.field(default=None, validator=_opt_str)
     first_seq: int | None = attrs.field(default=None, validator=_non_negative)
     seqs: tuple[int, ...] | None = attrs.field(default=None, converter=_seqs)
+    opens: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    """With `seqs`: this batch is its producer's first."""
 
     def __attrs_post_init__(self) -> None:
         seqs = self.seqs
         if seqs is None:
+            if self.opens:
+                raise ValueError("opens goes with seqs")
             return
         if self.first_seq is not None or self.producer is None:
             raise ValueError("seqs go with a producer, and without first_seq")
@@ -301,9 +308,11 @@ class CommitOffset:
 class ForgetProducers:
     """Forget the idempotent producers of `queue` whose id starts with `prefix`.
 
-    For producers that can never resend (a Spark batch once a later one is committed):
-    a forgotten producer's next enqueue is accepted as new, whatever its seq. An empty
-    prefix is refused, so nobody forgets every producer by accident.
+    For producers that can never resend (a Spark batch once a later one is committed).
+    A forgotten producer is new again: it must start at seq 0 (or, numbering its own,
+    with the batch that `opens` it), and a client id of a generation the queue forgot
+    is refused (`producer_forgotten`). An empty prefix is refused, so nobody forgets
+    every producer by accident.
     """
 
     queue: str = attrs.field(validator=_str)

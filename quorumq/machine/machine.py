@@ -363,7 +363,7 @@ class Machine:
             return _error(ErrorCode.INVALID, "an enqueue batch needs at least one message")
         messages = [(m.body, m.key, m.headers) for m in cmd.messages]
         if cmd.seqs is not None and cmd.producer is not None:
-            return self._enqueue_numbered(q, messages, cmd.producer, cmd.seqs, effects)
+            return self._enqueue_numbered(q, messages, cmd.producer, cmd.seqs, cmd.opens, effects)
         return self._enqueue_many(q, messages, cmd.producer, cmd.first_seq, effects)
 
     def _enqueue_numbered(
@@ -372,15 +372,26 @@ class Machine:
         messages: list[tuple[bytes, str | None, Any]],
         producer: str,
         seqs: tuple[int, ...],
+        opens: bool,
         effects: list[Any],
     ) -> Reply:
         """Messages that carry their own sequence numbers: those above the producer's
-        last land (all of them or none), the others are duplicates."""
+        last land (all of them or none), the others are duplicates. A producer the queue
+        does not know starts only with the batch that `opens` it."""
         state = q.producers.get(producer)
         if state is None:
             refusal = self._check_producer(q, producer, 0, len(messages))
             if refusal is not None:
                 return refusal
+            if not opens:
+                # a later batch resent after the queue forgot the producer would land
+                # again (review D: a zombie Spark task after its batch was forgotten)
+                return _error(
+                    ErrorCode.OUT_OF_ORDER,
+                    f"producer {producer!r} is new to {q.name!r} (or forgotten): its first "
+                    "batch must be the one that opens it",
+                    seqs[0],
+                )
         last = -1 if state is None else state.last_seq
         new = [m for m, seq in zip(messages, seqs, strict=True) if seq > last]
         if not new:

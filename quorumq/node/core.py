@@ -643,6 +643,7 @@ class NodeCore:
             producer=frame["producer"],
             first_seq=frame["first_seq"],
             seqs=frame.get("seqs"),
+            opens=bool(frame.get("opens")),
         )
         cost = sum(len(m.body) + PROPOSAL_COST for m in messages)
         self._propose_for(conn, frame["id"], command, cost=cost)
