@@ -63,6 +63,11 @@ class CodecError(ValueError):
     """The bytes are not a valid encoding of what was asked for."""
 
 
+class UnreadableEntryError(Exception):
+    """A committed log entry this node cannot decode (written by another release): the
+    node must stop, not skip it and diverge."""
+
+
 def _pack(value: list[Any]) -> bytes:
     return msgpack.packb(value, use_bin_type=True)  # type: ignore[no-any-return]
 

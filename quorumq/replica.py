@@ -47,7 +47,7 @@ from typing import Any, Generic, NoReturn, Protocol, TypeVar
 import attrs
 from pysyncobj import FAIL_REASON
 
-from .codec import UNSTAMPED, CodecError, decode_entry, encode_entry
+from .codec import UNSTAMPED, CodecError, UnreadableEntryError, decode_entry, encode_entry
 from .machine import (
     Applied,
     Command,
@@ -458,8 +458,15 @@ class Replica:
         try:
             ts_ms, command = decode_entry(payload)
         except CodecError as e:
-            logger.error("log entry %d is not a valid command, skipped: %s", index, e)
-            return Error(code=ErrorCode.INVALID, message=f"undecodable log entry: {e}")
+            # Every entry is encoded by a node's own codec from a checked command, so
+            # one this node cannot read was written by another quorumq release (a newer
+            # leader's new field, say). Skipping it, as this node once did, would make
+            # this replica diverge from the others: it stops instead.
+            raise UnreadableEntryError(
+                f"log entry {index} cannot be read by this quorumq version ({e}): it was "
+                "written by another release; upgrade this node (it stopped rather than "
+                "skip the entry and diverge from the other replicas)"
+            ) from None
         with self.lock:
             applied = self.machine.apply(Meta(index, ts_ms), command)
         if self._observer is not None:

@@ -551,3 +551,35 @@ def test_a_removed_replica_is_marked_down_by_the_next_leader_when_the_remover_ne
     wait_for(lambda: "C" in b.machine.down_nodes(), "C marked down by B", 15)
     wait_for(lambda: b.machine.ready("q") == (0,), "C's message back in the queue")
     cluster.stop("C")
+
+
+def test_an_entry_from_another_release_stops_a_replica_instead_of_being_skipped(
+    cluster: Cluster,
+) -> None:
+    """An entry a node cannot decode was logged and skipped, so a node of an older
+    release beside newer ones (a field it does not know) diverged from them (review of
+    the seqs commit). Every entry is encoded by a node's own codec from a checked
+    command, so one that does not decode comes from another release: the node stops."""
+    import msgpack
+
+    from quorumq.codec import UnreadableEntryError, encode_entry
+    from quorumq.machine import EnqueueBatch, Message
+
+    leader = cluster.leader()
+    leader.submit(Declare(queue="q"))
+    entry = msgpack.unpackb(encode_entry(0, EnqueueBatch(queue="q", messages=[Message(body=b"x")])))
+    entry[3].append("a field of a later release")  # [version, tag, ts, command fields]
+    leader.member.propose(msgpack.packb(entry), None)
+
+    def stopped() -> list[Replica]:
+        return [
+            r
+            for r in cluster.replicas.values()
+            if isinstance(r.member.fatal_error, UnreadableEntryError)
+        ]
+
+    # those that learn it is committed stop (the third may never learn it)
+    wait_for(lambda: len(stopped()) >= 2, "a majority stopped at the entry")
+    assert all("upgrade this node" in str(r.member.fatal_error) for r in stopped())
+    applied = {r.status()["machine_index"] for r in cluster.replicas.values()}
+    assert len(applied) == 1  # none went past it

@@ -45,6 +45,7 @@ from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.tcp_connection import TcpConnection
 from pysyncobj.transport import TCPTransport
 
+from ..codec import UnreadableEntryError
 from .cipher import RaftCipher, ThrottledWarning
 from .journal import DurableJournal, JournalDamagedError, JournalFailedError, fsync_directory
 from .rules import (
@@ -335,8 +336,8 @@ class RaftMember(RaftRules):
         while not self._stopping.is_set():
             try:
                 self.doTick(self._tick_period)
-            except (JournalFailedError, JournalDamagedError) as e:
-                # Nothing more may be acknowledged: stop taking part in Raft at once.
+            except (JournalFailedError, JournalDamagedError, UnreadableEntryError) as e:
+                # Nothing more may be acknowledged (or applied): stop taking part at once.
                 self.fatal_error = e
                 logger.critical("raft member stopped: %s", e)
                 self._stopping.set()

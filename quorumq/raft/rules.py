@@ -58,7 +58,7 @@ import pysyncobj.syncobj as _syncobj
 from pysyncobj import FAIL_REASON, SyncObj
 from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
-from ..codec import entry_time, stamp_entry
+from ..codec import UnreadableEntryError, entry_time, stamp_entry
 from ..machine import encoding
 from .journal import DurableJournal, JournalDamagedError
 
@@ -662,6 +662,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             index = self.raftLastApplied + 1
             try:
                 return self.apply_raw(index, command[1:])
+            except UnreadableEntryError:
+                raise  # the node must stop (its tick loop stops it), not skip the entry
             except Exception:  # an exception here would re-apply the entry forever
                 logger.exception("applying log entry %d failed", index)
                 return None
