@@ -505,7 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     declare.add_argument("--dead-letter-queue", help="where rejected and expired messages go")
     declare.add_argument("--single-active-consumer", action="store_true")
     declare.add_argument("--retention-messages", type=int, help="stream view: newest N kept")
-    declare.add_argument("--retention-bytes", type=int, help="stream view: body bytes kept")
+    declare.add_argument(
+        "--retention-bytes", type=int, help="stream view: bytes kept (body, key, headers + 96 each)"
+    )
     declare.add_argument("--message-ttl-ms", type=int, help="ready messages expire after this")
     client_options(declare)
     declare.set_defaults(run=_declare)
