@@ -332,6 +332,56 @@ def test_a_second_membership_change_is_refused_while_the_first_is_uncommitted(
         member.stop()
 
 
+def _change(kind: str, name: str, address: str) -> bytes:
+    """A configuration change entry, as PySyncObj writes it for a named node."""
+    import pickle
+
+    from pysyncobj.node import TCPNode
+
+    return b"\x02" + pickle.dumps([kind, address, TCPNode(address, name=name)])
+
+
+def test_a_restarted_member_takes_its_configuration_from_its_whole_log(tmp_path: Any) -> None:
+    """Raft's rule: a node uses the configuration its log ends with, committed or not.
+    PySyncObj started from the first configuration (`--peer`) and changed it only as
+    entries were committed, so a node that restarted before it learned `remove B` and
+    `add D` were committed counted votes in the old configuration: with a member that
+    had missed those changes it was elected beside the leader of the new one, and the
+    two overwrote each other's entries (simulator, seed 169). And a change committed
+    changed the configuration again: `remove D` committed after `add D` was appended
+    again left D out until that add was committed too."""
+    member, members = _member(tmp_path)
+    c, d = "127.0.0.1:1", "127.0.0.1:2"
+    try:
+        log = member._SyncObj__raftLog
+        member._SyncObj__setCurrentTerm(1, None)
+        entries = [
+            _change("add", "C", c),
+            b"\x04cmd",
+            _change("add", "D", d),
+            _change("rem", "D", d),
+            _change("rem", "B", members["B"]),
+            _change("add", "D", d),
+        ]
+        for i, entry in enumerate(entries, start=2):
+            log.add(entry, i, 1)
+        log.sync()
+        _commit(member, 4)  # up to the first add D; the rest is not known to be committed
+    finally:
+        member.stop()
+    again = _restart(tmp_path, members)
+    try:
+        expected = {"A": members["A"], "C": c, "D": d}
+        assert again.members() == expected
+        assert again.removed_members == {"B"}
+        _commit(again, 6)  # remove D and remove B committed, the last add D not yet
+        again._SyncObj__applyLogEntries()
+        assert again.raftLastApplied == 6
+        assert again.members() == expected
+    finally:
+        again.stop()
+
+
 # ------------------------------------------ storage and installs (second hostile read)
 
 

@@ -614,6 +614,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
                     "to an empty state. Restore the snapshot file, or remove the node from "
                     "the cluster, move its data directory away and add it again empty"
                 )
+            self._take_configuration_from_log(after=0)
             return
         last, prev = stored
         if len(log) >= 2 and tuple(log[0]) == prev and tuple(log[1]) == last:
@@ -631,6 +632,26 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     _installed_through: int | None = None
     """The last index of a leader's snapshot installed while handling one message."""
 
+    def _take_configuration_from_log(self, after: int) -> None:
+        """At start-up: the configuration is the one the log ends with, committed or not
+        (Raft's rule): the first configuration (`--peer`, or the snapshot's, which holds
+        the log up to `after`), changed by every configuration entry after it.
+
+        PySyncObj started from the first configuration and changed it only as entries
+        were committed, so a node that had appended `remove A` and `add D` and restarted
+        before it learned they were committed counted votes in {A, B, C}: with A, cut off
+        in the old configuration, it was elected while the leader of {B, C, D} committed
+        with C and D, and the two overwrote each other's entries (simulator, seed 169).
+        The entries change the configuration here once (`_SyncObj__doApplyCommand`
+        leaves them alone when they are committed)."""
+        log = self._SyncObj__raftLog
+        for pos in range(len(log)):
+            command, index, _ = log[pos]
+            if index > after and command[:1] == _MEMBERSHIP_PREFIX:
+                change = self._SyncObj__parseChangeClusterRequest(command)
+                if change is not None:
+                    self._SyncObj__doChangeCluster(change)
+
     def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:
         kept, self._kept_after_snapshot = self._kept_after_snapshot, []
         self._snapshot_load_error = None
@@ -639,6 +660,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             # PySyncObj logged it and went on with an empty machine, voting and leading
             error = self._snapshot_load_error
             raise JournalDamagedError(f"the snapshot could not be loaded: {error}")
+        if not clearJournal:  # this node's own snapshot, at start-up
+            self._take_configuration_from_log(after=self._SyncObj__raftLastApplied)
         if clearJournal:
             self._installed_through = self._SyncObj__raftLastApplied
             # The answer acknowledges the snapshot's last entry only, as Raft's does: the
@@ -658,6 +681,12 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     # --------------------------------------------------------------- applying
 
     def _SyncObj__doApplyCommand(self, command: bytes) -> Any:
+        if command[:1] == _MEMBERSHIP_PREFIX:
+            # the configuration changed when the entry was appended (or at start-up,
+            # `_take_configuration_from_log`); changing it again as the entry is
+            # committed undid later changes (add D, remove D, add D: D removed until
+            # the last add was committed too)
+            return None
         if command[:1] == _RAW_PREFIX:
             index = self.raftLastApplied + 1
             try:
