@@ -574,11 +574,23 @@ class Replica:
         down first (`ask_leader_to_step_down`). Once removed, the node is marked down so
         its consumers' messages return to the queue (by whichever node leads: a node
         that consumers are placed on and that is no member is marked down)."""
-        address = self.members()[name]
+        address = self.members().get(name)
+        if address is None:  # removed meanwhile (by this request's earlier attempt, say)
+            callback(NotAppliedError(f"{name} is not a member"))
+            return
         self.member.remove_member(address, _membership_done(callback))
 
     def ask_leader_to_step_down(self) -> None:
         self.member.ask_leader_to_step_down()
+
+    def membership_settled(self) -> bool:
+        """Whether this node's log holds no configuration change past its commit index
+        (after a barrier through the log, its configuration is then the committed one).
+        Read from another thread, a log cut meanwhile reads as not settled (ask again)."""
+        try:
+            return not self.member.uncommitted_membership_change()
+        except IndexError:
+            return False
 
     # ----------------------------------------------------------------- status
 

@@ -72,6 +72,7 @@ from ..machine import (
     QueueOptions,
     Reply,
     Subscribe,
+    Tick,
     UnknownQueueError,
 )
 from ..protocol import PROTOCOL_VERSION, Frame, ProtocolError, encode_frame, proof_matches
@@ -138,6 +139,10 @@ class ReplicaHandle(Protocol):
     ) -> None: ...
 
     def ask_leader_to_step_down(self) -> None: ...
+
+    def membership_settled(self) -> bool:
+        """Whether this node's log holds no configuration change past its commit index."""
+        ...
 
 
 class NodeShell(Protocol):
@@ -961,19 +966,6 @@ class NodeCore:
         if self._admin_refused(conn, frame):
             return
         request_id, name, address = frame["id"], frame["node"], frame["raft_address"]
-        members = self.replica.members()
-        if members.get(name) == address:
-            self._push(conn, {"t": "reply", "id": request_id, "members": members})
-            return
-        if name in members:
-            self._error(conn, request_id, "member_exists", f"{name} is a member at {members[name]}")
-            return
-        for other, other_address in members.items():
-            if other_address == address:
-                self._error(
-                    conn, request_id, "member_exists", f"{address} is {other}'s Raft address"
-                )
-                return
         if not (self.config.replica.secret or is_loopback(address)):
             self._error(
                 conn,
@@ -982,8 +974,22 @@ class NodeCore:
                 f"{address} is not loopback: a cluster without a secret stays local",
             )
             return
+
+        def refused(members: dict[str, str]) -> MembershipError | None:
+            if name in members and members[name] != address:
+                return MembershipError("member_exists", f"{name} is a member at {members[name]}")
+            for other, other_address in members.items():
+                if other_address == address and other != name:
+                    return MembershipError("member_exists", f"{address} is {other}'s Raft address")
+            return None
+
         _MembershipChange(
-            self, conn, request_id, lambda done: self.replica.add_member(name, address, done)
+            self,
+            conn,
+            request_id,
+            lambda done: self.replica.add_member(name, address, done),
+            made=lambda members: members.get(name) == address,
+            refused=refused,
         ).start()
 
     def _remove_member(self, conn: ConnectionCore, frame: Frame) -> None:
@@ -992,9 +998,6 @@ class NodeCore:
         if self._admin_refused(conn, frame):
             return
         request_id, name = frame["id"], frame["node"]
-        if name not in self.replica.members():
-            self._error(conn, request_id, "unknown_member", f"{name} is not a member")
-            return
         if name == self.node_id:
             self._error(
                 conn,
@@ -1003,8 +1006,19 @@ class NodeCore:
                 f"{name} cannot remove itself: send the request to another member",
             )
             return
+
+        def refused(members: dict[str, str]) -> MembershipError | None:
+            if name not in members:
+                return MembershipError("unknown_member", f"{name} is not a member")
+            return None
+
         change = _MembershipChange(
-            self, conn, request_id, lambda done: self.replica.remove_member(name, done)
+            self,
+            conn,
+            request_id,
+            lambda done: self.replica.remove_member(name, done),
+            made=lambda members: name not in members,
+            refused=refused,
         )
         change.step_down_first = name
         change.start()
@@ -1126,7 +1140,6 @@ class NodeCore:
                 self.effects_applied(None, missing)
 
 
-
 _GENERATION_PREFIX = re.compile(r"g[0-9a-f]{0,16}(-[0-9a-f]*)?\Z")
 
 
@@ -1143,10 +1156,25 @@ def _guessable(prefix: str) -> bool:
     random_part = match.group(1)
     return random_part is None or len(random_part) - 1 < MIN_FORGET_PREFIX
 
+
 class _MembershipChange:
-    """One `members add` or `members remove`: proposed again while the leader refuses it
-    (no leader yet, or an earlier change not yet committed), until the deadline; for a
-    removal of the leader, it is first asked to hand leadership over."""
+    """One `members add` or `members remove`, decided against the cluster's committed
+    configuration. Each attempt first passes a barrier through the log (a `Tick`,
+    which only lets time act): once this node applies it, its configuration holds every
+    change committed before the request. If a change is still uncommitted in its log
+    (`membership_settled`), it waits and tries again. Then it answers if the change is
+    made already (the same change sent through another node, or an earlier attempt
+    refused to us and committed all the same), refuses it if it cannot be made
+    (`refused`: a removal of a node that is no member, an add of a name or address in
+    use), or proposes it; proposed again while the leader refuses it (an earlier change
+    not yet committed), until the deadline. A removal of the leader first asks it to
+    hand leadership over (again if it leads again).
+
+    (It proposed at once, against whatever this node's log said: a retried removal of
+    a node removed meanwhile looked its address up, failed with KeyError in the core's
+    timer, and stopped the node serving the request; a node that lagged behind, paused
+    and not yet aware, answered "unknown_member" for a node added since, and its
+    operator stopped a member. Simulator, seeds 17 and 104.)"""
 
     def __init__(
         self,
@@ -1154,33 +1182,57 @@ class _MembershipChange:
         conn: ConnectionCore,
         request_id: int,
         start: Callable[[Callable[[ProposalError | None], None]], None],
+        *,
+        made: Callable[[dict[str, str]], bool],
+        refused: Callable[[dict[str, str]], MembershipError | None],
     ) -> None:
         self.core = core
         self.conn = conn
         self.request_id = request_id
         self._start = start
+        self._made = made
+        self._refused = refused
+        self.attempts = 0
         self.deadline = core.clock() + MEMBERSHIP_DEADLINE_S
         self.step_down_first: str | None = None
 
     def start(self) -> None:
-        if self.step_down_first is not None:
-            self._wait_for_step_down()
-        else:
-            self._propose()
+        self._attempt()
 
-    def _wait_for_step_down(self) -> None:
-        core, name = self.core, self.step_down_first
-        if core.clock() < self.deadline and core.replica.status()["leader"] == name:
-            core.replica.ask_leader_to_step_down()
-            core.call_later(RETRY_EVERY_S, self._wait_for_step_down)
+    def _later(self) -> None:
+        if self.core.clock() + RETRY_EVERY_S < self.deadline:
+            self.core.call_later(RETRY_EVERY_S, self._attempt)
+        else:
+            self._timed_out()
+
+    def _attempt(self) -> None:
+        replica = self.core.replica
+        leader = self.step_down_first is not None and (
+            replica.status()["leader"] == self.step_down_first
+        )
+        if leader:
+            replica.ask_leader_to_step_down()
+            self._later()
             return
-        if name not in core.replica.members():
+        replica.propose(Tick(), self._barrier_passed)
+
+    def _barrier_passed(self, _reply: Reply | None, error: ProposalError | None) -> None:
+        replica = self.core.replica
+        if error is not None or not replica.membership_settled():
+            self._later()
+            return
+        members = replica.members()
+        if self.attempts and self._made(members):
             self._done()
             return
-        self._propose()
-
-    def _propose(self) -> None:
-        self._start(self._outcome)
+        refusal = self._refused(members)
+        if refusal is not None:
+            self._fail(refusal)
+        elif self._made(members):
+            self._done()
+        else:
+            self.attempts += 1
+            self._start(self._outcome)
 
     def _outcome(self, error: ProposalError | None) -> None:
         core = self.core
@@ -1190,13 +1242,16 @@ class _MembershipChange:
             self._fail(MembershipError("outcome_unknown", f"{error}: check the members"))
         elif core.clock() + RETRY_EVERY_S < self.deadline:
             logger.info("membership change not applied (%s); trying again", error)
-            core.call_later(RETRY_EVERY_S, self._propose)
+            core.call_later(RETRY_EVERY_S, self._attempt)
         else:
-            self._fail(
-                MembershipError(
-                    "timeout", f"the change was not committed within {MEMBERSHIP_DEADLINE_S} s"
-                )
+            self._timed_out()
+
+    def _timed_out(self) -> None:
+        self._fail(
+            MembershipError(
+                "timeout", f"the change was not committed within {MEMBERSHIP_DEADLINE_S} s"
             )
+        )
 
     def _done(self) -> None:
         members = self.core.replica.members()

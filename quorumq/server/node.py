@@ -71,6 +71,9 @@ class _LoopReplica:
     def ask_leader_to_step_down(self) -> None:
         self._replica.ask_leader_to_step_down()
 
+    def membership_settled(self) -> bool:
+        return self._replica.membership_settled()
+
 
 class _Link:
     """One connection's trio side: its stream, and what wakes its reader and writer."""
