@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -413,6 +414,17 @@ def _cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(arguments: list[str]) -> int:
+    """The simulator's own command line: shipped as `quorumq.simulations` in the wheel,
+    a top-level `simulations` package in a checkout."""
+    try:
+        module = importlib.import_module("quorumq.simulations.__main__")
+    except ModuleNotFoundError:
+        module = importlib.import_module("simulations.__main__")
+    result: int = module.main(arguments)
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quorumq", description="A Raft-replicated, ordered message queue."
@@ -437,6 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --post: which sequence to play (default: all)",
     )
     demo.set_defaults(run=_demo)
+
+    simulate = commands.add_parser(
+        "simulate",
+        help="deterministic failover simulations: run, sweep, scenario (see simulate --help)",
+        add_help=False,
+    )
+    simulate.add_argument("arguments", nargs=argparse.REMAINDER)
+    simulate.set_defaults(run=lambda args: _simulate(list(args.arguments)))
 
     node = commands.add_parser("node", help="run one node of a cluster (replica and server)")
     node.add_argument("--id", required=True, help="this node's name, e.g. A")
@@ -555,6 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["simulate"]:  # its options, --help too, are the simulator's
+        return _simulate(arguments[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
