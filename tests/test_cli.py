@@ -23,6 +23,16 @@ def test_demo_post_replays_both_sequences_of_the_post() -> None:
     assert "m1->c2*, m2->c2*" in result.stdout
 
 
+def test_simulate_runs_the_simulator_with_its_own_options() -> None:
+    """`quorumq simulate` is the simulator's command line (the wheel ships it as
+    quorumq.simulations; `pip install .` outside the checkout was tried by hand)."""
+    result = _quorumq("simulate", "run", "--seed", "2", "--steps", "200", "--nodes", "5")
+    assert result.returncode == 0, result.stderr
+    assert "seed 2: 5 nodes" in result.stdout and "verdict: PASS" in result.stdout
+    helped = _quorumq("simulate", "--help")
+    assert helped.returncode == 0 and "sweep" in helped.stdout
+
+
 def test_bad_arguments_get_a_one_line_error_and_nonzero_exit() -> None:
     result = _quorumq("demo", "--scenario", "nope")
     assert result.returncode == 2
