@@ -197,3 +197,52 @@ def test_a_client_closed_while_it_reconnects_does_not_connect_again(cluster: Clu
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_consumer_waiting_to_subscribe_again_ends_when_the_client_closes() -> None:
+    """Closed while it reconnected (its caller's `async with` ending cancels the
+    reconnect), the trio client never ended a consumer of the lost connection that was
+    waiting to be subscribed again: the session no longer held it, and its `get()`
+    waited for good (second review, 5). A fake node: the second connection's hello is
+    answered only once the client is closed."""
+    from quorumq.protocol import encode_frame
+
+    async def main() -> None:
+        connections = 0
+        reconnecting, closed = trio.Event(), trio.Event()
+
+        async def fake_node(stream: trio.SocketStream) -> None:
+            nonlocal connections
+            connections += 1
+            number, decoder = connections, FrameDecoder()
+            welcome = {"t": "welcome", "v": 1, "node": "n1", "nonce": b"x" * 16, "auth": False}
+            await stream.send_all(encode_frame(welcome))
+            async for data in stream:
+                decoder.feed(data)
+                for frame in decoder.frames():
+                    if frame["t"] == "hello":
+                        if number == 2:
+                            reconnecting.set()
+                            await closed.wait()
+                        await stream.send_all(encode_frame({"t": "reply", "id": 0, "node": "n1"}))
+                    elif frame["t"] == "subscribe":
+                        reply = {"t": "reply", "id": frame["id"], "consumer": "c1"}
+                        await stream.send_all(encode_frame(reply))
+                        await stream.aclose()  # the node drops the connection
+                        return
+
+        async with trio.open_nursery() as outer:
+            serve = functools.partial(trio.serve_tcp, fake_node, 0, host="127.0.0.1")
+            (listener,) = await outer.start(serve)
+            endpoint = f"127.0.0.1:{listener.socket.getsockname()[1]}"
+            async with quorumq.aio.connect(endpoint, timeout=30) as client:
+                consumer = await client.subscribe("q", 1)
+                with trio.fail_after(10):
+                    await reconnecting.wait()
+            closed.set()  # (the `async with` closed the client and cancelled its reconnect)
+            with trio.fail_after(5):
+                assert await consumer.get() is None
+            assert consumer.cancelled
+            outer.cancel_scope.cancel()
+
+    trio.run(main)

@@ -399,12 +399,13 @@ def test_a_client_cannot_forget_other_clients_producers_with_a_short_prefix(
     """Any client could forget every client producer of a queue with the prefixes
     "0".."f"; a forgotten producer's resend can then be accepted as new. Client ids
     begin with their generation ("g<ms>-"), which anyone can guess: 169 prefixes of 12
-    characters forgot other clients' producers (review F). A client's prefix must now
-    reach 12 characters into the random part."""
+    characters forgot other clients' producers (review F). And forgetting even its own
+    id moves the queue's forgotten generation, failing other clients' first publishes:
+    a client looped it (second review, 4). Client ids are the admin's to forget."""
     from quorumq.client import ServerError
 
     config = attrs.evolve(_config(tmp_path), token="client", admin_token="admin", insecure=False)
-    min_prefix = 12  # characters of a client id's random part (after "g<ms>-")
+    min_prefix = 12
 
     async def producers(client: quorumq.aio.AsyncClient) -> int:
         count: int = (await client.status())["queues"]["q"]["producers"]
@@ -416,13 +417,14 @@ def test_a_client_cannot_forget_other_clients_producers_with_a_short_prefix(
                 await producer.declare("q")
                 await producer.publish("q", b"m")  # under its random 32-hex producer id
                 own = producer.producer.id_for("q")
-            guessable = own.index("-") + 1  # "g<generation>-"
+            past_generation = own.index("-") + 1  # "g<generation>-"
             async with quorumq.aio.connect(endpoint, "client") as other:
                 for prefix in [
                     *"0123456789abcdefg",
                     own[: min_prefix - 1],
                     own[:min_prefix],  # "g" and the generation: a time, guessed
-                    own[: guessable + min_prefix - 1],
+                    own[: past_generation + min_prefix],
+                    own,  # its own, whole: moves the mark for every client
                 ]:
                     try:
                         await other.forget_producers("q", prefix)
@@ -432,12 +434,15 @@ def test_a_client_cannot_forget_other_clients_producers_with_a_short_prefix(
                         assert f"at least {min_prefix}" in e.message
                 assert await producers(other) == 1  # every short prefix refused
                 # a long prefix (its own producer's, a Spark batch's) is a client's to forget
-                assert await other.forget_producers("q", own[: guessable + min_prefix]) == 1
-                assert await producers(other) == 0
+                await other.publish_batch("q", [b"s"], producer="spark-query-7-0", first_seq=0)
+                assert await producers(other) == 2
+                # a long prefix that is no client id (a Spark batch's) is a client's to forget
+                assert await other.forget_producers("q", "spark-query-7-") == 1
+                assert await producers(other) == 1
             async with quorumq.aio.connect(endpoint, "client", admin_token="admin") as admin:
                 await admin.publish("q", b"n")
-                assert await producers(admin) == 1
+                assert await producers(admin) == 2
                 short = admin.producer.id_for("q")[0]  # an operator's cleanup: allowed
-                assert await admin.forget_producers("q", short) == 1
+                assert await admin.forget_producers("q", short) == 2
 
     _serve_with(NodeServer(config), body)

@@ -147,6 +147,8 @@ class AsyncClient:
         self._answers: dict[int, _Answer] = {}
         self._send_lock = trio.Lock()
         self._stream: trio.SocketStream | None = None
+        self._resubscribing: list[Any] = []
+        """Consumers of a lost connection waiting to be subscribed again on the next."""
         self._welcome: dict[str, Any] | None = None
         self._endpoint_index = 0
         self.node: str | None = None
@@ -243,19 +245,23 @@ class AsyncClient:
             await stream.aclose()
             lost = self._session.connection_lost()
             self._handle([e for e in lost if not isinstance(e, Resubscribe)])
+            # the session no longer holds these consumers until they are subscribed
+            # again: if the client is closed meanwhile (even cancelled in `_connect`),
+            # `aclose` ends them, or their callers would wait for a delivery for good
+            self._resubscribing = [r.consumer for r in lost if isinstance(r, Resubscribe)]
             try:
                 stream, decoder = await self._connect(self.timeout)
             except QuorumqError as e:
                 ended: list[Event] = [
-                    ConsumerEnded(r.consumer, f"connection lost: {e}")
-                    for r in lost
-                    if isinstance(r, Resubscribe)
+                    ConsumerEnded(c, f"connection lost: {e}") for c in self._resubscribing
                 ]
+                self._resubscribing = []
                 self._handle(self._session.give_up(ConnectionLostError(str(e))) + ended)
                 return
             if not await self._install(stream):  # closed while it reconnected
-                return
-            self._handle([e for e in lost if isinstance(e, Resubscribe)])
+                return  # (`aclose` ended the consumers)
+            consumers, self._resubscribing = self._resubscribing, []
+            self._handle([Resubscribe(c) for c in consumers])
 
     # ----------------------------------------------------------------- events
 
@@ -514,7 +520,9 @@ class AsyncClient:
         return status
 
     async def aclose(self) -> None:
-        self._handle(self._session.close())
+        ended: list[Event] = [ConsumerEnded(c, "client closed") for c in self._resubscribing]
+        self._resubscribing = []
+        self._handle(self._session.close() + ended)
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.aclose()

@@ -887,21 +887,23 @@ class NodeCore:
         self._propose_for(conn, frame["id"], command)
 
     def _forget_producers(self, conn: ConnectionCore, frame: Frame) -> None:
-        """A short prefix forgets other clients' producers too ("g" forgets them all):
-        without the admin credential a prefix must name at least `MIN_FORGET_PREFIX`
-        characters that cannot be guessed, which in a client's id ("g<ms>-<32 random
-        hex>") are those after the dash. (The machine refuses an empty one from anyone.)"""
+        """A short prefix forgets other clients' producers too ("0".."f" forget them
+        all): without the admin credential a prefix must be `MIN_FORGET_PREFIX`
+        characters or more, and may not be one of a client's producer id
+        ("g<ms>-<32 hex>"). Forgetting one moves the queue's forgotten generation up to
+        its time, which refuses the first publish of every client whose id is older: a
+        client looping that would keep other clients failing. (The machine refuses an
+        empty prefix from anyone.)"""
         prefix = frame["prefix"]
-        if prefix and not conn.admin and _guessable(prefix):
+        if prefix and not conn.admin and _needs_admin(prefix):
             self._error(
                 conn,
                 frame["id"],
                 "admin_required",
-                f"forget_producers with the prefix {prefix!r} could forget other clients' "
-                f"producers: give at least {MIN_FORGET_PREFIX} characters, and for a "
-                f"client's producer id ('g<generation>-<32 hex>') {MIN_FORGET_PREFIX} of "
-                "its random part after the dash (a Spark batch's 'spark-<query id>-<batch>-' "
-                "passes), or prove the admin token",
+                f"forget_producers with the prefix {prefix!r} needs the admin token: give at "
+                f"least {MIN_FORGET_PREFIX} characters, not the start of a client's producer "
+                "id ('g<generation>-<32 hex>'; a Spark batch's 'spark-<query id>-<batch>-' "
+                "is fine), or prove the admin token",
             )
             return
         command = ForgetProducers(queue=frame["queue"], prefix=prefix)
@@ -1144,21 +1146,15 @@ class NodeCore:
                 self.effects_applied(None, missing)
 
 
-_GENERATION_PREFIX = re.compile(r"g[0-9a-f]{0,16}(-[0-9a-f]*)?\Z")
+_GENERATION_PREFIX = re.compile(r"g[0-9a-f]{0,16}(-[0-9a-f]{0,32})?\Z")
 
 
-def _guessable(prefix: str) -> bool:
-    """Whether `prefix` could match producers of other clients: shorter than
-    `MIN_FORGET_PREFIX`, or the start of a client's id ("g<ms hex>-<random hex>") that
-    reaches fewer than `MIN_FORGET_PREFIX` characters into the random part (the
-    generation is a time in ms: anyone can guess it)."""
-    if len(prefix) < MIN_FORGET_PREFIX:
-        return True
-    match = _GENERATION_PREFIX.match(prefix)
-    if match is None:
-        return False
-    random_part = match.group(1)
-    return random_part is None or len(random_part) - 1 < MIN_FORGET_PREFIX
+def _needs_admin(prefix: str) -> bool:
+    """Whether forgetting `prefix` needs the admin credential: it is shorter than
+    `MIN_FORGET_PREFIX`, or it could start a client's producer id ("g<ms hex>-<hex>":
+    the generation is a time anyone can guess, and forgetting even one's own moves
+    the queue's forgotten generation for every client)."""
+    return len(prefix) < MIN_FORGET_PREFIX or _GENERATION_PREFIX.match(prefix) is not None
 
 
 class _MembershipChange:
