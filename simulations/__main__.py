@@ -30,6 +30,8 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
         variant=REAL,
         compaction_entries=args.compaction,
         disk_faults=not args.no_disk_faults,
+        membership_faults=not args.no_membership_faults,
+        spares=args.spares,
     )
 
 
@@ -71,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         "--ttl", type=int, metavar="MS", help="give the queue a message TTL (default: none)"
     )
     common.add_argument("--no-disk-faults", action="store_true", help="leave out the disk faults")
+    common.add_argument(
+        "--no-membership-faults", action="store_true", help="leave out the membership changes"
+    )
+    common.add_argument(
+        "--spares",
+        type=int,
+        default=attrs.fields(RunConfig).spares.default,
+        help="hosts that are no members at first, for the operator to add",
+    )
     one = sub.add_parser("run", parents=[common], help="run one seed and print a summary")
     one.add_argument("--seed", type=int, required=True)
     one.add_argument("--render", type=Path, help="write an HTML timeline of the run here")

@@ -23,6 +23,15 @@ As entries are applied (cheap checks, every entry):
   consumer for unkeyed messages and per key for keyed ones: only a return restarts
   a key, and a returned message is marked.
 
+As nodes tick (every tick of every node):
+
+* no node's log ever holds two configuration changes that are not committed
+  (`config`): Raft changes membership one server at a time, each change committed
+  before the next is appended, so the quorums of any two configurations in use at
+  once overlap. (Two concurrent adds to {A,B,C} made {A..E}, whose quorum {A,D,E}
+  misses the old quorum {B,C}: two leaders could commit at one index.) Committed
+  means at or below the highest commit index any node has reached.
+
 As consumers receive (the clients' view):
 
 * a record received twice unmarked is a duplicate (`duplicated`); a body nobody
@@ -42,11 +51,14 @@ At the end (Jepsen's total-queue counts, after heal and drain):
 * `unsettled`: received but never acked (a liveness failure);
 * `recovered`: received although never confirmed (allowed: the outcome was unknown);
 * every confirmed record was acked before the liveness deadline; every replica ends
-  at the same index with the same digest; no record got two offsets.
+  at the same index with the same digest; no record got two offsets. With membership
+  changes, "every replica" is every running member (a removed node is cut off, and
+  stopped by its operator).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -76,6 +88,8 @@ if TYPE_CHECKING:
     from .node import SimNode
 
 MAX_VIOLATIONS_KEPT = 50
+MEMBERSHIP_ENTRY = b"\x02"
+"""The first byte of PySyncObj's configuration-change log entries."""
 
 
 @attrs.frozen
@@ -138,6 +152,11 @@ class Checker:
         """How far ahead of true time queue time started (the first leader's wall clock)."""
         self.time_ahead_ms = 0
         """The furthest any machine's clock got ahead of true time, beyond genesis."""
+        self.committed = 0
+        """The highest commit index any node has reached."""
+        self.config_changes: Counter[str] = Counter()
+        """Configuration changes leaders accepted (appended) and refused."""
+        self._config_overlaps: set[tuple[str, tuple[int, ...]]] = set()
 
     def violation(self, kind: str, detail: str) -> None:
         self.violation_count += 1
@@ -246,6 +265,31 @@ class Checker:
 
     def on_node(self, name: str, running: bool) -> None:
         pass
+
+    def on_change_cluster(self, node: SimNode, request: Any, accepted: bool) -> None:
+        self.config_changes["accepted" if accepted else "refused"] += 1
+
+    def on_ticked(self, node: SimNode) -> None:
+        """No log holds two configuration changes past the commit index (`config`)."""
+        member = node.member
+        self.committed = committed = max(self.committed, member.raftCommitIndex)
+        log = member.journal
+        changes = []
+        for pos in range(len(log) - 1, -1, -1):
+            command, index, _ = log[pos]
+            if index <= committed:
+                break
+            if command[:1] == MEMBERSHIP_ENTRY:
+                changes.append(index)
+        if len(changes) > 1:
+            key = (node.name, tuple(changes))
+            if key not in self._config_overlaps:
+                self._config_overlaps.add(key)
+                self.violation(
+                    "config",
+                    f"{node.name}'s log holds {len(changes)} uncommitted configuration "
+                    f"changes (at {sorted(changes)}; committed up to {committed})",
+                )
 
     def on_refused(self, name: str, reason: str) -> None:
         """A node refused to start from a damaged disk: what it must do (never a cut)."""

@@ -10,11 +10,15 @@ simulated connections.
   consumers ended, resubscribes with backoff, rewinds, frames to send), timeouts
   (`outcome_unknown` for a publish, `abandon` for the rest), reconnects to another node
   after the connection breaks. So every rule of the session runs in every simulation:
-  resends in send order, paused keys, resubscribing, cancelled consumers.
+  resends in send order, paused keys, resubscribing, cancelled consumers. A client
+  connects only to a running member of the cluster (`Cluster.serving`: its endpoints).
+  The operator's client proves the admin token (`admin_token`) and sends membership
+  changes (`admin`), several in one write if asked (they reach the node together).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +75,7 @@ class SimLink:
     def _later(self, direction: str, fn: Callable[..., None], *args: Any) -> None:
         """`fn(*args)` after one latency, in order with what went the same way before."""
         low, high = micros(LATENCY_S[0]), micros(LATENCY_S[1])
-        rng = self.cluster.client_random
+        rng = self.client.random
         when = max(
             self.world.now_us + low + int(rng.random() * (high - low)), self._arrivals[direction]
         )
@@ -130,10 +134,15 @@ class SimClient:
         request_timeout_s: float = 2.0,
         reconnect_s: tuple[float, float] = (0.05, 0.5),
         subscribe_for_s: float = 600.0,
+        admin_token: str | None = None,
+        rng: random.Random | None = None,
     ) -> None:
+        """`rng`: the client's random draws (latency, reconnects); by default the
+        workload's stream."""
         self.cluster = cluster
         self.world = cluster.world
-        self.random = cluster.client_random
+        self.random = rng or cluster.client_random
+        self.admin_token = admin_token
         self.preferred = preferred
         self.request_timeout_us = micros(request_timeout_s)
         self.reconnect_s = reconnect_s
@@ -148,6 +157,8 @@ class SimClient:
         self._answers: dict[int, Answer] = {}
         self._resubscribe_after: list[Any] = []
         """Consumers to subscribe again once the next connection is in place."""
+        self._when_connected: list[Callable[[], None]] = []
+        """Calls to make once the next connection is in place (`admin`)."""
         self.closed = False
         self.connect()
 
@@ -166,10 +177,10 @@ class SimClient:
     # -------------------------------------------------------------- connecting
 
     def connect(self) -> None:
-        """Connect to a running node (the preferred one if it runs); none: try later."""
+        """Connect to a running member (the preferred one if it runs); none: try later."""
         if self.closed:
             return
-        running = self.cluster.running()
+        running = self.cluster.serving()
         if not running:
             self.world.after(self._delay(self.reconnect_s), self.connect)
             return
@@ -200,7 +211,7 @@ class SimClient:
     def _handshake(self, frame: dict[str, Any]) -> None:
         if self._welcome is None:
             self._welcome = frame
-            self._write(hello_frame(frame, None))
+            self._write(hello_frame(frame, None, self.admin_token))
             return
         check_hello_answer(frame)
         self.session.connection_made(self._welcome)
@@ -209,6 +220,9 @@ class SimClient:
         consumers, self._resubscribe_after = self._resubscribe_after, []
         for consumer in consumers:
             self._resubscribe(consumer, 1, self.world.now_us + micros(self.subscribe_for_s))
+        calls, self._when_connected = self._when_connected, []
+        for call in calls:
+            call()
 
     def connection_lost(self, link: SimLink) -> None:
         """The connection broke: what waited fails or is resent, consumers subscribe
@@ -289,6 +303,22 @@ class SimClient:
     def declare(self, queue: str, options: dict[str, Any], answer: Answer) -> None:
         made = self.session.request({"t": "declare", "queue": queue, "options": options})
         self._request(made, answer, publish=False)
+
+    def admin(self, frames: list[dict[str, Any]], answers: list[Answer]) -> None:
+        """Send administrative requests (`add_member`, `remove_member`) once connected,
+        all in one write: they reach the node at the same instant."""
+        if self.closed:
+            return
+        if not self.session.connected:
+            self._when_connected.append(lambda: self.admin(frames, answers))
+            return
+        made = [self.session.request(frame) for frame in frames]
+        for (request_id, _), answer in zip(made, answers, strict=True):
+            self._answers[request_id] = answer
+            self.world.after(self.request_timeout_us, self._timed_out, request_id, False)
+        link = self.link
+        if link is not None and link.open:
+            link.to_node(b"".join(encode_frame(frame) for _, frame in made))
 
     def publish_batch(self, queue: str, rows: list[list[Any]], answer: Answer) -> None:
         """Publish under this client's producer (`answer` gets the reply frame, or the

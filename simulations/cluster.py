@@ -3,6 +3,20 @@
 The cluster starts, crashes, restarts, pauses and resumes nodes, carries messages
 between nodes and their clients, and reports what happens (applies, leadership,
 failure commands) to its observers: the checker and the history.
+
+Membership. The cluster starts with N members (`names`: A, B, C) and may have spare
+hosts (`spares`: D) that an operator starts and adds later (`simulations.operator`).
+`membership` is what the operator knows: the members it started with, changed as each
+`members add` / `members remove` it sends is confirmed. It is what clients are given
+as endpoints (`serving`): a client connects only to a running member. Each host has a
+Raft address (`address`): its name, until its operator wipes it to add it back
+(`wipe`: an empty disk at a new address, `C@2`). A node is started with the peers an
+operator gives it (`peers_for`): a node started on an empty disk gets every current
+member and itself (as the README says); a node restarted on its data gets the peers
+it was first started with (its `--peer` flags do not change: membership after the
+first start lives in the log and snapshots). A node removed from the cluster keeps
+running, cut off, until its operator stops it (`stop`, and it is `retired`: no fault
+restarts it).
 """
 
 from __future__ import annotations
@@ -14,7 +28,7 @@ from typing import Any, Protocol
 from quorumq.machine import Applied, Command, NodeDown, NodeUp
 from quorumq.raft.journal import DurableJournal, JournalDamagedError
 
-from .network import Network
+from .network import Network, name_at
 from .node import REAL, SimDisk, SimNode, SimSerializer, Variant
 from .world import WALL_EPOCH_MS, World, micros
 
@@ -38,6 +52,10 @@ class Observer(Protocol):
 
     def on_fatal(self, name: str, reason: str) -> None: ...
 
+    def on_ticked(self, node: SimNode) -> None: ...
+
+    def on_change_cluster(self, node: SimNode, request: Any, accepted: bool) -> None: ...
+
 
 class Cluster:
     def __init__(
@@ -45,6 +63,7 @@ class Cluster:
         world: World,
         n: int,
         *,
+        spares: int = 0,
         variant: Variant = REAL,
         grace_s: float = 5.0,
         raft_timeouts: tuple[float, float] = (0.25, 0.6),
@@ -52,6 +71,20 @@ class Cluster:
     ) -> None:
         self.world = world
         self.names = [chr(ord("A") + i) for i in range(n)]
+        """The first members (the fault schedules draw their targets from them)."""
+        self.spares = [chr(ord("A") + n + i) for i in range(spares)]
+        """Hosts that are no members at first: an operator may start and add them."""
+        self.hosts = self.names + self.spares
+        self.membership: set[str] = set(self.names)
+        """The members, as the operator knows them (see the module's docstring)."""
+        self.retired: set[str] = set()
+        """Hosts removed from the cluster whose node the operator stopped."""
+        self.address: dict[str, str] = {name: name for name in self.hosts}
+        """Each host's Raft address (see the module's docstring)."""
+        self.first_peers: dict[str, dict[str, str]] = {}
+        """The peers (name -> address) each host's node was first started with (since
+        its disk was wiped)."""
+        self.wipes: Counter[str] = Counter()
         self.variant = variant
         self.grace_s = grace_s
         self.raft_timeouts = raft_timeouts
@@ -59,14 +92,14 @@ class Cluster:
         """PySyncObj's `logCompactionMinEntries` (None: it never compacts)."""
         self.network = Network(world, self.names)
         self.network.on_arrival = self._woken
-        self.disks = {name: SimDisk(name, world.stream(f"disk-{name}")) for name in self.names}
-        self.wall_offset_ms: dict[str, int] = dict.fromkeys(self.names, 0)
+        self.disks = {name: SimDisk(name, world.stream(f"disk-{name}")) for name in self.hosts}
+        self.wall_offset_ms: dict[str, int] = dict.fromkeys(self.hosts, 0)
         """How far each host's wall clock is off (the `clock_skew` and `clock_jump`
         faults); it stays off across the node's restarts, as a host's clock does."""
         self.snapshot_counts: Counter[str] = Counter()
         """Snapshots written, sent, installed and refused, all nodes together."""
-        self.nodes: dict[str, SimNode | None] = dict.fromkeys(self.names)
-        self.incarnations = dict.fromkeys(self.names, 0)
+        self.nodes: dict[str, SimNode | None] = dict.fromkeys(self.hosts)
+        self.incarnations = dict.fromkeys(self.hosts, 0)
         self.observers: list[Observer] = []
         self.consumers: dict[str, Any] = {}
         """Every consumer id ever subscribed -> its client (for proxied deliveries)."""
@@ -118,6 +151,7 @@ class Cluster:
         if disk.damaged is not None:
             return None
         self.incarnations[name] += 1
+        self.network.add_host(self.address[name])
         self._opening = name
         try:
             node = SimNode(
@@ -138,7 +172,7 @@ class Cluster:
         finally:
             self._opening = None
         self.nodes[name] = node
-        self.network.attach(name, node.member.transport)
+        self.network.attach(self.address[name], node.member.transport)
         self.world.trace(f"start {name} {node.incarnation}")
         for o in self.observers:
             o.on_node(name, True)
@@ -158,7 +192,7 @@ class Cluster:
             disk.crash()
         node.alive = False
         self.nodes[name] = None
-        self.network.detach(name)
+        self.network.detach(self.address[name])
         self.world.trace(f"crash {name}")
         for o in self.observers:
             o.on_node(name, False)
@@ -167,6 +201,35 @@ class Cluster:
                 o.on_leadership(node, False)
         for link in self.links_of(node):
             link.broken_by_node()
+
+    def stop(self, name: str) -> None:
+        """The operator stops a node it removed from the cluster (a clean exit: what it
+        wrote stays on its disk); no fault starts it again."""
+        self.retired.add(name)
+        if self.nodes[name] is not None:
+            self.world.trace(f"stop {name}")
+            self.crash(name, power_loss=False)
+
+    def wipe(self, name: str, *, new_address: bool = True) -> None:
+        """The operator moves the (stopped) node's data directory away: it starts empty,
+        with a new first configuration, at a new Raft address (`new_address`)."""
+        assert self.nodes[name] is None, f"{name} is running"
+        self.wipes[name] += 1
+        self.disks[name] = SimDisk(name, self.world.stream(f"disk-{name}-{self.wipes[name]}"))
+        if new_address:
+            self.address[name] = f"{name}@{self.wipes[name] + 1}"
+        self.first_peers.pop(name, None)
+        self.retired.discard(name)
+        self.world.trace(f"wipe {name} {self.address[name]}")
+
+    def peers_for(self, name: str) -> dict[str, str]:
+        """The peers (name -> Raft address) the operator starts `name`'s node with (see
+        the module's docstring)."""
+        peers = self.first_peers.get(name)
+        if peers is None:
+            members = sorted(self.membership | {name})
+            peers = self.first_peers[name] = {n: self.address[n] for n in members}
+        return peers
 
     def on_fatal(self, node: SimNode, error: BaseException) -> None:
         """`node` stopped itself (its journal failed): its process exits, as a real node's
@@ -179,7 +242,11 @@ class Cluster:
         self.world.after(micros(1.0), self._supervise, node.name, incarnation)
 
     def _supervise(self, name: str, incarnation: int) -> None:
-        if self.nodes[name] is None and self.incarnations[name] == incarnation:
+        if (
+            self.nodes[name] is None
+            and self.incarnations[name] == incarnation
+            and name not in self.retired
+        ):
             self.start(name)
 
     def pause(self, name: str) -> None:
@@ -187,7 +254,7 @@ class Cluster:
         if node is None or node.paused:
             return
         node.paused = True
-        self.network.pause(name)
+        self.network.pause(self.address[name])
         self.world.trace(f"pause {name}")
 
     def resume(self, name: str) -> None:
@@ -196,7 +263,7 @@ class Cluster:
             return
         node.paused = False
         self.world.trace(f"resume {name}")
-        self.network.resume(name)
+        self.network.resume(self.address[name])
         node.resumed()
 
     def running(self) -> list[SimNode]:
@@ -207,10 +274,13 @@ class Cluster:
         leaders = [n for n in self.running() if not n.paused and n.member.is_leader()]
         return max(leaders, key=lambda n: n.member.raftCurrentTerm, default=None)
 
-    def _woken(self, name: str) -> None:
-        node = self.nodes[name]
-        if node is not None:
+    def _woken(self, address: str) -> None:
+        node = self.nodes.get(name_at(address))
+        if node is not None and node.member.address == address:
             node.wake()
+
+    def addresses(self, names: list[str]) -> list[str]:
+        return [self.address[n] for n in names]
 
     # ---------------------------------------------------------------- clients
 
@@ -218,10 +288,9 @@ class Cluster:
         """The open client connections to `node`, in the order they opened."""
         return [link for link in self.links if link.node is node]
 
-    def members(self) -> list[str]:
-        """The nodes that are members of the cluster (all of them, until membership
-        changes are simulated)."""
-        return list(self.names)
+    def serving(self) -> list[SimNode]:
+        """The running members: the nodes a client may connect to (its endpoints)."""
+        return [n for n in self.running() if n.name in self.membership]
 
     # -------------------------------------------------------------- observing
 
@@ -252,3 +321,14 @@ class Cluster:
         self.world.trace(f"propose {node.name} {command}")
         for o in self.observers:
             o.on_failure_command(node, command)
+
+    def on_ticked(self, node: SimNode) -> None:
+        """`node` ticked: its Raft state may have changed."""
+        for o in self.observers:
+            o.on_ticked(node)
+
+    def on_change_cluster(self, node: SimNode, request: Any, accepted: bool) -> None:
+        """`node`, leading, appended the configuration change `request`, or refused it."""
+        self.world.trace(f"change {node.name} {request[0]} {request[1]} {accepted}")
+        for o in self.observers:
+            o.on_change_cluster(node, request, accepted)

@@ -28,6 +28,38 @@ sets a host's wall clock off by `amount` ms (up to 30 days either way), `clock_j
 moves it by `amount` ms (up to 2 days either way). Monotonic time stays true; only
 wall clocks go wrong. A run's `Genesis` (a stream of its own too) sets wall clocks off
 before the cluster starts, and may hand leadership over before the first proposal.
+
+Membership faults (`membership_schedule`, a stream of its own too, on every run of a
+profile other than `none`) are changes an operator makes (`simulations.operator`),
+through the node's real administrative path (`add_member` / `remove_member` frames
+with the admin token, the real `NodeCore`):
+
+* `remove_member`: a host (any of A..D; skipped if it is no member) is removed, and
+  added back `duration` after; `remove_leader`: the same, aimed at whoever leads when
+  it fires (the node core asks it to hand leadership over first). A removed node keeps
+  running, cut off (the members drop it and refuse its connections), until its
+  operator stops it a moment later; its clients then reconnect to members; its
+  consumers are marked down by whichever node leads. It comes back empty (its data
+  directory moved away) at a new Raft address (`C@2`): back at its old address, a
+  member that missed its removal could count the empty node's vote in its old
+  configuration.
+* `add_spare`: the spare host (D, no member at first) is started on an empty disk with
+  every member as peers, added, and removed again `duration` after.
+* `concurrent_changes`: two changes (adds of non-members, removals of members other
+  than the leader) sent to the leader in one write: it takes one and refuses the other
+  while the first is uncommitted; the node core tries it again. Both are undone
+  `duration` after.
+
+A change is skipped if it cannot be made safely: a change of that node already in
+flight, or a configuration that would be left (whatever order the changes in flight
+commit in) with fewer than two members or without a majority of members whose disk is
+not damaged beyond repair (damage faults are skipped for the same reason). An add
+waits until every member is up, connected to the leader, caught up and has its
+configuration (the README's rule: a member that misses the add of a node can never
+talk to it, PySyncObj refusing connections from nodes it does not know). At heal the
+operator starts no new change; those in flight finish, the first members it removed
+are added back, and a member whose disk is damaged beyond repair is removed and added
+back empty: the cluster ends with a working majority.
 """
 
 from __future__ import annotations
@@ -38,12 +70,14 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from .operator import Change
 from .world import micros
 
 if TYPE_CHECKING:
     import random
 
     from .cluster import Cluster
+    from .operator import Operator
     from .workload import SimConsumer
 
 TCP_KINDS = (
@@ -56,6 +90,7 @@ TCP_KINDS = (
     "consumer_death",
 )
 HOSTILE_KINDS = ("duplicate", "reorder", "drop")
+MEMBERSHIP_KINDS = ("remove_member", "remove_leader", "add_spare", "concurrent_changes")
 CLOCK_KINDS = ("clock_skew", "clock_jump")
 DISK_KINDS = ("torn_power_loss", "short_write", "sync_failure", "bit_flip", "meta_ahead")
 DAMAGE_KINDS = ("bit_flip", "meta_ahead")
@@ -206,13 +241,48 @@ def disk_schedule(
     return faults
 
 
+def membership_schedule(
+    rng: random.Random,
+    names: Sequence[str],
+    spares: Sequence[str],
+    *,
+    duration_s: float,
+    mean_interval_s: float = 3.0,
+) -> list[Fault]:
+    """Membership changes at random times in [1 s, duration - 2 s]: a member removed (any
+    host, or whoever leads then) and added back `duration` after, a spare added and
+    removed again `duration` after, two changes sent to the leader at once (both
+    undone `duration` after)."""
+    if duration_s <= 3:
+        return []
+    hosts = [*names, *spares]
+    count = max(1, round((duration_s - 3) / mean_interval_s))
+    faults = []
+    for at in sorted(rng.uniform(1.0, duration_s - 2.0) for _ in range(count)):
+        kind = MEMBERSHIP_KINDS[rng.randrange(len(MEMBERSHIP_KINDS))]
+        duration = rng.uniform(1.0, 6.0)
+        if kind == "remove_member":
+            nodes: tuple[str, ...] = (hosts[rng.randrange(len(hosts))],)
+        elif kind == "add_spare":
+            nodes = (spares[rng.randrange(len(spares))],) if spares else ()
+        else:
+            nodes = ()
+        faults.append(Fault(at_s=at, kind=kind, nodes=nodes, duration_s=duration))
+    return faults
+
+
 class Injector:
     """Plays a fault schedule on a cluster; `heal()` ends every fault still running."""
 
     def __init__(
-        self, cluster: Cluster, consumers: Sequence[SimConsumer], history: Any = None
+        self,
+        cluster: Cluster,
+        consumers: Sequence[SimConsumer],
+        history: Any = None,
+        operator: Operator | None = None,
     ) -> None:
         self.cluster = cluster
+        self.operator = operator
         self.world = cluster.world
         self.network = cluster.network
         self.consumers = list(consumers)
@@ -222,8 +292,6 @@ class Injector:
         self._down_until: dict[str, int] = {}
         self._partitions = 0
         self._healed = False
-        self._damaging: set[str] = set()
-        """Nodes whose disk a fault damaged (they refuse to start from then on)."""
 
     def play(self, faults: Sequence[Fault]) -> None:
         for fault in faults:
@@ -257,17 +325,17 @@ class Injector:
             self._done(fault, target)
         elif kind == "partition":
             side = list(fault.nodes)
-            rest = [n for n in cluster.names if n not in side]
-            network.partition([side, rest])
+            rest = [n for n in cluster.hosts if n not in side]
+            network.partition([cluster.addresses(side), cluster.addresses(rest)])
             self._partitions += 1
             self.world.at(end, self._end_partition, self._partitions)
             self._done(fault)
         elif kind == "link_reset":
-            a, b = fault.nodes
+            a, b = cluster.addresses(list(fault.nodes))
             network.reset(a, b)
             self._done(fault)
         elif kind == "slow_link":
-            a, b = fault.nodes
+            a, b = cluster.addresses(list(fault.nodes))
             network.extra_delay_us[(a, b)] = micros(fault.amount)
             self.world.at(end, network.extra_delay_us.pop, (a, b), None)
             self._done(fault)
@@ -306,6 +374,49 @@ class Injector:
         elif kind == "clock_jump":
             cluster.wall_offset_ms[fault.nodes[0]] += int(fault.amount)
             self._done(fault)
+        elif kind in MEMBERSHIP_KINDS:
+            self._membership_fault(fault)
+
+    def _membership_fault(self, fault: Fault) -> None:
+        """Hand the changes to the operator (skipped if they cannot be made now: a change
+        of that node in flight, no leader, or no working majority after them)."""
+        operator, kind = self.operator, fault.kind
+        leader = self.cluster.leader()
+        changes: list[Change] | None = None
+        if kind == "remove_member":
+            changes = [Change("remove", fault.nodes[0])]
+        elif kind == "remove_leader" and leader is not None:
+            changes = [Change("remove", leader.name)]
+        elif kind == "add_spare" and fault.nodes:
+            changes = [Change("add", fault.nodes[0])]
+        elif kind == "concurrent_changes" and leader is not None and operator is not None:
+            changes = self._two_changes(operator, leader.name)
+        together = kind == "concurrent_changes"
+        if (
+            operator is None
+            or changes is None
+            or not operator.submit(changes, together=together, then_s=fault.duration_s)
+        ):
+            self.skipped[kind] += 1
+            return
+        self._done(fault, ", ".join(f"{c.kind} {c.node}" for c in changes))
+
+    def _two_changes(self, operator: Operator, leader: str) -> list[Change] | None:
+        """Two changes the operator may make together: adds of non-members, removals of
+        members other than the leader (the node the changes are sent to)."""
+        cluster = self.cluster
+        changes = [
+            Change("add", n) if n not in cluster.membership else Change("remove", n)
+            for n in cluster.hosts
+            if n != leader and not operator.busy(n)
+        ]
+        pairs = [
+            [a, b]
+            for i, a in enumerate(changes)
+            for b in changes[i + 1 :]
+            if operator.feasible([a, b])
+        ]
+        return pairs[operator.random.randrange(len(pairs))] if pairs else None
 
     def _disk_fault(self, fault: Fault) -> None:
         cluster, kind, name = self.cluster, fault.kind, fault.nodes[0]
@@ -322,40 +433,55 @@ class Injector:
             disk.files.fail_next_sync()
             self._done(fault)
             return
-        damaged = [n for n in cluster.names if cluster.disks[n].damaged or n in self._damaging]
-        if kind in DAMAGE_KINDS and damaged:
+        damaged = [n for n in cluster.hosts if cluster.disks[n].doomed]
+        operator = self.operator
+        if kind in DAMAGE_KINDS and (
+            damaged or (operator is not None and not operator.feasible(damaged=[name]))
+        ):
             self.skipped[kind] += 1  # one node beyond repair is enough: a majority must live
             return
         last_index = node.member.journal[-1][1] if len(node.member.journal) else 0
         cluster.crash(name, torn=True)
         if kind == "bit_flip":
             disk.files.flip_bit(disk.JOURNAL)
-            self._damaging.add(name)
+            disk.doomed = True
         elif kind == "meta_ahead":  # a disk that said the journal was synced, and lied
             disk.files.set_commit_index(disk.JOURNAL + ".meta", last_index + 3)
-            self._damaging.add(name)
+            disk.doomed = True
         end = self.world.now_us + micros(fault.duration_s)
         self._down_until[name] = end
         self.world.at(end, self._restart, name, end)
         self._done(fault)
 
     def _restart(self, name: str, until: int) -> None:
-        if self._down_until.get(name) == until and self.cluster.nodes[name] is None:
+        cluster = self.cluster
+        if self._down_until.get(name) == until and cluster.nodes[name] is None:
             del self._down_until[name]
-            self.cluster.start(name)
+            if name not in cluster.retired:  # its operator stopped it meanwhile
+                cluster.start(name)
 
     def _end_partition(self, number: int) -> None:
         if number == self._partitions:  # a later partition replaced this one
-            self.network.partition([list(self.cluster.names)])
+            self.network.partition([self.cluster.addresses(self.cluster.hosts)])
 
     def heal(self) -> None:
-        """The end of the fault phase: everything runs and talks again."""
+        """The end of the fault phase: everything runs and talks again. Every member,
+        and every node being added or removed, runs; the operator starts no new change
+        (those in flight finish, a node whose removal is confirmed is stopped) but adds
+        back the first members it removed (`Operator.heal`)."""
         self._healed = True
         self.world.trace("heal")
+        cluster, operator = self.cluster, self.operator
         self.network.heal()
-        for name in self.cluster.names:
-            if self.cluster.nodes[name] is None:
+        for name in cluster.hosts:
+            node = cluster.nodes[name]
+            wanted = name in cluster.membership or (
+                operator is not None and operator.changing(name)
+            )
+            if node is None and wanted and name not in cluster.retired:
                 self._down_until.pop(name, None)
-                self.cluster.start(name)
-            else:
-                self.cluster.resume(name)
+                cluster.start(name)
+            elif node is not None:
+                cluster.resume(name)
+        if operator is not None:
+            operator.heal()

@@ -126,6 +126,12 @@ class History:
         if len(self.faults) < MAX_EVENTS:
             self.faults.append((seconds(self.world.now_us), f"{name} stopped: {reason}"))
 
+    def on_ticked(self, node: SimNode) -> None:
+        pass
+
+    def on_change_cluster(self, node: SimNode, request: Any, accepted: bool) -> None:
+        pass
+
     def on_node(self, name: str, running: bool) -> None:
         down = self.lanes[name].down
         if not running:

@@ -15,9 +15,18 @@ messages arrive in order (unless the hostile `reorder` fault is on).
   after `connection_timeout`.
 * Dropped connections come back after a retry delay, once both ends are running and
   not cut off.
+* Membership, as PySyncObj's TCP transport has it: a connection comes up only between
+  two nodes that each have the other in their configuration (the one that dials sends
+  its address, and the other closes a connection from an address it does not know).
+  A node removed from the cluster is dropped by the members (`dropNode`), and knows
+  them still: it stays cut off, and cannot disturb their elections. A node added is
+  connected once both ends know each other (`addNode`).
 
 Every message is pickled on send and unpickled on arrival (PySyncObj's own wire
 format; no port is involved), so no object is shared between members.
+
+The network knows hosts by their Raft address: a host's name (A, B, ...) until its
+operator wipes it and adds it back at a new address (`C@2`: `Cluster.wipe`).
 """
 
 from __future__ import annotations
@@ -33,28 +42,49 @@ from pysyncobj.transport import Transport
 from .world import World, micros
 
 
+def name_at(address: str) -> str:
+    """The name of the node at a Raft address (`C@2`: C, at its second address)."""
+    return address.partition("@")[0]
+
+
 class StableNode(Node):  # type: ignore[misc]
     """A PySyncObj node whose hash does not depend on PYTHONHASHSEED: PySyncObj iterates
-    sets of nodes to send, so the hash decides the order of messages."""
+    sets of nodes to send, so the hash decides the order of messages. Its id is the
+    node's Raft address; it carries the node's name too (as a real node's does)."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self._stable_hash = zlib.crc32(name.encode())
+    def __init__(self, address: str) -> None:
+        super().__init__(address, name=name_at(address))
+        self._stable_hash = zlib.crc32(address.encode())
 
     def __hash__(self) -> int:
         return self._stable_hash
 
 
 class SimTransport(Transport):  # type: ignore[misc]
-    """PySyncObj's transport for one member: `send` goes into the network."""
+    """PySyncObj's transport for one member: `send` goes into the network. It knows the
+    nodes of the member's configuration (`known`): PySyncObj adds and drops them as the
+    configuration changes (`addNode`, `dropNode`)."""
 
-    def __init__(self, network: Network, name: str) -> None:
+    def __init__(self, network: Network, name: str, known: list[str]) -> None:
         super().__init__(None, None, [])
         self.network = network
         self.name = name
+        self.known = {n for n in known if n != name}
 
     def send(self, node: Any, message: Any) -> bool:
         return self.network.send(self.name, str(node.id), message)
+
+    def addNode(self, node: Any) -> None:  # noqa: N802 (PySyncObj's name)
+        name = str(node.id)
+        if name != self.name and name not in self.known:
+            self.known.add(name)
+            self.network.known_changed(self.name, name)
+
+    def dropNode(self, node: Any) -> None:  # noqa: N802 (PySyncObj's name)
+        name = str(node.id)
+        if name in self.known:
+            self.known.discard(name)
+            self.network.known_changed(self.name, name)
 
 
 Pair = tuple[str, str]
@@ -89,6 +119,9 @@ class Network:
         self.inbox: dict[str, list[tuple[str, int, bytes]]] = {n: [] for n in names}
         """Messages arrived at a node and not read yet."""
         self.cut: set[Pair] = set()
+        self._sides: dict[str, int] = {}
+        """The side of each address in the partition in force (none: empty)."""
+        self._last_side = 0
         self.epoch: dict[Pair, int] = {}
         self.up: set[Pair] = set()
         self.stalled: dict[Pair, list[tuple[str, str, int, bytes]]] = {}
@@ -104,21 +137,26 @@ class Network:
 
     # ------------------------------------------------------------ membership
 
-    def node(self, name: str) -> StableNode:
-        """The PySyncObj node for host `name` (a host added later gets one here)."""
-        node = self.nodes.get(name)
+    def node(self, address: str) -> StableNode:
+        """The PySyncObj node at `address` (an address seen later gets one here)."""
+        node = self.nodes.get(address)
         if node is None:
-            self.add_host(name)
-            node = self.nodes[name]
+            self.add_host(address)
+            node = self.nodes[address]
         return node
 
-    def add_host(self, name: str) -> None:
-        """A new host joins the network (a node added to the cluster runs there)."""
-        if name in self.nodes:
+    def add_host(self, address: str) -> None:
+        """A new address joins the network (a node added to the cluster runs there)."""
+        if address in self.nodes:
             return
-        self.names.append(name)
-        self.nodes[name] = StableNode(name)
-        self.inbox[name] = []
+        self.names.append(address)
+        self.nodes[address] = StableNode(address)
+        self.inbox[address] = []
+        if self._sides:  # a partition is on: the new address is on its last side
+            self._sides[address] = self._last_side
+            for other in self.names:
+                if self._sides.get(other, self._last_side) != self._last_side:
+                    self.cut.add(_pair(address, other))
 
     def attach(self, name: str, transport: SimTransport) -> None:
         """A member starts: its connections come up after a retry delay."""
@@ -151,8 +189,10 @@ class Network:
                 self._connect_later(_pair(name, other))
 
     def partition(self, groups: list[list[str]]) -> None:
-        """Cut every connection between nodes of different groups (and heal the rest)."""
-        side = {n: i for i, g in enumerate(groups) for n in g}
+        """Cut every connection between nodes of different groups (and heal the rest).
+        An address that joins later is in the last group."""
+        self._sides = side = {n: i for i, g in enumerate(groups) for n in g}
+        self._last_side = len(groups) - 1
         cut = {
             _pair(a, b)
             for a in self.names
@@ -166,6 +206,7 @@ class Network:
             self._heal(pair)
 
     def heal(self) -> None:
+        self._sides = {}
         for pair in sorted(self.cut):
             self._heal(pair)
         self.extra_delay_us.clear()
@@ -194,13 +235,26 @@ class Network:
 
     def _wanted(self, pair: Pair) -> bool:
         a, b = pair
+        ta, tb = self.transports.get(a), self.transports.get(b)
         return (
-            a in self.transports
-            and b in self.transports
+            ta is not None
+            and tb is not None
+            and b in ta.known
+            and a in tb.known
             and a not in self.paused
             and b not in self.paused
             and pair not in self.cut
         )
+
+    def known_changed(self, name: str, other: str) -> None:
+        """`name`'s configuration gained or lost `other`: a connection they both want
+        comes up after a retry delay; one that `name` dropped closes now (PySyncObj's
+        `dropNode` disconnects; the peer sees the socket close)."""
+        pair = _pair(name, other)
+        if self._wanted(pair):
+            self._connect_later(pair)
+        elif pair in self.up and name in self.transports:
+            self._drop(pair)
 
     def _connect_later(self, pair: Pair) -> None:
         self.world.after(self.random.randint(*self.retry_us), self._connect, pair)

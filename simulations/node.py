@@ -37,7 +37,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -61,6 +61,7 @@ from quorumq.raft.rules import (
     RaftRules,
     decode_snapshot,
     encode_snapshot,
+    node_name,
 )
 from quorumq.replica import ProposalError, Replica, ReplicaConfig, local_effects
 
@@ -76,6 +77,10 @@ PER_MESSAGE_COST_US = 20
 proposals group into one AppendEntries under load, as they do on a real node."""
 
 EffectFilter = Callable[..., tuple[Effect, ...]]
+
+ADMIN_TOKEN = "simulated-admin"
+"""The nodes' admin token: the operator's client proves it for membership changes (the
+workload's clients do not, and the node core refuses them administrative verbs)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -111,6 +116,9 @@ class SimDisk:
         """The node's snapshot (`encode_snapshot` bytes)."""
         self.damaged: str | None = None
         """Why the node refused to start from this disk (it stays down), if it did."""
+        self.doomed = False
+        """A fault damaged this disk: the node will refuse to start from it (until its
+        operator wipes it)."""
 
     def open_journal(self) -> DurableJournal:
         """The journal a starting node opens: `JournalDamagedError` if it must refuse."""
@@ -226,9 +234,9 @@ class SimPoller:
     reads the messages that arrived since the last one. As a real node's poll, it
     answers the AppendEntries it read after one sync (`RaftRules.hold_replies`)."""
 
-    def __init__(self, network: Network, name: str, member: RaftRules) -> None:
+    def __init__(self, network: Network, address: str, member: RaftRules) -> None:
         self.network = network
-        self.name = name
+        self.address = address
         self.member = member
         self.handled = 0
 
@@ -238,7 +246,7 @@ class SimPoller:
     def read(self) -> int:
         self.member.hold_replies()
         try:
-            return self.network.read(self.name)
+            return self.network.read(self.address)
         finally:
             self.member.release_replies()
 
@@ -264,16 +272,22 @@ class SimMember(RaftRules):
         on_tick: Callable[[], None],
         raft_timeouts: tuple[float, float],
         compaction_entries: int | None = None,
-        members: list[str] | None = None,
+        peers: Mapping[str, str] | None = None,
+        on_change_cluster: Callable[[Any, bool], None] = lambda request, accepted: None,
     ) -> None:
+        """`peers`: name -> Raft address of every member this node starts with, itself
+        included (by default every host of the network, at its name)."""
+        peers = dict(peers or {n: n for n in network.names})
         self.name = name
+        self.address = address = peers[name]
         self.network = network
+        self._on_change_cluster = on_change_cluster
         self.disk = disk
         self._apply = apply
         self._snapshot = snapshot
         self._restore = restore
         self._on_tick = on_tick
-        self.transport = SimTransport(network, name)
+        self.transport = SimTransport(network, address, list(peers.values()))
         conf = SyncObjConf(
             autoTick=False,
             journalFile=f"sim:{name}/raft.log",
@@ -290,11 +304,11 @@ class SimMember(RaftRules):
             commandsWaitLeader=True,
             dynamicMembershipChange=True,
         )
-        others = [network.node(n) for n in (members or network.names) if n != name]
-        super().__init__(network.node(name), others, conf, transport=self.transport)
+        others = [network.node(a) for n, a in peers.items() if n != name]
+        super().__init__(network.node(address), others, conf, transport=self.transport)
         self.journal: DurableJournal = self._SyncObj__raftLog
         self.check_stored_state()
-        self.poller = SimPoller(network, name, self)
+        self.poller = SimPoller(network, address, self)
         self._poller = self.poller
         self.serializer: SimSerializer = self._SyncObj__serializer
         self.serializer.accept = self._leader_snapshot_arrived
@@ -317,6 +331,13 @@ class SimMember(RaftRules):
     def apply_raw(self, index: int, payload: bytes) -> Any:
         return self._apply(index, payload)
 
+    def _SyncObj__changeCluster(self, request: Any) -> bool:
+        """The real rule (as leader: append a configuration change, or refuse it), told
+        to the simulation (the run counts changes accepted and refused)."""
+        accepted = bool(super()._SyncObj__changeCluster(request))
+        self._on_change_cluster(request, accepted)
+        return accepted
+
     def make_durable(self) -> None:
         self.journal.sync()
 
@@ -329,9 +350,9 @@ class SimMember(RaftRules):
     # -------------------------------------------------------------- snapshots
 
     def _write_snapshot(self, data: tuple[Entry, Entry, Any]) -> bytes:
-        """As `RaftMember._write_snapshot`, to bytes (a node's name is its Raft address)."""
+        """As `RaftMember._write_snapshot`, to bytes."""
         last, prev, cluster = data
-        members = [(str(n.id), str(n.id)) for n in cluster]
+        members = [(str(n.id), node_name(n)) for n in cluster]
         return encode_snapshot(last, prev, members, self._snapshot(), self.removed_members)
 
     def _read_snapshot(self, data: bytes) -> tuple[Entry, Entry, set[Any]]:
@@ -442,6 +463,9 @@ class _SimReplicaHandle:
         self._node.replica.ask_leader_to_step_down()
         self._node.wake()
 
+    def membership_settled(self) -> bool:
+        return self._node.replica.membership_settled()
+
 
 class _SimShell:
     """What the core asks of its shell, done by the simulated node."""
@@ -502,7 +526,7 @@ class SimNode:
         variant: Variant = sim.variant
         self._config = replica_config = ReplicaConfig(
             node_id=name,
-            peers={n: n for n in sim.members()},
+            peers=sim.peers_for(name),
             data_dir=f"/sim/{name}",
             secret="simulated",
             node_down_grace_s=grace_s,
@@ -523,7 +547,7 @@ class SimNode:
         )
         rng = self.world.stream(f"node-{name}-{incarnation}")
         self.core = NodeCore(
-            NodeConfig(replica=replica_config, insecure=True),
+            NodeConfig(replica=replica_config, insecure=True, admin_token=ADMIN_TOKEN),
             _SimReplicaHandle(self),
             _SimShell(self),
             self.world.monotonic,
@@ -538,7 +562,10 @@ class SimNode:
             self.disk,
             raft_timeouts=self._config.raft_timeouts,
             compaction_entries=self._config.compaction_entries,
-            members=sorted(self._config.peers),
+            peers=self._config.peers,
+            on_change_cluster=lambda request, accepted: self.sim.on_change_cluster(
+                self, request, accepted
+            ),
             **callbacks,
         )
 
@@ -616,6 +643,7 @@ class SimNode:
         finally:
             self._ticking = False
         self._busy_until = when + TICK_COST_US + PER_MESSAGE_COST_US * handled
+        self.sim.on_ticked(self)
         leader = self.member.is_leader()
         if leader != self.was_leader:
             self.was_leader = leader

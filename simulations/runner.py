@@ -1,8 +1,9 @@
 """One simulated run from one seed, and sweeps over many seeds.
 
 `run(RunConfig(seed=7))` builds the world, the cluster (N replicas of the real machine
-on the real PySyncObj), the workload, the fault schedule and the checker from the seed,
-plays the phases (faults, heal, drain) and returns a `Result`: counts, faults injected,
+on the real PySyncObj, and a spare host), the workload, the operator (membership
+changes), the fault schedule and the checker from the seed, plays the phases (faults,
+heal, drain) and returns a `Result`: counts, faults injected, membership changes,
 violations, the verdict and the trace hash. The same seed gives the same trace hash in
 any process, under any PYTHONHASHSEED, on Python 3.11+.
 """
@@ -20,9 +21,19 @@ import attrs
 
 from .checker import Checker, Violation
 from .cluster import Cluster
-from .faults import Fault, Injector, clock_schedule, disk_schedule, genesis, kinds_of, schedule
+from .faults import (
+    Fault,
+    Injector,
+    clock_schedule,
+    disk_schedule,
+    genesis,
+    kinds_of,
+    membership_schedule,
+    schedule,
+)
 from .history import History
 from .node import REAL, SimNode, Variant
+from .operator import Operator
 from .workload import QUEUE, SimConsumer, SimProducer, WorkloadConfig, declare, start_workload
 from .world import US, World, micros, patched_pysyncobj, seconds
 
@@ -51,6 +62,12 @@ class RunConfig:
     50,000 within a run). Small values make lagging followers install snapshots."""
     disk_faults: bool = True
     """Add the disk faults (`faults.disk_schedule`) to the schedule."""
+    membership_faults: bool = True
+    """Add the membership changes (`faults.membership_schedule`) to the schedule."""
+    spares: int = 1
+    """Hosts that are no members at first (D): the operator may add them."""
+    scripted: tuple[Fault, ...] = ()
+    """Faults played on top of the drawn schedule (a test scripts its faults here)."""
     workload: WorkloadConfig = attrs.field(factory=WorkloadConfig)
     variant: Variant = REAL
     stop_at_violation: bool = True
@@ -70,8 +87,14 @@ class RunConfig:
             command += f" --ttl {self.workload.message_ttl_ms}"
         if not self.disk_faults:
             command += " --no-disk-faults"
+        if not self.membership_faults:
+            command += " --no-membership-faults"
+        if self.spares != attrs.fields(RunConfig).spares.default:
+            command += f" --spares {self.spares}"
         if self.variant is not REAL:
             command += f"  (variant: {self.variant.name})"
+        if self.scripted:
+            command += "  (and the scripted faults)"
         return command
 
 
@@ -101,6 +124,11 @@ class Result:
     snapshots: dict[str, int]
     """Snapshots written (compactions), sent to followers, installed and refused (stale),
     and loaded (the leader's, or a node's own at start-up)."""
+    membership: dict[str, int]
+    """Configuration changes leaders accepted and refused; the operator's requests
+    sent, confirmed and failed (then sent again)."""
+    members: tuple[str, ...]
+    """The members at the end."""
     history: Any = attrs.field(eq=False, repr=False)
 
     @property
@@ -128,6 +156,11 @@ class Result:
             f"recovered {c['recovered']}, unsettled {c['unsettled']}",
             f"disk: {c['refused_start']} starts refused (damaged journal or snapshot), "
             f"{c['fatal_stop']} nodes stopped (a failed write or sync)",
+            f"membership: {self.membership.get('accepted', 0)} changes accepted and "
+            f"{self.membership.get('refused', 0)} refused by leaders; the operator sent "
+            f"{self.membership.get('sent', 0)}, {self.membership.get('confirmed', 0)} "
+            f"confirmed, {self.membership.get('failed', 0)} failed (sent again); members "
+            f"at the end {','.join(self.members)}",
             (
                 f"drained {self.drained_after_s:.1f} s after heal"
                 if self.drained_after_s is not None
@@ -161,12 +194,13 @@ def run(config: RunConfig) -> Result:
     cluster = Cluster(
         world,
         config.nodes,
+        spares=config.spares,
         variant=config.variant,
         grace_s=config.grace_s,
         compaction_entries=config.compaction_entries,
     )
     checker = Checker(world, message_ttl_ms=config.workload.message_ttl_ms)
-    history = History(world, cluster.names, QUEUE)
+    history = History(world, cluster.hosts, QUEUE)
     cluster.observers += [checker, history]
     stop: Callable[[], bool] = (
         (lambda: checker.violation_count > 0) if config.stop_at_violation else (lambda: False)
@@ -189,7 +223,8 @@ def run(config: RunConfig) -> Result:
         clients = start_workload(cluster, checker, config.workload)
         consumers = [c for c in clients if isinstance(c, SimConsumer)]
         producers = [c for c in clients if isinstance(c, SimProducer)]
-        injector = Injector(cluster, consumers, history)
+        operator = Operator(cluster, world.stream("operator"))
+        injector = Injector(cluster, consumers, history, operator)
         fault_phase_s = config.steps * STEP_S
         faults = schedule(
             world.stream("faults"),
@@ -206,6 +241,14 @@ def run(config: RunConfig) -> Result:
             faults += disk_schedule(
                 world.stream("disk-faults"), cluster.names, duration_s=fault_phase_s
             )
+        if config.membership_faults and config.faults != "none":
+            faults += membership_schedule(
+                world.stream("membership-faults"),
+                cluster.names,
+                cluster.spares,
+                duration_s=fault_phase_s,
+            )
+        faults += config.scripted
         start = world.now_us
         injector.play([attrs.evolve(f, at_s=f.at_s + seconds(start)) for f in faults])
         heal_at = start + micros(fault_phase_s)
@@ -230,9 +273,10 @@ def run(config: RunConfig) -> Result:
         converged = [False]
 
         def converge_probe() -> None:
-            applied = {n.machine.last_index for n in cluster.running()}
+            replicas = _members_running(cluster)
+            applied = {n.machine.last_index for n in replicas}
             if len(applied) == 1 and not any(
-                n.member.raftCommitIndex > min(applied) for n in cluster.running()
+                n.member.raftCommitIndex > min(applied) for n in replicas
             ):
                 converged[0] = True
             else:
@@ -242,8 +286,9 @@ def run(config: RunConfig) -> Result:
         converge_probe()
         world.run_until(end + micros(config.converge_s), lambda: converged[0] or stop())
         converged_after = seconds(world.now_us - end)
-        counts = checker.finish(cluster.running(), drained[0])
+        counts = checker.finish(_members_running(cluster), drained[0])
         end_state = tuple(describe_node(n) for n in cluster.running())
+        members = tuple(sorted(_members(cluster)))
     return Result(
         config=config,
         sim_s=seconds(world.now_us),
@@ -265,6 +310,8 @@ def run(config: RunConfig) -> Result:
         raft_log=dict(sorted(raft_log.counts.items())),
         converged_after_s=converged_after,
         snapshots=dict(sorted(cluster.snapshot_counts.items())),
+        membership=dict(sorted((checker.config_changes + operator.counts).items())),
+        members=members,
         history=history,
     )
 
@@ -290,6 +337,19 @@ def _hand_leadership_over(cluster: Cluster, times: int) -> None:
             if cluster.leader() is old:
                 old.member.transferLeadership(None, None)
             world.run_until(min(deadline, world.now_us + micros(0.05)), handed_over)
+
+
+def _members(cluster: Cluster) -> set[str]:
+    """The configuration the leader has (committed by the end of a run), or without a
+    leader the members as the operator knows them."""
+    leader = cluster.leader()
+    return set(leader.replica.members()) if leader is not None else set(cluster.membership)
+
+
+def _members_running(cluster: Cluster) -> list[SimNode]:
+    """The running members: the replicas that must converge (a removed node is cut off)."""
+    members = _members(cluster)
+    return [n for n in cluster.running() if n.name in members]
 
 
 def describe_node(node: SimNode) -> str:
