@@ -99,7 +99,8 @@ def damaged(path: str, what: str) -> JournalDamagedError:
         "starting would let the cluster lose committed messages, so the node refuses. "
         "Keep the file for inspection. To bring the node back, remove it from the "
         "cluster (`quorumq members remove`), move its data directory away, and add it "
-        "again empty (it catches up from the leader)."
+        "again empty at a new Raft address (it catches up from the leader; at its old "
+        "address, a member that missed its removal could count the empty node's vote)."
     )
 
 

@@ -462,7 +462,8 @@ class RaftMember(RaftRules):
         except ValueError as e:
             raise JournalDamagedError(
                 f"{e}: the node refuses to start. Restore the file, or remove the node from "
-                "the cluster, move its data directory away and add it again empty"
+                "the cluster, move its data directory away and add it again empty, at a "
+                "new Raft address"
             ) from None
         return stored.last, stored.prev
 

@@ -612,7 +612,9 @@ class RaftRules(SyncObj):  # type: ignore[misc]
                     f"the journal starts at entry {log[0][1]} (compacted), but there is no "
                     "snapshot holding the entries before it: the node would apply the rest "
                     "to an empty state. Restore the snapshot file, or remove the node from "
-                    "the cluster, move its data directory away and add it again empty"
+                    "the cluster, move its data directory away and add it again empty, at "
+                    "a new Raft address (a member that missed its removal must not count "
+                    "the empty node's vote)"
                 )
             self._take_configuration_from_log(after=0)
             return
