@@ -25,6 +25,9 @@ As entries are applied (cheap checks, every entry):
 
 As nodes tick (every tick of every node):
 
+* an entry a node holds committed is the one every node holds committed at that index
+  (`log`, for every entry: the check as entries are applied sees only commands, not
+  configuration changes);
 * no node's log ever holds two configuration changes that are not committed
   (`config`): Raft changes membership one server at a time, each change committed
   before the next is appended, so the quorums of any two configurations in use at
@@ -58,6 +61,7 @@ At the end (Jepsen's total-queue counts, after heal and drain):
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +158,10 @@ class Checker:
         """The furthest any machine's clock got ahead of true time, beyond genesis."""
         self.committed = 0
         """The highest commit index any node has reached."""
+        self.committed_crc: dict[int, int] = {}
+        """Per log index: the CRC of the entry (any kind) first seen committed there."""
+        self._checked_through: dict[tuple[str, int], int] = {}
+        """Per node run (name, incarnation): the commit index checked so far."""
         self.config_changes: Counter[str] = Counter()
         """Configuration changes leaders accepted (appended) and refused."""
         self._config_overlaps: set[tuple[str, tuple[int, ...]]] = set()
@@ -270,10 +278,12 @@ class Checker:
         self.config_changes["accepted" if accepted else "refused"] += 1
 
     def on_ticked(self, node: SimNode) -> None:
-        """No log holds two configuration changes past the commit index (`config`)."""
+        """Committed entries agree (`log`); no log holds two configuration changes past
+        the commit index (`config`)."""
         member = node.member
         self.committed = committed = max(self.committed, member.raftCommitIndex)
         log = member.journal
+        self._check_committed(node, log, member.raftCommitIndex)
         changes = []
         for pos in range(len(log) - 1, -1, -1):
             command, index, _ = log[pos]
@@ -306,6 +316,19 @@ class Checker:
                 f"{node.name} loaded a snapshot at index {index} after applying up to "
                 f"{applied}: it applies entries again",
             )
+
+    def _check_committed(self, node: SimNode, log: Any, commit: int) -> None:
+        run = (node.name, node.incarnation)
+        start = self._checked_through.get(run, 0)
+        if commit <= start or not len(log):
+            return
+        first, last = log[0][1], log[-1][1]
+        for index in range(max(start + 1, first), min(commit, last) + 1):
+            crc = zlib.crc32(log[index - first][0])
+            known = self.committed_crc.setdefault(index, crc)
+            if known != crc:
+                self.violation("log", f"{node.name} holds another entry committed at index {index}")
+        self._checked_through[run] = commit
 
     def _release(self, offset: int) -> None:
         consumer = self.holder.pop(offset, None)
