@@ -46,9 +46,9 @@ def _membership_faults(faults: dict[str, int]) -> int:
 
 
 def test_a_run_with_membership_faults_injects_them_and_passes() -> None:
-    """Seed 25 of the CI sweep: a member removed, the leader removed twice, the spare
-    added, among the other faults (the removed members added back); every check
-    holds."""
+    """Seed 25 of the CI sweep: the leader removed and added back, the spare added and
+    removed again, another member removed and added back, among the other faults;
+    every check holds."""
     result = run(ci_config(25))
     assert result.ok, result.summary()
     assert _membership_faults(result.faults) >= 3
