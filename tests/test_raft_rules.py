@@ -603,3 +603,45 @@ def test_snapshots_keep_the_names_of_removed_members() -> None:
     assert decode_snapshot(blob, "test").removed == ["B", "C"]
     older = encoding.encode(["quorumq-snapshot", 2, list(entry), list(entry), [], b"m"])
     assert decode_snapshot(older, "test").removed == []
+
+
+def test_a_snapshot_stores_the_configuration_as_of_its_last_entry(tmp_path: Any) -> None:
+    """Changes take effect when appended, so a node's configuration may hold an
+    uncommitted change past the snapshot it writes. A snapshot stored that
+    configuration: once a new leader cut the change, the node reverted it in memory,
+    and a restart from the snapshot brought it back, a member no log holds (second
+    review, 1). The snapshot stores the configuration as of its last entry."""
+    member, members = _member(tmp_path)
+    leader = next(iter(member.otherNodes))  # B
+    try:
+        log = member._SyncObj__raftLog
+        member._SyncObj__setCurrentTerm(1, None)
+        for i in range(2, 21):
+            log.add(b"\x04cmd%d" % i, i, 1)
+        log.sync()
+        add_e = {
+            "type": "append_entries",
+            "term": 1,
+            "commit_index": 20,
+            "prevLogIdx": 20,
+            "prevLogTerm": 1,
+            "entries": [(_change("add", "E", "127.0.0.1:3"), 21, 1)],
+        }
+        member._SyncObj__onMessageReceived(leader, add_e)  # uncommitted, in effect
+        assert "E" in member.members()
+        _commit(member, 20)
+        member._SyncObj__applyLogEntries()
+        member._SyncObj__forceLogCompaction = True
+        member._SyncObj__tryLogCompaction()  # a snapshot of the log up to 20
+        cut = {**add_e, "term": 2, "entries": [(b"\x04other", 21, 2)]}
+        member._SyncObj__onMessageReceived(leader, cut)  # a new leader overwrites 21
+        before = member.members()
+        assert "E" not in before
+    finally:
+        member.stop()
+    again = _restart(tmp_path, members)
+    try:
+        again.doTick(0)
+        assert again.members() == before
+    finally:
+        again.stop()

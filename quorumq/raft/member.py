@@ -423,7 +423,7 @@ class RaftMember(RaftRules):
     def _write_snapshot(self, tmp_path: str, data: tuple[Any, Any, Any]) -> None:
         last, prev, cluster = data
         try:
-            members = [(str(n.id), node_name(n)) for n in cluster]
+            members = [(str(n.id), node_name(n)) for n in self.configuration_at(last[1], cluster)]
             blob = encode_snapshot(last, prev, members, self._snapshot(), self.removed_members)
             with open(tmp_path, "wb") as f:
                 f.write(blob)

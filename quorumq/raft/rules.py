@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 
 import pysyncobj.syncobj as _syncobj
 from pysyncobj import FAIL_REASON, SyncObj
+from pysyncobj.node import Node
 from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
 from ..codec import UnreadableEntryError, entry_time, stamp_entry
@@ -575,6 +576,32 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             else:
                 self.removed_members.add(name)
         return changed
+
+    def configuration_at(self, index: int, cluster: Iterable[Any]) -> set[Any]:
+        """The configuration as of log index `index`: `cluster` (this node's now) with
+        every configuration entry after `index` undone, newest first. A snapshot of the
+        log up to `index` stores this one: changes take effect when appended, so the
+        node's configuration may hold changes after it, and one a new leader then cut
+        came back from the snapshot at the next start-up (second review, 1)."""
+        nodes = {str(n.id): n for n in cluster}
+        log = self._SyncObj__raftLog
+        for pos in range(len(log) - 1, -1, -1):
+            command, idx, _ = log[pos]
+            if idx <= index:
+                break
+            if command[:1] != _MEMBERSHIP_PREFIX:
+                continue
+            change = self._SyncObj__parseChangeClusterRequest(command)
+            if change is None or change[0] not in ("add", "rem"):
+                continue
+            node = change[2] if len(change) >= 3 else change[1]
+            if not isinstance(node, Node):
+                node = self._SyncObj__nodeClass(node)
+            if change[0] == "add":
+                nodes.pop(str(node.id), None)
+            else:
+                nodes[str(node.id)] = node
+        return set(nodes.values())
 
     def uncommitted_membership_change(self) -> bool:
         """Whether this log holds a configuration entry after the commit index."""
