@@ -1,4 +1,4 @@
-"""python -m simulations run | sweep | scenario (see `--help`)."""
+"""quorumq simulate (or python -m simulations) run | sweep | scenario (see `--help`)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _seeds(text: str) -> range:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m simulations",
+        prog="quorumq simulate",
         description="Deterministic failover simulations of a quorumq cluster.",
     )
     sub = parser.add_subparsers(dest="command", required=True)

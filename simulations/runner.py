@@ -74,7 +74,7 @@ class RunConfig:
 
     def replay_command(self) -> str:
         command = (
-            f"python -m simulations run --seed {self.seed} --nodes {self.nodes} "
+            f"quorumq simulate run --seed {self.seed} --nodes {self.nodes} "
             f"--faults {self.faults} --steps {self.steps}"
         )
         if self.fault_interval_s != attrs.fields(RunConfig).fault_interval_s.default:

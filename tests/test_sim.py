@@ -31,7 +31,7 @@ from simulations.world import US, World, first_micros_at
 CI_SEEDS = range(200)
 OPEN_FAILURES: set[int] = set()
 """Seeds of the CI sweep that fail today, not yet diagnosed. Replay one with
-`python -m simulations run --seed N --steps 2400 --fault-interval 0.6 --rate 10`
+`quorumq simulate run --seed N --steps 2400 --fault-interval 0.6 --rate 10`
 (and `--compaction 30` or `100` for the seeds that compact: `CI_COMPACTION`).
 The sweep test fails if this set changes either way (a new failure, or a fix).
 (24 and 155 failed until a restarted ex-leader ran the effects of the entries that
