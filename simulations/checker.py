@@ -128,6 +128,10 @@ class Checker:
         self.records: dict[bytes, Record] = {}
         self.violations: list[Violation] = []
         self.violation_count = 0
+        self.confirm_times_s: list[float] = []
+        """When each record was first confirmed (for `pauses`)."""
+        self.first_delivery_times_s: list[float] = []
+        """When each record was first received."""
         self.log_crc: dict[int, int] = {}
         self.digests: dict[int, str] = {}
         self.digests_compared = 0
@@ -179,6 +183,8 @@ class Checker:
 
     def confirmed(self, body: bytes, offset: int | None) -> None:
         record = self.records[body]
+        if not record.confirmed:
+            self.confirm_times_s.append(seconds(self.world.now_us))
         record.confirmed = True
         if offset is not None:
             record.offsets.add(offset)
@@ -201,6 +207,8 @@ class Checker:
             self.violation("unexpected", f"{delivery.consumer} received {delivery.body!r}")
             return
         record.received += 1
+        if record.received == 1:
+            self.first_delivery_times_s.append(seconds(self.world.now_us))
         record.offsets.add(delivery.offset)
         if record.refused and record.received == 1:
             self.violation(

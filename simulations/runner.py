@@ -34,6 +34,7 @@ from .faults import (
 from .history import History
 from .node import REAL, SimNode, Variant
 from .operator import Operator
+from .pauses import Pauses, fault_pauses, pause_table
 from .workload import QUEUE, SimConsumer, SimProducer, WorkloadConfig, declare, start_workload
 from .world import US, World, micros, patched_pysyncobj, seconds
 
@@ -129,6 +130,10 @@ class Result:
     sent, confirmed and failed (then sent again)."""
     members: tuple[str, ...]
     """The members at the end."""
+    confirm_pauses: dict[str, Pauses]
+    """Per fault kind: how long publishers waited for confirms around its faults."""
+    delivery_pauses: dict[str, Pauses]
+    """Per fault kind: how long consumers waited for first deliveries."""
     history: Any = attrs.field(eq=False, repr=False)
 
     @property
@@ -169,6 +174,8 @@ class Result:
             + f"; replicas converged {self.converged_after_s:.1f} s later",
             f"trace {self.trace_hash}",
         ]
+        if self.confirm_pauses:
+            lines[-1:-1] = pause_table(self.confirm_pauses, self.delivery_pauses)
         if self.snapshots:
             lines.insert(
                 -1, "snapshots: " + ", ".join(f"{k} {v}" for k, v in self.snapshots.items())
@@ -252,6 +259,7 @@ def run(config: RunConfig) -> Result:
         start = world.now_us
         injector.play([attrs.evolve(f, at_s=f.at_s + seconds(start)) for f in faults])
         heal_at = start + micros(fault_phase_s)
+        windows = [(f.kind, f.at_s + seconds(start), f.duration_s) for f in faults]
         world.run_until(heal_at, stop)
         injector.heal()
         for p in producers:
@@ -312,6 +320,8 @@ def run(config: RunConfig) -> Result:
         snapshots=dict(sorted(cluster.snapshot_counts.items())),
         membership=dict(sorted((checker.config_changes + operator.counts).items())),
         members=members,
+        confirm_pauses=fault_pauses(windows, checker.confirm_times_s, seconds(heal_at)),
+        delivery_pauses=fault_pauses(windows, checker.first_delivery_times_s, seconds(heal_at)),
         history=history,
     )
 
