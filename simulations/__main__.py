@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -26,13 +28,36 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
         faults=args.faults,
         steps=args.steps,
         fault_interval_s=args.fault_interval,
-        workload=WorkloadConfig(rate=args.rate, message_ttl_ms=args.ttl),
+        workload=WorkloadConfig(
+            rate=args.rate,
+            message_ttl_ms=args.ttl,
+            producers=args.producers,
+            consumers=args.consumers,
+            keys=args.keys,
+            prefetch=args.prefetch,
+        ),
         variant=REAL,
         compaction_entries=args.compaction,
         disk_faults=not args.no_disk_faults,
         membership_faults=not args.no_membership_faults,
         spares=args.spares,
     )
+
+
+def _setup_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """A run's setup from a TOML file: the same names as the options, with `_` for
+    `-` (`nodes = 5`, `faults = "kill_leader,partition"`, `fault_interval = 10`,
+    `rate = 1000`, `producers = 4`, ...). Options given on the command line win."""
+    try:
+        with open(path, "rb") as f:
+            setup = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        parser.error(f"--setup {path}: {e}")
+    known = {a.dest for a in parser._actions} - {"help", "setup", "command", "seed", "seeds"}
+    unknown = sorted(set(setup) - known)
+    if unknown:
+        parser.error(f"--setup {path}: unknown settings {unknown}; known: {sorted(known)}")
+    return setup
 
 
 def _seeds(text: str) -> range:
@@ -63,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         help="mean seconds between faults",
     )
     common.add_argument("--rate", type=float, default=WorkloadConfig().rate, help="records/s")
+    workload = WorkloadConfig()
+    common.add_argument("--producers", type=int, default=workload.producers)
+    common.add_argument("--consumers", type=int, default=workload.consumers)
+    common.add_argument("--keys", type=int, default=workload.keys, help="distinct ordering keys")
+    common.add_argument("--prefetch", type=int, default=workload.prefetch)
+    common.add_argument(
+        "--setup", metavar="FILE.toml", help="settings from a TOML file (options given win)"
+    )
     common.add_argument(
         "--compaction",
         type=int,
@@ -95,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     scenario.add_argument("name", choices=["rabbitmq-post"])
     scenario.add_argument("--render", type=Path, help="write the HTML rendering here")
     args = parser.parse_args(argv)
+    if getattr(args, "setup", None):
+        subparser = one if args.command == "run" else many
+        subparser.set_defaults(**_setup_file(args.setup, subparser))
+        args = parser.parse_args(argv)
+    if args.command != "scenario" and not 1 <= args.nodes <= 7:
+        parser.error("--nodes must be 1 to 7")
 
     if args.command == "scenario":
         scenarios = list(SCENARIOS.values())

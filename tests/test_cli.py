@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 
 def _quorumq(*args: str) -> subprocess.CompletedProcess[str]:
@@ -31,6 +32,24 @@ def test_simulate_runs_the_simulator_with_its_own_options() -> None:
     assert "seed 2: 5 nodes" in result.stdout and "verdict: PASS" in result.stdout
     helped = _quorumq("simulate", "--help")
     assert helped.returncode == 0 and "sweep" in helped.stdout
+
+
+def test_simulate_takes_the_users_setup_from_a_toml_file(tmp_path: Any) -> None:
+    """Nodes, faults and their intensity, producers, consumers, keys, prefetch: from
+    options or a TOML file (options given win); an unknown setting is named."""
+    setup = tmp_path / "setup.toml"
+    setup.write_text(
+        'nodes = 7\nfaults = "kill_leader"\nfault_interval = 3\nsteps = 300\n'
+        "rate = 50\nproducers = 2\nconsumers = 5\nno_membership_faults = true\n"
+    )
+    result = _quorumq("simulate", "run", "--seed", "4", "--setup", str(setup))
+    assert result.returncode == 0, result.stderr
+    assert "seed 4: 7 nodes, faults kill_leader" in result.stdout
+    overridden = _quorumq("simulate", "run", "--seed", "4", "--setup", str(setup), "--nodes", "5")
+    assert "seed 4: 5 nodes" in overridden.stdout
+    setup.write_text("nodez = 3\n")
+    wrong = _quorumq("simulate", "run", "--seed", "4", "--setup", str(setup))
+    assert wrong.returncode == 2 and "unknown settings ['nodez']" in wrong.stderr
 
 
 def test_bad_arguments_get_a_one_line_error_and_nonzero_exit() -> None:
