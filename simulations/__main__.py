@@ -157,22 +157,63 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     passed = faults = 0
     sim_s = 0.0
+    kinds: dict[str, int] = {}
+    pauses: dict[str, list[float]] = {}
+    records: dict[str, int] = {}
+    progress = _Progress(len(seeds))
     for outcome in sweep((_config(args, s) for s in seeds), jobs=args.jobs):
         if not outcome.ok:
+            progress.done()
             print(outcome.summary)
             print(f"first failing seed: {outcome.seed} (after {passed} passing)")
             return 1
         passed += 1
         faults += outcome.faults
         sim_s += outcome.sim_s
-        if passed % 10 == 0:
-            print(f"{passed} seeds pass ({time.perf_counter() - started:.0f} s)", flush=True)
+        for kind, n in outcome.fault_kinds.items():
+            kinds[kind] = kinds.get(kind, 0) + n
+        for kind, pause in outcome.confirm_pauses.items():
+            pauses.setdefault(kind, []).append(pause)
+        for name, n in outcome.records.items():
+            records[name] = records.get(name, 0) + n
+        progress.show(passed, time.perf_counter() - started)
+    progress.done()
     wall = time.perf_counter() - started
     print(
         f"all {passed} seeds pass: {faults} faults, {sim_s / 3600:.2f} simulated hours "
         f"in {wall:.0f} s wall ({sim_s / max(wall, 1e-9):.0f}x)"
     )
+    print(", ".join(f"{name} {n}" for name, n in records.items()))
+    print("| fault kind | faults | seeds' longest confirm pause: p50 | max |")
+    print("|---|---:|---:|---:|")
+    for kind in sorted(kinds):
+        longest = sorted(pauses.get(kind, [0.0]))
+        p50 = longest[len(longest) // 2]
+        print(f"| {kind} | {kinds[kind]} | {p50:.2f} s | {longest[-1]:.2f} s |")
     return 0
+
+
+class _Progress:
+    """A progress bar on a terminal (standard error); a line every 10 seeds elsewhere."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.bar = sys.stderr.isatty()
+
+    def show(self, passed: int, elapsed_s: float) -> None:
+        if self.bar:
+            filled = self.WIDTH * passed // max(self.total, 1)
+            line = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {passed}/{self.total}"
+            sys.stderr.write(f"\r{line} seeds pass ({elapsed_s:.0f} s)")
+            sys.stderr.flush()
+        elif passed % 10 == 0:
+            print(f"{passed} seeds pass ({elapsed_s:.0f} s)", flush=True)
+
+    def done(self) -> None:
+        if self.bar:
+            sys.stderr.write("\n")
 
 
 if __name__ == "__main__":

@@ -424,10 +424,17 @@ class Outcome:
     faults: int
     trace_hash: str
     summary: str
+    fault_kinds: dict[str, int] = attrs.field(factory=dict)
+    """Faults injected, by kind."""
+    records: dict[str, int] = attrs.field(factory=dict)
+    """published, confirmed, lost, duplicated, redelivered."""
+    confirm_pauses: dict[str, float] = attrs.field(factory=dict)
+    """Per fault kind, the longest confirm pause around one of its faults."""
 
 
 def outcome(config: RunConfig) -> Outcome:
     result = run(config)
+    c = result.counts
     return Outcome(
         seed=config.seed,
         ok=result.ok,
@@ -436,6 +443,15 @@ def outcome(config: RunConfig) -> Outcome:
         faults=result.fault_count,
         trace_hash=result.trace_hash,
         summary=result.summary(),
+        fault_kinds=dict(result.faults),
+        records={
+            "published": c["published"],
+            "confirmed": c["confirmed"],
+            "lost": c["lost"],
+            "duplicated": c["duplicated"],
+            "redelivered": result.redeliveries,
+        },
+        confirm_pauses={k: p.max for k, p in result.confirm_pauses.items()},
     )
 
 

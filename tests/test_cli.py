@@ -52,6 +52,13 @@ def test_simulate_takes_the_users_setup_from_a_toml_file(tmp_path: Any) -> None:
     assert wrong.returncode == 2 and "unknown settings ['nodez']" in wrong.stderr
 
 
+def test_simulate_sweep_sums_up_its_seeds_in_a_table() -> None:
+    result = _quorumq("simulate", "sweep", "--seeds", "0:2", "--steps", "200", "--jobs", "2")
+    assert result.returncode == 0, result.stderr
+    assert "all 2 seeds pass" in result.stdout and "lost 0, duplicated 0" in result.stdout
+    assert "| fault kind | faults | seeds' longest confirm pause: p50 | max |" in result.stdout
+
+
 def test_bad_arguments_get_a_one_line_error_and_nonzero_exit() -> None:
     result = _quorumq("demo", "--scenario", "nope")
     assert result.returncode == 2
