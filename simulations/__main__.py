@@ -119,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--seed", type=int, required=True)
     one.add_argument("--render", type=Path, help="write an HTML timeline of the run here")
     one.add_argument("--schedule", action="store_true", help="print the fault schedule too")
+    again = sub.add_parser(
+        "replay", parents=[common], help="run one seed again and print every event of it"
+    )
+    again.add_argument("--seed", type=int, required=True)
+    again.add_argument("--out", type=Path, help="write the events here (default: print)")
     many = sub.add_parser(
         "sweep", parents=[common], help="run many seeds; report the first failure"
     )
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     scenario.add_argument("--render", type=Path, help="write the HTML rendering here")
     args = parser.parse_args(argv)
     if getattr(args, "setup", None):
-        subparser = one if args.command == "run" else many
+        subparser = {"run": one, "replay": again}.get(args.command, many)
         subparser.set_defaults(**_setup_file(args.setup, subparser))
         args = parser.parse_args(argv)
     if args.command != "scenario" and not 1 <= args.nodes <= 7:
@@ -142,6 +147,16 @@ def main(argv: list[str] | None = None) -> int:
             args.render.write_text(scenario_html(scenarios))
             print(f"\nwrote {args.render}")
         return 0
+
+    if args.command == "replay":
+        if args.out is not None:
+            with args.out.open("w") as history:
+                result = run(_config(args, args.seed), history)
+            print(f"wrote every event of the run to {args.out}")
+        else:
+            result = run(_config(args, args.seed), sys.stdout)
+        print(result.summary())
+        return 0 if result.ok else 1
 
     if args.command == "run":
         result = run(_config(args, args.seed))

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import Any, TextIO
 
 import attrs
 
@@ -75,7 +75,7 @@ class RunConfig:
 
     def replay_command(self) -> str:
         command = (
-            f"quorumq simulate run --seed {self.seed} --nodes {self.nodes} "
+            f"quorumq simulate replay --seed {self.seed} --nodes {self.nodes} "
             f"--faults {self.faults} --steps {self.steps}"
         )
         if self.fault_interval_s != attrs.fields(RunConfig).fault_interval_s.default:
@@ -194,10 +194,11 @@ class Result:
         return "\n".join(lines)
 
 
-def run(config: RunConfig) -> Result:
-    """Play one seed: faults, heal, drain; check everything; return the result."""
+def run(config: RunConfig, history: TextIO | None = None) -> Result:
+    """Play one seed: faults, heal, drain; check everything; return the result.
+    `history`: where to write every event of the run, one line each (`replay`)."""
     started = time.perf_counter()
-    world = World(config.seed)
+    world = World(config.seed, history)
     cluster = Cluster(
         world,
         config.nodes,

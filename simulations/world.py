@@ -20,7 +20,7 @@ import heapq
 import math
 import random
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TextIO
 
 import pysyncobj.dns_resolver
 import pysyncobj.syncobj
@@ -64,8 +64,10 @@ def first_micros_at(when_s: float) -> int:
 class World:
     """Clock, event queue, random streams and trace of one simulated run."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, history: TextIO | None = None) -> None:
+        """`history`: where to write every traced event, one line each (`replay`)."""
         self.seed = seed
+        self.history = history
         self.now_us = 0
         self._queue: list[tuple[int, int, Callable[..., None], tuple[Any, ...]]] = []
         self._counter = 0
@@ -117,6 +119,8 @@ class World:
         """Add one event to the run's trace hash (same seed, same hash, anywhere)."""
         self._trace.update(f"{self.now_us} {line}\n".encode())
         self.trace_lines += 1
+        if self.history is not None:
+            self.history.write(f"{self.now_us / US:12.6f} {line}\n")
 
     def trace_hash(self) -> str:
         return self._trace.hexdigest()

@@ -59,6 +59,18 @@ def test_simulate_sweep_sums_up_its_seeds_in_a_table() -> None:
     assert "| fault kind | faults | seeds' longest confirm pause: p50 | max |" in result.stdout
 
 
+def test_simulate_replay_prints_every_event_of_the_same_run() -> None:
+    """A failing run's report ends with a `replay` command: the same run (the same
+    trace hash), every event printed."""
+    ran = _quorumq("simulate", "run", "--seed", "2", "--steps", "200")
+    replayed = _quorumq("simulate", "replay", "--seed", "2", "--steps", "200")
+    assert replayed.returncode == 0, replayed.stderr
+    trace = next(line for line in ran.stdout.splitlines() if line.startswith("trace "))
+    assert trace in replayed.stdout.splitlines()
+    assert "start A 1" in replayed.stdout and "leader " in replayed.stdout
+    assert len(replayed.stdout.splitlines()) > 1000
+
+
 def test_bad_arguments_get_a_one_line_error_and_nonzero_exit() -> None:
     result = _quorumq("demo", "--scenario", "nope")
     assert result.returncode == 2
