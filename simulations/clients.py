@@ -28,6 +28,7 @@ from quorumq.client.core import (
     Producer,
     QuorumqError,
     check_hello_answer,
+    generation_id,
     hello_frame,
 )
 from quorumq.client.session import (
@@ -168,7 +169,7 @@ class SimClient:
 
     def _producer_id(self, generation: int) -> str:
         """As a real client's, from the seed's client stream instead of uuid4."""
-        return f"g{generation:x}-{self.cluster.producer_ids.getrandbits(128):032x}"
+        return generation_id(generation, self.cluster.producer_ids.getrandbits(128))
 
     @property
     def node(self) -> SimNode | None:

@@ -134,11 +134,13 @@ MAX_GENERATION = 2**64 - 1
 """The largest generation an id carries (16 hex digits: the queue parses no more)."""
 
 
-def generation_id(generation: int) -> str:
-    """A producer id of `generation`, "g<hex>-<random>": a queue that forgot producers
-    of this generation or below refuses it (`producer_forgotten`) instead of taking a
-    resend of a forgotten producer for a new one."""
-    return f"g{generation:x}-{uuid.uuid4().hex}"
+def generation_id(generation: int, random_bits: int | None = None) -> str:
+    """A producer id of `generation`, "g<hex>-<32 random hex>": a queue that forgot
+    producers of this generation or below refuses it (`producer_forgotten`) instead of
+    taking a resend of a forgotten producer for a new one. `random_bits` (128 of them)
+    in place of a random UUID: the simulator's, from its seed."""
+    bits = uuid.uuid4().int if random_bits is None else random_bits
+    return f"g{generation:x}-{bits:032x}"
 
 
 def wall_clock_ms() -> int:

@@ -110,6 +110,13 @@ class _Lane:
 
 
 _GENERATION_ID = re.compile(r"g([0-9a-f]{1,16})-[0-9a-f]{32}\Z")
+_GENERATION_ID_START = re.compile(r"g[0-9a-f]{0,16}(-[0-9a-f]{0,32})?\Z")
+
+
+def may_start_generation_id(prefix: str) -> bool:
+    """Whether `prefix` could be the start of a client's producer id (the form
+    `producer_generation` reads)."""
+    return _GENERATION_ID_START.match(prefix) is not None
 
 
 def producer_generation(producer: str) -> int | None:

@@ -43,7 +43,6 @@ import heapq
 import itertools
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -75,6 +74,7 @@ from ..machine import (
     Tick,
     UnknownQueueError,
 )
+from ..machine.queue import may_start_generation_id
 from ..protocol import PROTOCOL_VERSION, Frame, ProtocolError, encode_frame, proof_matches
 from ..replica import (
     AuditBusyError,
@@ -1146,15 +1146,12 @@ class NodeCore:
                 self.effects_applied(None, missing)
 
 
-_GENERATION_PREFIX = re.compile(r"g[0-9a-f]{0,16}(-[0-9a-f]{0,32})?\Z")
-
-
 def _needs_admin(prefix: str) -> bool:
     """Whether forgetting `prefix` needs the admin credential: it is shorter than
     `MIN_FORGET_PREFIX`, or it could start a client's producer id ("g<ms hex>-<hex>":
     the generation is a time anyone can guess, and forgetting even one's own moves
     the queue's forgotten generation for every client)."""
-    return len(prefix) < MIN_FORGET_PREFIX or _GENERATION_PREFIX.match(prefix) is not None
+    return len(prefix) < MIN_FORGET_PREFIX or may_start_generation_id(prefix)
 
 
 class _MembershipChange:
