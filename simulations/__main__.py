@@ -31,6 +31,12 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
         workload=WorkloadConfig(
             rate=args.rate,
             message_ttl_ms=args.ttl,
+            max_length=args.max_length,
+            overflow=args.overflow,
+            delivery_limit=args.delivery_limit,
+            dead_letter=args.dead_letter,
+            single_active_consumer=args.single_active_consumer,
+            consumer_timeout_ms=args.consumer_timeout,
             producers=args.producers,
             consumers=args.consumers,
             keys=args.keys,
@@ -105,6 +111,37 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument(
         "--ttl", type=int, metavar="MS", help="give the queue a message TTL (default: none)"
     )
+    common.add_argument(
+        "--max-length", type=int, metavar="N", help="at most N ready records in the queue"
+    )
+    common.add_argument(
+        "--overflow",
+        choices=("drop-head", "reject-publish"),
+        default="drop-head",
+        help="past --max-length: drop the oldest, or refuse publishes",
+    )
+    common.add_argument(
+        "--delivery-limit",
+        type=int,
+        metavar="N",
+        help="drop (or dead-letter) a record returned N times",
+    )
+    common.add_argument(
+        "--dead-letter",
+        action="store_true",
+        help="dead-letter what the queue drops to a second queue",
+    )
+    common.add_argument(
+        "--single-active-consumer",
+        action="store_true",
+        help="one consumer at a time receives the queue",
+    )
+    common.add_argument(
+        "--consumer-timeout",
+        type=int,
+        metavar="MS",
+        help="remove a consumer that holds a record this long (slow ones ack after 0.2-1.5 s)",
+    )
     common.add_argument("--no-disk-faults", action="store_true", help="leave out the disk faults")
     common.add_argument(
         "--no-membership-faults", action="store_true", help="leave out the membership changes"
@@ -139,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     if args.command != "scenario" and not 1 <= args.nodes <= 7:
         parser.error("--nodes must be 1 to 7")
+    if args.command != "scenario":
+        try:
+            _config(args, 0).workload.queue_options()
+        except (TypeError, ValueError) as e:
+            parser.error(f"queue options: {e}")
 
     if args.command == "scenario":
         scenarios = list(SCENARIOS.values())

@@ -19,6 +19,12 @@ As entries are applied (cheap checks, every entry):
   expired messages early and forgot producers (second offsets);
 * with a message TTL, a record expires only after its TTL of true time has passed
   since it was published (`early_expiry`: queue time ran fast);
+* with a single active consumer, a message is given to a consumer only while no
+  other consumer holds one (`single_active`);
+* a record leaves the queue undelivered only as the queue's options say: dropped
+  (expired, pushed out by max_length, over its delivery limit) or dead-lettered; a
+  publish refused because the queue is full (`reject-publish`) is no violation, but
+  it must never land (`phantom`);
 * first deliveries (not marked redelivered) come in increasing offset order per
   consumer for unkeyed messages and per key for keyed ones: only a return restarts
   a key, and a returned message is marked.
@@ -46,7 +52,8 @@ As consumers receive (the clients' view):
 
 At the end (Jepsen's total-queue counts, after heal and drain):
 
-* `lost`: confirmed to its producer, never received by a consumer;
+* `lost`: confirmed to its producer, never received by a consumer, nor dropped or
+  dead-lettered by the queue's options (`dropped`, `dead_lettered`);
 * `refused` and `fatal` (not violations): nodes that refused to start from a damaged
   disk, and nodes that stopped themselves after a failed journal write or sync. A
   committed entry lost to damage shows as `log` (a replica applies another command at
@@ -72,6 +79,7 @@ from quorumq.machine import (
     Applied,
     Command,
     ConsumerDown,
+    DeadLettered,
     Deliver,
     Dropped,
     Enqueue,
@@ -82,6 +90,7 @@ from quorumq.machine import (
     Subscribe,
 )
 
+from .workload import QUEUE
 from .world import WALL_EPOCH_MS, World, seconds
 
 TIME_BOUND_MS = 2
@@ -113,6 +122,8 @@ class Record:
     offsets: set[int] = attrs.field(factory=set)
     acked: bool = False
     dropped: bool = False
+    """The queue dropped or dead-lettered it (its options say so): not lost."""
+    dead_lettered: bool = False
     unknown: bool = False
     published_ms: int = 0
     """True time (simulated ms) when its producer made it."""
@@ -120,10 +131,16 @@ class Record:
 
 class Checker:
     def __init__(
-        self, world: World, *, digest_every: int = 500, message_ttl_ms: int | None = None
+        self,
+        world: World,
+        *,
+        digest_every: int = 500,
+        message_ttl_ms: int | None = None,
+        single_active: bool = False,
     ) -> None:
         self.world = world
         self.message_ttl_ms = message_ttl_ms
+        self.single_active = single_active
         self.digest_every = digest_every
         self.records: dict[bytes, Record] = {}
         self.violations: list[Violation] = []
@@ -169,6 +186,8 @@ class Checker:
         self.config_changes: Counter[str] = Counter()
         """Configuration changes leaders accepted (appended) and refused."""
         self._config_overlaps: set[tuple[str, tuple[int, ...]]] = set()
+        self.consumers_removed: Counter[str] = Counter()
+        """Consumers the log removed, by reason (`consumer_timeout`, `down`, ...)."""
 
     def violation(self, kind: str, detail: str) -> None:
         self.violation_count += 1
@@ -193,9 +212,12 @@ class Checker:
         """Its producer was told the outcome is unknown: it may or may not land (once)."""
         self.records[body].unknown = True
 
-    def refused(self, body: bytes, reason: str) -> None:
+    def refused(self, body: bytes, reason: str, *, expected: bool = False) -> None:
+        """Its producer was told it was not published; `expected`: for a reason the
+        queue's options give (full, with `reject-publish`), no violation then."""
         self.records[body].refused = True
-        self.violation("refused", f"{body!r} was refused for good: {reason}")
+        if not expected:
+            self.violation("refused", f"{body!r} was refused for good: {reason}")
 
     def subscribed(self, consumer: str, node: str) -> None:
         pass
@@ -384,12 +406,17 @@ class Checker:
             if type(e) is Deliver:
                 self._delivered(e)
             elif type(e) is ConsumerDown:
+                self.consumers_removed[e.reason] += 1
                 for offset in list(self.held_by.get(e.consumer, ())):
                     self._release(offset)
-            elif type(e) is Dropped:
+            elif type(e) is Dropped or type(e) is DeadLettered:
+                if e.queue != QUEUE:
+                    continue  # the dead-letter queue's offsets are its own
                 body = self.body_of.get(e.offset)
                 if body is not None and body in self.records:
-                    self.records[body].dropped = True
+                    record = self.records[body]
+                    record.dropped = True
+                    record.dead_lettered = type(e) is DeadLettered
                     if e.reason == "expired":
                         self._check_expiry(body, e.offset, now_ms)
 
@@ -424,6 +451,14 @@ class Checker:
             self.violation(
                 "double_hold", f"offset {offset} given to {e.consumer}; {holder} holds it"
             )
+        if self.single_active:
+            others = [c for c, held in self.held_by.items() if held and c != e.consumer]
+            if others:
+                self.violation(
+                    "single_active",
+                    f"offset {offset} given to {e.consumer} while {others[0]} holds "
+                    f"{sorted(self.held_by[others[0]])[:5]}",
+                )
         if e.redelivered != (offset in self.delivered_ever):
             self.violation("redelivered_flag", f"offset {offset} to {e.consumer}: {e.redelivered}")
         self.delivered_ever.add(offset)
@@ -458,6 +493,10 @@ class Checker:
             "unsettled": 0,
             "duplicated": 0,
             "recovered": 0,
+            "dropped": 0,
+            "dead_lettered": 0,
+            "refused": 0,
+            "consumers_timed_out": self.consumers_removed["consumer_timeout"],
             "unexpected": sum(1 for v in self.violations if v.kind == "unexpected"),
             "refused_start": self.refused_starts,
             "fatal_stop": self.fatal_stops,
@@ -467,6 +506,9 @@ class Checker:
             counts["received"] += r.received > 0
             counts["acked"] += r.acked
             counts["duplicated"] += r.received_unmarked > 1
+            counts["dead_lettered"] += r.dead_lettered
+            counts["dropped"] += r.dropped and not r.dead_lettered
+            counts["refused"] += r.refused
             if r.confirmed and not r.received and not r.dropped:
                 counts["lost"] += 1
                 if counts["lost"] <= 5:

@@ -32,7 +32,6 @@ from quorumq.client.core import (
     hello_frame,
 )
 from quorumq.client.session import (
-    REWIND_DELAY,
     ClientSession,
     ConsumerEnded,
     Delivered,
@@ -269,7 +268,7 @@ class SimClient:
             elif isinstance(e, Resubscribe):
                 self._resubscribe(e.consumer, 1, self.world.now_us + micros(self.subscribe_for_s))
             elif isinstance(e, RewindLater):
-                self.world.after(micros(REWIND_DELAY), self._rewind, e.queue)
+                self.world.after(micros(e.delay), self._rewind, e.queue)
             elif isinstance(e, Send):
                 self._write(e.frame)
 

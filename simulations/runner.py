@@ -84,8 +84,11 @@ class RunConfig:
             command += f" --rate {self.workload.rate:g}"
         if self.compaction_entries is not None:
             command += f" --compaction {self.compaction_entries}"
-        if self.workload.message_ttl_ms is not None:
-            command += f" --ttl {self.workload.message_ttl_ms}"
+        defaults = WorkloadConfig()
+        for name in ("producers", "consumers", "keys", "prefetch"):
+            if getattr(self.workload, name) != getattr(defaults, name):
+                command += f" --{name} {getattr(self.workload, name)}"
+        command += self.workload.queue_option_flags()
         if not self.disk_faults:
             command += " --no-disk-faults"
         if not self.membership_faults:
@@ -158,7 +161,9 @@ class Result:
             f"received {c['received']}, acked {c['acked']}; deliveries {self.deliveries} "
             f"({self.redeliveries} redelivered)",
             f"lost {c['lost']}, unexpected {c['unexpected']}, duplicated {c['duplicated']}, "
-            f"recovered {c['recovered']}, unsettled {c['unsettled']}",
+            f"recovered {c['recovered']}, unsettled {c['unsettled']}; by the queue's "
+            f"options: dropped {c['dropped']}, dead-lettered {c['dead_lettered']}, "
+            f"refused {c['refused']}; consumers timed out {c['consumers_timed_out']}",
             f"disk: {c['refused_start']} starts refused (damaged journal or snapshot), "
             f"{c['fatal_stop']} nodes stopped (a failed write or sync)",
             f"membership: {self.membership.get('accepted', 0)} changes accepted and "
@@ -207,7 +212,11 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         grace_s=config.grace_s,
         compaction_entries=config.compaction_entries,
     )
-    checker = Checker(world, message_ttl_ms=config.workload.message_ttl_ms)
+    checker = Checker(
+        world,
+        message_ttl_ms=config.workload.message_ttl_ms,
+        single_active=config.workload.single_active_consumer,
+    )
     history = History(world, cluster.hosts, QUEUE)
     cluster.observers += [checker, history]
     stop: Callable[[], bool] = (

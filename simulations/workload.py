@@ -15,8 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from quorumq.client.core import Delivery, OutcomeUnknownError, QuorumqError
-from quorumq.machine import QueueOptions
+from quorumq.client.core import (
+    Delivery,
+    OutcomeUnknownError,
+    QuorumqError,
+    RefusedBeforeError,
+    ServerError,
+)
+from quorumq.machine import ErrorCode, QueueOptions
 
 from .clients import SimClient
 from .world import micros
@@ -26,6 +32,8 @@ if TYPE_CHECKING:
     from .cluster import Cluster
 
 QUEUE = "orders"
+DEAD_LETTER_QUEUE = "orders.dead"
+"""Where `WorkloadConfig.dead_letter` sends what the queue dead-letters (nobody consumes it)."""
 QUEUE_OPTIONS = QueueOptions(retention_messages=1000)
 """The stream view keeps only the newest messages: the state (and its digest) stays small."""
 
@@ -50,9 +58,50 @@ class WorkloadConfig:
     message_ttl_ms: int | None = None
     """The queue's message TTL: a record may expire (it is then dropped, not lost), never
     before that much true time has passed since it was published (`early_expiry`)."""
+    max_length: int | None = None
+    """At most this many ready records: the oldest are dropped (`overflow="drop-head"`)
+    or publishes refused (`"reject-publish"`): dropped or refused, never lost."""
+    overflow: str = "drop-head"
+    delivery_limit: int | None = None
+    """A record returned this many times is dropped, or dead-lettered (`dead_letter`)."""
+    dead_letter: bool = False
+    """Dead-letter to `DEAD_LETTER_QUEUE` what the queue drops (expired, over its
+    delivery limit, pushed out by max_length)."""
+    single_active_consumer: bool = False
+    """One consumer at a time receives the queue (the others wait, in order)."""
+    consumer_timeout_ms: int | None = None
+    """A consumer holding a record longer than this (queue time) is removed and what it
+    held returns (the workload's slow consumers ack after up to 1.5 s)."""
 
     def queue_options(self) -> QueueOptions:
-        return attrs.evolve(QUEUE_OPTIONS, message_ttl_ms=self.message_ttl_ms)
+        """The workload queue's options (clear errors for bad values come from here)."""
+        return attrs.evolve(
+            QUEUE_OPTIONS,
+            message_ttl_ms=self.message_ttl_ms,
+            max_length=self.max_length,
+            overflow=self.overflow,  # type: ignore[arg-type]
+            delivery_limit=self.delivery_limit,
+            dead_letter_queue=DEAD_LETTER_QUEUE if self.dead_letter else None,
+            single_active_consumer=self.single_active_consumer,
+            consumer_timeout_ms=self.consumer_timeout_ms,
+        )
+
+    def queue_option_flags(self) -> str:
+        """The command-line options that give these queue options (for `replay`)."""
+        flags = ""
+        if self.message_ttl_ms is not None:
+            flags += f" --ttl {self.message_ttl_ms}"
+        if self.max_length is not None:
+            flags += f" --max-length {self.max_length} --overflow {self.overflow}"
+        if self.delivery_limit is not None:
+            flags += f" --delivery-limit {self.delivery_limit}"
+        if self.dead_letter:
+            flags += " --dead-letter"
+        if self.single_active_consumer:
+            flags += " --single-active-consumer"
+        if self.consumer_timeout_ms is not None:
+            flags += f" --consumer-timeout {self.consumer_timeout_ms}"
+        return flags
 
 
 # ------------------------------------------------------------------ producers
@@ -143,8 +192,14 @@ class SimProducer:
             for body, _ in records:
                 self.checker.outcome_unknown(body)
         else:
+            full = isinstance(error, ServerError) and error.code in (
+                ErrorCode.QUEUE_FULL,
+                ErrorCode.OVER_MAX_LENGTH,
+            )
+            behind = isinstance(error, RefusedBeforeError)  # a full queue refused one before
+            expected = (full or behind) and self.config.overflow == "reject-publish"
             for body, _ in records:
-                self.checker.refused(body, str(error))
+                self.checker.refused(body, str(error), expected=expected)
 
 
 # ------------------------------------------------------------------ consumers
@@ -238,17 +293,24 @@ class _Subscription:
 
 
 def declare(cluster: Cluster, options: QueueOptions = QUEUE_OPTIONS) -> SimClient:
-    """Declare the workload's queue through a client (tried again until it answers)."""
+    """Declare the workload's queue (and first its dead-letter queue, if it has one)
+    through a client, each tried again until it answers."""
     client = SimClient(cluster)
+    queues = [(QUEUE, options)]
+    if options.dead_letter_queue is not None:
+        queues.insert(0, (options.dead_letter_queue, QUEUE_OPTIONS))
 
     def attempt() -> None:
-        client.declare(QUEUE, attrs.asdict(options), answered)
+        name, queue_options = queues[0]
+        client.declare(name, attrs.asdict(queue_options), answered)
 
     def answered(frame: dict[str, Any] | None, error: Any) -> None:
-        if frame is None:
-            cluster.world.after(micros(0.1), attempt)
-        else:
+        if frame is not None:
+            queues.pop(0)
+        if not queues:
             client.close()
+        else:
+            cluster.world.after(micros(0.1 if frame is None else 0), attempt)
 
     cluster.world.after(micros(0.05), attempt)
     return client

@@ -557,6 +557,19 @@ def test_reject_publish_refuses_whole_batch_that_does_not_fit(d: Driver) -> None
     assert d.machine.stats("small").next_offset == 1
 
 
+def test_reject_publish_says_when_a_batch_can_never_fit(d: Driver) -> None:
+    """A batch longer than max_length is refused with its own code even from an empty
+    queue: "full for now" would have a client resend it for ever (the simulator's
+    reject-publish runs with max_length 3 and batches of 5 never drained)."""
+    d(Declare(queue="small", options=QueueOptions(max_length=2, overflow="reject-publish")))
+    batch = EnqueueBatch(queue="small", messages=[Message(body=b"%d" % i) for i in range(3)])
+    reply = d(batch).reply
+    assert _error_code(reply) is ErrorCode.OVER_MAX_LENGTH
+    assert "never fit" in reply.message  # type: ignore[union-attr]
+    two = EnqueueBatch(queue="small", messages=[Message(body=b"a"), Message(body=b"b")])
+    assert d(two).reply == Enqueued(offset=0, count=2)
+
+
 def test_drop_head_with_keys_drops_the_oldest_ready_of_any_key(d: Driver) -> None:
     d(Declare(queue="small", options=QueueOptions(max_length=2)))
     d(Subscribe(queue="small", consumer="c1", node="A", prefetch=1))

@@ -19,6 +19,7 @@ from quorumq.client.core import (
     TooManyUnconfirmedError,
 )
 from quorumq.client.session import (
+    PARKED_RETRY_DELAY,
     SUBSCRIBE_RETRY_FIRST,
     SUBSCRIBE_RETRY_LONGEST,
     ClientSession,
@@ -349,9 +350,10 @@ def test_a_resend_refused_by_a_node_with_other_limits_is_outcome_unknown_and_sta
     assert [f["id"] for f in session.unconfirmed()] == [first, later]  # resent
     refused = session.receive(_error(first, "too_large"))
     assert [type(e.error) for e in refused if isinstance(e, Failed)] == [OutcomeUnknownError]
+    assert RewindLater("q", PARKED_RETRY_DELAY) in refused  # tried again later, not now
     assert session.producer.paused == {"k"}
     assert session.settling_keys() == {"k", "j"}  # both live
-    assert [f["id"] for f in session.rewind("q")] == [later]  # not to this node again
+    assert [f["id"] for f in session.unconfirmed("q")] == [later]  # not to this node now
     fresh, frame = session.publish("q", b"m2", None, None)
     assert frame["producer"] != sent["producer"]  # a fresh id
     (never_resent,) = [
@@ -608,3 +610,41 @@ def test_a_numbered_batch_refused_as_out_of_order_is_never_live_for_ever() -> No
     (unknown,) = session.receive(_error(resent, "out_of_order", expected_seq=6))
     assert isinstance(unknown, Failed) and isinstance(unknown.error, OutcomeUnknownError)
     assert session.settling_keys() == set() and session.unconfirmed() == []
+
+
+def test_a_resend_refused_by_a_full_queue_is_sent_again_on_the_same_connection() -> None:
+    """A resend refused because the queue is full for now stays live ("parked"). It used
+    to be sent again only on the next connection: with none coming, the publish stayed
+    unconfirmed for ever, its key settling for ever (simulator, `--max-length 20
+    --overflow reject-publish`, seed 3: not drained 60 s after heal). Now it goes again
+    after `PARKED_RETRY_DELAY`, on this connection, alone (not the queue's other live
+    publishes), and as often as the queue refuses it."""
+    session = _session()
+    first, _ = session.publish("q", b"m0", "k", None)
+    later, _ = session.publish("q", b"m1", "j", None)
+    session.connection_lost()
+    session.connection_made()
+    assert [f["id"] for f in session.unconfirmed()] == [first, later]
+    for _attempt in range(3):
+        events = session.receive(_error(first, "queue_full"))
+        assert RewindLater("q", PARKED_RETRY_DELAY) in events
+        assert [f["id"] for f in session.rewind("q")] == [first]  # it alone, again
+    assert session.rewind("q") == []  # a second timer for the same retry sends nothing
+    (resolved,) = session.receive({"t": "reply", "id": first, "offset": 0})
+    assert isinstance(resolved, Resolved)
+    assert session.settling_keys() == {"j"}
+
+
+def test_a_resend_refused_because_the_batch_can_never_fit_is_not_published() -> None:
+    """`over_max_length` refuses every attempt of a batch alike: a resend refused so is
+    "not published" for certain, not parked and retried for ever."""
+    session = _session()
+    first, _ = session.publish("q", b"m0", "k", None)
+    session.connection_lost()
+    session.connection_made()
+    assert [f["id"] for f in session.unconfirmed()] == [first]
+    events = session.receive(_error(first, "over_max_length"))
+    (failed,) = [e for e in events if isinstance(e, Failed)]
+    assert type(failed.error) is ServerError
+    assert not any(isinstance(e, RewindLater) for e in events)
+    assert session.settling_keys() == set()

@@ -17,7 +17,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from pysyncobj.config import SERIALIZER_STATE
 
-from quorumq.machine import Applied, Down, Machine, Meta, Tick
+from quorumq.machine import Applied, Declare, Down, Machine, Meta, Tick
 from quorumq.machine.commands import Command
 from quorumq.raft.journal import JournalDamagedError, JournalFailedError
 from quorumq.raft.rules import LeaderClock, RaftRules, encode_snapshot
@@ -625,6 +625,51 @@ def test_entries_stamped_when_proposed_expire_early(monkeypatch: pytest.MonkeyPa
 
 
 # ------------------------------------------------------------------- CI sweep
+
+
+QUEUE_OPTION_RUNS = {
+    "dead_letter": ({"delivery_limit": 1, "dead_letter": True}, "dead_lettered"),
+    "max_length": ({"max_length": 3}, "dropped"),
+    "reject_publish": ({"max_length": 3, "overflow": "reject-publish"}, "refused"),
+    "consumer_timeout": ({"consumer_timeout_ms": 500}, "consumers_timed_out"),
+    "single_active_consumer": ({"single_active_consumer": True}, None),
+}
+
+
+def _with_queue_options(seed: int, options: dict[str, object], **changes: object) -> RunConfig:
+    config = ci_config(seed, **changes)
+    return attrs.evolve(config, workload=attrs.evolve(config.workload, **options))
+
+
+@pytest.mark.parametrize("name", sorted(QUEUE_OPTION_RUNS))
+def test_a_run_with_queue_options_passes_and_the_options_act(name: str) -> None:
+    """`quorumq simulate --delivery-limit/--dead-letter/--max-length/--overflow/
+    --consumer-timeout/--single-active-consumer` under CI's faults: what the queue's
+    options drop, dead-letter or refuse is counted, never lost, and they do act.
+    (reject-publish with max_length 3 and batches of up to 5 found two client stalls:
+    a resend refused by a full queue waited for a reconnect that never came, and a
+    batch that can never fit was "full for now" for ever.)"""
+    options, count = QUEUE_OPTION_RUNS[name]
+    result = run(_with_queue_options(1, options))
+    assert result.ok, result.summary()
+    assert count is None or result.counts[count] > 0, result.summary()
+
+
+class _IgnoresSingleActiveConsumer(Machine):
+    """A machine that declares every queue without single active consumer."""
+
+    def apply(self, meta: Meta, command: Command) -> Applied:
+        if isinstance(command, Declare):
+            options = attrs.evolve(command.options, single_active_consumer=False)
+            command = attrs.evolve(command, options=options)
+        return super().apply(meta, command)
+
+
+def test_a_queue_that_ignores_single_active_consumer_is_caught() -> None:
+    options = QUEUE_OPTION_RUNS["single_active_consumer"][0]
+    variant = Variant(name="ignores-sac", machine=_IgnoresSingleActiveConsumer)
+    result = run(_with_queue_options(1, options, variant=variant))
+    assert "single_active" in {v.kind for v in result.violations}, result.summary()
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from .core import (
     OutcomeUnknownError,
     QuorumqError,
     ReadResult,
+    RefusedBeforeError,
     ServerError,
     TooManyUnconfirmedError,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "OutcomeUnknownError",
     "QuorumqError",
     "ReadResult",
+    "RefusedBeforeError",
     "ServerError",
     "StreamMessage",
     "TooManyUnconfirmedError",

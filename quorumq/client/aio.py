@@ -42,7 +42,6 @@ from .core import (
 from .session import (
     MAX_UNCONFIRMED,
     MAX_UNCONFIRMED_BYTES,
-    REWIND_DELAY,
     ClientSession,
     ConsumerEnded,
     Delivered,
@@ -283,12 +282,12 @@ class AsyncClient:
             elif isinstance(e, Resubscribe):
                 self._nursery.start_soon(self._resubscribe, e.consumer)
             elif isinstance(e, RewindLater):
-                self._nursery.start_soon(self._rewind, e.queue)
+                self._nursery.start_soon(self._rewind, e.queue, e.delay)
             elif isinstance(e, Send):
                 self._nursery.start_soon(self._send_whole, e.frame)
 
-    async def _rewind(self, queue: str) -> None:
-        await trio.sleep(REWIND_DELAY)
+    async def _rewind(self, queue: str, delay: float) -> None:
+        await trio.sleep(delay)
         async with self._send_lock:
             for frame in self._session.rewind(queue):
                 await self._write(frame)

@@ -48,7 +48,6 @@ from .core import (
 from .session import (
     MAX_UNCONFIRMED,
     MAX_UNCONFIRMED_BYTES,
-    REWIND_DELAY,
     ClientSession,
     ConsumerEnded,
     Delivered,
@@ -358,7 +357,7 @@ class Client:
             elif isinstance(e, Resubscribe):
                 threading.Thread(target=self._resubscribe, args=(e.consumer,), daemon=True).start()
             elif isinstance(e, RewindLater):
-                timer = threading.Timer(REWIND_DELAY, self._rewind, args=(e.queue,))
+                timer = threading.Timer(e.delay, self._rewind, args=(e.queue,))
                 timer.daemon = True
                 timer.start()
 

@@ -33,6 +33,12 @@ class ServerError(QuorumqError):
         self.message = message
 
 
+class RefusedBeforeError(QuorumqError):
+    """Not published: an earlier publish under the same producer id was refused (say, the
+    queue was full), and the queue takes a producer's sequence numbers in order, so this
+    one can never land. Publish it again if it is still wanted."""
+
+
 class KeyPausedError(QuorumqError):
     """Not sent: a publish for this key failed earlier (call `resume(key)` once it is
     handled), or one is still live under another producer id (wait until the key has

@@ -67,6 +67,7 @@ from .core import (
     OutcomeUnknownError,
     Producer,
     QuorumqError,
+    RefusedBeforeError,
     ServerError,
     TooManyUnconfirmedError,
     delivery_from,
@@ -81,6 +82,11 @@ _LONGEST_ID = generation_id(MAX_GENERATION)
 
 REWIND_DELAY = 0.05
 """Seconds before resending a queue's unconfirmed publishes after a retriable failure."""
+
+PARKED_RETRY_DELAY = 1.0
+"""Seconds before sending again, on the same connection, a publish whose resend the node
+refused (a queue full for now, say): it stays live until a node answers it, and must
+not wait for a reconnect that may never come."""
 
 MAX_UNCONFIRMED = 10_000
 """Unconfirmed publishes (requests: a batch counts once) a client holds at most."""
@@ -143,9 +149,10 @@ class Send:
 
 @attrs.frozen
 class RewindLater:
-    """Call `rewind(queue)` after `REWIND_DELAY` seconds and send what it returns."""
+    """Call `rewind(queue)` after `delay` seconds and send what it returns."""
 
     queue: str
+    delay: float = REWIND_DELAY
 
 
 Event = Resolved | Failed | Delivered | ConsumerEnded | Resubscribe | RewindLater | Send
@@ -228,8 +235,11 @@ class ClientSession:
         self._chosen: set[int] = set()
         """Live publishes under a producer id and sequence numbers their caller chose."""
         self._parked: set[int] = set()
-        """Live publishes whose resend this connection's node refused: sent again only on
-        the next connection (outcome unknown until a node answers them)."""
+        """Live publishes whose resend this connection's node refused: sent again on the
+        next connection, or on this one after `PARKED_RETRY_DELAY` (outcome unknown until
+        a node answers them)."""
+        self._parked_retry: set[str] = set()
+        """Queues whose parked publishes are due to be sent again at their `rewind`."""
         self._live: dict[tuple[str, str], dict[str, int]] = {}
         """(queue, key) -> producer id -> how many unconfirmed publishes of that key the
         producer has: the keys still settling, and under which ids. A publish of a key
@@ -415,16 +425,21 @@ class ClientSession:
             frame["requeue"] = requeue
         return frame
 
-    def unconfirmed(self, queue: str | None = None) -> list[dict[str, Any]]:
-        """Unconfirmed publishes (of `queue`, or all) to send again, in the order they
-        were first sent (request ids grow in send order; per producer that is sequence
-        order), marked as resends. Not by producer id: a renewed id is random, and its
-        publishes would overtake earlier ones of the same key half of the time. Not those
-        whose resend this connection's node refused: they go on the next connection."""
+    def unconfirmed(
+        self, queue: str | None = None, only: set[int] | None = None
+    ) -> list[dict[str, Any]]:
+        """Unconfirmed publishes (of `queue`, or all; or the request ids `only`) to send
+        again, in the order they were first sent (request ids grow in send order; per
+        producer that is sequence order), marked as resends. Not by producer id: a
+        renewed id is random, and its publishes would overtake earlier ones of the same
+        key half of the time. Not those whose resend this connection's node refused:
+        they go on the next connection, or after `PARKED_RETRY_DELAY`."""
         frames = [
             (r, f)
             for r, f in sorted(self._unconfirmed.items())
-            if (queue is None or f["queue"] == queue) and r not in self._parked
+            if (queue is None or f["queue"] == queue)
+            and r not in self._parked
+            and (only is None or r in only)
         ]
         self._resent.update(r for r, _ in frames)
         for request_id, _ in frames:
@@ -490,8 +505,18 @@ class ClientSession:
         return True
 
     def rewind(self, queue: str) -> list[dict[str, Any]]:
+        """What to send now that a `RewindLater(queue)` is due: the queue's live
+        publishes after a retriable failure; its parked ones (`PARKED_RETRY_DELAY`);
+        nothing if an earlier rewind sent them already."""
+        everything = queue in self._rewinding
+        parked_due = queue in self._parked_retry
         self._rewinding.discard(queue)
-        return self.unconfirmed(queue)
+        self._parked_retry.discard(queue)
+        if not parked_due:
+            return self.unconfirmed(queue) if everything else []
+        parked = {r for r in self._parked if self._unconfirmed[r]["queue"] == queue}
+        self._parked -= parked
+        return self.unconfirmed(queue, None if everything else parked)
 
     # ------------------------------------------------------------- connection
 
@@ -499,6 +524,7 @@ class ClientSession:
         """A new connection is in place (its unconfirmed publishes are being sent)."""
         self.connected = True
         self._parked.clear()  # sent again now, to this node
+        self._parked_retry.clear()
         self._attempts.clear()  # answers to the last connection's attempts never come
         if welcome is not None:
             body, frame = welcome.get("max_body"), welcome.get("max_frame")
@@ -640,6 +666,7 @@ class ClientSession:
         self._live.clear()
         self._resent.clear()
         self._parked.clear()
+        self._parked_retry.clear()
         self._attempts.clear()
         self._chosen.clear()
         self._subscribing.clear()
@@ -662,6 +689,7 @@ class ClientSession:
         self._live.clear()
         self._resent.clear()
         self._parked.clear()
+        self._parked_retry.clear()
         self._attempts.clear()
         self._chosen.clear()
         self._subscribing.clear()
@@ -752,6 +780,8 @@ class ClientSession:
             self.producer.above(generation if isinstance(generation, int) else 0)
             if not certain:
                 return self._forgotten(request_id, publish)
+        if code == "over_max_length":
+            certain = True  # no attempt of it could ever fit the queue
         if code == "out_of_order" and publish.get("seqs") is not None:
             # A numbered batch is refused so only by a queue that does not know its
             # producer (new and not opened by it, or forgotten): never behind another
@@ -787,9 +817,14 @@ class ClientSession:
         self._parked.add(request_id)
         self._keys_failed([publish])
         self._retire(publish)
+        retry: list[Event] = []
+        if publish["queue"] not in self._parked_retry:
+            self._parked_retry.add(publish["queue"])
+            retry = [RewindLater(publish["queue"], PARKED_RETRY_DELAY)]
         if not first:
-            return []
+            return retry
         return [
+            *retry,
             Failed(
                 request_id,
                 OutcomeUnknownError(
@@ -797,7 +832,7 @@ class ClientSession:
                     "have landed or may yet: the publish stays live (sent again after the "
                     "next reconnect) and lands at most once; do not publish it again"
                 ),
-            )
+            ),
         ]
 
     def _forgotten(self, request_id: int, publish: dict[str, Any]) -> list[Event]:
@@ -866,7 +901,7 @@ class ClientSession:
             ):
                 self._settled(request_id)
                 self._keys_failed([frame])
-                error = QuorumqError(
+                error = RefusedBeforeError(
                     f"not published: an earlier publish to {queue!r} under the same producer "
                     "id was refused, and the queue takes that id's sequence numbers in order"
                 )

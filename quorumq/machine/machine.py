@@ -331,6 +331,16 @@ class Machine:
         if (
             opts.overflow == "reject-publish"
             and opts.max_length is not None
+            and len(messages) > opts.max_length
+        ):
+            return _error(
+                ErrorCode.OVER_MAX_LENGTH,
+                f"a batch of {len(messages)} messages can never fit queue {q.name!r}: "
+                f"max_length {opts.max_length}; publish fewer at a time",
+            )
+        if (
+            opts.overflow == "reject-publish"
+            and opts.max_length is not None
             and q.ready_count + len(messages) > opts.max_length
         ):
             return _error(

@@ -13,6 +13,10 @@ class ErrorCode(enum.StrEnum):
     OPTIONS_MISMATCH = "options_mismatch"
     INVALID = "invalid"
     QUEUE_FULL = "queue_full"
+    """The queue holds `max_length` ready messages (`reject-publish`): full for now."""
+    OVER_MAX_LENGTH = "over_max_length"
+    """A batch with more messages than the queue's `max_length` (`reject-publish`): it
+    can never fit, whatever the queue holds (so neither could any attempt of it)."""
     OUT_OF_ORDER = "out_of_order"
     UNKNOWN_CONSUMER = "unknown_consumer"
     CONSUMER_EXISTS = "consumer_exists"
