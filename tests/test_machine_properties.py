@@ -294,8 +294,10 @@ class QueueMachineRules(RuleBasedStateMachine):
     def refused_as_full(self, queue: str, reply: object, n: int, ready_before: int) -> bool:
         opts = self.options[queue]
         if isinstance(reply, Error):
-            assert reply.code is ErrorCode.QUEUE_FULL, reply
             assert opts.overflow == "reject-publish" and opts.max_length is not None
+            # a batch longer than max_length can never fit; a shorter one is full for now
+            never = ErrorCode.OVER_MAX_LENGTH if n > opts.max_length else ErrorCode.QUEUE_FULL
+            assert reply.code is never, reply
             return True
         if opts.overflow == "reject-publish" and opts.max_length is not None:
             assert opts.message_ttl_ms is not None or ready_before + n <= opts.max_length
