@@ -77,6 +77,7 @@ import attrs
 from quorumq.machine import (
     Ack,
     Applied,
+    Cancel,
     Command,
     ConsumerDown,
     DeadLettered,
@@ -186,6 +187,14 @@ class Checker:
         self.config_changes: Counter[str] = Counter()
         """Configuration changes leaders accepted (appended) and refused."""
         self._config_overlaps: set[tuple[str, tuple[int, ...]]] = set()
+        self.subscribers: dict[str, bool] = {}
+        """The queue's consumers in subscription order, and whether each was cancelled:
+        with a single active consumer, the first not cancelled (or still holding) is
+        the active one (the machine's rule, `QueueState.active_consumer`)."""
+        self.landed: set[bytes] = set()
+        """Bodies the log took (a refused one must not be among them: `phantom`)."""
+        self.dead_lettered_at: dict[tuple[str, int], bytes] = {}
+        """(target queue, offset) -> the body dead-lettered there (checked at the end)."""
         self.consumers_removed: Counter[str] = Counter()
         """Consumers the log removed, by reason (`consumer_timeout`, `down`, ...)."""
 
@@ -216,6 +225,8 @@ class Checker:
         """Its producer was told it was not published; `expected`: for a reason the
         queue's options give (full, with `reject-publish`), no violation then."""
         self.records[body].refused = True
+        if body in self.landed:
+            self.violation("phantom", f"{body!r} landed, and its producer was told it did not")
         if not expected:
             self.violation("refused", f"{body!r} was refused for good: {reason}")
 
@@ -390,8 +401,21 @@ class Checker:
             )
             for i, body in enumerate(bodies):
                 self.body_of[reply.offset + i] = body
+                self.landed.add(body)
+                record = self.records.get(body)
+                if record is not None and record.refused:
+                    self.violation(
+                        "phantom",
+                        f"{body!r} was reported not published to its producer, and landed",
+                    )
         if isinstance(command, Subscribe) and isinstance(applied.reply, Ok):
             self.prefetch[command.consumer] = command.prefetch
+            if command.queue == QUEUE:
+                self.subscribers.pop(command.consumer, None)
+                self.subscribers[command.consumer] = False  # the newest, at the back
+        elif isinstance(command, Cancel) and isinstance(applied.reply, Ok):
+            if command.consumer in self.subscribers:
+                self.subscribers[command.consumer] = True
         elif isinstance(command, Ack | Nack) and isinstance(applied.reply, Ok):
             if isinstance(command, Nack):
                 self._return_key_tails(command.consumer, command.offsets)
@@ -407,6 +431,8 @@ class Checker:
                 self._delivered(e)
             elif type(e) is ConsumerDown:
                 self.consumers_removed[e.reason] += 1
+                if e.queue == QUEUE:
+                    self.subscribers.pop(e.consumer, None)
                 for offset in list(self.held_by.get(e.consumer, ())):
                     self._release(offset)
             elif type(e) is Dropped or type(e) is DeadLettered:
@@ -417,6 +443,8 @@ class Checker:
                     record = self.records[body]
                     record.dropped = True
                     record.dead_lettered = type(e) is DeadLettered
+                    if type(e) is DeadLettered:
+                        self.dead_lettered_at[(e.target_queue, e.target_offset)] = body
                     if e.reason == "expired":
                         self._check_expiry(body, e.offset, now_ms)
 
@@ -452,12 +480,18 @@ class Checker:
                 "double_hold", f"offset {offset} given to {e.consumer}; {holder} holds it"
             )
         if self.single_active:
-            others = [c for c, held in self.held_by.items() if held and c != e.consumer]
-            if others:
+            active = next(
+                (
+                    c
+                    for c, cancelled in self.subscribers.items()
+                    if not cancelled or self.held_by.get(c)
+                ),
+                None,
+            )
+            if e.consumer != active:
                 self.violation(
                     "single_active",
-                    f"offset {offset} given to {e.consumer} while {others[0]} holds "
-                    f"{sorted(self.held_by[others[0]])[:5]}",
+                    f"offset {offset} given to {e.consumer}; the active consumer is {active}",
                 )
         if e.redelivered != (offset in self.delivered_ever):
             self.violation("redelivered_flag", f"offset {offset} to {e.consumer}: {e.redelivered}")
@@ -523,6 +557,13 @@ class Checker:
                 self.violation("two_offsets", f"{body!r} has offsets {sorted(r.offsets)}")
         if not drained:
             self.violation("liveness", "not every confirmed record was acked by the deadline")
+        for (queue, offset), body in sorted(self.dead_lettered_at.items()):
+            there = nodes[0].machine.read(queue, offset, offset + 1) if nodes else ()
+            if not there or there[0].body != body:
+                self.violation(
+                    "dead_letter",
+                    f"{body!r} was dead-lettered to {queue} at {offset}, and is not there",
+                )
         indexes = {n.name: n.machine.last_index for n in nodes}
         digests = {n.name: n.machine.digest() for n in nodes}
         if len(set(indexes.values())) > 1 or len(set(digests.values())) > 1:

@@ -65,8 +65,8 @@ class WorkloadConfig:
     delivery_limit: int | None = None
     """A record returned this many times is dropped, or dead-lettered (`dead_letter`)."""
     dead_letter: bool = False
-    """Dead-letter to `DEAD_LETTER_QUEUE` what the queue drops (expired, over its
-    delivery limit, pushed out by max_length)."""
+    """Dead-letter to `DEAD_LETTER_QUEUE` what expires or goes over its delivery limit
+    (what max_length pushes out is dropped, not dead-lettered)."""
     single_active_consumer: bool = False
     """One consumer at a time receives the queue (the others wait, in order)."""
     consumer_timeout_ms: int | None = None
@@ -298,7 +298,7 @@ def declare(cluster: Cluster, options: QueueOptions = QUEUE_OPTIONS) -> SimClien
     client = SimClient(cluster)
     queues = [(QUEUE, options)]
     if options.dead_letter_queue is not None:
-        queues.insert(0, (options.dead_letter_queue, QUEUE_OPTIONS))
+        queues.insert(0, (options.dead_letter_queue, QueueOptions()))  # keeps them all
 
     def attempt() -> None:
         name, queue_options = queues[0]

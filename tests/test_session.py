@@ -350,7 +350,7 @@ def test_a_resend_refused_by_a_node_with_other_limits_is_outcome_unknown_and_sta
     assert [f["id"] for f in session.unconfirmed()] == [first, later]  # resent
     refused = session.receive(_error(first, "too_large"))
     assert [type(e.error) for e in refused if isinstance(e, Failed)] == [OutcomeUnknownError]
-    assert RewindLater("q", PARKED_RETRY_DELAY) in refused  # tried again later, not now
+    assert not any(isinstance(e, RewindLater) for e in refused)  # not to this node again
     assert session.producer.paused == {"k"}
     assert session.settling_keys() == {"k", "j"}  # both live
     assert [f["id"] for f in session.unconfirmed("q")] == [later]  # not to this node now
@@ -625,13 +625,22 @@ def test_a_resend_refused_by_a_full_queue_is_sent_again_on_the_same_connection()
     session.connection_lost()
     session.connection_made()
     assert [f["id"] for f in session.unconfirmed()] == [first, later]
-    for _attempt in range(3):
+    told = 0
+    for attempt in range(4):
         events = session.receive(_error(first, "queue_full"))
-        assert RewindLater("q", PARKED_RETRY_DELAY) in events
-        assert [f["id"] for f in session.rewind("q")] == [first]  # it alone, again
+        if attempt == 0:  # `later` is refused behind it, and waits for it
+            assert session.receive(_error(later, "out_of_order", expected_seq=0)) == []
+        told += sum(isinstance(e, Failed) for e in events)
+        # again later, and later each time (1 s, 2 s, 4 s, 8 s): not a storm
+        assert RewindLater("q", PARKED_RETRY_DELAY * 2**attempt) in events
+        # the producer's earliest alone (the rest would be refused behind it)
+        assert [f["id"] for f in session.rewind("q")] == [first]
+    assert told == 1  # its caller is told "outcome unknown" once
     assert session.rewind("q") == []  # a second timer for the same retry sends nothing
-    (resolved,) = session.receive({"t": "reply", "id": first, "offset": 0})
+    (resolved, retry) = session.receive({"t": "reply", "id": first, "offset": 0})
     assert isinstance(resolved, Resolved)
+    assert retry == RewindLater("q", PARKED_RETRY_DELAY)  # the next one, soon; delay reset
+    assert [f["id"] for f in session.rewind("q")] == [later]
     assert session.settling_keys() == {"j"}
 
 

@@ -48,9 +48,11 @@ from quorumq.client.session import (
     Send,
 )
 from quorumq.machine import (
+    Ack,
     Cancel,
     Command,
     Declare,
+    Deliver,
     Down,
     Enqueue,
     EnqueueBatch,
@@ -59,6 +61,7 @@ from quorumq.machine import (
     Machine,
     Message,
     Meta,
+    QueueOptions,
     Subscribe,
 )
 
@@ -667,6 +670,48 @@ SessionAgainstTheMachine.TestCase.settings = settings(
     deadline=None,
 )
 TestSessionAgainstTheMachine = SessionAgainstTheMachine.TestCase
+
+
+class SessionAgainstAFullQueue(SessionAgainstTheMachine):
+    """The same session, faults and promises, against a queue that refuses publishes
+    when it holds two ready messages (`reject-publish`), with a consumer that drains it
+    now and then: `queue_full` for now, `over_max_length` for good, parked publishes
+    tried again on the same connection, and the later ones given up behind a refusal
+    (`RefusedBeforeError`). (A hostile review's harness: parked publishes waited for a
+    reconnect that never came, and were all resent every second.)"""
+
+    FULL_AT = 2
+
+    def _apply(self, command: Command) -> Any:
+        if isinstance(command, Declare) and command.queue == "q":
+            options = QueueOptions(max_length=self.FULL_AT, overflow="reject-publish")
+            command = attrs.evolve(command, options=options)
+        return super()._apply(command)
+
+    @rule()
+    def a_consumer_drains_the_queue(self) -> None:
+        self.index += 1
+        taker = Subscribe(queue="q", consumer="drain", node="X", prefetch=0)
+        applied = self.machine.apply(Meta(self.index, self.index), taker)
+        offsets = tuple(e.offset for e in applied.effects if isinstance(e, Deliver))
+        if offsets:
+            self._apply(Ack(queue="q", consumer="drain", offsets=offsets))
+        self._apply(Cancel(queue="q", consumer="drain"))
+
+    @precondition(lambda self: self.rewinds)
+    @rule()
+    def a_rewind_is_due(self) -> None:
+        if not any(self.to_node.values()) and not self.to_client and not self.proposed:
+            self.a_consumer_drains_the_queue()  # (in the teardown: the queue empties)
+        super().a_rewind_is_due()
+
+
+SessionAgainstAFullQueue.TestCase.settings = settings(
+    max_examples=int(os.environ.get("QUORUMQ_PROPERTY_EXAMPLES", "200")) // 2,
+    stateful_step_count=120,
+    deadline=None,
+)
+TestSessionAgainstAFullQueue = SessionAgainstAFullQueue.TestCase
 
 
 # ------------------------------------------------- named regression tests

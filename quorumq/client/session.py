@@ -85,8 +85,14 @@ REWIND_DELAY = 0.05
 
 PARKED_RETRY_DELAY = 1.0
 """Seconds before sending again, on the same connection, a publish whose resend the node
-refused (a queue full for now, say): it stays live until a node answers it, and must
-not wait for a reconnect that may never come."""
+refused for now (`PASSING_REFUSALS`: a queue full for now): it stays live until a node
+answers it, and must not wait for a reconnect that may never come. The delay doubles
+with each refusal in a row, up to `PARKED_RETRY_LONGEST`, and starts over once a
+publish to the queue is confirmed."""
+PARKED_RETRY_LONGEST = 30.0
+PASSING_REFUSALS = frozenset({"queue_full", "too_many_producers"})
+"""Refusals that may not hold later on the same connection. Others (a node's
+`--max-body`, say) hold until the client reconnects (perhaps to another node)."""
 
 MAX_UNCONFIRMED = 10_000
 """Unconfirmed publishes (requests: a batch counts once) a client holds at most."""
@@ -240,6 +246,13 @@ class ClientSession:
         a node answers them)."""
         self._parked_retry: set[str] = set()
         """Queues whose parked publishes are due to be sent again at their `rewind`."""
+        self._parked_delay: dict[str, float] = {}
+        """Per queue: the delay of its next parked retry (doubling, `PARKED_RETRY_DELAY`)."""
+        self._retry_parked: set[int] = set()
+        """Parked publishes refused for now (`PASSING_REFUSALS`): sent again on this
+        connection, the earliest of each producer first."""
+        self._told_unknown: set[int] = set()
+        """Live publishes whose caller was told the outcome is unknown (told once)."""
         self._live: dict[tuple[str, str], dict[str, int]] = {}
         """(queue, key) -> producer id -> how many unconfirmed publishes of that key the
         producer has: the keys still settling, and under which ids. A publish of a key
@@ -514,9 +527,15 @@ class ClientSession:
         self._parked_retry.discard(queue)
         if not parked_due:
             return self.unconfirmed(queue) if everything else []
-        parked = {r for r in self._parked if self._unconfirmed[r]["queue"] == queue}
-        self._parked -= parked
-        return self.unconfirmed(queue, None if everything else parked)
+        heads: dict[str, int] = {}  # per producer, its earliest publish refused for now
+        for r in sorted(self._retry_parked):
+            frame = self._unconfirmed[r]
+            if frame["queue"] == queue:
+                heads.setdefault(frame["producer"], r)
+        due = set(heads.values())
+        self._parked -= due
+        self._retry_parked -= due
+        return self.unconfirmed(queue, None if everything else due)
 
     # ------------------------------------------------------------- connection
 
@@ -525,6 +544,8 @@ class ClientSession:
         self.connected = True
         self._parked.clear()  # sent again now, to this node
         self._parked_retry.clear()
+        self._retry_parked.clear()
+        self._parked_delay.clear()
         self._attempts.clear()  # answers to the last connection's attempts never come
         if welcome is not None:
             body, frame = welcome.get("max_body"), welcome.get("max_frame")
@@ -667,6 +688,9 @@ class ClientSession:
         self._resent.clear()
         self._parked.clear()
         self._parked_retry.clear()
+        self._retry_parked.clear()
+        self._parked_delay.clear()
+        self._told_unknown.clear()
         self._attempts.clear()
         self._chosen.clear()
         self._subscribing.clear()
@@ -690,6 +714,9 @@ class ClientSession:
         self._resent.clear()
         self._parked.clear()
         self._parked_retry.clear()
+        self._retry_parked.clear()
+        self._parked_delay.clear()
+        self._told_unknown.clear()
         self._attempts.clear()
         self._chosen.clear()
         self._subscribing.clear()
@@ -766,7 +793,12 @@ class ClientSession:
             self._attempts.pop(request_id, None)
         if frame["t"] == "reply":
             self._settled(request_id)
-            return [Resolved(request_id, frame)]
+            events: list[Event] = [Resolved(request_id, frame)]
+            queue = publish["queue"]
+            self._parked_delay.pop(queue, None)  # the queue takes publishes again
+            if any(self._unconfirmed[r]["queue"] == queue for r in self._retry_parked):
+                events += self._retry_parked_later(queue)  # the next of the producer
+            return events
         code, message = frame["code"], frame["message"]
         if code in RETRIABLE:
             return [] if newer else self._rewind_later(publish["queue"])
@@ -792,7 +824,9 @@ class ClientSession:
         elif code == "out_of_order" and isinstance(expected, int):
             earlier = self._live_covering(publish, expected)
             if earlier in self._parked:  # it is sent again on the next connection, and so
-                self._parked.add(request_id)  # is this one
+                self._parked.add(request_id)  # is this one (or on this one, after it)
+                if earlier in self._retry_parked:
+                    self._retry_parked.add(request_id)
                 return []
             if earlier is not None:
                 return [] if newer else self._rewind_later(publish["queue"])
@@ -813,16 +847,16 @@ class ClientSession:
         # connection, so the key settles once a node answers it. Later publishes of the
         # same producer stay live too, each settled by its own answer (if this one did
         # not land, theirs is out_of_order behind it). New ones take a fresh producer id.
-        first = request_id not in self._parked
         self._parked.add(request_id)
         self._keys_failed([publish])
         self._retire(publish)
         retry: list[Event] = []
-        if publish["queue"] not in self._parked_retry:
-            self._parked_retry.add(publish["queue"])
-            retry = [RewindLater(publish["queue"], PARKED_RETRY_DELAY)]
-        if not first:
+        if code in PASSING_REFUSALS:
+            self._retry_parked.add(request_id)
+            retry = self._retry_parked_later(publish["queue"])
+        if request_id in self._told_unknown:
             return retry
+        self._told_unknown.add(request_id)
         return [
             *retry,
             Failed(
@@ -850,6 +884,14 @@ class ClientSession:
         )
         return [Failed(request_id, error)]
 
+    def _retry_parked_later(self, queue: str) -> list[Event]:
+        if queue in self._parked_retry:
+            return []
+        self._parked_retry.add(queue)
+        delay = self._parked_delay.get(queue, PARKED_RETRY_DELAY)
+        self._parked_delay[queue] = min(2 * delay, PARKED_RETRY_LONGEST)
+        return [RewindLater(queue, delay)]
+
     def _rewind_later(self, queue: str) -> list[Event]:
         if queue in self._rewinding:
             return []
@@ -871,6 +913,8 @@ class ClientSession:
         self._drop_unconfirmed(request_id)
         self._resent.discard(request_id)
         self._parked.discard(request_id)
+        self._retry_parked.discard(request_id)
+        self._told_unknown.discard(request_id)
         self._attempts.pop(request_id, None)
 
     def _keys_failed(self, frames: Iterable[dict[str, Any]]) -> None:
