@@ -94,6 +94,10 @@ def _pair(a: str, b: str) -> Pair:
     return (a, b) if a < b else (b, a)
 
 
+RESET_REDIAL_US = (1_000, 5_000)
+"""After a reset, the connection is made again within this (a dial and its handshake)."""
+
+
 class Network:
     def __init__(
         self,
@@ -134,6 +138,12 @@ class Network:
         """Hostile faults TCP never makes: PySyncObj assumes they do not happen."""
         self.sent = 0
         self.bytes_sent = 0
+        self._last_read: dict[tuple[str, str], int] = {}
+        """(reader, peer) -> when the reader last read a message from the peer on their
+        connection. As PySyncObj's TcpConnection, a node closes a connection it has read
+        nothing from for `connection_timeout_s`, when it next sends on it or data
+        arrives on it (the message is lost): followers that never talk to one another
+        lose their connection at the first vote request, unless they keep it alive."""
 
     # ------------------------------------------------------------ membership
 
@@ -214,10 +224,12 @@ class Network:
         self.reorder = False
 
     def reset(self, a: str, b: str) -> None:
-        """The connection between `a` and `b` breaks (in-flight messages are lost)."""
+        """The connection between `a` and `b` breaks (in-flight messages are lost). The
+        dialling side dials again at once, as PySyncObj's does: connected again within
+        a TCP handshake (the retry delay is for dials that fail)."""
         pair = _pair(a, b)
         self._drop(pair)
-        self._connect_later(pair)
+        self.world.after(self.random.randint(*RESET_REDIAL_US), self._connect, pair)
 
     def is_up(self, a: str, b: str) -> bool:
         return _pair(a, b) in self.up
@@ -266,6 +278,7 @@ class Network:
         self.epoch[pair] = self.epoch.get(pair, 0) + 1
         a, b = pair
         self.world.trace(f"connect {a} {b}")
+        self._last_read[(a, b)] = self._last_read[(b, a)] = self.world.now_us
         self.transports[a]._onNodeConnected(self.nodes[b])
         self.transports[b]._onNodeConnected(self.nodes[a])
         self.on_arrival(a)
@@ -283,6 +296,17 @@ class Network:
             transport = self.transports.get(me)
             if transport is not None:
                 transport._onNodeDisconnected(self.nodes[other])
+                if me not in self.paused:
+                    self.on_arrival(me)  # as a closed socket ends a real node's poll
+
+    def _idle_too_long(self, reader: str, peer: str) -> bool:
+        """Whether `reader` has read nothing from `peer` for the connection timeout: if
+        so, the connection closes now (and is made again later), as PySyncObj's does."""
+        last = self._last_read.get((reader, peer), self.world.now_us)
+        if self.world.now_us - last <= self.connection_timeout_us:
+            return False
+        self.reset(reader, peer)
+        return True
 
     def _drop_after_timeout(self, pair: Pair) -> None:
         epoch = self.epoch.get(pair, 0)
@@ -299,6 +323,8 @@ class Network:
     def send(self, src: str, dst: str, message: Any) -> bool:
         pair = _pair(src, dst)
         if pair not in self.up:
+            return False
+        if self._idle_too_long(src, dst):
             return False
         data = pickle.dumps(message)
         self.sent += 1
@@ -343,6 +369,9 @@ class Network:
         for src, epoch, data in waiting:
             if self.epoch.get(_pair(src, dst)) != epoch:
                 continue  # the connection closed before the node read it
+            if self._idle_too_long(dst, src):
+                continue  # it closed now, unread
+            self._last_read[(dst, src)] = self.world.now_us
             message = pickle.loads(data)
             self.world.trace(f"msg {src} {dst} {message.get('type')}")
             transport._onMessageReceived(self.nodes[src], message)

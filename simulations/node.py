@@ -326,6 +326,7 @@ class SimMember(RaftRules):
     def _tick_callback(self) -> None:
         self.journal.sync()  # the no-op of a new term, as RaftMember's tick syncs
         self.push_commit_index()
+        self.keep_peer_connections_alive()
         self._on_tick()
 
     def apply_raw(self, index: int, payload: bytes) -> Any:
@@ -648,7 +649,16 @@ class SimNode:
         if leader != self.was_leader:
             self.was_leader = leader
             self.sim.on_leadership(self, leader)
-        self.wake(0 if self._woken_in_tick else self.tick_us)
+        self.wake(0 if self._woken_in_tick else self._next_tick_us())
+
+    def _next_tick_us(self) -> int:
+        """As RaftMember's tick loop: a tick period from now, or sooner, just past the
+        election deadline of a follower or candidate."""
+        if self.member.until_election_s() is None:
+            return self.tick_us
+        deadline = self.member._SyncObj__raftElectionDeadline
+        at = first_micros_at(deadline) + 1000  # the real loop's 1 ms past it
+        return max(1, min(self.tick_us, at - self.world.now_us))
 
     def resumed(self) -> None:
         """A paused node runs again: it ticks, and its core's timers run."""

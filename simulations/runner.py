@@ -293,8 +293,11 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         def converge_probe() -> None:
             replicas = _members_running(cluster)
             applied = {n.machine.last_index for n in replicas}
-            if len(applied) == 1 and not any(
-                n.member.raftCommitIndex > min(applied) for n in replicas
+            sent = [n for n in operator.in_flight if operator.changing(n)]
+            if (
+                len(applied) == 1
+                and not any(n.member.raftCommitIndex > min(applied) for n in replicas)
+                and not sent  # the changes sent after the heal are made too
             ):
                 converged[0] = True
             else:

@@ -335,7 +335,11 @@ class RaftMember(RaftRules):
     def _tick_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                self.doTick(self._tick_period)
+                # wake for the election deadline too (just past it: PySyncObj elects
+                # once its clock is beyond the deadline), not up to a tick period late
+                until_election = self.until_election_s()
+                wait = self._tick_period if until_election is None else until_election + 0.001
+                self.doTick(min(self._tick_period, wait))
             except (JournalFailedError, JournalDamagedError, UnreadableEntryError) as e:
                 # Nothing more may be acknowledged (or applied): stop taking part at once.
                 self.fatal_error = e
@@ -388,6 +392,7 @@ class RaftMember(RaftRules):
         if self.fsync != "never":
             self.journal.sync()  # the no-op of a new term; "batch" mode syncs only here
         self.push_commit_index()
+        self.keep_peer_connections_alive()
         while True:
             try:
                 call = self._calls.get_nowait()

@@ -241,9 +241,25 @@ class _StampingQueue:
         return getattr(self._queue, name)
 
 
+PEER_KEEPALIVE_S = 0.5
+"""How often a follower sends a keepalive to each peer other than its leader."""
+KEEPALIVE = "quorumq_keepalive"
+
+LEADER_SILENT_PERIODS = 2
+"""A follower whose connection to its leader closed elects if no AppendEntries comes
+within this many heartbeat periods (a live leader redials at once and sends its next
+heartbeat within one)."""
+LEADER_LOST_TURN_S = 0.05
+LEADER_LOST_JITTER_S = 0.02
+"""The followers of a lost leader take turns to elect: their rank among the remaining
+members by address, times `LEADER_LOST_TURN_S`, plus a random jitter within
+`LEADER_LOST_JITTER_S`."""
+
+
 class RaftRules(SyncObj):  # type: ignore[misc]
     """PySyncObj with quorumq's Raft rules. Subclasses give `apply_raw` and
-    `make_durable`, call `push_commit_index` from a tick callback, and ask
+    `make_durable`, call `push_commit_index` and `keep_peer_connections_alive` from a tick
+    callback, and ask
     `accept_leader_snapshot` before they install a snapshot from the leader."""
 
     _sent_commit = 0
@@ -253,6 +269,11 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     """The peer whose message is being handled (the tick thread handles one at a time)."""
     _kept_after_snapshot: list[Entry] = []
     """The entries after an accepted leader snapshot's last one, kept (Raft's rule)."""
+    _keepalive_due = 0.0
+    _last_leader: Any = None
+    _leader_closed: Any = None
+    """The leader whose open connection closed, until it is heard from again."""
+    """The last leader this node knew (`_SyncObj__onNodeDisconnected`)."""
     _answer_after_install: int | None = None
     """The next index to answer right after a snapshot install (its last index + 1)."""
 
@@ -386,7 +407,82 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             self._held_replies = []
             self._send_replies(held)
 
+    def keep_peer_connections_alive(self) -> None:
+        """Send each peer but the leader a keepalive every `PEER_KEEPALIVE_S` (call from
+        a tick callback). PySyncObj closes a connection it has read nothing from for
+        `connectionTimeout` (2 s), and checks when it next sends on it. Followers never
+        talk to one another, so when a leader died, the first vote request a follower
+        sent closed its idle connection to the other follower instead of going out: the
+        election failed, and the cluster waited a whole election timeout (0.4-0.6 s of
+        every failover; seen with timestamps in the real cluster, not in the simulator,
+        which did not close idle connections)."""
+        if self._isLeader():
+            return
+        now = _syncobj.monotonicTime()
+        if now < self._keepalive_due:
+            return
+        self._keepalive_due = now + PEER_KEEPALIVE_S
+        leader = self._SyncObj__raftLeader
+        transport = self._SyncObj__transport
+        for node in self._SyncObj__otherNodes & self._SyncObj__connectedNodes:
+            if node != leader:
+                transport.send(node, {"type": KEEPALIVE})
+
+    def _SyncObj__onNodeDisconnected(self, node: Any) -> None:
+        """A connection to a peer closed, or a dial to it failed. For this follower's
+        leader (or, with no leader known, the last one: a candidate's vote request can
+        come in before the news of the close, and a follower that refuses that vote,
+        its log being longer, must not wait out a timeout):
+
+        * its open connection closed: its process died, or the connection was reset. A
+          live leader redials at once and sends its next heartbeat within a period, so
+          elect if none comes within `LEADER_SILENT_PERIODS` periods (not after a whole
+          election timeout, 0.25-0.6 s), a slow leader keeps its connection anyway;
+        * then a dial to it failed (its port refuses: the process is gone): elect now.
+
+        The followers take turns (`LEADER_LOST_TURN_S`) so that they do not all ask for
+        votes at once and split them. An election is always safe: this only moves when."""
+        was_connected = node in self._SyncObj__connectedNodes
+        super()._SyncObj__onNodeDisconnected(node)
+        me = self._SyncObj__selfNode
+        leader = self._SyncObj__raftLeader
+        if me is None or self._isLeader():
+            return
+        if was_connected and node == (leader if leader is not None else self._last_leader):
+            self._leader_closed = node
+            period: float = self._SyncObj__conf.appendEntriesPeriod
+            self._elect_within(node, LEADER_SILENT_PERIODS * period, "its connection closed")
+        elif not was_connected and node == self._leader_closed:
+            self._leader_closed = None  # once: a minority side must not elect at every dial
+            self._elect_within(node, 0.0, "it refuses connections")
+
+    def _elect_within(self, lost: Any, wait_s: float, why: str) -> None:
+        """Pull this follower's election deadline in to `wait_s` plus its turn."""
+        me = self._SyncObj__selfNode
+        voters = sorted(n.id for n in self._SyncObj__otherNodes if n != lost)
+        rank = sorted([*voters, me.id]).index(me.id)
+        delay = wait_s + rank * LEADER_LOST_TURN_S + LEADER_LOST_JITTER_S * _syncobj.random.random()
+        deadline: float = getattr(self, "_SyncObj__raftElectionDeadline")  # noqa: B009
+        setattr(  # noqa: B010 (PySyncObj's private field, untyped)
+            self, "_SyncObj__raftElectionDeadline", min(deadline, _syncobj.monotonicTime() + delay)
+        )
+        logger.info("the leader lost (%s): an election within %.3f s", why, delay)
+
+    def _SyncObj__onBecomeLeader(self) -> None:
+        super()._SyncObj__onBecomeLeader()
+        logger.info("leading at term %d", self.raftCurrentTerm)
+
+    def until_election_s(self) -> float | None:
+        """Seconds until this follower or candidate starts an election if nothing comes
+        (None as leader): the tick loop waits no longer than this."""
+        if self._isLeader() or not self._SyncObj__connectedNodes:
+            return None  # (connected to no one, PySyncObj does not elect: no need to wake)
+        deadline: float = self._SyncObj__raftElectionDeadline
+        return max(0.0, deadline - float(_syncobj.monotonicTime()))
+
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
+        if isinstance(message, dict) and message.get("type") == KEEPALIVE:
+            return  # it was read: the connection stays open
         if isinstance(message, dict) and message.get("type") == STEP_DOWN:
             if self._isLeader():
                 logger.info("handing leadership over, as %s asked", node)
@@ -412,6 +508,10 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         commit, applied = (self.raftCommitIndex, self.raftLastApplied) if snapshot_chunk else (0, 0)
         self._installed_through = None
         super()._SyncObj__onMessageReceived(node, message)
+        if self._SyncObj__raftLeader is not None:
+            self._last_leader = self._SyncObj__raftLeader
+            if node == self._last_leader:
+                self._leader_closed = None  # heard from: it lives
         if snapshot_chunk and self.raftLastApplied == applied:
             # no snapshot was installed: the commit index stays (PySyncObj takes it to
             # the leader's, within this log, which this message did not check)
