@@ -33,6 +33,7 @@ from quorumq.replica import (
     ConfigError,
     NotAppliedError,
     OutcomeUnknownError,
+    ProposalError,
     Replica,
     ReplicaConfig,
 )
@@ -426,6 +427,34 @@ def _lead(cluster: Cluster, node: str) -> None:
     wait_for(leads, f"{node} leading", 30, every=0.05)
 
 
+def _remove_member(cluster: Cluster, replica: Replica, name: str) -> None:
+    """Remove `name` through `replica`, again after a leader change discarded the
+    change, as the node core does (these tests failed about 1 run in 6 when an election
+    followed the hand-over to `replica`, and they waited for a removal that was never
+    made)."""
+    deadline = time.monotonic() + 30
+    while True:
+        outcome: list[ProposalError | None] = []
+        done = threading.Event()
+
+        def answered(
+            error: ProposalError | None,
+            outcome: list[ProposalError | None] = outcome,
+            done: threading.Event = done,
+        ) -> None:
+            outcome.append(error)
+            done.set()
+
+        replica.remove_member(name, answered)
+        assert done.wait(15), "no answer to remove_member"
+        error = outcome[0]
+        if error is None or name not in replica.members():
+            return
+        if not isinstance(error, NotAppliedError) or time.monotonic() > deadline:
+            raise error
+        _lead(cluster, replica.node_id)
+
+
 def _submit_idempotent(replica: Replica, command: Any, deadline_s: float = 30.0) -> Any:
     """Submit an idempotent command (a declare, or an enqueue with producer and seq) again
     after a leader change refused or lost it, as a client does: an election under CI load
@@ -510,9 +539,7 @@ def test_a_removed_replica_is_marked_down_even_when_the_first_proposal_is_lost(
         real_propose(command, callback)
 
     leader.propose = lose_the_first_node_down  # type: ignore[method-assign]
-    removed = threading.Event()
-    leader.remove_member("C", lambda error: removed.set())
-    assert removed.wait(15)
+    _remove_member(cluster, leader, "C")
     wait_for(lambda: "C" in leader.machine.down_nodes(), "C marked down", 15)
     assert lost, "the first NodeDown was not the one lost"
     wait_for(lambda: leader.machine.ready("q") == (0,), "C's message back in the queue")
@@ -542,9 +569,7 @@ def test_a_removed_replica_is_marked_down_by_the_next_leader_when_the_remover_ne
         real_propose(command, callback)
 
     leader.propose = never_node_down  # type: ignore[method-assign]
-    removed = threading.Event()
-    leader.remove_member("C", lambda error: removed.set())
-    assert removed.wait(15)
+    _remove_member(cluster, leader, "C")
     wait_for(lambda: "C" not in cluster.replicas["B"].members(), "B knows C left")
     _lead(cluster, "B")
     b = cluster.replicas["B"]
