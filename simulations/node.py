@@ -60,8 +60,6 @@ from quorumq.raft.rules import (
     LeaderClock,
     RaftRules,
     decode_snapshot,
-    encode_snapshot,
-    node_name,
 )
 from quorumq.replica import ProposalError, Replica, ReplicaConfig, local_effects
 
@@ -352,9 +350,7 @@ class SimMember(RaftRules):
 
     def _write_snapshot(self, data: tuple[Entry, Entry, Any]) -> bytes:
         """As `RaftMember._write_snapshot`, to bytes."""
-        last, prev, cluster = data
-        members = [(str(n.id), node_name(n)) for n in self.configuration_at(last[1], cluster)]
-        return encode_snapshot(last, prev, members, self._snapshot(), self.removed_members)
+        return self.snapshot_bytes(data)
 
     def _read_snapshot(self, data: bytes) -> tuple[Entry, Entry, set[Any]]:
         try:

@@ -645,3 +645,96 @@ def test_a_snapshot_stores_the_configuration_as_of_its_last_entry(tmp_path: Any)
         assert again.members() == before
     finally:
         again.stop()
+
+
+# ------------------------------------------------------------ commit notices
+
+
+def _notice(prev: int, prev_term: int, commit: int, *, marked: bool = True) -> dict[str, Any]:
+    from quorumq.raft.rules import COMMIT_NOTICE
+
+    message = {
+        "type": "append_entries",
+        "term": 2,
+        "commit_index": commit,
+        "prevLogIdx": prev,
+        "prevLogTerm": prev_term,
+        "entries": [],
+    }
+    if marked:
+        message[COMMIT_NOTICE] = True
+    return message
+
+
+def test_a_commit_notice_moves_the_commit_index_unanswered_unless_refused(tmp_path: Any) -> None:
+    """A follower takes a commit notice as any AppendEntries (the same checks of the
+    log), and answers it only if it refuses it: answering every commit was a quarter
+    of a cluster's messages, and told the leader nothing it did not know."""
+    member, _ = _member(tmp_path)
+    try:
+        log = member._SyncObj__raftLog
+        member._SyncObj__setCurrentTerm(2, None)
+        for i in range(2, 12):
+            log.add(b"\x04cmd%d" % i, i, 2)
+        sent: list[tuple[int, bool]] = []
+        member._send_replies = lambda replies: sent.extend((r[2], r[3]) for r in replies)
+        leader = next(iter(member.otherNodes))
+
+        member._SyncObj__onMessageReceived(leader, _notice(11, 2, 9))
+        assert member.raftCommitIndex == 9
+        assert sent == []  # taken, not answered
+
+        member._SyncObj__onMessageReceived(leader, _notice(15, 2, 10))
+        assert sent == [(12, False)]  # refused (no entry 15 here): answered
+        assert member.raftCommitIndex == 9
+
+        sent.clear()
+        member._SyncObj__onMessageReceived(leader, _notice(11, 2, 11, marked=False))
+        assert member.raftCommitIndex == 11
+        assert sent == [(12, True)]  # an unmarked one is answered, as before
+    finally:
+        member.stop()
+
+
+def test_a_leader_sends_commit_notices_to_followers_that_hold_every_entry_only(
+    tmp_path: Any,
+) -> None:
+    """A new commit index goes to a caught-up follower as a notice (no entries), once;
+    with a follower behind, as PySyncObj's AppendEntries with the entries it lacks."""
+    from pysyncobj.syncobj import _RAFT_STATE
+
+    from quorumq.raft.rules import COMMIT_NOTICE
+
+    member, _ = _member(tmp_path)
+    try:
+        log = member._SyncObj__raftLog
+        member._SyncObj__setCurrentTerm(2, None)
+        for i in range(2, 12):
+            log.add(b"\x04cmd%d" % i, i, 2)
+        follower = next(iter(member.otherNodes))
+        member._SyncObj__raftState = _RAFT_STATE.LEADER
+        member._SyncObj__connectedNodes.add(follower)
+        member._SyncObj__raftNextIndex[follower] = 12
+        member._SyncObj__raftMatchIndex[follower] = 11
+        sent: list[dict[str, Any]] = []
+        member._SyncObj__transport.send = lambda node, message: sent.append(message)
+
+        _commit(member, 11)
+        member.push_commit_index()
+        assert [(m.get(COMMIT_NOTICE), m["commit_index"], m["entries"]) for m in sent] == [
+            (True, 11, [])
+        ]
+        assert (sent[0]["prevLogIdx"], sent[0]["prevLogTerm"]) == (11, 2)
+        member.push_commit_index()
+        assert len(sent) == 1  # told once
+
+        sent.clear()
+        member._SyncObj__raftNextIndex[follower] = 8  # behind: entries 8..11 are due
+        _commit(member, 11)
+        member._sent_commit = 10
+        member.push_commit_index()
+        assert [(COMMIT_NOTICE in m, [e[1] for e in m["entries"]]) for m in sent] == [
+            (False, [8, 9, 10, 11])
+        ]
+    finally:
+        member.stop()

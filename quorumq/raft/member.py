@@ -54,8 +54,6 @@ from .rules import (
     Entry,
     RaftRules,
     decode_snapshot,
-    encode_snapshot,
-    node_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -426,10 +424,8 @@ class RaftMember(RaftRules):
     # -------------------------------------------------------------- snapshots
 
     def _write_snapshot(self, tmp_path: str, data: tuple[Any, Any, Any]) -> None:
-        last, prev, cluster = data
         try:
-            members = [(str(n.id), node_name(n)) for n in self.configuration_at(last[1], cluster)]
-            blob = encode_snapshot(last, prev, members, self._snapshot(), self.removed_members)
+            blob = self.snapshot_bytes(data)
             with open(tmp_path, "wb") as f:
                 f.write(blob)
                 f.flush()

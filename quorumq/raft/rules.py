@@ -230,20 +230,23 @@ class _StampingQueue:
     """PySyncObj's queue of commands to append, stamping each as it is taken."""
 
     def __init__(self, queue: Any, stamp: Callable[[bytes], bytes]) -> None:
-        self._queue = queue
+        self.queue = queue
         self._stamp = stamp
 
     def get_nowait(self) -> tuple[bytes, Any]:
-        command, callback = self._queue.get_nowait()
+        command, callback = self.queue.get_nowait()
         return self._stamp(command), callback
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._queue, name)
+        return getattr(self.queue, name)
 
 
 PEER_KEEPALIVE_S = 0.5
 """How often a follower sends a keepalive to each peer other than its leader."""
 KEEPALIVE = "quorumq_keepalive"
+COMMIT_NOTICE = "quorumq_commit_notice"
+"""Marks an AppendEntries that only brings a new commit index (`push_commit_index`):
+answered only if refused. A node that does not know the mark answers it, as before."""
 
 LEADER_SILENT_PERIODS = 2
 """A follower whose connection to its leader closed elects if no AppendEntries comes
@@ -263,6 +266,11 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     `accept_leader_snapshot` before they install a snapshot from the leader."""
 
     _sent_commit = 0
+    """The highest commit index sent to the followers (in any AppendEntries)."""
+    _handling_notice = False
+    """The message being handled is a commit notice (`push_commit_index`)."""
+    _snapshot_started = False
+    """A snapshot was written during this call of `_SyncObj__tryLogCompaction`."""
     _held_replies: list[tuple[Any, bool, int, bool]] | None = None
     """Answers to AppendEntries waiting for one sync (`hold_replies`); None: not holding."""
     _message_from: Any = None
@@ -281,6 +289,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     """Stamps the time on the entries this node appends as leader (`use_leader_clock`)."""
     journal: DurableJournal
     """This member's journal (subclasses open it)."""
+    _snapshot: Callable[[], bytes]
+    """The machine's state, for a snapshot (subclasses set it)."""
     fatal_error: BaseException | None = None
     """Why this member stopped by itself (its journal failed): the node must stop."""
     compaction_error: str | None = None
@@ -353,6 +363,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def _checkCommandsToApply(self) -> None:
         self._anchor_leader_clock()
+        if not self._commands_waiting():
+            return  # most ticks (a message read, a timer): PySyncObj's loop takes nothing
         log = self._SyncObj__raftLog
         before = log[-1][1] if len(log) else 0
         super()._checkCommandsToApply()
@@ -360,15 +372,62 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             self._SyncObj__sendAppendEntries()  # send at once, not on the next heartbeat
             self.make_durable()  # overlaps with the round trip; done before commit counts us
 
+    def _commands_waiting(self) -> bool:
+        """Whether a proposal waits in PySyncObj's queue (read without its lock: a
+        proposal that lands just after is taken on the tick its wake-up starts)."""
+        queue: Any = self._SyncObj__commandsQueue
+        if isinstance(queue, _StampingQueue):
+            queue = queue.queue
+        return bool(queue._FastQueue__queue)
+
     def push_commit_index(self) -> None:
-        """As leader, tell followers a new commit index at once (they apply promptly)."""
-        if self._isLeader() and self.raftCommitIndex > self._sent_commit:
-            self._sent_commit = self.raftCommitIndex
+        """As leader, tell followers a new commit index at once (they apply promptly).
+
+        A follower that has every entry gets a commit notice: an empty AppendEntries,
+        checked and taken as any other, that it answers only if it refuses it. Its
+        answer would tell the leader nothing new, and answering every commit made a
+        quarter of a cluster's messages. Any follower behind: every follower gets
+        PySyncObj's AppendEntries, entries included, answered as always."""
+        commit = self.raftCommitIndex
+        if not self._isLeader() or commit <= self._sent_commit:
+            return
+        self._sent_commit = commit
+        log = self._SyncObj__raftLog
+        last = self._SyncObj__getCurrentLogIndex()
+        connected = self._SyncObj__connectedNodes
+        next_index = self._SyncObj__raftNextIndex
+        followers = [
+            node
+            for node in self._SyncObj__otherNodes | self._SyncObj__readonlyNodes
+            if node in connected
+        ]
+        if any(not log[0][1] < next_index[node] == last + 1 for node in followers):
             self._SyncObj__sendAppendEntries()
+            return
+        prev_index, prev_term = self._SyncObj__getPrevLogIndexTerm(last + 1)
+        notice = {
+            "type": "append_entries",
+            "term": self.raftCurrentTerm,
+            "commit_index": commit,
+            "entries": [],
+            "prevLogIdx": prev_index,
+            "prevLogTerm": prev_term,
+            COMMIT_NOTICE: True,
+        }
+        transport = self._SyncObj__transport
+        for node in sorted(followers, key=lambda n: n.id):
+            transport.send(node, notice)
+
+    def _SyncObj__sendAppendEntries(self) -> None:
+        # every AppendEntries carries the commit index: no notice needed for it
+        self._sent_commit = max(self._sent_commit, self.raftCommitIndex)
+        super()._SyncObj__sendAppendEntries()
 
     def _SyncObj__sendNextNodeIdx(
         self, node: Any, reset: bool = False, nextNodeIdx: int | None = None, success: bool = False
     ) -> None:
+        if success and self._handling_notice:
+            return  # a commit notice taken: the leader knows this log already
         next_index = nextNodeIdx
         after_install, self._answer_after_install = self._answer_after_install, None
         if next_index is None and after_install is not None:
@@ -507,7 +566,11 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         snapshot_chunk = append and "serialized" in message
         commit, applied = (self.raftCommitIndex, self.raftLastApplied) if snapshot_chunk else (0, 0)
         self._installed_through = None
-        super()._SyncObj__onMessageReceived(node, message)
+        self._handling_notice = append and bool(message.get(COMMIT_NOTICE))
+        try:
+            super()._SyncObj__onMessageReceived(node, message)
+        finally:
+            self._handling_notice = False
         if self._SyncObj__raftLeader is not None:
             self._last_leader = self._SyncObj__raftLeader
             if node == self._last_leader:
@@ -555,14 +618,26 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         self._SyncObj__raftLog.setRaftCommitIndex(index)
 
     def _SyncObj__tryLogCompaction(self) -> None:
+        self._snapshot_started = False
         super()._SyncObj__tryLogCompaction()
-        # Our serializers write the snapshot at once, on this thread (no fork), but
-        # PySyncObj only learns it is done, and compacts the journal behind it, on its
-        # next call, a tick later. Until then it has no snapshot to send: a leader that
-        # sent a follower behind its compacted log its snapshot meanwhile spun for a
-        # whole appendEntriesPeriod sending it empty snapshot messages (the simulator,
-        # whose clock stands still during a tick, spun for ever). Finish it now.
-        super()._SyncObj__tryLogCompaction()
+        if self._snapshot_started:
+            # Our serializers write the snapshot at once, on this thread (no fork), but
+            # PySyncObj only learns it is done, and compacts the journal behind it, on
+            # its next call, a tick later. Until then it has no snapshot to send: a
+            # leader that sent a follower behind its compacted log its snapshot
+            # meanwhile spun for a whole appendEntriesPeriod sending it empty snapshot
+            # messages (the simulator, whose clock stands still during a tick, spun for
+            # ever). Finish it now.
+            super()._SyncObj__tryLogCompaction()
+
+    def snapshot_bytes(self, data: tuple[Entry, Entry, Any]) -> bytes:
+        """The snapshot PySyncObj asks for (its last entry, the one before, its
+        configuration), in our encoding: the machine's state, the members as of its
+        last entry, the removed members. For the subclasses' serializers."""
+        self._snapshot_started = True
+        last, prev, cluster = data
+        members = [(str(n.id), node_name(n)) for n in self.configuration_at(last[1], cluster)]
+        return encode_snapshot(last, prev, members, self._snapshot(), self.removed_members)
 
     def accept_leader_snapshot(self, last_index: int, last_term: int) -> bool:
         """The leader's snapshot, up to entry (`last_index`, `last_term`), has arrived
