@@ -135,7 +135,7 @@ class Checker:
         self,
         world: World,
         *,
-        digest_every: int = 500,
+        digest_every: int = 1000,
         message_ttl_ms: int | None = None,
         single_active: bool = False,
     ) -> None:
@@ -183,6 +183,9 @@ class Checker:
         self.committed_crc: dict[int, int] = {}
         """Per log index: the CRC of the entry (any kind) first seen committed there."""
         self._checked_through: dict[tuple[str, int], int] = {}
+        self._log_seen: dict[tuple[str, int], tuple[int, int, Any]] = {}
+        """Per run of a node: its commit index, log length and last entry when last
+        checked (a tick that changed none of them has nothing new to check)."""
         """Per node run (name, incarnation): the commit index checked so far."""
         self.config_changes: Counter[str] = Counter()
         """Configuration changes leaders accepted (appended) and refused."""
@@ -322,8 +325,13 @@ class Checker:
         """Committed entries agree (`log`); no log holds two configuration changes past
         the commit index (`config`)."""
         member = node.member
-        self.committed = committed = max(self.committed, member.raftCommitIndex)
         log = member.journal
+        seen = (member.raftCommitIndex, len(log), log[-1] if len(log) else None)
+        run = (node.name, node.incarnation)
+        if self._log_seen.get(run) == seen:
+            return  # (the global commit index only moves on: no new overlap to find)
+        self._log_seen[run] = seen
+        self.committed = committed = max(self.committed, member.raftCommitIndex)
         self._check_committed(node, log, member.raftCommitIndex)
         changes = []
         for pos in range(len(log) - 1, -1, -1):

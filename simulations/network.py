@@ -22,8 +22,10 @@ messages arrive in order (unless the hostile `reorder` fault is on).
   them still: it stays cut off, and cannot disturb their elections. A node added is
   connected once both ends know each other (`addNode`).
 
-Every message is pickled on send and unpickled on arrival (PySyncObj's own wire
-format; no port is involved), so no object is shared between members.
+Every message arrives as a copy of what was sent (its dict and its lists; the values
+in them, bytes, numbers and tuples, cannot change), so no member changes what another
+holds. The simulator does not pickle it as PySyncObj's wire does: that was a twentieth
+of a run, and the real transport's framing is tested on real nodes.
 
 The network knows hosts by their Raft address: a host's name (A, B, ...) until its
 operator wipes it and adds it back at a new address (`C@2`: `Cluster.wipe`).
@@ -31,7 +33,6 @@ operator wipes it and adds it back at a new address (`C@2`: `Cluster.wipe`).
 
 from __future__ import annotations
 
-import pickle
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,12 @@ from pysyncobj.node import Node
 from pysyncobj.transport import Transport
 
 from .world import World, micros
+
+
+def _copied(message: dict[str, Any]) -> dict[str, Any]:
+    """What the receiver gets: a new dict, with new lists (PySyncObj's messages hold
+    only these, bytes, numbers, strings and tuples of them)."""
+    return {k: list(v) if type(v) is list else v for k, v in message.items()}
 
 
 def name_at(address: str) -> str:
@@ -120,7 +127,7 @@ class Network:
         self.on_arrival: Callable[[str], None] = lambda name: None
         """Called after a message is handed to a member (the simulator wakes it)."""
         self.paused: set[str] = set()
-        self.inbox: dict[str, list[tuple[str, int, bytes]]] = {n: [] for n in names}
+        self.inbox: dict[str, list[tuple[str, int, dict[str, Any]]]] = {n: [] for n in names}
         """Messages arrived at a node and not read yet."""
         self.cut: set[Pair] = set()
         self._sides: dict[str, int] = {}
@@ -128,7 +135,7 @@ class Network:
         self._last_side = 0
         self.epoch: dict[Pair, int] = {}
         self.up: set[Pair] = set()
-        self.stalled: dict[Pair, list[tuple[str, str, int, bytes]]] = {}
+        self.stalled: dict[Pair, list[tuple[str, str, int, dict[str, Any]]]] = {}
         self._last_arrival: dict[tuple[str, str], int] = {}
         self.extra_delay_us: dict[tuple[str, str], int] = {}
         """Slow links (a `delay` fault): added to every message's latency, order kept."""
@@ -137,7 +144,6 @@ class Network:
         self.reorder = False
         """Hostile faults TCP never makes: PySyncObj assumes they do not happen."""
         self.sent = 0
-        self.bytes_sent = 0
         self._last_read: dict[tuple[str, str], int] = {}
         """(reader, peer) -> when the reader last read a message from the peer on their
         connection. As PySyncObj's TcpConnection, a node closes a connection it has read
@@ -326,9 +332,8 @@ class Network:
             return False
         if self._idle_too_long(src, dst):
             return False
-        data = pickle.dumps(message)
+        data = message
         self.sent += 1
-        self.bytes_sent += len(data)
         epoch = self.epoch[pair]
         if pair in self.cut:
             self.stalled.setdefault(pair, []).append((src, dst, epoch, data))
@@ -340,7 +345,7 @@ class Network:
             self._schedule(src, dst, epoch, data)
         return True
 
-    def _schedule(self, src: str, dst: str, epoch: int, data: bytes) -> None:
+    def _schedule(self, src: str, dst: str, epoch: int, data: dict[str, Any]) -> None:
         low, high = self.latency_us
         when = self.world.now_us + low + int(self.random.random() * (high - low))
         when += self.extra_delay_us.get((src, dst), 0)
@@ -351,7 +356,7 @@ class Network:
             self._last_arrival[(src, dst)] = when
         self.world.at(when, self._arrive, src, dst, epoch, data)
 
-    def _arrive(self, src: str, dst: str, epoch: int, data: bytes) -> None:
+    def _arrive(self, src: str, dst: str, epoch: int, data: dict[str, Any]) -> None:
         if self.epoch.get(_pair(src, dst)) != epoch or dst not in self.transports:
             return  # the connection it travelled on is gone
         self.inbox[dst].append((src, epoch, data))
@@ -372,7 +377,7 @@ class Network:
             if self._idle_too_long(dst, src):
                 continue  # it closed now, unread
             self._last_read[(dst, src)] = self.world.now_us
-            message = pickle.loads(data)
+            message = _copied(data)
             self.world.trace(f"msg {src} {dst} {message.get('type')}")
             transport._onMessageReceived(self.nodes[src], message)
             handled += 1
