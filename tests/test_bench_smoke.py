@@ -62,3 +62,21 @@ def test_comparison_measures_every_quorumq_workload_and_skips_missing_peers(
     page = (tmp_path / "compare.md").read_text()
     assert "| publish-confirm msg/s, 1 producer | " in page
     assert "- **rabbitmq**: not measured (RabbitMQ is not installed" in page
+
+
+def test_the_simulator_benchmark_runs_each_of_its_measures() -> None:
+    """`benchmarks/bench_sim.py`, small: one rate, two default seeds, one CI seed."""
+    command = [sys.executable, "-m", "benchmarks.bench_sim", "--rates", "100", "--nodes", "3"]
+    small = ["--steps", "100", "--seeds", "2", "--jobs", "2", "--ci-seeds", "1"]
+    result = subprocess.run(
+        [*command, *small],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "| 3 | 100 |" in out and "10,000 seeds would take" in out, out
+    assert "3 nodes, CI configuration:" in out and "5 nodes, CI configuration:" in out, out
