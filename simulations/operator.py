@@ -127,10 +127,14 @@ class Operator:
                 return False
         return True
 
-    def all_members_up(self) -> bool:
-        """The README's rule for adding a replica, as an operator checks it with
-        `quorumq status` on every member: every current member is up, connected to the
-        leader, caught up with its commit index, and has its configuration.
+    def all_members_up(self, removing: Iterable[str] = ()) -> bool:
+        """The README's rule for changing membership, as an operator checks it with
+        `quorumq status` on every member: every current member (but the ones these
+        changes remove) is up, connected to the leader, caught up with its commit index,
+        and has its configuration. A member whose removal another change still waits to
+        make is a member: adding D while such a member was down gave it a configuration
+        without D, and with the leader's disk then damaged for good, the three left
+        could never elect (seed 573, once Raft's timing moved).
 
         A member that misses the change adding a node does not know that node, and
         PySyncObj's transport refuses connections from nodes it does not know: that
@@ -144,8 +148,7 @@ class Operator:
             return False
         commit = leader.member.raftCommitIndex
         configuration = leader.member.members()
-        leaving = {n for n, c in self.in_flight.items() if c.kind == "remove"}
-        for name in sorted(cluster.membership - leaving):
+        for name in sorted(cluster.membership - set(removing)):
             node = cluster.nodes[name]
             if node is None or node.paused:
                 return False
@@ -216,7 +219,7 @@ class Operator:
             for c in changes:
                 del self.in_flight[c.node]
             return
-        if not self.all_members_up():
+        if not self.all_members_up(c.node for c in changes if c.kind == "remove"):
             delay = micros(self.random.uniform(*RETRY_S))
             self.world.after(delay, self._go, changes, together, then_s, restore)
             return

@@ -329,3 +329,14 @@ def test_a_node_back_empty_at_its_old_address_lets_a_stale_member_lead() -> None
     member cannot reach it, and nothing is lost."""
     assert "log" in _stale_member_meets_a_node_coming_back_empty(new_address=False)
     assert _stale_member_meets_a_node_coming_back_empty(new_address=True) == set()
+
+
+def test_no_replica_is_added_while_a_member_whose_removal_waits_is_down() -> None:
+    """Default seed 573: C, whose removal waited (its leader crashed), was down when the
+    operator added D, so C never learned of D; then the leader's disk was damaged for
+    good, and A, C and D, 3 of the 4 members, could not elect: D never hears from C
+    (PySyncObj refuses a connection from a node it does not know). An add waits until
+    every member is up, those whose removal waits included."""
+    from simulations.runner import RunConfig
+
+    assert run(RunConfig(seed=573)).ok
