@@ -47,6 +47,7 @@ from typing import Any, Generic, NoReturn, Protocol, TypeVar
 import attrs
 from pysyncobj import FAIL_REASON
 
+from . import pathtiming
 from .codec import UNSTAMPED, CodecError, UnreadableEntryError, decode_entry, encode_entry
 from .machine import (
     Applied,
@@ -54,6 +55,9 @@ from .machine import (
     ConsumerDown,
     Deliver,
     Effect,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
     Error,
     ErrorCode,
     Machine,
@@ -95,6 +99,21 @@ def local_effects(
         if type(e) in (Deliver, ConsumerDown)
         and (e.node == node or (proxy and e.node not in replicas))  # type: ignore[union-attr]
     )
+
+
+def _mark_applied(index: int, command: Command, reply: Reply) -> None:
+    """Path timing: entry `index` applied here; for a publish, which messages it holds."""
+    pathtiming.mark("raft.applied", ("i", index))
+    if isinstance(reply, Enqueued) and reply.offset is not None and not reply.duplicate:
+        if isinstance(command, Enqueue):
+            first_seq = command.seq
+        elif isinstance(command, EnqueueBatch) and command.seqs is None:
+            first_seq = command.first_seq
+        else:
+            return
+        if command.producer is not None and first_seq is not None:
+            mapping = (index, command.producer, first_seq, reply.count, reply.offset)
+            pathtiming.mark("map", mapping)
 
 
 def failure_commands(
@@ -473,6 +492,8 @@ class Replica:
             ) from None
         with self.lock:
             applied = self.machine.apply(Meta(index, ts_ms), command)
+        if pathtiming.ENABLED:
+            _mark_applied(index, command, applied.reply)
         if self._observer is not None:
             self._observer.applied(self, index, payload, command, applied)
         if index > self._effects_through:

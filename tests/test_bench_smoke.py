@@ -80,3 +80,20 @@ def test_the_simulator_benchmark_runs_each_of_its_measures() -> None:
     assert result.returncode == 0, out
     assert "| 3 | 100 |" in out and "10,000 seeds would take" in out, out
     assert "3 nodes, CI configuration:" in out and "5 nodes, CI configuration:" in out, out
+
+
+def test_the_path_breakdown_joins_the_marks_of_every_process() -> None:
+    """`benchmarks/bench_path.py`, small: a real cluster with path timing on; every
+    message's confirm path and delivery path are found in the four processes' marks."""
+    import re
+
+    command = [sys.executable, "-m", "benchmarks.bench_path", "--rate", "200", "--seconds", "1"]
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    for path in ("confirm", "delivery"):
+        found = re.search(rf"{path} path \((\d+) messages", out)
+        assert found and int(found.group(1)) >= 150, out
+    assert "| follower's fdatasync done | follower |" in out, out

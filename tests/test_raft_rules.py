@@ -738,3 +738,50 @@ def test_a_leader_sends_commit_notices_to_followers_that_hold_every_entry_only(
         ]
     finally:
         member.stop()
+
+
+def test_a_follower_applies_what_is_committed_before_it_syncs_what_just_arrived(
+    tmp_path: Any,
+) -> None:
+    """A commit notice and the next AppendEntries read in one poll: the committed entry
+    is applied first, then the new one synced and answered (applied after the sync, a
+    follower's consumers waited a whole fdatasync for every message)."""
+    from quorumq.raft.member import RaftMember
+
+    member, members = _member(tmp_path)
+    member.stop()
+    steps: list[str] = []
+    member = RaftMember(
+        "A",
+        members,
+        data_dir=str(tmp_path / "again"),
+        password="secret",
+        fsync="always",
+        apply=lambda index, payload: steps.append(f"apply {index}"),
+        snapshot=lambda: b"",
+        restore=lambda machine: None,
+        on_tick=lambda: None,
+    )
+    try:
+        log = member._SyncObj__raftLog
+        member._SyncObj__setCurrentTerm(2, None)
+        for i in range(2, 6):
+            log.add(b"\x04cmd%d" % i, i, 2)
+        _commit(member, 4)
+        member._SyncObj__raftLastApplied = 4
+        real_sync = member.make_durable
+        member.make_durable = lambda: (steps.append("sync"), real_sync())  # type: ignore[method-assign]
+        member._send_replies = lambda replies: (
+            member.make_durable(),
+            steps.append(f"answer {replies[-1][2] - 1}"),
+        )
+        leader = next(iter(member.otherNodes))
+        member.hold_replies()
+        member._SyncObj__onMessageReceived(leader, _notice(5, 2, 5))
+        append = _notice(5, 2, 5, marked=False)
+        append["entries"] = [(b"\x04cmd6", 6, 2)]
+        member._SyncObj__onMessageReceived(leader, append)
+        member.release_replies()
+        assert steps == ["apply 5", "sync", "answer 6"]
+    finally:
+        member.stop()

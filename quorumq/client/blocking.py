@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from .. import pathtiming
 from ..protocol import FrameDecoder, ProtocolError, encode_frame, keep_alive
 from .core import (
     ConnectionLostError,
@@ -148,9 +149,12 @@ class Consumer:
         if self.cancelled and self._deliveries.empty():
             return None
         try:
-            return self._deliveries.get(timeout=timeout)
+            delivery = self._deliveries.get(timeout=timeout)
         except queue_module.Empty:
             return None
+        if pathtiming.ENABLED and delivery is not None:
+            pathtiming.mark("client.handed", ("o", delivery.offset))
+        return delivery
 
     def __iter__(self) -> Iterator[Delivery]:
         while True:
@@ -289,6 +293,8 @@ class Client:
             while True:
                 try:
                     for frame in decoder.frames():
+                        if pathtiming.ENABLED:
+                            _mark_read(frame)
                         if frame["t"] == "error" and not isinstance(frame.get("id"), int):
                             report_node_error(frame)
                             continue
@@ -348,6 +354,8 @@ class Client:
                     continue
                 if isinstance(e, Resolved):
                     future.set_result(e.frame)
+                    if pathtiming.ENABLED and isinstance(e.frame.get("offset"), int):
+                        pathtiming.mark("client.confirmed", ("o", e.frame["offset"]))
                 else:
                     future.set_exception(e.error)
             elif isinstance(e, Delivered):
@@ -419,7 +427,11 @@ class Client:
                     self._deadlines[request_id] = (deadline, self.timeout)
                     if deadline < self._watching_until:
                         self._deadline_changed.notify()
+            if pathtiming.ENABLED and publish:
+                pathtiming.mark("client.publish", ("p", frame["producer"], frame["seq"]))
             self._write(sock, frame)
+            if pathtiming.ENABLED and publish:
+                pathtiming.mark("client.sent", ("p", frame["producer"], frame["seq"]))
         return request_id, future
 
     def _watch_deadlines(self) -> None:
@@ -735,6 +747,17 @@ def _send_by(
     except (OSError, ValueError):  # ValueError: closed meanwhile (no file descriptor)
         return OSError
     return None
+
+
+def _mark_read(frame: dict[str, Any]) -> None:
+    """Path timing: a confirm or a delivery was read off the socket."""
+    offset = frame.get("offset")
+    if not isinstance(offset, int):
+        return
+    if frame["t"] == "deliver":
+        pathtiming.mark("client.deliver.read", ("o", offset))
+    elif frame["t"] == "reply":
+        pathtiming.mark("client.confirm.read", ("o", offset))
 
 
 def _hang_up(sock: socket.socket) -> None:

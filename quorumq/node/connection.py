@@ -18,6 +18,7 @@ import collections
 import logging
 import os
 
+from .. import pathtiming
 from ..deliveries import SentDeliveries
 from ..protocol import Frame, FrameDecoder, encode_frame
 
@@ -36,6 +37,18 @@ PROPOSING_BYTES = 8 * 1024 * 1024
 proposed and not answered (500 pipelined publishes of 512 KiB grew a node by 572 MiB)."""
 
 
+def _timed_step(frame: Frame) -> tuple[str, int] | None:
+    """Path timing: ("confirm" or "deliver", offset) of a frame, or None; marked queued."""
+    offset = frame.get("offset")
+    if not isinstance(offset, int):
+        return None
+    kind = "deliver" if frame["t"] == "deliver" else "confirm" if frame["t"] == "reply" else None
+    if kind is None:
+        return None
+    pathtiming.mark(f"node.{kind}.queued", ("o", offset))
+    return kind, offset
+
+
 class ConnectionCore:
     """A client connection, as the node core sees it."""
 
@@ -49,6 +62,9 @@ class ConnectionCore:
         """Before `hello` a peer may send only small frames; the full limit after it."""
         self.outbox: collections.deque[bytes] = collections.deque()
         """Encoded frames waiting to be taken by the shell."""
+        self._timed: collections.deque[tuple[str, int] | None] = collections.deque()
+        """Path timing only: the confirm or delivery each outbox frame is (or None)."""
+        self._taken_timed: list[tuple[str, int] | None] = []
         self.queued = 0
         """Frames waiting to be sent (in the outbox, or taken and not yet written)."""
         self.queued_bytes = 0
@@ -115,6 +131,8 @@ class ConnectionCore:
         self.queued += 1
         self.queued_bytes += cost
         self.outbox.append(data)
+        if pathtiming.ENABLED:
+            self._timed.append(_timed_step(frame))
         return True
 
     def take_output(self, most: int) -> tuple[bytes, int, int]:
@@ -127,12 +145,19 @@ class ConnectionCore:
             chunk = outbox.popleft()
             chunks.append(chunk)
             size += len(chunk)
+        if pathtiming.ENABLED:
+            self._taken_timed += [self._timed.popleft() for _ in chunks]
         return b"".join(chunks), len(chunks), size + FRAME_COST * len(chunks)
 
     def sent(self, frames: int, cost: int) -> None:
         """The shell wrote `frames` frames taken together, which cost `cost`."""
         self.queued -= frames
         self.queued_bytes -= cost
+        if pathtiming.ENABLED:
+            written, self._taken_timed = self._taken_timed[:frames], self._taken_timed[frames:]
+            for timed in written:
+                if timed is not None:
+                    pathtiming.mark(f"node.{timed[0]}.written", ("o", timed[1]))
 
     @property
     def full(self) -> bool:

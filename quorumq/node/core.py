@@ -48,6 +48,7 @@ from typing import Any, Protocol, TypeVar
 
 import attrs
 
+from .. import pathtiming
 from ..deliveries import missing as missing_deliveries
 from ..machine import (
     Ack,
@@ -551,6 +552,8 @@ class NodeCore:
         return True
 
     def _gather_publish(self, conn: ConnectionCore, publishes: list[Frame], frame: Frame) -> None:
+        if pathtiming.ENABLED:
+            pathtiming.mark("node.read", ("p", frame["producer"], frame["seq"]))
         if not self._check_body(conn, frame, frame["body"]):
             return
         if publishes:
@@ -609,6 +612,9 @@ class NodeCore:
             self._answer_publishes(conn, ids, reply, error)
 
         self.replica.propose(command, done)
+        if pathtiming.ENABLED:
+            for f in frames:
+                pathtiming.mark("node.proposed", ("p", f["producer"], f["seq"]))
 
     def _answer_publishes(
         self,

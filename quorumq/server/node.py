@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from .. import pathtiming
 from ..machine import Command, Effect, Machine
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.core import ProposalCallback
@@ -144,6 +145,8 @@ class NodeServer:
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Start the replica, listen for clients; `task_status.started(listeners)`."""
         self._token = trio.lowlevel.current_trio_token()
+        if pathtiming.ENABLED:
+            pathtiming.name_process(self.node_id)
         self._replica = await trio.to_thread.run_sync(
             lambda: Replica(self.config.replica, self._on_effects, self._on_state_replaced)
         )
@@ -281,6 +284,8 @@ class NodeServer:
         self._soon(self._effects, index, effects)
 
     def _effects(self, index: int, effects: tuple[Effect, ...]) -> None:
+        if pathtiming.ENABLED:
+            pathtiming.mark("node.effects", ("i", index))
         if self._core is not None:
             self._core.effects_applied(index, effects)
 

@@ -1,0 +1,71 @@
+"""Where a message's time goes: timestamps at each step of its path, for the latency
+breakdown (`python -m benchmarks.bench_path`).
+
+Off unless the environment variable `QUORUMQ_PATH_TIMING` names a directory when the
+process starts: then every step marks `(wall-clock ns, step, key)` in memory, and the
+process writes its marks to `<directory>/<name>-<pid>.jsonl` when it exits. Nodes and
+clients on one host share the wall clock, so marks from different processes compare.
+Call sites test `ENABLED` first, so that a node that does not time pays one attribute
+read per step.
+
+Keys say which message a mark is about, as each layer knows it:
+* `("p", producer, seq)`: a publish, in the client and the node core;
+* `("i", index)`: a Raft log entry, in the Raft layer and where effects cross to trio;
+* `("o", offset)`: a message in the queue, in confirm and delivery frames.
+A leader's `map` mark ties them: `(index, producer, first seq, count, first offset)`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import json
+import os
+import threading
+import time
+from typing import Any
+
+__all__ = ["ENABLED", "mark", "name_process"]
+
+_DIRECTORY = os.environ.get("QUORUMQ_PATH_TIMING") or None
+ENABLED = _DIRECTORY is not None
+"""Whether this process marks its steps (read once, at import)."""
+
+_marks: list[tuple[int, str, Any]] = []
+_name = "process"
+_lock = threading.Lock()
+
+
+def mark(step: str, key: Any) -> None:
+    """Record that the message `key` passed `step` now (call only when `ENABLED`)."""
+    _marks.append((time.time_ns(), step, key))
+
+
+def name_process(name: str) -> None:
+    """What this process is (a node's id, `client`): it names the file of its marks."""
+    global _name  # noqa: PLW0603 (one name per process)
+    _name = name
+
+
+def _write() -> None:
+    if _DIRECTORY is None or not _marks:
+        return
+    with _lock:
+        marks = list(_marks)
+        _marks.clear()
+    os.makedirs(_DIRECTORY, exist_ok=True)
+    path = os.path.join(_DIRECTORY, f"{_name}-{os.getpid()}.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps({"process": _name}) + "\n")
+        for ns, step, key in marks:
+            f.write(json.dumps([ns, step, key]) + "\n")
+
+
+def _collecting(phase: str, info: dict[str, int]) -> None:
+    """The garbage collector's passes, to tell a stall it causes from others."""
+    mark(f"gc.{phase}", ("g", info["generation"]))
+
+
+if ENABLED:
+    atexit.register(_write)
+    gc.callbacks.append(_collecting)
