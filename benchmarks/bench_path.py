@@ -284,8 +284,22 @@ def _profile(cluster: Any, end_to_end: Any, messages: int, data: Path) -> str:
     time.sleep(0.5)
     spies = {
         n: subprocess.Popen(
-            [spy, "record", "--pid", str(pid), "--rate", "250", "--duration", "4", "--format",
-             "raw", "--output", str(data / f"spy-{n}.txt"), "--nonblocking"],
+            [
+                spy,
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                "250",
+                "--duration",
+                "4",
+                "--gil",
+                "--format",
+                "raw",
+                "--output",
+                str(data / f"spy-{n}.txt"),
+                "--nonblocking",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

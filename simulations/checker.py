@@ -135,7 +135,7 @@ class Checker:
         self,
         world: World,
         *,
-        digest_every: int = 1000,
+        digest_every: int = 500,
         message_ttl_ms: int | None = None,
         single_active: bool = False,
     ) -> None:
@@ -183,10 +183,10 @@ class Checker:
         self.committed_crc: dict[int, int] = {}
         """Per log index: the CRC of the entry (any kind) first seen committed there."""
         self._checked_through: dict[tuple[str, int], int] = {}
+        """Per node run (name, incarnation): the commit index checked so far."""
         self._log_seen: dict[tuple[str, int], tuple[int, int, Any]] = {}
         """Per run of a node: its commit index, log length and last entry when last
         checked (a tick that changed none of them has nothing new to check)."""
-        """Per node run (name, incarnation): the commit index checked so far."""
         self.config_changes: Counter[str] = Counter()
         """Configuration changes leaders accepted (appended) and refused."""
         self._config_overlaps: set[tuple[str, tuple[int, ...]]] = set()

@@ -85,17 +85,17 @@ def test_messages_with_nothing_to_cut_or_a_refusal_pass_unchanged() -> None:
 # --------------------------------------------------------- snapshot installs
 
 
-def _member(tmp_path: Any) -> Any:
+def _member(tmp_path: Any, size: int = 2) -> Any:
     import socket
 
     from quorumq.raft.member import RaftMember
 
     ports = []
-    for _ in range(2):
+    for _ in range(size):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    members = {"A": f"127.0.0.1:{ports[0]}", "B": f"127.0.0.1:{ports[1]}"}
+    members = {name: f"127.0.0.1:{port}" for name, port in zip("ABC", ports, strict=False)}
     member = RaftMember(
         "A",
         members,
@@ -783,5 +783,55 @@ def test_a_follower_applies_what_is_committed_before_it_syncs_what_just_arrived(
         member._SyncObj__onMessageReceived(leader, append)
         member.release_replies()
         assert steps == ["apply 5", "sync", "answer 6"]
+    finally:
+        member.stop()
+
+
+def test_a_leader_with_any_follower_behind_sends_every_follower_appendentries(
+    tmp_path: Any,
+) -> None:
+    """Three members: B caught up, C behind (or sent a snapshot, or not connected). A
+    follower behind (and a snapshot transfer) makes the push PySyncObj's AppendEntries
+    to every connected follower, entries included; a follower not connected gets
+    nothing; with every connected one caught up, each gets a notice."""
+    from pysyncobj.syncobj import _RAFT_STATE
+
+    from quorumq.raft.rules import COMMIT_NOTICE
+
+    member, members = _member(tmp_path, size=3)
+    try:
+        log = member._SyncObj__raftLog
+        member._SyncObj__setCurrentTerm(2, None)
+        for i in range(2, 12):
+            log.add(b"\x04cmd%d" % i, i, 2)
+        b, c = sorted(member.otherNodes, key=lambda n: n.id == members["C"])
+        member._SyncObj__raftState = _RAFT_STATE.LEADER
+        next_index = member._SyncObj__raftNextIndex
+        sent: list[tuple[Any, dict[str, Any]]] = []
+        member._SyncObj__transport.send = lambda node, message: sent.append((node, message))
+
+        def push(b_next: int, c_next: int, connected: set[Any]) -> list[tuple[str, Any]]:
+            sent.clear()
+            member._SyncObj__connectedNodes.clear()
+            member._SyncObj__connectedNodes.update(connected)
+            next_index[b], next_index[c] = b_next, c_next
+            member._sent_commit = 0
+            _commit(member, 11)
+            member.push_commit_index()
+            return sorted(
+                (
+                    "B" if node == b else "C",
+                    "notice" if m.get(COMMIT_NOTICE) else [e[1] for e in m.get("entries", ())],
+                )
+                for node, m in sent
+            )
+
+        assert push(12, 12, {b, c}) == [("B", "notice"), ("C", "notice")]
+        assert push(12, 9, {b, c}) == [("B", []), ("C", [9, 10, 11])]
+        assert push(12, 9, {b}) == [("B", "notice")]  # C, not connected, holds no one up
+        member._SyncObj__raftLog.deleteEntriesTo(6)  # compacted: C is behind the log's start
+        member._SyncObj__serializer.getTransmissionData = lambda node: (b"", True, True)
+        assert {who for who, _ in push(12, 3, {b, c})} == {"B", "C"}  # C: the snapshot
+        assert all(not m.get(COMMIT_NOTICE) for _, m in sent)
     finally:
         member.stop()

@@ -480,15 +480,15 @@ def test_a_gathered_ack_refused_for_one_offset_is_settled_again_for_the_rest(
     """Found by the simulator once it gathered acks as a node does: an `Ack` of two
     offsets, one of them returned by the consumer's own nack of an earlier message of
     its key, is refused whole (`not_held`); the node core must settle the other offset
-    again, or it stays held (seed 2; seeds 2, 4, 10 and 16 of the first 17)."""
-    assert run(ci_config(2)).ok
+    again, or it stays held (seed 1; seeds 1, 4 and 6 of the first 7)."""
+    assert run(ci_config(1)).ok
     _settle_without_resettling(monkeypatch, retry_failed=True)
-    assert _kinds(ci_config(2)) & {"unsettled", "liveness"}
+    assert _kinds(ci_config(1)) & {"unsettled", "liveness"}
 
 
 def test_an_ack_that_drops_an_offset_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The checker's own sensitivity: a node core that loses the last offset of an ack
-    batch leaves a record unsettled (55 of the first 60 seeds)."""
+    batch leaves a record unsettled (seeds 1, 2 and 3 of the first 4)."""
     from quorumq.machine import Ack
     from quorumq.node.core import NodeCore
 
@@ -500,7 +500,7 @@ def test_an_ack_that_drops_an_offset_is_caught(monkeypatch: pytest.MonkeyPatch) 
         real(self, command, conn, attempt)  # type: ignore[arg-type]
 
     monkeypatch.setattr(NodeCore, "settle", settle)
-    assert _kinds(ci_config(0)) & {"unsettled", "liveness"}
+    assert _kinds(ci_config(1)) & {"unsettled", "liveness"}
 
 
 def test_a_restarted_ex_leader_runs_the_effects_of_what_replaced_its_tail(
@@ -508,15 +508,15 @@ def test_a_restarted_ex_leader_runs_the_effects_of_what_replaced_its_tail(
 ) -> None:
     """A restarted ex-leader whose uncommitted journal tail was replaced must run the
     effects of the entries that replaced it (`DurableJournal.replay_until`); counting
-    every entry on disk at start-up as replayed strands them (seed 1256: a rare case,
-    seeds 1256, 1786 and 2089 of the first 2,090)."""
+    every entry on disk at start-up as replayed strands them (a rare case: seed 358,
+    the only one of the first 359; it moves whenever Raft's timing does)."""
     from quorumq.raft.journal import DurableJournal
 
-    assert run(ci_config(1256)).ok
+    assert run(ci_config(358)).ok
     monkeypatch.setattr(
         DurableJournal, "replay_until", property(lambda self: self.last_index_at_open)
     )
-    assert _kinds(ci_config(1256)) & {"unsettled", "lost", "liveness"}
+    assert _kinds(ci_config(358)) & {"unsettled", "lost", "liveness"}
 
 
 def test_a_node_that_installs_a_snapshot_must_send_what_it_skipped(
@@ -524,12 +524,12 @@ def test_a_node_that_installs_a_snapshot_must_send_what_it_skipped(
 ) -> None:
     """Without the resync after a snapshot install (`NodeCore.state_replaced`), a
     consumer on a follower that caught up from the leader's snapshot holds messages it
-    was never sent (seeds 69 and 107 of the first 150)."""
+    was never sent (seeds 9 and 313 of the first 314)."""
     from quorumq.node.core import NodeCore
 
-    assert run(ci_config(69)).ok
+    assert run(ci_config(9)).ok
     monkeypatch.setattr(NodeCore, "state_replaced", lambda self: None)
-    assert _kinds(ci_config(69)) & {"lost", "liveness", "unsettled"}
+    assert _kinds(ci_config(9)) & {"lost", "liveness", "unsettled"}
 
 
 def test_a_proposal_pysyncobj_never_answers_must_time_out(

@@ -437,6 +437,14 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         if pathtiming.ENABLED:
             pathtiming.mark("raft.notice", ("i", commit))
 
+    def _SyncObj__applyLogEntries(self) -> bool:
+        # A leader tells followers of a new commit before it applies the entries, not
+        # after (and after its tick's callbacks): they deliver to their consumers
+        # meanwhile.
+        if self._isLeader():
+            self.push_commit_index()
+        return bool(super()._SyncObj__applyLogEntries())
+
     def _SyncObj__sendAppendEntries(self) -> None:
         # every AppendEntries carries the commit index: no notice needed for it
         self._sent_commit = max(self._sent_commit, self.raftCommitIndex)
@@ -557,6 +565,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         logger.info("the leader lost (%s): an election within %.3f s", why, delay)
 
     def _SyncObj__onBecomeLeader(self) -> None:
+        self._sent_commit = 0  # (a snapshot install may have taken the commit index back)
         super()._SyncObj__onBecomeLeader()
         logger.info("leading at term %d", self.raftCurrentTerm)
 
