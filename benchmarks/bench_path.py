@@ -148,7 +148,16 @@ def breakdown(directory: Path, leader: str, follower: str) -> str:
                     times.append(role[who].at(step, keys[_key_kind(step)]))
                 if all(t is not None for t in times):
                     rows[name].append([(t - start) / 1e6 for t in times])  # type: ignore[operator]
-    out = []
+    appended = sum(1 for _, step, _ in processes[leader] if step == "raft.appended")
+    syncs = {
+        name: sum(1 for _, step, _ in marks if step == "raft.synced")
+        for name, marks in sorted(processes.items())
+        if name != "client"
+    }
+    out = [
+        f"log entries appended by the leader: {appended} for {len(rows['confirm'])} messages; "
+        f"fdatasyncs marked: {', '.join(f'{n} {c}' for n, c in syncs.items())}"
+    ]
     for path, name in ((CONFIRM_PATH, "confirm"), (DELIVERY_PATH, "delivery")):
         table = rows[name]
         out.append(f"\n{name} path ({len(table)} messages; ms since the publish call):\n")

@@ -606,5 +606,8 @@ def test_an_entry_from_another_release_stops_a_replica_instead_of_being_skipped(
     # those that learn it is committed stop (the third may never learn it)
     wait_for(lambda: len(stopped()) >= 2, "a majority stopped at the entry")
     assert all("upgrade this node" in str(r.member.fatal_error) for r in stopped())
-    applied = {r.status()["machine_index"] for r in cluster.replicas.values()}
-    assert len(applied) == 1  # none went past it
+    # none went past it (the third may not even have applied the declare yet: asking
+    # all three to be at one index failed 1 run in 5)
+    stopped_at = {r.status()["machine_index"] for r in stopped()}
+    assert len(stopped_at) == 1
+    assert max(r.status()["machine_index"] for r in cluster.replicas.values()) in stopped_at

@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -451,8 +452,16 @@ def _settle_without_resettling(monkeypatch: pytest.MonkeyPatch, *, retry_failed:
 
     real = NodeCore.settle
 
-    def settle(self: NodeCore, command: object, conn: object, attempt: int = 1) -> None:
+    def settle(
+        self: NodeCore,
+        command: object,
+        conn: object,
+        attempt: int = 1,
+        answered: Callable[[], None] | None = None,
+    ) -> None:
         def done(reply: object, error: object) -> None:
+            if answered is not None:
+                answered()
             refused = isinstance(reply, Error) and reply.code == ErrorCode.NOT_HELD
             if retry_failed and not refused and error is not None and attempt < 20:
                 return real(self, command, conn, attempt + 1)  # type: ignore[arg-type]
@@ -480,10 +489,10 @@ def test_a_gathered_ack_refused_for_one_offset_is_settled_again_for_the_rest(
     """Found by the simulator once it gathered acks as a node does: an `Ack` of two
     offsets, one of them returned by the consumer's own nack of an earlier message of
     its key, is refused whole (`not_held`); the node core must settle the other offset
-    again, or it stays held (seed 1; seeds 1, 4 and 6 of the first 7)."""
-    assert run(ci_config(1)).ok
+    again, or it stays held (seed 0; seeds 0, 4 and 6 of the first 7)."""
+    assert run(ci_config(0)).ok
     _settle_without_resettling(monkeypatch, retry_failed=True)
-    assert _kinds(ci_config(1)) & {"unsettled", "liveness"}
+    assert _kinds(ci_config(0)) & {"unsettled", "liveness"}
 
 
 def test_an_ack_that_drops_an_offset_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -494,10 +503,16 @@ def test_an_ack_that_drops_an_offset_is_caught(monkeypatch: pytest.MonkeyPatch) 
 
     real = NodeCore.settle
 
-    def settle(self: NodeCore, command: object, conn: object, attempt: int = 1) -> None:
+    def settle(
+        self: NodeCore,
+        command: object,
+        conn: object,
+        attempt: int = 1,
+        answered: Callable[[], None] | None = None,
+    ) -> None:
         if isinstance(command, Ack) and len(command.offsets) > 1 and attempt == 1:
             command = attrs.evolve(command, offsets=command.offsets[:-1])
-        real(self, command, conn, attempt)  # type: ignore[arg-type]
+        real(self, command, conn, attempt, answered)  # type: ignore[arg-type]
 
     monkeypatch.setattr(NodeCore, "settle", settle)
     assert _kinds(ci_config(1)) & {"unsettled", "liveness"}
@@ -537,23 +552,23 @@ def test_a_proposal_pysyncobj_never_answers_must_time_out(
 ) -> None:
     """A command proposed by an ex-leader whose entry a snapshot install then skipped is
     never answered by PySyncObj: without the replica's timeout (`InFlight.expire`)
-    nobody proposes it again, and what it settles stays held (seed 1, the only one of
-    the first 200)."""
+    nobody proposes it again, and what it settles stays held (seed 81, the only one of
+    the first 82; rare, it moves whenever Raft's timing does)."""
     from quorumq.replica import InFlight
 
-    assert run(ci_config(1)).ok
+    assert run(ci_config(81)).ok
     monkeypatch.setattr(InFlight, "expire", lambda self, now, error: None)
-    assert _kinds(ci_config(1)) & {"lost", "unsettled", "liveness"}
+    assert _kinds(ci_config(81)) & {"lost", "unsettled", "liveness"}
 
 
 def test_a_follower_must_refuse_a_leader_snapshot_older_than_what_it_applied(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Without the refusal (`RaftRules.accept_leader_snapshot`) a follower goes back to
-    an older state (seeds 1, 3 and 19 of the first 60)."""
-    assert run(ci_config(1)).ok
+    an older state (seeds 21, 45 and 53 of the first 54)."""
+    assert run(ci_config(21)).ok
     monkeypatch.setattr(RaftRules, "accept_leader_snapshot", lambda self, index, term: True)
-    assert "rollback" in _kinds(ci_config(1))
+    assert "rollback" in _kinds(ci_config(21))
 
 
 def test_a_producers_first_batch_overtaken_by_its_second_is_not_lost() -> None:

@@ -171,6 +171,15 @@ class MembershipError(Exception):
         self.message = message
 
 
+@attrs.define
+class _HeldAcks:
+    """A consumer's acks waiting for its ack being proposed (`NodeCore._ack`)."""
+
+    queue: str
+    conn: ConnectionCore
+    offsets: list[int]
+
+
 class _Timer:
     __slots__ = ("args", "call", "cancelled", "when")
 
@@ -220,6 +229,9 @@ class NodeCore:
         self.unauthenticated: dict[ConnectionCore, None] = {}
         """The connections of `connections` that have not said `hello`, oldest first."""
         self._downed: set[str] = set()
+        self._acking: dict[str, _HeldAcks] = {}
+        """Per consumer with an ack being proposed: the acks that came since, proposed
+        together once it is answered (`_ack`)."""
         self._connection_counter = 0
         self._timers: list[tuple[float, int, _Timer]] = []
         self._timer_order = itertools.count()
@@ -720,15 +732,50 @@ class NodeCore:
             queue = conn.consumers.get(consumer)
             if queue is None:
                 continue
-            command: Ack | Nack
             if nack:
+                self._release_acks(consumer)  # the consumer's acks before its nack
                 command = Nack(queue=queue, consumer=consumer, offsets=offsets, requeue=requeue)
+                self.settle(command, conn)
             else:
-                command = Ack(queue=queue, consumer=consumer, offsets=offsets)
-            self.settle(command, conn)
+                self._ack(queue, consumer, offsets, conn)
         acks.clear()
 
-    def settle(self, command: Ack | Nack, conn: ConnectionCore, attempt: int = 1) -> None:
+    def _ack(self, queue: str, consumer: str, offsets: list[int], conn: ConnectionCore) -> None:
+        """Propose an ack of `offsets` now, or, while an ack of the same consumer is being
+        proposed, with the acks that follow it once it is answered: a consumer's acks
+        arriving while one commits take one log entry (one fdatasync on each replica)
+        instead of one each. Nothing waits when acks are rarer than a commit."""
+        held = self._acking.get(consumer)
+        if held is not None:
+            held.offsets += offsets
+            return
+        self._acking[consumer] = _HeldAcks(queue, conn, [])
+        self.settle(
+            Ack(queue=queue, consumer=consumer, offsets=offsets),
+            conn,
+            answered=lambda: self._next_acks(consumer),
+        )
+
+    def _next_acks(self, consumer: str) -> None:
+        held = self._acking.pop(consumer, None)
+        if held is not None and held.offsets:
+            self._ack(held.queue, consumer, held.offsets, held.conn)
+
+    def _release_acks(self, consumer: str) -> None:
+        """Propose the acks of `consumer` that wait for its ack being proposed, now: a nack
+        or a `Down` of that consumer must not overtake them."""
+        held = self._acking.get(consumer)
+        if held is not None and held.offsets:
+            offsets, held.offsets = held.offsets, []
+            self.settle(Ack(queue=held.queue, consumer=consumer, offsets=offsets), held.conn)
+
+    def settle(
+        self,
+        command: Ack | Nack,
+        conn: ConnectionCore,
+        attempt: int = 1,
+        answered: Callable[[], None] | None = None,
+    ) -> None:
         """Propose an ack or nack, again if a leader change lost it: the client sent it
         and moved on, and a lost one would leave the message held by a live consumer.
 
@@ -743,9 +790,13 @@ class NodeCore:
         The machine refuses an ack or nack whole if one offset is not held (a nack of a
         keyed message takes back the key's later messages the consumer holds, and the
         client may ack one of those in the same read as others). The refusal is
-        reported, and the offsets still held are settled again, so none is stranded."""
+        reported, and the offsets still held are settled again, so none is stranded.
+
+        `answered` is called when this attempt is answered, whatever the answer."""
 
         def done(reply: Reply | None, error: ProposalError | None) -> None:
+            if answered is not None:
+                answered()
             if isinstance(reply, Error) and reply.code == ErrorCode.NOT_HELD:
                 if attempt == 1:  # say which, then settle the offsets still held
                     self._answer(conn, None, reply, None, None)
@@ -1067,6 +1118,7 @@ class NodeCore:
         self._downed &= placed
 
     def _down(self, consumer: str) -> None:
+        self._release_acks(consumer)  # what it acked lands before what it held returns
         if consumer not in self._downed:
             self._downed.add(consumer)
             self.replica.propose(Down(consumer=consumer))

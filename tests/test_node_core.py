@@ -1,0 +1,115 @@
+"""The node core on its own: frames in, proposals out, with a replica that records what
+is proposed and answers when the test says (the simulator runs the same core in whole
+clusters)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from quorumq.machine import OK, Ack, Command, Down, Nack, Subscribe
+from quorumq.node import ConnectionCore, NodeConfig, NodeCore
+from quorumq.protocol import PROTOCOL_VERSION, encode_frame
+from quorumq.replica import ReplicaConfig
+
+
+class _Replica:
+    """Records proposals; `answer(i)` answers the i-th with OK."""
+
+    node_id = "A"
+
+    def __init__(self) -> None:
+        self.proposed: list[tuple[Command, Callable[..., None] | None]] = []
+
+    def propose(self, command: Command, callback: Callable[..., None] | None = None) -> None:
+        self.proposed.append((command, callback))
+
+    def answer(self, index: int) -> None:
+        callback = self.proposed[index][1]
+        assert callback is not None
+        callback(OK, None)
+
+    def commands(self, kind: type) -> list[Any]:
+        return [c for c, _ in self.proposed if isinstance(c, kind)]
+
+    def query(self, read: Callable[[Any], Any]) -> Any:
+        raise AssertionError("not used here")
+
+
+class _Shell:
+    def wake(self, conn: ConnectionCore) -> None:
+        pass
+
+    def timers_changed(self) -> None:
+        pass
+
+    def run_in_worker(self, work: Callable[[], Any], done: Callable[..., None]) -> None:
+        raise AssertionError("not used here")
+
+
+@pytest.fixture
+def core() -> tuple[NodeCore, _Replica]:
+    replica = _Replica()
+    config = NodeConfig(
+        replica=ReplicaConfig(
+            node_id="A", peers={"A": "127.0.0.1:1"}, data_dir="/nonexistent", secret="s"
+        ),
+        insecure=True,
+    )
+    rng = random.Random(1)
+    node = NodeCore(config, replica, _Shell(), lambda: 0.0, random_bytes=rng.randbytes)  # type: ignore[arg-type]
+    return node, replica
+
+
+def _subscribed(core: NodeCore, replica: _Replica) -> tuple[ConnectionCore, str]:
+    conn = core.connection_made()
+    core.data_received(conn, encode_frame({"t": "hello", "v": PROTOCOL_VERSION, "client": "t"}))
+    core.data_received(conn, encode_frame({"t": "subscribe", "id": 1, "queue": "q", "prefetch": 9}))
+    (subscribe,) = replica.commands(Subscribe)
+    return conn, subscribe.consumer
+
+
+def _send(core: NodeCore, conn: ConnectionCore, *frames: dict[str, Any]) -> None:
+    core.data_received(conn, b"".join(encode_frame(f) for f in frames))
+
+
+def test_acks_that_come_while_one_is_proposed_go_in_one_ack_once_it_is_answered(
+    core: tuple[NodeCore, _Replica],
+) -> None:
+    """One log entry (one fdatasync on each replica) for the acks a consumer sends while
+    its last ack commits, instead of one each; nothing waits when none is proposed."""
+    node, replica = core
+    conn, consumer = _subscribed(node, replica)
+    _send(node, conn, {"t": "ack", "consumer": consumer, "offsets": [0]})
+    _send(node, conn, {"t": "ack", "consumer": consumer, "offsets": [1]})
+    _send(node, conn, {"t": "ack", "consumer": consumer, "offsets": [2, 3]})
+    assert [a.offsets for a in replica.commands(Ack)] == [(0,)]
+    replica.answer(next(i for i, (c, _) in enumerate(replica.proposed) if isinstance(c, Ack)))
+    assert [a.offsets for a in replica.commands(Ack)] == [(0,), (1, 2, 3)]
+    replica.answer(len(replica.proposed) - 1)
+    _send(node, conn, {"t": "ack", "consumer": consumer, "offsets": [4]})
+    assert [a.offsets for a in replica.commands(Ack)] == [(0,), (1, 2, 3), (4,)]
+
+
+def test_a_nack_or_a_lost_connection_does_not_overtake_the_acks_that_wait(
+    core: tuple[NodeCore, _Replica],
+) -> None:
+    """Acks waiting behind a proposed one are proposed before the consumer's nack, and
+    before its `Down` when its connection goes: what it acked never comes back."""
+    node, replica = core
+    conn, consumer = _subscribed(node, replica)
+    _send(node, conn, {"t": "ack", "consumer": consumer, "offsets": [0]})
+    _send(node, conn, {"t": "ack", "consumer": consumer, "offsets": [1]})
+    _send(node, conn, {"t": "nack", "consumer": consumer, "offsets": [2], "requeue": True})
+    kinds = [
+        (type(c).__name__, c.offsets) for c, _ in replica.proposed if isinstance(c, Ack | Nack)
+    ]
+    assert kinds == [("Ack", (0,)), ("Ack", (1,)), ("Nack", (2,))]
+    _send(node, conn, {"t": "ack", "consumer": consumer, "offsets": [3]})
+    node.connection_lost(conn)
+    tail = [c for c, _ in replica.proposed[-2:]]
+    assert isinstance(tail[0], Ack) and tail[0].offsets == (3,)
+    assert isinstance(tail[1], Down) and tail[1].consumer == consumer
