@@ -221,3 +221,89 @@ def test_status_audit_needs_the_admin_token_and_says_so_in_one_line() -> None:
         assert audited.returncode == 0, audited.stderr
         status = json.loads(audited.stdout)
         assert len(status["digest"]) == 64 and status["machine_index"] >= 0
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], says: str) -> None:
+    """What every error a user can cause looks like: exit status 2 and one line."""
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert says in result.stderr, result.stderr
+
+
+def test_user_errors_are_one_line_and_a_stopped_cluster_says_where_its_data_is(
+    tmp_path: object,
+) -> None:
+    """Each error found by trying the command as a user (before: tracebacks of 16 to 59
+    lines, exit 1), then `cluster down`, `cluster status` (it said "no cluster" while
+    the data was kept) and `cluster up` again on the same data."""
+    from quorumq.embedded import free_ports
+
+    root = f"{tmp_path}/dev"
+
+    def q(*args: str) -> subprocess.CompletedProcess[str]:
+        return _quorumq(*args, "--dir", root) if args[0] != "node" else _quorumq(*args)
+
+    up = q("cluster", "up")
+    assert up.returncode == 0, up.stderr
+    try:
+        assert q("declare", "orders").returncode == 0
+        assert q("publish", "orders", "kept").returncode == 0
+        _one_line_error(
+            q("consume", "nosuch"), "unknown_queue: no queue named 'nosuch' (declare it"
+        )
+        _one_line_error(q("consume", "orders", "--prefetch", "-1"), "--prefetch: must be between")
+        _one_line_error(q("consume", "orders", "--prefetch", "70000"), "between 0 and 65535")
+        _one_line_error(q("consume", "orders", "--wait", "-1"), "--wait: must be")
+        _one_line_error(q("consume", "orders", "--count", "x"), "'x' is not a whole number")
+        _one_line_error(q("declare", ""), "a queue name must not be empty")
+        _one_line_error(q("declare", "orders", "--max-length", "5"), "options_mismatch")
+        _one_line_error(q("cluster", "up"), "a cluster already runs")
+        (port,) = free_ports(1)
+        _one_line_error(q("status", "--endpoints", f"127.0.0.1:{port}"), "no quorumq node answered")
+        node = ["node", "--id", "A", "--insecure", "--listen", "127.0.0.1:0"]
+        node += ["--raft", "127.0.0.1:0", "--data-dir"]
+        _one_line_error(q(*node, f"{root}/A"), f"the data directory {root}/A is in use")
+        _one_line_error(
+            q(*node, f"{tmp_path}/z", "--compaction-entries", "0"), "must be at least 1"
+        )
+    finally:
+        down = q("cluster", "down")
+    assert down.returncode == 0, down.stderr
+    assert f"its data is kept in {root}/A, {root}/B, {root}/C" in down.stdout
+    status = q("cluster", "status")
+    assert status.returncode == 0, status.stderr
+    assert f"cluster in {root} is stopped; its data is kept in {root}/A" in status.stdout
+    _one_line_error(q("status"), f"the cluster in {root} is stopped")
+    again = q("cluster", "up")
+    try:
+        assert again.returncode == 0, again.stderr
+        assert "starting the stopped cluster" in again.stdout
+        consumed = q("consume", "orders", "--count", "1")
+        assert consumed.returncode == 0, consumed.stderr
+        assert '"body": "kept"' in consumed.stdout
+    finally:
+        assert q("cluster", "down").returncode == 0
+
+
+def test_a_wrong_or_missing_token_is_one_line() -> None:
+    import os
+
+    from quorumq.embedded import Cluster
+
+    with Cluster(1, token="right") as cluster:
+        cluster.leader()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QUORUMQ_")}
+
+        def q(*args: str, token: str | None) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "quorumq", *args, "--endpoints", cluster.endpoint("A")],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+                env=env if token is None else {**env, "QUORUMQ_TOKEN": token},
+            )
+
+        _one_line_error(q("consume", "orders", token="wrong"), "auth_failed: wrong token")
+        _one_line_error(q("status", token=None), "auth_failed: the node requires a token")
+        _one_line_error(q("consume", "orders", token="right"), "declare it: quorumq declare")
