@@ -316,17 +316,106 @@ def _consume(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import json  # noqa: PLC0415
 
-    from .client import QuorumqError, ServerError  # noqa: PLC0415
+    from .client import ServerError  # noqa: PLC0415
+
+    if args.json:
+        if args.watch:
+            raise UsageError("--watch shows tables; for a program, run status --json each time")
+        with _client(args) as client:
+            try:
+                status = client.status(audit=args.audit)
+            except ServerError as e:
+                if e.code == "admin_required":
+                    raise UsageError(
+                        f"{e} (an audit needs the admin token: set QUORUMQ_ADMIN_TOKEN)"
+                    ) from None
+                raise
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    return _status_tables(args)
+
+
+def _console() -> Any:
+    """A rich console: the terminal's width, or (into a pipe or file) wide enough that no
+    column is cut."""
+    from rich.console import Console  # noqa: PLC0415
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def _status_tables(args: argparse.Namespace) -> int:
+    """Tables of every endpoint's node and of the queues, with rates over `--interval`;
+    with `--watch`, refreshed in place until Ctrl-C."""
+    import time  # noqa: PLC0415
+
+    from rich.console import Group  # noqa: PLC0415
+    from rich.live import Live  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    from .client import Client, QuorumqError  # noqa: PLC0415
+    from .status_view import read_cluster, status_view  # noqa: PLC0415
+
+    endpoints = _endpoints(args)
+    token = _secret(args.token_file, "QUORUMQ_TOKEN", "client token")
+    admin = _secret(None, "QUORUMQ_ADMIN_TOKEN", "admin token")
+
+    def status_of(endpoint: str) -> dict[str, Any]:
+        timeout = 300.0 if args.audit else max(args.timeout, 1.0)
+        with Client(
+            [endpoint], token, connect_timeout=args.timeout, timeout=timeout, admin_token=admin
+        ) as client:
+            status: dict[str, Any] = client.status(audit=args.audit)
+            return status
+
+    def read() -> Any:
+        return read_cluster(endpoints, status_of, (QuorumqError, OSError, ValueError))
+
+    console = _console()
+    before = read()
+    if not before.answered and not args.watch:
+        errors = "; ".join(f"{n.endpoint}: {n.error}" for n in before.nodes)
+        hint = " (set QUORUMQ_ADMIN_TOKEN)" if "admin_required" in errors else ""
+        raise UsageError(f"no node gave its status: {errors}{hint}")
+    if not args.watch:
+        if args.audit:  # an audit hashes every message: once is enough, and no rates
+            console.print(status_view(before, None, audit=True))
+            return 0
+        time.sleep(max(0.0, before.taken_at + args.interval - time.monotonic()))
+        console.print(status_view(read(), before))
+        return 0
+    def view(now: Any, earlier: Any) -> Any:
+        heading = Text(
+            f"quorumq status: every {args.interval:g} s, {time.strftime('%H:%M:%S')} "
+            "(Ctrl-C to stop)",
+            style="dim",
+        )
+        return Group(heading, status_view(now, earlier, audit=args.audit))
+
+    try:
+        with Live(view(before, None), console=console) as live:
+            while True:
+                time.sleep(max(0.0, before.taken_at + args.interval - time.monotonic()))
+                now = read()
+                live.update(view(now, before))
+                before = now
+    except KeyboardInterrupt:  # how --watch ends
+        return 0
+
+
+def _queues(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from .status_view import queue_list  # noqa: PLC0415
 
     with _client(args) as client:
-        try:
-            status = client.status(audit=args.audit)
-        except QuorumqError as e:
-            hint = ""
-            if isinstance(e, ServerError) and e.code == "admin_required":
-                hint = " (an audit needs the admin token: set QUORUMQ_ADMIN_TOKEN)"
-            raise UsageError(f"{e}{hint}") from None
-        print(json.dumps(status, indent=2, sort_keys=True))
+        status = client.status()
+    if args.json:
+        print(json.dumps(status["queues"], indent=2, sort_keys=True))
+    elif not status["queues"]:
+        print(f"no queues (node {status['node']}); declare one: quorumq declare NAME")
+    else:
+        _console().print(queue_list(status))
     return 0
 
 
@@ -715,8 +804,30 @@ def build_parser() -> argparse.ArgumentParser:
     client_options(members)
     members.set_defaults(run=_members)
 
-    status = commands.add_parser("status", help="print a node's status as JSON")
+    status = commands.add_parser(
+        "status",
+        help="tables of the cluster's nodes and queues (--json: one node's status as JSON)",
+        description="Asks every endpoint's node for its status: a table of nodes (role, "
+        "Raft term, commit and applied index, lag behind the leader's commit) and one of "
+        "queues (ready, unacked, consumers, publish and deliver rates from two readings "
+        "--interval apart).",
+    )
     client_options(status)
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help="print one node's status as JSON, for programs (what status printed before)",
+    )
+    status.add_argument(
+        "--watch", action="store_true", help="refresh the tables in place until Ctrl-C"
+    )
+    status.add_argument(
+        "--interval",
+        type=_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="between the two readings rates come from, and between refreshes (default 1)",
+    )
     status.add_argument(
         "--audit",
         action="store_true",
@@ -725,6 +836,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a forked child, about 1.3 s per million 100-byte messages)",
     )
     status.set_defaults(run=_status)
+
+    queues = commands.add_parser("queues", help="a table of the queues")
+    client_options(queues)
+    queues.add_argument("--json", action="store_true", help="the queues' status as JSON")
+    queues.set_defaults(run=_queues)
     return parser
 
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import trio
 
 from .. import pathtiming
+from ..counters import QueueCounters
 from ..machine import Command, Effect, Machine
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.core import ProposalCallback
@@ -113,6 +114,8 @@ class NodeServer:
         self._timers_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.listeners: list[trio.SocketListener] = []
+        self.counters = QueueCounters()
+        """What the replica applied, per queue (status and metrics)."""
 
     @property
     def replica(self) -> Replica:
@@ -148,7 +151,12 @@ class NodeServer:
         if pathtiming.ENABLED:
             pathtiming.name_process(self.node_id)
         self._replica = await trio.to_thread.run_sync(
-            lambda: Replica(self.config.replica, self._on_effects, self._on_state_replaced)
+            lambda: Replica(
+                self.config.replica,
+                self._on_effects,
+                self._on_state_replaced,
+                observer=self.counters,
+            )
         )
         try:
             async with trio.open_nursery() as nursery:
@@ -156,6 +164,7 @@ class NodeServer:
                 self._core = NodeCore(
                     self.config, _LoopReplica(self.replica, self._soon), self, trio.current_time
                 )
+                self._core.queue_counts = self.counters.counts
                 self.listeners = await trio.open_tcp_listeners(
                     self.config.listen_port, host=self.config.listen_host
                 )
