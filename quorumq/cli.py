@@ -171,13 +171,15 @@ def _node(args: argparse.Namespace) -> int:
     _lock_data_dir(Path(args.data_dir))
 
     async def run() -> None:
-        server = NodeServer(config)
+        server = NodeServer(config, metrics=args.metrics)
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(server.serve)
             host, port = listeners[0].socket.getsockname()[:2]
+            metrics = server.metrics.address if server.metrics is not None else None
             print(
                 f"quorumq node {args.id} ready: clients on {host}:{port}, "
-                f"raft on {peers[args.id]}, fsync={args.fsync}",
+                f"raft on {peers[args.id]}, fsync={args.fsync}"
+                + (f", metrics on http://{metrics[0]}:{metrics[1]}/metrics" if metrics else ""),
                 flush=True,
             )
             import signal  # noqa: PLC0415
@@ -384,6 +386,7 @@ def _status_tables(args: argparse.Namespace) -> int:
         time.sleep(max(0.0, before.taken_at + args.interval - time.monotonic()))
         console.print(status_view(read(), before))
         return 0
+
     def view(now: Any, earlier: Any) -> Any:
         heading = Text(
             f"quorumq status: every {args.interval:g} s, {time.strftime('%H:%M:%S')} "
@@ -735,6 +738,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=50_000,
         metavar="N",
         help="snapshot the machine and compact the log past this many entries",
+    )
+    node.add_argument(
+        "--metrics",
+        type=_address,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one)",
     )
     node.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"])
     node.set_defaults(run=_node)
