@@ -7,15 +7,58 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .scenarios import SCENARIOS, render
+
+DEFAULT_CLUSTER_DIR = ".quorumq-cluster"
 
 
 class UsageError(Exception):
     """A bad argument: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (no usage block): `quorumq X: what (see
+    quorumq X --help)`, exit status 2, as every other error of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _count(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value > high):
+            within = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise argparse.ArgumentTypeError(f"must be {within}, not {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: seconds, zero or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, not {text}")
+    return value
+
+
+def _queue_name(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a queue name must not be empty")
+    return text
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -54,6 +97,34 @@ def _secret(file: str | None, env: str, what: str) -> str | None:
             raise UsageError(f"the {what} file {file} is empty")
         return value
     return os.environ.get(env) or None
+
+
+_held_locks: list[int] = []
+"""Descriptors of the data directory locks this process holds (until it exits)."""
+
+
+def _lock_data_dir(path: Path) -> None:
+    """Take the data directory for this process, or say which process has it: two nodes
+    writing one journal damage it (found by hand: a second `quorumq node` on a running
+    node's directory started, and the first one's journal was refused at its restart)."""
+    import fcntl  # noqa: PLC0415
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UsageError(f"cannot use the data directory {path}: {e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UsageError(
+            f"the data directory {path} is in use by another quorumq node (pid {holder})"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _held_locks.append(fd)
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -97,15 +168,18 @@ def _node(args: argparse.Namespace) -> int:
         check_node_config(config)
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    _lock_data_dir(Path(args.data_dir))
 
     async def run() -> None:
-        server = NodeServer(config)
+        server = NodeServer(config, metrics=args.metrics)
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(server.serve)
             host, port = listeners[0].socket.getsockname()[:2]
+            metrics = server.metrics.address if server.metrics is not None else None
             print(
                 f"quorumq node {args.id} ready: clients on {host}:{port}, "
-                f"raft on {peers[args.id]}, fsync={args.fsync}",
+                f"raft on {peers[args.id]}, fsync={args.fsync}"
+                + (f", metrics on http://{metrics[0]}:{metrics[1]}/metrics" if metrics else ""),
                 flush=True,
             )
             import signal  # noqa: PLC0415
@@ -153,7 +227,13 @@ def _demo(args: argparse.Namespace) -> int:
 def _endpoints(args: argparse.Namespace) -> list[str]:
     if args.endpoints:
         return [e.strip() for e in args.endpoints.split(",") if e.strip()]
-    state = _cluster_state(Path(args.dir))
+    root = Path(args.dir)
+    state = _cluster_state(root)
+    if not _running(state):
+        raise UsageError(
+            f"the cluster in {root} is stopped (start it with: quorumq cluster up"
+            f"{_dir_option(root)}), or give --endpoints"
+        )
     return [f"127.0.0.1:{n['client_port']}" for n in state["nodes"].values()]
 
 
@@ -169,21 +249,13 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from .client import QuorumqError  # noqa: PLC0415
-
     bodies = args.message or [line.rstrip("\n") for line in sys.stdin]
     with _client(args) as client:
-        try:
-            for i, body in enumerate(bodies, 1):
-                offset = client.publish(args.queue, body.encode(), key=args.key)
-                print(f"{offset}" if args.quiet else f"published offset {offset}", flush=True)
-                if not args.quiet and len(bodies) > 20 and i % 100 == 0:
-                    print(f"  {i}/{len(bodies)}", file=sys.stderr, flush=True)
-        except QuorumqError as e:
-            hint = (
-                f" (declare it: quorumq declare {args.queue})" if "unknown_queue" in str(e) else ""
-            )
-            raise UsageError(f"{e}{hint}") from None
+        for i, body in enumerate(bodies, 1):
+            offset = client.publish(args.queue, body.encode(), key=args.key)
+            print(f"{offset}" if args.quiet else f"published offset {offset}", flush=True)
+            if not args.quiet and len(bodies) > 20 and i % 100 == 0:
+                print(f"  {i}/{len(bodies)}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -246,17 +318,107 @@ def _consume(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import json  # noqa: PLC0415
 
-    from .client import QuorumqError, ServerError  # noqa: PLC0415
+    from .client import ServerError  # noqa: PLC0415
+
+    if args.json:
+        if args.watch:
+            raise UsageError("--watch shows tables; for a program, run status --json each time")
+        with _client(args) as client:
+            try:
+                status = client.status(audit=args.audit)
+            except ServerError as e:
+                if e.code == "admin_required":
+                    raise UsageError(
+                        f"{e} (an audit needs the admin token: set QUORUMQ_ADMIN_TOKEN)"
+                    ) from None
+                raise
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    return _status_tables(args)
+
+
+def _console() -> Any:
+    """A rich console: the terminal's width, or (into a pipe or file) wide enough that no
+    column is cut."""
+    from rich.console import Console  # noqa: PLC0415
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def _status_tables(args: argparse.Namespace) -> int:
+    """Tables of every endpoint's node and of the queues, with rates over `--interval`;
+    with `--watch`, refreshed in place until Ctrl-C."""
+    import time  # noqa: PLC0415
+
+    from rich.console import Group  # noqa: PLC0415
+    from rich.live import Live  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    from .client import Client, QuorumqError  # noqa: PLC0415
+    from .status_view import read_cluster, status_view  # noqa: PLC0415
+
+    endpoints = _endpoints(args)
+    token = _secret(args.token_file, "QUORUMQ_TOKEN", "client token")
+    admin = _secret(None, "QUORUMQ_ADMIN_TOKEN", "admin token")
+
+    def status_of(endpoint: str) -> dict[str, Any]:
+        timeout = 300.0 if args.audit else max(args.timeout, 1.0)
+        with Client(
+            [endpoint], token, connect_timeout=args.timeout, timeout=timeout, admin_token=admin
+        ) as client:
+            status: dict[str, Any] = client.status(audit=args.audit)
+            return status
+
+    def read() -> Any:
+        return read_cluster(endpoints, status_of, (QuorumqError, OSError, ValueError))
+
+    console = _console()
+    before = read()
+    if not before.answered and not args.watch:
+        errors = "; ".join(f"{n.endpoint}: {n.error}" for n in before.nodes)
+        hint = " (set QUORUMQ_ADMIN_TOKEN)" if "admin_required" in errors else ""
+        raise UsageError(f"no node gave its status: {errors}{hint}")
+    if not args.watch:
+        if args.audit:  # an audit hashes every message: once is enough, and no rates
+            console.print(status_view(before, None, audit=True))
+            return 0
+        time.sleep(max(0.0, before.taken_at + args.interval - time.monotonic()))
+        console.print(status_view(read(), before))
+        return 0
+
+    def view(now: Any, earlier: Any) -> Any:
+        heading = Text(
+            f"quorumq status: every {args.interval:g} s, {time.strftime('%H:%M:%S')} "
+            "(Ctrl-C to stop)",
+            style="dim",
+        )
+        return Group(heading, status_view(now, earlier, audit=args.audit))
+
+    try:
+        with Live(view(before, None), console=console) as live:
+            while True:
+                time.sleep(max(0.0, before.taken_at + args.interval - time.monotonic()))
+                now = read()
+                live.update(view(now, before))
+                before = now
+    except KeyboardInterrupt:  # how --watch ends
+        return 0
+
+
+def _queues(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from .status_view import queue_list  # noqa: PLC0415
 
     with _client(args) as client:
-        try:
-            status = client.status(audit=args.audit)
-        except QuorumqError as e:
-            hint = ""
-            if isinstance(e, ServerError) and e.code == "admin_required":
-                hint = " (an audit needs the admin token: set QUORUMQ_ADMIN_TOKEN)"
-            raise UsageError(f"{e}{hint}") from None
-        print(json.dumps(status, indent=2, sort_keys=True))
+        status = client.status()
+    if args.json:
+        print(json.dumps(status["queues"], indent=2, sort_keys=True))
+    elif not status["queues"]:
+        print(f"no queues (node {status['node']}); declare one: quorumq declare NAME")
+    else:
+        _console().print(queue_list(status))
     return 0
 
 
@@ -312,7 +474,14 @@ def _cluster_state(root: Path) -> dict[str, Any]:
         state: dict[str, Any] = json.loads((root / "cluster.json").read_text())
     except FileNotFoundError:
         raise UsageError(f"no cluster in {root} (start one with: quorumq cluster up)") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {root / 'cluster.json'}: {e}") from None
     return state
+
+
+def _dir_option(root: Path) -> str:
+    """` --dir ROOT`, unless ROOT is the default (for the commands a message suggests)."""
+    return "" if str(root) == DEFAULT_CLUSTER_DIR else f" --dir {root}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -325,91 +494,161 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _cluster(args: argparse.Namespace) -> int:
+def _running(state: dict[str, Any]) -> list[str]:
+    """The nodes of a dev cluster whose processes run (none once it was stopped: their
+    process ids may belong to other processes by now)."""
+    if state.get("stopped"):
+        return []
+    return [name for name, node in state["nodes"].items() if _pid_alive(node["pid"])]
+
+
+def _cluster_up(root: Path, nodes: int) -> int:
     import json  # noqa: PLC0415
     import secrets  # noqa: PLC0415
-    import signal  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import time  # noqa: PLC0415
 
     from .embedded import NODE_NAMES, free_ports  # noqa: PLC0415
 
-    root = Path(args.dir)
-    if args.action == "up":
-        if (root / "cluster.json").exists():
-            state = _cluster_state(root)
-            if any(_pid_alive(n["pid"]) for n in state["nodes"].values()):
-                raise UsageError(f"a cluster already runs from {root}: quorumq cluster down first")
+    again = (root / "cluster.json").exists()
+    if again:
+        # a stopped cluster starts again on its own ports and secret: its members'
+        # Raft addresses live in its logs, so new ports would leave nodes unreachable
+        state = _cluster_state(root)
+        if _running(state):
+            raise UsageError(
+                f"a cluster already runs from {root}: quorumq cluster down{_dir_option(root)} first"
+            )
+        names = list(state["nodes"])
+        ports = {
+            n: (state["nodes"][n]["client_port"], state["nodes"][n]["raft_port"]) for n in names
+        }
+        try:
+            secret = (root / "secret").read_text().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read the stopped cluster's secret: {e}") from None
+        print(f"starting the stopped cluster in {root} again ({len(names)} nodes, its data kept)")
+    else:
         root.mkdir(parents=True, exist_ok=True)
-        names = list(NODE_NAMES[: args.nodes])
-        ports = free_ports(2 * len(names))
+        names = list(NODE_NAMES[:nodes])
+        picked = free_ports(2 * len(names))
+        ports = {n: (picked[i], picked[len(names) + i]) for i, n in enumerate(names)}
         secret = secrets.token_hex(16)
         (root / "secret").write_text(secret)
         (root / "secret").chmod(0o600)
-        nodes: dict[str, Any] = {}
-        for i, name in enumerate(names):
-            client_port, raft_port = ports[i], ports[len(names) + i]
-            command = [
-                sys.executable,
-                "-m",
-                "quorumq",
-                "node",
-                "--id",
-                name,
-                "--data-dir",
-                str(root / name),
-                "--listen",
-                f"127.0.0.1:{client_port}",
-                "--raft",
-                f"127.0.0.1:{raft_port}",
-                "--secret-file",
-                str(root / "secret"),
-                "--insecure",  # a local dev cluster on loopback: no client token
-                "--log-level",
-                "info",
-            ]
-            for j, other in enumerate(names):
-                if other != name:
-                    command += ["--peer", f"{other}=127.0.0.1:{ports[len(names) + j]}"]
-            with open(root / f"{name}.log", "ab") as log:
-                proc = subprocess.Popen(
-                    command,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
+    started: dict[str, Any] = {}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    for name in names:
+        client_port, raft_port = ports[name]
+        command = [
+            sys.executable,
+            "-m",
+            "quorumq",
+            "node",
+            "--id",
+            name,
+            "--data-dir",
+            str(root / name),
+            "--listen",
+            f"127.0.0.1:{client_port}",
+            "--raft",
+            f"127.0.0.1:{raft_port}",
+            "--secret-file",
+            str(root / "secret"),
+            "--insecure",  # a local dev cluster on loopback: no client token
+            "--log-level",
+            "info",
+        ]
+        for other in names:
+            if other != name:
+                command += ["--peer", f"{other}=127.0.0.1:{ports[other][1]}"]
+        log_path = root / f"{name}.log"
+        marks = log_path.read_bytes().count(b" ready: ") if log_path.exists() else 0
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        procs[name] = proc
+        started[name] = {
+            "pid": proc.pid,
+            "client_port": client_port,
+            "raft_port": raft_port,
+            "ready_marks": marks,
+        }
+        print(f"  started node {name} (pid {proc.pid}): clients on 127.0.0.1:{client_port}")
+    state = {
+        "nodes": {n: {k: v for k, v in s.items() if k != "ready_marks"} for n, s in started.items()}
+    }
+    (root / "cluster.json").write_text(json.dumps(state, indent=2))
+    deadline = time.monotonic() + 30
+    for name in names:
+        log_path = root / f"{name}.log"
+        while log_path.read_bytes().count(b" ready: ") <= started[name]["ready_marks"]:
+            if procs[name].poll() is not None or time.monotonic() > deadline:
+                why = (
+                    _last_line(log_path) if procs[name].poll() is not None else "not ready in 30 s"
                 )
-            nodes[name] = {"pid": proc.pid, "client_port": client_port, "raft_port": raft_port}
-            print(f"  started node {name} (pid {proc.pid}): clients on 127.0.0.1:{client_port}")
-        (root / "cluster.json").write_text(json.dumps({"nodes": nodes}, indent=2))
-        deadline = time.monotonic() + 30
-        for name in names:
-            while b" ready: " not in (root / f"{name}.log").read_bytes():
-                if time.monotonic() > deadline:
-                    raise UsageError(f"node {name} did not start: see {root / (name + '.log')}")
-                time.sleep(0.05)
-        endpoints = ",".join(f"127.0.0.1:{n['client_port']}" for n in nodes.values())
-        print(f"cluster up in {root}; endpoints {endpoints}")
-        return 0
+                raise UsageError(
+                    f"node {name} did not start ({why}); see {log_path}, and stop the "
+                    f"others with: quorumq cluster down{_dir_option(root)}"
+                )
+            time.sleep(0.05)
+    endpoints = ",".join(f"127.0.0.1:{n['client_port']}" for n in started.values())
+    print(f"cluster up in {root}; endpoints {endpoints}")
+    return 0
+
+
+def _last_line(path: Path) -> str:
+    lines = path.read_text(errors="replace").strip().splitlines()
+    return lines[-1] if lines else "no output"
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    root = Path(args.dir)
+    if args.action == "up":
+        return _cluster_up(root, args.nodes)
     state = _cluster_state(root)
+    data = ", ".join(str(root / name) for name in state["nodes"])
     if args.action == "down":
-        for name, node in state["nodes"].items():
-            if _pid_alive(node["pid"]):
-                os.kill(node["pid"], signal.SIGTERM)
-                print(f"  stopping node {name} (pid {node['pid']})")
+        running = _running(state)
+        for name in running:
+            node = state["nodes"][name]
+            os.kill(node["pid"], signal.SIGTERM)
+            print(f"  stopping node {name} (pid {node['pid']})")
         deadline = time.monotonic() + 15
-        for node in state["nodes"].values():
-            while _pid_alive(node["pid"]) and time.monotonic() < deadline:
+        for name in running:
+            pid = state["nodes"][name]["pid"]
+            while _pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if _pid_alive(node["pid"]):
-                os.kill(node["pid"], signal.SIGKILL)
-        (root / "cluster.json").unlink()
-        print(f"cluster down ({root} keeps the data)")
+            if _pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        state["stopped"] = True
+        (root / "cluster.json").write_text(json.dumps(state, indent=2))
+        print(
+            f"cluster down; its data is kept in {data} (start it again with: "
+            f"quorumq cluster up{_dir_option(root)})"
+        )
+        return 0
+    running = _running(state)
+    if not running:
+        print(
+            f"cluster in {root} is stopped; its data is kept in {data} (start it again "
+            f"with: quorumq cluster up{_dir_option(root)})"
+        )
         return 0
     for name, node in state["nodes"].items():
-        alive = "running" if _pid_alive(node["pid"]) else "stopped"
+        alive = "running" if name in running else "stopped"
         print(
             f"  node {name}: pid {node['pid']} {alive}, clients on 127.0.0.1:{node['client_port']}"
+            f", data in {root / name}"
         )
     return 0
 
@@ -426,9 +665,7 @@ def _simulate(arguments: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="quorumq", description="A Raft-replicated, ordered message queue."
-    )
+    parser = _Parser(prog="quorumq", description="A Raft-replicated, ordered message queue.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
@@ -479,7 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="file with the admin token, for membership changes (or set QUORUMQ_ADMIN_TOKEN)",
     )
     node.add_argument("--fsync", choices=["always", "batch", "never"], default="always")
-    node.add_argument("--node-down-grace", type=float, default=5.0, metavar="SECONDS")
+    node.add_argument("--node-down-grace", type=_seconds, default=5.0, metavar="SECONDS")
     node.add_argument(
         "--election-timeout",
         type=_timeouts,
@@ -490,50 +727,60 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--max-body", type=int, default=1024 * 1024, metavar="BYTES")
     node.add_argument(
         "--outbound-frames",
-        type=int,
+        type=_count(1),
         default=20_000,
         metavar="N",
         help="frames waiting for a client before it is cut off as a slow consumer",
     )
     node.add_argument(
         "--compaction-entries",
-        type=int,
+        type=_count(1),
         default=50_000,
         metavar="N",
         help="snapshot the machine and compact the log past this many entries",
+    )
+    node.add_argument(
+        "--metrics",
+        type=_address,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one)",
     )
     node.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"])
     node.set_defaults(run=_node)
 
     cluster = commands.add_parser("cluster", help="a local dev cluster of node processes")
     cluster.add_argument("action", choices=["up", "down", "status"])
-    cluster.add_argument("--dir", default=".quorumq-cluster", help="where its data dirs live")
+    cluster.add_argument("--dir", default=DEFAULT_CLUSTER_DIR, help="where its data dirs live")
     cluster.add_argument("--nodes", type=int, default=3, choices=range(1, 8), metavar="N")
     cluster.set_defaults(run=_cluster)
 
     def client_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--endpoints", help="host:port,... (default: the local dev cluster)")
-        p.add_argument("--dir", default=".quorumq-cluster", help="the local dev cluster's dir")
+        p.add_argument("--dir", default=DEFAULT_CLUSTER_DIR, help="the local dev cluster's dir")
         p.add_argument("--token-file", help="file with the client token (or QUORUMQ_TOKEN)")
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds to connect")
+        p.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to connect")
 
     declare = commands.add_parser("declare", help="create a queue (or check its options)")
-    declare.add_argument("queue")
-    declare.add_argument("--max-length", type=int, help="most ready messages")
+    declare.add_argument("queue", type=_queue_name)
+    declare.add_argument("--max-length", type=_count(0), help="most ready messages")
     declare.add_argument("--overflow", choices=["drop-head", "reject-publish"])
-    declare.add_argument("--delivery-limit", type=int, help="returns before dead-lettering")
+    declare.add_argument("--delivery-limit", type=_count(0), help="returns before dead-lettering")
     declare.add_argument("--dead-letter-queue", help="where rejected and expired messages go")
     declare.add_argument("--single-active-consumer", action="store_true")
-    declare.add_argument("--retention-messages", type=int, help="stream view: newest N kept")
+    declare.add_argument("--retention-messages", type=_count(0), help="stream view: newest N kept")
     declare.add_argument(
-        "--retention-bytes", type=int, help="stream view: bytes kept (body, key, headers + 96 each)"
+        "--retention-bytes",
+        type=_count(0),
+        help="stream view: bytes kept (body, key, headers + 96 each)",
     )
-    declare.add_argument("--message-ttl-ms", type=int, help="ready messages expire after this")
+    declare.add_argument(
+        "--message-ttl-ms", type=_count(0), help="ready messages expire after this"
+    )
     client_options(declare)
     declare.set_defaults(run=_declare)
 
     publish = commands.add_parser("publish", help="publish messages (arguments or stdin lines)")
-    publish.add_argument("queue")
+    publish.add_argument("queue", type=_queue_name)
     publish.add_argument("message", nargs="*", help="message bodies (default: lines of stdin)")
     publish.add_argument("--key", help="ordering key")
     publish.add_argument("--quiet", action="store_true", help="print bare offsets")
@@ -541,10 +788,15 @@ def build_parser() -> argparse.ArgumentParser:
     publish.set_defaults(run=_publish)
 
     consume = commands.add_parser("consume", help="print deliveries as JSON lines and ack them")
-    consume.add_argument("queue")
-    consume.add_argument("--count", type=int, default=0, help="stop after N (0: until idle)")
-    consume.add_argument("--prefetch", type=int, default=100)
-    consume.add_argument("--wait", type=float, default=2.0, help="idle seconds before stopping")
+    consume.add_argument("queue", type=_queue_name)
+    consume.add_argument("--count", type=_count(0), default=0, help="stop after N (0: until idle)")
+    consume.add_argument(
+        "--prefetch",
+        type=_count(0, 65_535),
+        default=100,
+        help="deliveries held unacked at most (up to 65535; 0: no limit)",
+    )
+    consume.add_argument("--wait", type=_seconds, default=2.0, help="idle seconds before stopping")
     consume.add_argument("--no-ack", action="store_true", help="do not ack (they come back)")
     client_options(consume)
     consume.set_defaults(run=_consume)
@@ -561,8 +813,30 @@ def build_parser() -> argparse.ArgumentParser:
     client_options(members)
     members.set_defaults(run=_members)
 
-    status = commands.add_parser("status", help="print a node's status as JSON")
+    status = commands.add_parser(
+        "status",
+        help="tables of the cluster's nodes and queues (--json: one node's status as JSON)",
+        description="Asks every endpoint's node for its status: a table of nodes (role, "
+        "Raft term, commit and applied index, lag behind the leader's commit) and one of "
+        "queues (ready, unacked, consumers, publish and deliver rates from two readings "
+        "--interval apart).",
+    )
     client_options(status)
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help="print one node's status as JSON, for programs (what status printed before)",
+    )
+    status.add_argument(
+        "--watch", action="store_true", help="refresh the tables in place until Ctrl-C"
+    )
+    status.add_argument(
+        "--interval",
+        type=_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="between the two readings rates come from, and between refreshes (default 1)",
+    )
     status.add_argument(
         "--audit",
         action="store_true",
@@ -571,10 +845,31 @@ def build_parser() -> argparse.ArgumentParser:
         "a forked child, about 1.3 s per million 100-byte messages)",
     )
     status.set_defaults(run=_status)
+
+    queues = commands.add_parser("queues", help="a table of the queues")
+    client_options(queues)
+    queues.add_argument("--json", action="store_true", help="the queues' status as JSON")
+    queues.set_defaults(run=_queues)
     return parser
 
 
+def _client_error(args: argparse.Namespace, error: Exception) -> str:
+    """One line for an error the client raised, with what to do where it is clear."""
+    from .client import ServerError  # noqa: PLC0415
+
+    text = str(error) or type(error).__name__
+    if isinstance(error, ServerError):
+        queue = getattr(args, "queue", None)
+        if error.code == "unknown_queue" and queue and args.command != "declare":
+            text += f" (declare it: quorumq declare {queue})"
+        elif error.code == "admin_required" and "QUORUMQ_ADMIN_TOKEN" not in text:
+            text += " (set QUORUMQ_ADMIN_TOKEN)"
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `quorumq` command: every error a user can cause is one line on stderr and
+    exit status 2."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["simulate"]:  # its options, --help too, are the simulator's
         return _simulate(arguments[1:])
@@ -586,6 +881,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"quorumq {args.command}: {e}\n")
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `quorumq status | head`: the reader went away
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except Exception as e:
+        client = sys.modules.get("quorumq.client.core")
+        if client is None or not isinstance(e, client.QuorumqError):
+            raise  # a defect, not the user's doing: the traceback is for us
+        parser.exit(2, f"quorumq {args.command}: {_client_error(args, e)}\n")
     return result
 
 

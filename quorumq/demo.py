@@ -8,7 +8,7 @@ election, and then checks what every consumer received:
 * per key, first deliveries came in publish order;
 * nothing confirmed was lost; nothing arrived twice unless marked redelivered.
 
-It prints a table and writes an HTML timeline of the run.
+It prints a table and writes an HTML timeline of the run (by default under `out/`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import attrs
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from .client import Delivery
 from .embedded import Cluster
@@ -60,11 +62,21 @@ class DemoResult:
         )
 
 
-def _progress(out: TextIO, done: int, total: int, note: str = "") -> None:
-    width = 30
-    filled = width * done // total
-    out.write(f"\r  publishing [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {note}")
-    out.flush()
+def _progress_bar(out: TextIO) -> Progress:
+    """The publishing progress bar (rich), drawn on `out` when it is a terminal."""
+    return Progress(
+        TextColumn("  publishing"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        console=Console(file=out),
+    )
+
+
+def default_timeline(now: float | None = None) -> Path:
+    """Where the HTML timeline goes unless told: `out/` (ignored by git), never the
+    current directory itself."""
+    return Path("out") / f"quorumq-demo-{int(time.time() if now is None else now)}.html"
 
 
 def run(messages: int = 600, out: TextIO = sys.stdout, timeline: Path | None = None) -> DemoResult:
@@ -106,23 +118,24 @@ def run(messages: int = 600, out: TextIO = sys.stdout, timeline: Path | None = N
         futures: list[tuple[str, Future[dict[str, Any]]]] = []
         kill_at = messages // 2
         new_leader = leader
-        for i in range(messages):
-            if i == kill_at:
-                for _, f in futures:
-                    f.result(60)
-                cluster.kill(leader)
-                note(leader, "kill", f"SIGKILL {leader}")
-                _progress(out, i, messages, f"(killed leader {leader})")
-                new_leader = cluster.leader()
-                note(new_leader, "leader", f"{new_leader} leads")
-            key = KEYS[i % len(KEYS)]
-            body = f"{key}-{i // len(KEYS)}".encode()
-            futures.append((key, producer.publish_async("demo", body, key=key)))
-            if i % 20 == 0:
-                _progress(out, i, messages)
-            time.sleep(0.003)
-        offsets = {f.result(60)["offset"]: key for key, f in futures}
-        _progress(out, messages, messages, f"(new leader {new_leader})\n")
+        with _progress_bar(out) as progress:
+            task = progress.add_task("", total=messages)
+            for i in range(messages):
+                if i == kill_at:
+                    for _, f in futures:
+                        f.result(60)
+                    cluster.kill(leader)
+                    note(leader, "kill", f"SIGKILL {leader}")
+                    progress.update(task, description=f"(killed leader {leader})")
+                    new_leader = cluster.leader()
+                    note(new_leader, "leader", f"{new_leader} leads")
+                    progress.update(task, description=f"(new leader {new_leader})")
+                key = KEYS[i % len(KEYS)]
+                body = f"{key}-{i // len(KEYS)}".encode()
+                futures.append((key, producer.publish_async("demo", body, key=key)))
+                progress.advance(task)
+                time.sleep(0.003)
+            offsets = {f.result(60)["offset"]: key for key, f in futures}
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             got = {d.offset for ds in received.values() for d in ds}
@@ -154,7 +167,8 @@ def run(messages: int = 600, out: TextIO = sys.stdout, timeline: Path | None = N
         keys = ", ".join(sorted({d.key or "-" for d in ds}))
         redelivered = sum(d.redelivered for d in ds)
         out.write(f"  {node:<5} {keys:<38} {len(ds):>9}  {redelivered:>11}\n")
-    path = timeline or Path(f"quorumq-demo-{int(time.time())}.html")
+    path = timeline or default_timeline()
+    path.parent.mkdir(parents=True, exist_ok=True)
     _write_timeline(path, events, leader, new_leader)
     result = DemoResult(
         published=len(offsets),

@@ -54,7 +54,10 @@ class Cluster:
         max_body: int = 1024 * 1024,
         election_timeout: tuple[float, float] = (0.25, 0.6),
         log_level: str = "warning",
+        metrics: bool = False,
     ) -> None:
+        """`metrics`: each node serves Prometheus metrics on a port of its own
+        (`metrics_url`)."""
         if not 1 <= n <= len(NODE_NAMES):
             raise ValueError(f"n must be between 1 and {len(NODE_NAMES)}")
         self._tmp = tempfile.TemporaryDirectory(prefix="quorumq-") if data_dir is None else None
@@ -64,6 +67,9 @@ class Cluster:
         ports = free_ports(2 * n)
         self.client_ports = dict(zip(self.nodes, ports[:n], strict=True))
         self.raft_ports = dict(zip(self.nodes, ports[n:], strict=True))
+        self.metrics_ports: dict[str, int] = (
+            dict(zip(self.nodes, free_ports(n), strict=True)) if metrics else {}
+        )
         self.token = token
         self.fsync = fsync
         self.node_down_grace = node_down_grace
@@ -134,6 +140,8 @@ class Cluster:
         for other in self.nodes:
             if other != node:
                 args += ["--peer", f"{other}=127.0.0.1:{self.raft_ports[other]}"]
+        if node in self.metrics_ports:
+            args += ["--metrics", f"127.0.0.1:{self.metrics_ports[node]}"]
         env = {**os.environ, "QUORUMQ_SECRET": secret or self._secret}
         env.pop("QUORUMQ_TOKEN", None)
         env.pop("QUORUMQ_ADMIN_TOKEN", None)
@@ -187,9 +195,11 @@ class Cluster:
         if not free:
             raise ValueError(f"at most {len(NODE_NAMES)} nodes")
         node = free[0]
-        client_port, raft_port = free_ports(2)
+        client_port, raft_port, metrics_port = free_ports(3)
         self.client_ports[node] = client_port
         self.raft_ports[node] = raft_port
+        if self.metrics_ports:
+            self.metrics_ports[node] = metrics_port
         members = list(self.nodes)
         self.nodes.append(node)
         self._spawn(node)
@@ -252,6 +262,10 @@ class Cluster:
 
     def endpoint(self, node: str) -> str:
         return f"127.0.0.1:{self.client_ports[node]}"
+
+    def metrics_url(self, node: str) -> str:
+        """Where `node` serves its Prometheus metrics (a cluster made with `metrics=True`)."""
+        return f"http://127.0.0.1:{self.metrics_ports[node]}/metrics"
 
     def client(self, node: str | None = None, **options: Any) -> Client:
         """A connected blocking client (to `node` first, if given); closed with the cluster."""

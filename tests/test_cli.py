@@ -79,15 +79,19 @@ def test_bad_arguments_get_a_one_line_error_and_nonzero_exit() -> None:
 
 
 def test_demo_runs_a_real_cluster_through_a_leader_kill_and_checks_itself(
-    tmp_path: object,
+    tmp_path: Any,
 ) -> None:
-    timeline = f"{tmp_path}/timeline.html"
+    """The demo checks itself, draws its progress with rich, and writes its HTML
+    timeline under out/ and says where (it wrote into the current directory)."""
+    import re
+
     result = subprocess.run(
-        [sys.executable, "-m", "quorumq", "demo", "--messages", "240", "--timeline", timeline],
+        [sys.executable, "-m", "quorumq", "demo", "--messages", "240"],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -95,6 +99,12 @@ def test_demo_runs_a_real_cluster_through_a_leader_kill_and_checks_itself(
     assert "every delivery came from the consumer's own node: yes" in out
     assert "per-key order held: yes" in out
     assert "was killed with SIGKILL" in out
+    assert "240/240" in out  # the progress bar's last state
+    found = re.search(r"timeline: (\S+)", out)
+    assert found is not None, out
+    timeline = found.group(1)
+    assert timeline.startswith(f"{tmp_path}/out/quorumq-demo-"), timeline
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
     with open(timeline) as f:
         page = f.read()
     assert "<svg" in page and "SIGKILL" in page
@@ -128,7 +138,7 @@ def test_cli_runs_a_dev_cluster_publishes_consumes_and_stops_it(tmp_path: object
         consumed = q("consume", "orders", "--count", "4", "--dir", root)
         rows = [json.loads(line) for line in consumed.stdout.splitlines()]
         assert [(r["offset"], r["body"]) for r in rows] == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
-        status = json.loads(q("status", "--dir", root).stdout)
+        status = json.loads(q("status", "--json", "--dir", root).stdout)
         assert status["queues"]["orders"]["next_offset"] == 4
         assert status["leader"] in {"A", "B", "C"}
         listed = q("members", "list", "--dir", root)
@@ -203,9 +213,9 @@ def test_status_audit_needs_the_admin_token_and_says_so_in_one_line() -> None:
         args = [sys.executable, "-m", "quorumq", "status", "--audit"]
         args += ["--endpoints", cluster.endpoint("A")]
 
-        def run(extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        def run(extra_env: dict[str, str], *more: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
-                args,
+                [*args, *more],
                 capture_output=True,
                 text=True,
                 timeout=60,
@@ -213,11 +223,237 @@ def test_status_audit_needs_the_admin_token_and_says_so_in_one_line() -> None:
                 env={**env, **extra_env},
             )
 
-        refused = run({})
-        assert refused.returncode == 2, refused.stderr
-        assert "admin_required" in refused.stderr and "QUORUMQ_ADMIN_TOKEN" in refused.stderr
-        assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
-        audited = run({"QUORUMQ_ADMIN_TOKEN": cluster.admin_token})
+        for form in ([], ["--json"]):
+            refused = run({}, *form)
+            assert refused.returncode == 2, refused.stderr
+            assert "admin_required" in refused.stderr and "QUORUMQ_ADMIN_TOKEN" in refused.stderr
+            assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+        table = run({"QUORUMQ_ADMIN_TOKEN": cluster.admin_token})
+        assert table.returncode == 0, table.stderr
+        assert "digest" in table.stdout and "audited at" in table.stdout
+        audited = run({"QUORUMQ_ADMIN_TOKEN": cluster.admin_token}, "--json")
         assert audited.returncode == 0, audited.stderr
         status = json.loads(audited.stdout)
         assert len(status["digest"]) == 64 and status["machine_index"] >= 0
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], says: str) -> None:
+    """What every error a user can cause looks like: exit status 2 and one line."""
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert says in result.stderr, result.stderr
+
+
+def test_user_errors_are_one_line_and_a_stopped_cluster_says_where_its_data_is(
+    tmp_path: object,
+) -> None:
+    """Each error found by trying the command as a user (before: tracebacks of 16 to 59
+    lines, exit 1), then `cluster down`, `cluster status` (it said "no cluster" while
+    the data was kept) and `cluster up` again on the same data."""
+    from quorumq.embedded import free_ports
+
+    root = f"{tmp_path}/dev"
+
+    def q(*args: str) -> subprocess.CompletedProcess[str]:
+        return _quorumq(*args, "--dir", root) if args[0] != "node" else _quorumq(*args)
+
+    up = q("cluster", "up")
+    assert up.returncode == 0, up.stderr
+    try:
+        assert q("declare", "orders").returncode == 0
+        assert q("publish", "orders", "kept").returncode == 0
+        _one_line_error(
+            q("consume", "nosuch"), "unknown_queue: no queue named 'nosuch' (declare it"
+        )
+        _one_line_error(q("consume", "orders", "--prefetch", "-1"), "--prefetch: must be between")
+        _one_line_error(q("consume", "orders", "--prefetch", "70000"), "between 0 and 65535")
+        _one_line_error(q("consume", "orders", "--wait", "-1"), "--wait: must be")
+        _one_line_error(q("consume", "orders", "--count", "x"), "'x' is not a whole number")
+        _one_line_error(q("declare", ""), "a queue name must not be empty")
+        _one_line_error(q("declare", "orders", "--max-length", "5"), "options_mismatch")
+        _one_line_error(q("cluster", "up"), "a cluster already runs")
+        (port,) = free_ports(1)
+        _one_line_error(q("status", "--endpoints", f"127.0.0.1:{port}"), "no quorumq node answered")
+        node = ["node", "--id", "A", "--insecure", "--listen", "127.0.0.1:0"]
+        node += ["--raft", "127.0.0.1:0", "--data-dir"]
+        _one_line_error(q(*node, f"{root}/A"), f"the data directory {root}/A is in use")
+        _one_line_error(
+            q(*node, f"{tmp_path}/z", "--compaction-entries", "0"), "must be at least 1"
+        )
+    finally:
+        down = q("cluster", "down")
+    assert down.returncode == 0, down.stderr
+    assert f"its data is kept in {root}/A, {root}/B, {root}/C" in down.stdout
+    status = q("cluster", "status")
+    assert status.returncode == 0, status.stderr
+    assert f"cluster in {root} is stopped; its data is kept in {root}/A" in status.stdout
+    _one_line_error(q("status"), f"the cluster in {root} is stopped")
+    again = q("cluster", "up")
+    try:
+        assert again.returncode == 0, again.stderr
+        assert "starting the stopped cluster" in again.stdout
+        consumed = q("consume", "orders", "--count", "1")
+        assert consumed.returncode == 0, consumed.stderr
+        assert '"body": "kept"' in consumed.stdout
+    finally:
+        assert q("cluster", "down").returncode == 0
+
+
+def test_a_wrong_or_missing_token_is_one_line() -> None:
+    import os
+
+    from quorumq.embedded import Cluster
+
+    with Cluster(1, token="right") as cluster:
+        cluster.leader()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QUORUMQ_")}
+
+        def q(*args: str, token: str | None) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "quorumq", *args, "--endpoints", cluster.endpoint("A")],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+                env=env if token is None else {**env, "QUORUMQ_TOKEN": token},
+            )
+
+        _one_line_error(q("consume", "orders", token="wrong"), "auth_failed: wrong token")
+        _one_line_error(q("status", token=None), "auth_failed: the node requires a token")
+        _one_line_error(q("consume", "orders", token="right"), "declare it: quorumq declare")
+
+
+def _table_rows(text: str, first: set[str]) -> dict[str, list[str]]:
+    """Rows of a printed rich table whose first cell is one of `first`, split on blanks."""
+    rows = {}
+    for line in text.splitlines():
+        cells = line.split()
+        if cells and cells[0] in first:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_status_tables_show_nodes_and_queue_rates_while_a_workload_runs() -> None:
+    """`quorumq status`: a row per node (one leader, the same term, lag), a row per queue
+    with publish and deliver rates from two readings; a killed node is a row saying so;
+    `--json` is one node's raw status; `quorumq queues` is a table of queues."""
+    import json
+    import threading
+
+    from quorumq.embedded import Cluster
+
+    from .helpers import wait_for
+
+    with Cluster(3) as cluster:
+        cluster.leader()
+        producer = cluster.client()
+        producer.declare("orders")
+        producer.declare("idle")
+        stop = threading.Event()
+        acked: list[int] = []
+
+        def publish() -> None:
+            while not stop.is_set():
+                producer.publish("orders", b"x")
+
+        def consume() -> None:
+            consumer = cluster.client("B").subscribe("orders", prefetch=10)
+            while not stop.is_set():
+                delivery = consumer.get(timeout=0.1)
+                if delivery is not None:
+                    delivery.ack()
+                    acked.append(delivery.offset)
+
+        workers = [threading.Thread(target=publish), threading.Thread(target=consume)]
+        for worker in workers:
+            worker.start()
+        endpoints = ",".join(cluster.endpoints)
+        try:
+            wait_for(lambda: len(acked) >= 20, "the workload to run")
+            shown = _quorumq("status", "--endpoints", endpoints, "--interval", "1")
+            assert shown.returncode == 0, shown.stderr
+            nodes = _table_rows(shown.stdout, {"A", "B", "C"})
+            assert sorted(nodes) == ["A", "B", "C"], shown.stdout
+            assert [cells[0] for cells in nodes.values()].count("leader") == 1, shown.stdout
+            assert len({cells[1] for cells in nodes.values()}) == 1  # one term
+            assert all(cells[4].replace(",", "").isdigit() for cells in nodes.values())  # lag
+            queues = _table_rows(shown.stdout, {"orders", "idle"})
+            _, _, consumers, publish_rate, deliver_rate = queues["orders"]
+            assert consumers == "1"
+            assert float(publish_rate.replace(",", "")) > 0, shown.stdout
+            assert float(deliver_rate.replace(",", "")) > 0, shown.stdout
+            assert queues["idle"][3:] == ["0.0", "0.0"]
+
+            raw = _quorumq("status", "--json", "--endpoints", cluster.endpoint("A"))
+            status = json.loads(raw.stdout)
+            assert status["node"] == "A" and status["queues"]["orders"]["delivered"] > 0
+            assert status["queues"]["orders"]["acked"] > 0
+
+            listed = _quorumq("queues", "--endpoints", endpoints)
+            assert listed.returncode == 0, listed.stderr
+            assert sorted(_table_rows(listed.stdout, {"orders", "idle"})) == ["idle", "orders"]
+            as_json = json.loads(_quorumq("queues", "--json", "--endpoints", endpoints).stdout)
+            assert as_json["idle"]["next_offset"] == 0
+        finally:
+            stop.set()
+            for worker in workers:
+                worker.join(timeout=30)
+        follower = next(n for n in cluster.nodes if n != cluster.leader() and n != "B")
+        cluster.kill(follower)
+        shown = _quorumq("status", "--endpoints", endpoints, "--interval", "0")
+        assert shown.returncode == 0, shown.stderr
+        dead = [line for line in shown.stdout.splitlines() if cluster.endpoint(follower) in line]
+        assert len(dead) == 1 and "unreachable" in dead[0], shown.stdout
+
+
+def test_status_watch_refreshes_in_place_until_ctrl_c() -> None:
+    """On a terminal (a pseudo-terminal here), `--watch` redraws the tables every
+    `--interval` seconds, and Ctrl-C ends it with exit status 0."""
+    import os
+    import pty
+    import select
+    import signal
+    import time
+
+    from quorumq.embedded import Cluster
+
+    with Cluster(1) as cluster:
+        cluster.leader()
+        cluster.client().declare("orders")
+        command = [sys.executable, "-m", "quorumq", "status", "--watch", "--interval", "0.2"]
+        command += ["--endpoints", cluster.endpoint("A")]
+        fd, terminal = pty.openpty()
+        proc = subprocess.Popen(command, stdin=terminal, stdout=terminal, stderr=terminal)
+        os.close(terminal)
+        output = b""
+        try:
+            deadline = time.monotonic() + 30
+            # each refresh prints the clock time in its heading: three distinct ones
+            while len(set(_watch_headings(output))) < 3:
+                assert time.monotonic() < deadline, output[-2000:]
+                if select.select([fd], [], [], 0.1)[0]:
+                    output += os.read(fd, 65536)
+            proc.send_signal(signal.SIGINT)
+            while True:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # the command ended and closed the terminal
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            returncode = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:  # the test failed before the command ended
+                proc.kill()
+                proc.wait(timeout=30)
+            os.close(fd)
+        assert returncode == 0, output[-2000:]
+        assert b"orders" in output and b"leader" in output
+        assert b"Traceback" not in output
+
+
+def _watch_headings(output: bytes) -> list[bytes]:
+    import re
+
+    return re.findall(rb"every 0\.2 s, (\d\d:\d\d:\d\d)", output)

@@ -1100,3 +1100,20 @@ def test_numbered_batches_must_number_every_message_in_increasing_order() -> Non
                 first_seq=first_seq,
                 seqs=seqs,
             )
+
+
+def test_oldest_ready_ms_is_the_enqueue_time_of_the_oldest_message_not_held(d: Driver) -> None:
+    assert d.machine.oldest_ready_ms("q") is None
+    d(Enqueue(queue="q", body=b"a"), ts_ms=1_000)
+    d(Enqueue(queue="q", body=b"b"), ts_ms=2_000)
+    assert d.machine.oldest_ready_ms("q") == 1_000
+    d(Subscribe(queue="q", consumer="c", node="A", prefetch=1))  # takes offset 0
+    assert d.machine.oldest_ready_ms("q") == 2_000
+    d(Nack(queue="q", consumer="c", offsets=[0], requeue=True), ts_ms=3_000)
+    d(Cancel(queue="q", consumer="c"))
+    # offset 0 went back to c (its key-less place comes first): still held
+    assert d.machine.oldest_ready_ms("q") == 2_000
+    d(Down(consumer="c"))
+    assert d.machine.oldest_ready_ms("q") == 1_000  # returned: ready again, and oldest
+    restored = Machine.restore(d.machine.snapshot())
+    assert restored.oldest_ready_ms("q") == 1_000

@@ -600,6 +600,17 @@ class Machine:
         q = self._get(queue)
         return tuple(sorted(o for o in q.msgs if o not in q.held))
 
+    def oldest_ready_ms(self, queue: str) -> int | None:
+        """When the oldest ready message of `queue` was enqueued (the machine's time, ms),
+        or None when none is ready. The queue keeps its messages in offset order and
+        time never runs back, so this looks only at the held messages ahead of it."""
+        q = self._get(queue)
+        held = q.held
+        for offset, msg in q.msgs.items():
+            if offset not in held:
+                return msg[4]
+        return None
+
     def unacked(self, queue: str, consumer: str) -> tuple[int, ...]:
         """Offsets `consumer` holds on `queue` (empty if it holds none or is not there)."""
         c = self._get(queue).consumers.get(consumer)

@@ -239,6 +239,8 @@ class NodeCore:
         self._waiting_reads: list[_WaitingRead] = []
         self._auditing = False
         self._missing_before: set[str] = set()
+        self.queue_counts: Callable[[Iterable[str]], dict[str, dict[str, int]]] | None = None
+        """Per queue, what this node counted as it applied (`quorumq.counters`), for status."""
         self.call_later(LOST_CONSUMERS_EVERY_S, self._down_lost_consumers)
 
     # ----------------------------------------------------------------- timers
@@ -1020,6 +1022,9 @@ class NodeCore:
             }
 
         status["queues"] = self.replica.query(queues)
+        if self.queue_counts is not None:
+            for queue, counts in self.queue_counts(status["queues"]).items():
+                status["queues"][queue].update(counts)
         status["clients"] = len(self.connections)
         return status
 

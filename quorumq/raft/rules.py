@@ -294,6 +294,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     """This member's journal (subclasses open it)."""
     _snapshot: Callable[[], bytes]
     """The machine's state, for a snapshot (subclasses set it)."""
+    leader_heard_at: float | None = None
+    """When a message from the leader last arrived (monotonic seconds; metrics)."""
     fatal_error: BaseException | None = None
     """Why this member stopped by itself (its journal failed): the node must stop."""
     compaction_error: str | None = None
@@ -617,6 +619,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             self._last_leader = self._SyncObj__raftLeader
             if node == self._last_leader:
                 self._leader_closed = None  # heard from: it lives
+                self.leader_heard_at = _syncobj.monotonicTime()  # (metrics)
         if snapshot_chunk and self.raftLastApplied == applied:
             # no snapshot was installed: the commit index stays (PySyncObj takes it to
             # the leader's, within this log, which this message did not check)
@@ -965,6 +968,10 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def is_leader(self) -> bool:
         return bool(self._isLeader())
+
+    def role(self) -> str:
+        """"follower", "candidate" or "leader" (PySyncObj's Raft state; metrics)."""
+        return ("follower", "candidate", "leader")[self._SyncObj__raftState]
 
     def peer_silence(self) -> dict[str, float]:
         """Leader only: seconds since each peer last answered an AppendEntries."""

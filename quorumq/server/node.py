@@ -14,13 +14,16 @@ import contextlib
 import gc
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import trio
 
 from .. import pathtiming
-from ..machine import Command, Effect, Machine
+from ..counters import QueueCounters
+from ..machine import Command, Effect, Machine, Reply
+from ..metrics import NodeMetrics
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.core import ProposalCallback
 from ..protocol import keep_alive
@@ -42,16 +45,33 @@ __all__ = ["NodeConfig", "NodeServer", "check_node_config"]
 class _LoopReplica:
     """The replica as the core sees it: outcomes arrive on the trio thread."""
 
-    def __init__(self, replica: Replica, soon: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        replica: Replica,
+        soon: Callable[..., None],
+        timed: Callable[[Command, float], None] | None = None,
+    ) -> None:
+        """`timed(command, seconds)`: told how long each proposal with a callback took
+        to commit and apply (the metrics' histogram), if given."""
         self._replica = replica
         self._soon = soon
+        self._timed = timed
         self.node_id = replica.node_id
 
     def propose(self, command: Command, callback: ProposalCallback | None = None) -> None:
         if callback is None:
             self._replica.propose(command)
-        else:
+        elif self._timed is None:
             self._replica.propose(command, lambda reply, error: self._soon(callback, reply, error))
+        else:
+            timed, started = self._timed, time.perf_counter()
+
+            def done(reply: Reply | None, error: ProposalError | None) -> None:
+                if error is None:
+                    timed(command, time.perf_counter() - started)
+                self._soon(callback, reply, error)
+
+            self._replica.propose(command, done)
 
     def query(self, read: Callable[[Machine], T]) -> T:
         return self._replica.query(read)
@@ -103,9 +123,12 @@ class _Link:
 class NodeServer:
     """A node's trio shell: `await serve()` runs it until cancelled."""
 
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, *, metrics: tuple[str, int] | None = None) -> None:
+        """`metrics`: serve Prometheus metrics over HTTP on this (host, port)."""
         check_node_config(config)
         self.config = config
+        self.metrics = NodeMetrics() if metrics is not None else None
+        self._metrics_address = metrics
         self.node_id = config.replica.node_id
         self._token: trio.lowlevel.TrioToken | None = None
         self._replica: Replica | None = None
@@ -114,6 +137,8 @@ class NodeServer:
         self._timers_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.listeners: list[trio.SocketListener] = []
+        self.counters = QueueCounters()
+        """What the replica applied, per queue (status and metrics)."""
 
     @property
     def replica(self) -> Replica:
@@ -149,7 +174,12 @@ class NodeServer:
         if pathtiming.ENABLED:
             pathtiming.name_process(self.node_id)
         self._replica = await trio.to_thread.run_sync(
-            lambda: Replica(self.config.replica, self._on_effects, self._on_state_replaced)
+            lambda: Replica(
+                self.config.replica,
+                self._on_effects,
+                self._on_state_replaced,
+                observer=self.counters,
+            )
         )
         # What start-up made (modules, the state loaded from disk) lives as long as the
         # node: out of the collector's sight, its full passes scan only what came since
@@ -158,9 +188,18 @@ class NodeServer:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                timed = self.metrics.observe_proposal if self.metrics is not None else None
                 self._core = NodeCore(
-                    self.config, _LoopReplica(self.replica, self._soon), self, trio.current_time
+                    self.config,
+                    _LoopReplica(self.replica, self._soon, timed),
+                    self,
+                    trio.current_time,
                 )
+                self._core.queue_counts = self.counters.counts
+                if self.metrics is not None and self._metrics_address is not None:
+                    core = self._core
+                    self.metrics.attach(self.replica, self.counters, lambda: len(core.connections))
+                    self.metrics.serve(*self._metrics_address)
                 self.listeners = await trio.open_tcp_listeners(
                     self.config.listen_port, host=self.config.listen_host
                 )
@@ -170,6 +209,8 @@ class NodeServer:
                 await trio.serve_listeners(self._serve_client, self.listeners)
         finally:
             with trio.CancelScope(shield=True):
+                if self.metrics is not None:
+                    await trio.to_thread.run_sync(self.metrics.stop)
                 await trio.to_thread.run_sync(self.replica.stop)
 
     async def _stop_if_raft_stopped(self) -> None:

@@ -1,0 +1,230 @@
+"""What `quorumq status` and `quorumq queues` show people: tables (rich) of a cluster's
+nodes and queues, from readings of every node's status.
+
+A reading asks each endpoint for its node's status, all at once (a node that does not
+answer is a row saying so, not an error). Rates need two readings: `queue_table` takes
+the earlier one and divides what grew by the time between them, both of one node (a
+queue's next offset is the same on every replica once applied, but the delivery counts
+are each node's own since its process started).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+
+@attrs.frozen(kw_only=True)
+class NodeReading:
+    """One endpoint's answer: its node's status, or why there is none."""
+
+    endpoint: str
+    status: Mapping[str, Any] | None = None
+    error: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ClusterReading:
+    """Every endpoint's answer, and when they were asked (monotonic seconds)."""
+
+    taken_at: float
+    nodes: tuple[NodeReading, ...]
+
+    @property
+    def answered(self) -> list[Mapping[str, Any]]:
+        return [n.status for n in self.nodes if n.status is not None]
+
+    def of(self, node: str) -> Mapping[str, Any] | None:
+        """The status node `node` gave, if it answered."""
+        return next((s for s in self.answered if s.get("node") == node), None)
+
+    @property
+    def reference(self) -> Mapping[str, Any] | None:
+        """The status the queues are read from: the leader's, else the first answer."""
+        answered = self.answered
+        leaders = [s for s in answered if s.get("is_leader")]
+        return (leaders or answered)[0] if answered else None
+
+
+def read_cluster(
+    endpoints: Sequence[str],
+    status_of: Callable[[str], Mapping[str, Any]],
+    errors: tuple[type[BaseException], ...],
+) -> ClusterReading:
+    """Ask every endpoint at once (`status_of(endpoint)`); an exception of `errors`
+    is that endpoint's error."""
+
+    def one(endpoint: str) -> NodeReading:
+        try:
+            return NodeReading(endpoint=endpoint, status=status_of(endpoint))
+        except errors as e:
+            return NodeReading(endpoint=endpoint, error=str(e) or type(e).__name__)
+
+    taken_at = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(endpoints))) as pool:
+        nodes = tuple(pool.map(one, endpoints))
+    return ClusterReading(taken_at=taken_at, nodes=nodes)
+
+
+def _number(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) else "-"
+
+
+def _rate(now: Any, before: Any, seconds: float) -> str:
+    if not isinstance(now, int) or not isinstance(before, int) or seconds <= 0 or now < before:
+        return "-"  # not counted by both readings, or the node restarted between them
+    return f"{(now - before) / seconds:,.1f}"
+
+
+def _role(status: Mapping[str, Any]) -> Text:
+    if status.get("is_leader"):
+        return Text("leader", style="bold green")
+    if not status.get("ready", True):
+        return Text("starting", style="yellow")
+    if status.get("leader") is None:
+        return Text("no leader", style="bold red")
+    return Text("follower")
+
+
+def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
+    """One row per node: role, Raft term, commit and applied index, and its lag (entries
+    the leader has committed that it has not applied yet)."""
+    table = Table(title="nodes", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("node")
+    table.add_column("role")
+    for name in ("term", "commit", "applied", "lag", "clients"):
+        table.add_column(name, justify="right")
+    if audit:
+        table.add_column("audited at", justify="right")
+        table.add_column("digest")
+    table.add_column("endpoint")
+    table.add_column("note")
+    reference = reading.reference
+    leader = next((s for s in reading.answered if s.get("is_leader")), None)
+    commits = [s.get("commit_index") for s in reading.answered]
+    top = (leader or {}).get("commit_index", max((c for c in commits if c is not None), default=0))
+    rows: list[tuple[str, list[Any]]] = []
+    for node in reading.nodes:
+        status = node.status
+        if status is None:
+            cells: list[Any] = ["?", Text("unreachable", style="bold red")] + ["-"] * 5
+            if audit:
+                cells += ["-", "-"]
+            rows.append(("~", [*cells, node.endpoint, node.error or ""]))
+            continue
+        notes = []
+        down = status.get("down_nodes") or []
+        if down:
+            notes.append(f"sees down: {', '.join(down)}")
+        if status.get("compaction_error"):
+            notes.append(f"compaction failed: {status['compaction_error']}")
+        applied = status.get("last_applied")
+        lag = top - applied if isinstance(applied, int) and isinstance(top, int) else None
+        cells = [
+            str(status.get("node")),
+            _role(status),
+            _number(status.get("term")),
+            _number(status.get("commit_index")),
+            _number(applied),
+            _number(max(lag, 0)) if lag is not None else "-",
+            _number(status.get("clients")),
+        ]
+        if audit:
+            cells += [_number(status.get("machine_index")), str(status.get("digest", "-"))[:16]]
+        rows.append((str(status.get("node")), [*cells, node.endpoint, "; ".join(notes)]))
+    named = {name for name, _ in rows}
+    for member in sorted((reference or {}).get("members", {})):
+        if member not in named:
+            cells = [member, Text("not asked", style="dim")] + ["-"] * 5
+            if audit:
+                cells += ["-", "-"]
+            rows.append((member, [*cells, "-", "no client endpoint given for it"]))
+    for _, cells in sorted(rows, key=lambda row: row[0]):
+        table.add_row(*cells)
+    return table
+
+
+QUEUE_COLUMNS = ("ready", "unacked", "consumers")
+
+
+def queues_table(reading: ClusterReading, before: ClusterReading | None) -> Table:
+    """One row per queue, as the leader (else the first node that answered) applied it:
+    ready, unacked, consumers, and publish and deliver rates since `before`."""
+    reference = reading.reference or {}
+    node = reference.get("node")
+    earlier = before.of(node) if before is not None and node is not None else None
+    seconds = reading.taken_at - before.taken_at if before is not None else 0.0
+    caption = f"as node {node} applied them" if node else "no node answered"
+    if before is not None:
+        caption += f"; rates per second over the last {seconds:.1f} s"
+    table = Table(title="queues", caption=caption, box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("queue")
+    for name in (*QUEUE_COLUMNS, "publish/s", "deliver/s"):
+        table.add_column(name, justify="right")
+    then = (earlier or {}).get("queues", {})
+    for name, queue in sorted(reference.get("queues", {}).items()):
+        old = then.get(name, {})
+        table.add_row(
+            name,
+            *(_number(queue.get(column)) for column in QUEUE_COLUMNS),
+            _rate(queue.get("next_offset"), old.get("next_offset"), seconds),
+            _rate(queue.get("delivered"), old.get("delivered"), seconds),
+        )
+    return table
+
+
+def status_view(
+    reading: ClusterReading, before: ClusterReading | None, *, audit: bool = False
+) -> Group:
+    """The nodes table, then the queues table."""
+    return Group(nodes_table(reading, audit=audit), queues_table(reading, before))
+
+
+def queue_list(status: Mapping[str, Any]) -> Table:
+    """`quorumq queues`: every queue of one node's status, with what it counted."""
+    table = Table(
+        caption=f"as node {status.get('node')} applied them. enqueued: offsets given "
+        "(published, or dead-lettered into it); delivered, acked, dead-lettered: counted "
+        "by the node since it started",
+        box=box.SIMPLE_HEAD,
+    )
+    table.add_column("queue")
+    for name in (
+        *QUEUE_COLUMNS,
+        "producers",
+        "enqueued",
+        "delivered",
+        "acked",
+        "dead-lettered",
+    ):
+        table.add_column(name, justify="right")
+    for name, queue in sorted(status.get("queues", {}).items()):
+        table.add_row(
+            name,
+            *(_number(queue.get(column)) for column in QUEUE_COLUMNS),
+            _number(queue.get("producers")),
+            _number(queue.get("next_offset")),
+            _number(queue.get("delivered")),
+            _number(queue.get("acked")),
+            _number(queue.get("dead_lettered")),
+        )
+    return table
+
+
+__all__ = [
+    "ClusterReading",
+    "NodeReading",
+    "nodes_table",
+    "queue_list",
+    "queues_table",
+    "read_cluster",
+    "status_view",
+]

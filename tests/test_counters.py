@@ -1,0 +1,72 @@
+"""quorumq.counters: what a node counts per queue as its replica applies entries."""
+
+from __future__ import annotations
+
+from quorumq.counters import COUNTS, QueueCounters
+from quorumq.machine import (
+    Ack,
+    Applied,
+    Command,
+    Declare,
+    Enqueue,
+    Nack,
+    QueueOptions,
+    Subscribe,
+    Tick,
+)
+
+from .helpers import Driver, delivered
+
+
+class Counted:
+    """A machine driven with increasing indexes, its entries shown to a `QueueCounters`
+    as a replica shows them."""
+
+    def __init__(self) -> None:
+        self.driver = Driver()
+        self.counters = QueueCounters()
+
+    def __call__(self, command: Command, *, ts_ms: int | None = None) -> Applied:
+        applied = self.driver(command, ts_ms=ts_ms)
+        self.counters.applied(None, self.driver.index, b"", command, applied)
+        return applied
+
+
+def test_deliveries_redeliveries_acks_rejections_and_dead_letters_are_counted_per_queue() -> None:
+    apply = Counted()
+    counters = apply.counters
+    apply(Declare(queue="dlq"))
+    apply(Declare(queue="q", options=QueueOptions(dead_letter_queue="dlq")))
+    apply(Subscribe(queue="q", consumer="c", node="A", prefetch=10))
+    sent = [delivered(apply(Enqueue(queue="q", body=b"m"))) for _ in range(3)]
+    first, second, third = (d[0].offset for d in sent)
+    apply(Ack(queue="q", consumer="c", offsets=(first, first)))  # listed twice: one ack
+    again = delivered(apply(Nack(queue="q", consumer="c", offsets=(second,), requeue=True)))
+    assert [d.redelivered for d in again] == [True]
+    apply(Nack(queue="q", consumer="c", offsets=(third,), requeue=False))
+    apply(Ack(queue="q", consumer="c", offsets=(first,)))  # refused (not held): not counted
+
+    counts = counters.counts()
+    assert counts["q"] == {
+        "delivered": 4,
+        "redelivered": 1,
+        "acked": 1,
+        "rejected": 1,
+        "dead_lettered": 1,
+        "expired": 0,
+        "dropped": 0,
+    }
+    assert "dlq" not in counts  # it was enqueued into, not delivered from
+    assert counters.counts(["dlq", "q"])["dlq"] == dict.fromkeys(COUNTS, 0)
+
+
+def test_expired_messages_count_as_expired_and_dropped_without_a_dead_letter_queue() -> None:
+    apply = Counted()
+    counters = apply.counters
+    apply(Declare(queue="ttl", options=QueueOptions(message_ttl_ms=10)), ts_ms=1_000)
+    apply(Enqueue(queue="ttl", body=b"a"), ts_ms=1_000)
+    apply(Enqueue(queue="ttl", body=b"b"), ts_ms=1_000)
+    apply(Tick(), ts_ms=2_000)
+    assert counters.counts()["ttl"]["expired"] == 2
+    assert counters.counts()["ttl"]["dropped"] == 2
+    assert counters.counts()["ttl"]["dead_lettered"] == 0
