@@ -3,7 +3,8 @@ breakdown (`python -m benchmarks.bench_path`).
 
 Off unless the environment variable `QUORUMQ_PATH_TIMING` names a directory when the
 process starts: then every step marks `(wall-clock ns, step, key)` in memory, and the
-process writes its marks to `<directory>/<name>-<pid>.jsonl` when it exits. Nodes and
+process appends its marks to `<directory>/<name>-<pid>.jsonl` every `FLUSH_EVERY` marks
+and when it exits (a SIGKILLed process loses those not written yet). Nodes and
 clients on one host share the wall clock, so marks from different processes compare.
 Call sites test `ENABLED` first, so that a node that does not time pays one attribute
 read per step.
@@ -36,9 +37,15 @@ _name = "process"
 _lock = threading.Lock()
 
 
+FLUSH_EVERY = 200_000
+"""Marks kept in memory before they are appended to the file (a long run stays bounded)."""
+
+
 def mark(step: str, key: Any) -> None:
     """Record that the message `key` passed `step` now (call only when `ENABLED`)."""
     _marks.append((time.time_ns(), step, key))
+    if len(_marks) >= FLUSH_EVERY:
+        _write()
 
 
 def name_process(name: str) -> None:
@@ -51,12 +58,12 @@ def _write() -> None:
     if _DIRECTORY is None or not _marks:
         return
     with _lock:
-        marks = list(_marks)
-        _marks.clear()
+        marks = _marks[:]
+        del _marks[: len(marks)]  # (marks made meanwhile by other threads stay)
     os.makedirs(_DIRECTORY, exist_ok=True)
     path = os.path.join(_DIRECTORY, f"{_name}-{os.getpid()}.jsonl")
     with open(path, "a") as f:
-        f.write(json.dumps({"process": _name}) + "\n")
+        f.write(json.dumps({"process": _name}) + "\n")  # (again after each flush: harmless)
         for ns, step, key in marks:
             f.write(json.dumps([ns, step, key]) + "\n")
 

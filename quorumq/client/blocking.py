@@ -427,10 +427,11 @@ class Client:
                     self._deadlines[request_id] = (deadline, self.timeout)
                     if deadline < self._watching_until:
                         self._deadline_changed.notify()
-            if pathtiming.ENABLED and publish:
+            timed = pathtiming.ENABLED and publish and frame.get("seq") is not None
+            if timed:
                 pathtiming.mark("client.publish", ("p", frame["producer"], frame["seq"]))
             self._write(sock, frame)
-            if pathtiming.ENABLED and publish:
+            if timed:
                 pathtiming.mark("client.sent", ("p", frame["producer"], frame["seq"]))
         return request_id, future
 

@@ -95,6 +95,10 @@ T = TypeVar("T")
 SETTLE_ATTEMPTS = 20
 MEMBERSHIP_DEADLINE_S = 20.0
 """How long a membership change may wait for a leader and for an earlier change."""
+ACKS_HELD_S = 0.05
+"""Longest a consumer's acks wait for its ack being proposed (`NodeCore._ack`)."""
+ACKS_HELD_MAX = 4096
+"""Most offsets held that way: past it they are proposed at once (one log entry)."""
 RETRY_EVERY_S = 0.1
 LOST_CONSUMERS_EVERY_S = 1.0
 PROPOSAL_COST = 256
@@ -178,6 +182,7 @@ class _HeldAcks:
     queue: str
     conn: ConnectionCore
     offsets: list[int]
+    timer: _Timer | None = None
 
 
 class _Timer:
@@ -232,6 +237,8 @@ class NodeCore:
         self._acking: dict[str, _HeldAcks] = {}
         """Per consumer with an ack being proposed: the acks that came since, proposed
         together once it is answered (`_ack`)."""
+        self._retrying: dict[str, list[_Timer]] = {}
+        """Per consumer: its acks and nacks a leader change refused, due again soon."""
         self._connection_counter = 0
         self._timers: list[tuple[float, int, _Timer]] = []
         self._timer_order = itertools.count()
@@ -746,10 +753,16 @@ class NodeCore:
         """Propose an ack of `offsets` now, or, while an ack of the same consumer is being
         proposed, with the acks that follow it once it is answered: a consumer's acks
         arriving while one commits take one log entry (one fdatasync on each replica)
-        instead of one each. Nothing waits when acks are rarer than a commit."""
+        instead of one each. Nothing waits when acks are rarer than a commit, and no ack
+        waits longer than `ACKS_HELD_S` (PySyncObj does not answer every proposal: a
+        snapshot install can skip its entry), nor past `ACKS_HELD_MAX` offsets."""
         held = self._acking.get(consumer)
         if held is not None:
             held.offsets += offsets
+            if len(held.offsets) >= ACKS_HELD_MAX:
+                self._propose_held_acks(consumer)
+            elif held.timer is None:
+                held.timer = self.call_later(ACKS_HELD_S, self._propose_held_acks, consumer)
             return
         self._acking[consumer] = _HeldAcks(queue, conn, [])
         self.settle(
@@ -760,16 +773,41 @@ class NodeCore:
 
     def _next_acks(self, consumer: str) -> None:
         held = self._acking.pop(consumer, None)
-        if held is not None and held.offsets:
-            self._ack(held.queue, consumer, held.offsets, held.conn)
+        if held is not None:
+            if held.timer is not None:
+                held.timer.cancel()
+            if held.offsets:
+                self._ack(held.queue, consumer, held.offsets, held.conn)
+
+    def _propose_held_acks(self, consumer: str) -> None:
+        """Propose the acks of `consumer` that wait, now (they waited long enough)."""
+        held = self._acking.get(consumer)
+        if held is not None:
+            if held.timer is not None:
+                held.timer.cancel()
+                held.timer = None
+            if held.offsets:
+                offsets = list(dict.fromkeys(held.offsets))
+                held.offsets = []
+                self.settle(Ack(queue=held.queue, consumer=consumer, offsets=offsets), held.conn)
 
     def _release_acks(self, consumer: str) -> None:
-        """Propose the acks of `consumer` that wait for its ack being proposed, now: a nack
-        or a `Down` of that consumer must not overtake them."""
-        held = self._acking.get(consumer)
-        if held is not None and held.offsets:
-            offsets, held.offsets = held.offsets, []
-            self.settle(Ack(queue=held.queue, consumer=consumer, offsets=offsets), held.conn)
+        """A nack or a `Down` of `consumer` follows: its acks that wait go first, and so
+        does any of its acks and nacks that a leader change made wait for their next
+        attempt (a nack taking back a key's later messages, one of them acked, would
+        have returned it)."""
+        self._propose_held_acks(consumer)
+        for retry in self._retrying.pop(consumer, ()):
+            if not retry.cancelled:
+                retry.cancel()
+                retry.call(*retry.args)
+
+    def _forget_retry(self, consumer: str, timer: _Timer) -> None:
+        retries = self._retrying.get(consumer)
+        if retries is not None and timer in retries:
+            retries.remove(timer)
+            if not retries:
+                del self._retrying[consumer]
 
     def settle(
         self,
@@ -809,7 +847,8 @@ class NodeCore:
                 if isinstance(error, NotAppliedError):
                     # after a moment: a node that still takes an old leader for the leader
                     # is refused at once ("no longer leader") until the election is over
-                    self.call_later(RETRY_EVERY_S, self.settle, command, conn, attempt + 1)
+                    # (or at once, before a nack or a Down of the same consumer)
+                    self._retry_later(command, conn, attempt + 1)
                     return
                 if isinstance(error, OutcomeUnknownError):
                     self._settle_held(command, conn, attempt + 1)
@@ -817,6 +856,17 @@ class NodeCore:
             self._answer(conn, None, reply, error, None)
 
         self.replica.propose(command, done)
+
+    def _retry_later(self, command: Ack | Nack, conn: ConnectionCore, attempt: int) -> None:
+        consumer = command.consumer
+        timer: _Timer
+
+        def again() -> None:
+            self._forget_retry(consumer, timer)
+            self.settle(command, conn, attempt)
+
+        timer = self.call_later(RETRY_EVERY_S, again)
+        self._retrying.setdefault(consumer, []).append(timer)
 
     def _settle_held(self, command: Ack | Nack, conn: ConnectionCore, attempt: int) -> None:
         held = set(self.replica.query(lambda m: m.unacked(command.queue, command.consumer)))
@@ -1179,6 +1229,8 @@ class NodeCore:
         Compare the machine with what each consumer here was sent: send the held
         deliveries it was not sent, and cancel the consumers the machine removed (their
         node was marked down meanwhile: the client subscribes again)."""
+        for consumer in list(self._acking):  # the ack they wait for may never be answered
+            self._propose_held_acks(consumer)
         served = [
             (c, conn, conn.consumers[c])
             for c, conn in self.consumers.items()
