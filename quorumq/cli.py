@@ -132,7 +132,7 @@ def _node(args: argparse.Namespace) -> int:
 
     from .replica import ConfigError, ReplicaConfig  # noqa: PLC0415
     from .server import NodeConfig, NodeServer  # noqa: PLC0415
-    from .server.node import check_node_config  # noqa: PLC0415
+    from .server.node import check_node_config, tls_context  # noqa: PLC0415
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -163,9 +163,12 @@ def _node(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         max_body=args.max_body,
         outbound_frames=args.outbound_frames,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
     try:
         check_node_config(config)
+        tls_context(config)  # the certificate and its key load, or one line says why
     except ConfigError as e:
         raise UsageError(str(e)) from None
     _lock_data_dir(Path(args.data_dir))
@@ -177,8 +180,9 @@ def _node(args: argparse.Namespace) -> int:
             host, port = listeners[0].socket.getsockname()[:2]
             metrics = server.metrics.address if server.metrics is not None else None
             print(
-                f"quorumq node {args.id} ready: clients on {host}:{port}, "
-                f"raft on {peers[args.id]}, fsync={args.fsync}"
+                f"quorumq node {args.id} ready: clients on {host}:{port}"
+                + (" (TLS)" if server.tls is not None else "")
+                + f", raft on {peers[args.id]}, fsync={args.fsync}"
                 + (f", metrics on http://{metrics[0]}:{metrics[1]}/metrics" if metrics else ""),
                 flush=True,
             )
@@ -715,6 +719,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-token-file",
         help="file with the admin token, for membership changes (or set QUORUMQ_ADMIN_TOKEN)",
     )
+    node.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="serve clients over TLS only, with this PEM certificate (chain); needs --tls-key",
+    )
+    node.add_argument("--tls-key", metavar="FILE", help="the PEM private key of --tls-cert")
     node.add_argument("--fsync", choices=["always", "batch", "never"], default="always")
     node.add_argument("--node-down-grace", type=_seconds, default=5.0, metavar="SECONDS")
     node.add_argument(

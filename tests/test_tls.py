@@ -1,0 +1,249 @@
+"""TLS on the client port: a node with a certificate serves clients over TLS only.
+
+In this process, a one-node group behind the trio server, against the standard library's
+TLS client and raw sockets: the welcome over TLS, what a peer without TLS, a client that
+rejects the certificate and a stalled handshake get. Certificates come from throwaway
+CAs (`quorumq.embedded.make_certificates`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from quorumq.embedded import Certificates, free_ports, make_certificates
+from quorumq.protocol import FrameDecoder
+from quorumq.replica import ConfigError, ReplicaConfig
+from quorumq.server import NodeConfig, NodeServer
+from quorumq.server.node import tls_context
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    """A CA, and a certificate it signed for 127.0.0.1 and localhost."""
+    return make_certificates(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The certificate of a CA that signed none of the nodes' certificates."""
+    return str(make_certificates(tmp_path_factory.mktemp("other")).ca)
+
+
+def _config(root: Path, certs: Certificates | None, **limits: Any) -> NodeConfig:
+    (raft,) = free_ports(1)
+    replica = ReplicaConfig(
+        node_id="solo",
+        peers={"solo": f"127.0.0.1:{raft}"},
+        data_dir=str(root),
+        secret=None,
+        insecure=True,
+        raft_timeouts=(0.1, 0.2),
+    )
+    tls = {} if certs is None else {"tls_cert": str(certs.cert), "tls_key": str(certs.key)}
+    return NodeConfig(replica=replica, listen_port=0, insecure=True, **tls, **limits)
+
+
+def _serve(server: NodeServer, body: Callable[[str], Awaitable[None]]) -> None:
+    """Run `server` in a nursery, `body(endpoint)` against it, then stop it."""
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(server.serve)
+            host, port = listeners[0].socket.getsockname()[:2]
+            try:
+                await body(f"{host}:{port}")
+            finally:
+                nursery.cancel_scope.cancel()
+
+    trio.run(run)
+
+
+# ------------------------------------------------------- the node, in process
+
+
+def _welcome_over_tls(endpoint: str, ca: str) -> dict[str, Any]:
+    """The node's first frame, as the standard library's TLS client reads it (not ours)."""
+    host, port = endpoint.rsplit(":", 1)
+    context = ssl.create_default_context(cafile=ca)
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=host) as tls,
+    ):
+        decoder = FrameDecoder()
+        while not (frames := list(decoder.frames())):
+            data = tls.recv(65536)
+            assert data, "closed before the welcome"
+            decoder.feed(data)
+        return frames[0]
+
+
+async def _until_closed(stream: trio.SocketStream) -> list[dict[str, Any]]:
+    """The frames the node sent before it closed the connection (with bytes of ours
+    unread in its buffer its close is a reset: what came before it is still read)."""
+    received = b""
+    with contextlib.suppress(trio.BrokenResourceError):
+        while data := await stream.receive_some(4096):
+            received += data
+    await stream.aclose()
+    decoder = FrameDecoder()
+    decoder.feed(received)
+    return list(decoder.frames())
+
+
+def test_a_tls_node_welcomes_a_standard_tls_client_over_tls(
+    tmp_path: Path, certs: Certificates
+) -> None:
+    server = NodeServer(_config(tmp_path, certs))
+
+    async def body(endpoint: str) -> None:
+        with trio.fail_after(10):
+            welcome = await trio.to_thread.run_sync(_welcome_over_tls, endpoint, str(certs.ca))
+        assert (welcome["t"], welcome["node"]) == ("welcome", "solo")
+
+    _serve(server, body)
+
+
+def test_a_silent_peer_is_told_in_plain_text_that_the_port_is_tls_only(
+    tmp_path: Path, certs: Certificates, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A quorumq client without TLS waits for the node's welcome, and the node waits for
+    # a TLS ClientHello: without `tls_silence_s` both would wait out their timeouts, and
+    # the client would say only "timed out".
+    server = NodeServer(_config(tmp_path, certs, tls_silence_s=0.3))
+
+    async def body(endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        with trio.fail_after(10):
+            opened = trio.current_time()
+            frames = await _until_closed(await trio.open_tcp_stream(host, int(port)))
+            assert trio.current_time() - opened >= 0.25
+            assert [(f["t"], f["code"]) for f in frames] == [("error", "tls_required")]
+            assert "TLS only" in frames[0]["message"]
+            welcome = await trio.to_thread.run_sync(_welcome_over_tls, endpoint, str(certs.ca))
+            assert welcome["t"] == "welcome"  # and the node serves others
+
+    with caplog.at_level(logging.WARNING, logger="quorumq.server.node"):
+        _serve(server, body)
+    told = [r.getMessage() for r in caplog.records]
+    assert any("sent nothing (a client without TLS?)" in m for m in told), told
+
+
+def test_bytes_that_cannot_begin_tls_get_a_plain_tls_required_error_at_once(
+    tmp_path: Path, certs: Certificates
+) -> None:
+    server = NodeServer(_config(tmp_path, certs, tls_silence_s=30.0))
+
+    async def body(endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        with trio.fail_after(5):  # not the silence of 30 s: the first byte says it
+            await stream.send_all(b"GET / HTTP/1.1\r\nHost: node\r\n\r\n")
+            frames = await _until_closed(stream)
+        assert [(f["t"], f["code"]) for f in frames] == [("error", "tls_required")]
+
+    _serve(server, body)
+
+
+def test_a_peer_that_stalls_in_the_tls_handshake_is_dropped_at_the_handshake_deadline(
+    tmp_path: Path, certs: Certificates, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = NodeServer(_config(tmp_path, certs, handshake_timeout_s=1.0))
+
+    async def body(endpoint: str) -> None:
+        host, port = endpoint.rsplit(":", 1)
+        stalled = await trio.open_tcp_stream(host, int(port))
+        # the start of a TLS handshake record that promises 512 bytes, and nothing more
+        await stalled.send_all(b"\x16\x03\x01\x02\x00")
+        opened = trio.current_time()
+        with trio.fail_after(10):
+            welcome = await trio.to_thread.run_sync(_welcome_over_tls, endpoint, str(certs.ca))
+            assert welcome["t"] == "welcome"  # others are served meanwhile
+            assert await stalled.receive_some(100) == b""  # closed by the node
+        waited = trio.current_time() - opened
+        assert 0.9 <= waited < 3.0, waited
+        assert not server.connections
+        await stalled.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="quorumq.server.node"):
+        _serve(server, body)
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("no TLS handshake in time (no hello in time)" in m for m in logged), logged
+
+
+def test_a_client_that_rejects_the_certificate_is_logged_and_others_are_served(
+    tmp_path: Path, certs: Certificates, other_ca: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = NodeServer(_config(tmp_path, certs))
+
+    async def body(endpoint: str) -> None:
+        with trio.fail_after(10):
+            with pytest.raises(ssl.SSLCertVerificationError):
+                await trio.to_thread.run_sync(_welcome_over_tls, endpoint, other_ca)
+            welcome = await trio.to_thread.run_sync(_welcome_over_tls, endpoint, str(certs.ca))
+            assert welcome["t"] == "welcome"
+
+    with caplog.at_level(logging.WARNING, logger="quorumq.server.node"):
+        _serve(server, body)
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("TLS handshake failed" in m and "unknown ca" in m for m in logged), logged
+
+
+def test_tls_needs_a_certificate_and_its_key_that_load(tmp_path: Path, certs: Certificates) -> None:
+    config = _config(tmp_path, certs)
+    with pytest.raises(ConfigError, match="both a certificate and its key"):
+        NodeServer(NodeConfig(replica=config.replica, insecure=True, tls_cert=str(certs.cert)))
+    with pytest.raises(ConfigError, match="cannot load the TLS certificate"):
+        tls_context(
+            NodeConfig(
+                replica=config.replica,
+                insecure=True,
+                tls_cert=str(certs.ca),  # a certificate without this key
+                tls_key=str(certs.key),
+            )
+        )
+    context = tls_context(config)
+    assert context is not None and context.minimum_version == ssl.TLSVersion.TLSv1_2
+    assert certs.key.stat().st_mode & 0o077 == 0  # the key is its owner's alone
+
+
+def test_a_node_refuses_to_start_with_a_certificate_it_cannot_load(tmp_path: Path) -> None:
+    (client_port, raft_port) = free_ports(2)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "quorumq",
+            "node",
+            "--id",
+            "A",
+            "--data-dir",
+            str(tmp_path / "A"),
+            "--listen",
+            f"127.0.0.1:{client_port}",
+            "--raft",
+            f"127.0.0.1:{raft_port}",
+            "--insecure",
+            "--tls-cert",
+            str(tmp_path / "missing.pem"),
+            "--tls-key",
+            str(tmp_path / "missing.key"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1
+    assert "cannot load the TLS certificate" in result.stderr
