@@ -6,7 +6,9 @@
         cluster.kill(cluster.leader())
 
 Each node is a `python -m quorumq node` process with its own data dir, ports picked on
-127.0.0.1 and a random cluster secret. The cluster stops every process it started (and
+127.0.0.1 and a random cluster secret. With `tls=True` the nodes serve clients over TLS
+with a certificate from a throwaway CA made for the cluster (`tls_ca`), which the
+cluster's own clients trust. The cluster stops every process it started (and
 only those, by PID) when the `with` block ends.
 """
 
@@ -161,9 +163,13 @@ class Cluster:
         election_timeout: tuple[float, float] = (0.25, 0.6),
         log_level: str = "warning",
         metrics: bool = False,
+        tls: bool | Certificates = False,
     ) -> None:
         """`metrics`: each node serves Prometheus metrics on a port of its own
-        (`metrics_url`)."""
+        (`metrics_url`). `tls`: the nodes serve clients over TLS only, True with a
+        certificate for 127.0.0.1 from a CA made for this cluster (`make_certificates`,
+        in its directory), or with the given one; `tls_ca` is the CA's file, which the
+        clients the cluster makes trust."""
         if not 1 <= n <= len(NODE_NAMES):
             raise ValueError(f"n must be between 1 and {len(NODE_NAMES)}")
         self._tmp = tempfile.TemporaryDirectory(prefix="quorumq-") if data_dir is None else None
@@ -184,6 +190,11 @@ class Cluster:
         self.max_body = max_body
         self.election_timeout = election_timeout
         self.log_level = log_level
+        self.tls: Certificates | None = (
+            make_certificates(self.root / "tls") if tls is True else tls or None
+        )
+        self.tls_ca: str | None = str(self.tls.ca) if self.tls is not None else None
+        """The CA file a client of this cluster passes as `tls=` (None: no TLS)."""
         self._secret = secrets.token_hex(16)
         self.admin_token = secrets.token_hex(16)
         """For membership changes (`add_node`, `remove_node`) when the cluster has a token."""
@@ -248,6 +259,8 @@ class Cluster:
                 args += ["--peer", f"{other}=127.0.0.1:{self.raft_ports[other]}"]
         if node in self.metrics_ports:
             args += ["--metrics", f"127.0.0.1:{self.metrics_ports[node]}"]
+        if self.tls is not None:
+            args += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         env = {**os.environ, "QUORUMQ_SECRET": secret or self._secret}
         env.pop("QUORUMQ_TOKEN", None)
         env.pop("QUORUMQ_ADMIN_TOKEN", None)
@@ -311,7 +324,10 @@ class Cluster:
         self._spawn(node)
         self._wait_ready(node)
         with Client(
-            [self.endpoint(n) for n in members], self.token, admin_token=self.admin_token
+            [self.endpoint(n) for n in members],
+            self.token,
+            admin_token=self.admin_token,
+            tls=self.tls_ca,
         ) as client:
             client.add_member(node, f"127.0.0.1:{raft_port}")
         return node
@@ -320,7 +336,10 @@ class Cluster:
         """Remove `node` from the cluster online, then stop its process."""
         others = [n for n in self.nodes if n != node and self.alive(n)]
         with Client(
-            [self.endpoint(n) for n in others], self.token, admin_token=self.admin_token
+            [self.endpoint(n) for n in others],
+            self.token,
+            admin_token=self.admin_token,
+            tls=self.tls_ca,
         ) as client:
             client.remove_member(node)
         self.nodes.remove(node)
@@ -374,8 +393,10 @@ class Cluster:
         return f"http://127.0.0.1:{self.metrics_ports[node]}/metrics"
 
     def client(self, node: str | None = None, **options: Any) -> Client:
-        """A connected blocking client (to `node` first, if given); closed with the cluster."""
+        """A connected blocking client (to `node` first, if given); closed with the cluster.
+        Over TLS, trusting `tls_ca`, if the cluster serves TLS (unless `tls=` is given)."""
         order = self.nodes if node is None else [node] + [n for n in self.nodes if n != node]
+        options = {"tls": self.tls_ca, **options}
         client = Client([self.endpoint(n) for n in order], self.token, **options)
         self._clients.append(client)
         return client
@@ -384,7 +405,11 @@ class Cluster:
         """`node`'s status (`audit`: with the state digest, which hashes every message)."""
         admin = self.admin_token if audit else None  # an audit is administrative
         with Client(
-            [self.endpoint(node)], self.token, connect_timeout=2.0, admin_token=admin
+            [self.endpoint(node)],
+            self.token,
+            connect_timeout=2.0,
+            admin_token=admin,
+            tls=self.tls_ca,
         ) as client:
             return client.status(audit=audit)
 

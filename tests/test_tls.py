@@ -1,9 +1,11 @@
 """TLS on the client port: a node with a certificate serves clients over TLS only.
 
-In this process, a one-node group behind the trio server, against the standard library's
-TLS client and raw sockets: the welcome over TLS, what a peer without TLS, a client that
-rejects the certificate and a stalled handshake get. Certificates come from throwaway
-CAs (`quorumq.embedded.make_certificates`).
+In this process, a one-node group behind the trio server: first against the standard
+library's TLS client and raw sockets (the welcome over TLS, what a peer without TLS, a
+client that rejects the certificate and a stalled handshake get), then our clients (both
+over TLS, what a client without TLS, a wrong CA, a wrong host name and a node without
+TLS give them, and the bytes a tap in front of the node sees). Certificates come from
+throwaway CAs (`quorumq.embedded.make_certificates`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,9 @@ from typing import Any
 import pytest
 import trio
 
+import quorumq
+import quorumq.aio
+from quorumq.client import Client, TlsError
 from quorumq.embedded import Certificates, free_ports, make_certificates
 from quorumq.protocol import FrameDecoder
 from quorumq.replica import ConfigError, ReplicaConfig
@@ -67,6 +73,95 @@ def _serve(server: NodeServer, body: Callable[[str], Awaitable[None]]) -> None:
                 nursery.cancel_scope.cancel()
 
     trio.run(run)
+
+
+class Tap:
+    """A TCP forwarder on 127.0.0.1 in front of `upstream`, keeping every byte that
+    crosses it, each way. Closed (its threads joined) by `close` or the `with` block."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.to_node = bytearray()
+        self.to_client = bytearray()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            node = socket.create_connection(self._upstream)
+            with self._lock:
+                self._sockets += [client, node]
+                pumps = [
+                    threading.Thread(target=self._pump, args=(client, node, self.to_node)),
+                    threading.Thread(target=self._pump, args=(node, client, self.to_client)),
+                ]
+                self._threads += pumps
+            for pump in pumps:
+                pump.start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, record: bytearray) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+                if not data:
+                    break
+                with self._lock:
+                    record += data
+                sink.sendall(data)
+            except OSError:
+                break
+        for s in (source, sink):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def seen(self) -> bytes:
+        """Everything that crossed, both ways."""
+        with self._lock:
+            return bytes(self.to_node + self.to_client)
+
+    def close(self) -> None:
+        self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (Linux)
+        self._listener.close()
+        with self._lock:
+            sockets, threads = list(self._sockets), list(self._threads)
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        for thread in threads:
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+        for s in sockets:
+            s.close()
+
+    def __enter__(self) -> Tap:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+MARKERS = (b"marker-body-7f3a", b"marker-queue-7f3a", b"marker-key-7f3a")
+
+
+def _publish_and_consume_markers(endpoint: str, tls: str | None) -> None:
+    """Declare, publish and consume one message whose queue, key and body are `MARKERS`."""
+    body, queue, key = MARKERS
+    with quorumq.connect(endpoint, tls=tls) as client:
+        client.declare(queue.decode())
+        consumer = client.subscribe(queue.decode())
+        client.publish(queue.decode(), body, key=key.decode())
+        delivery = consumer.get(timeout=10)
+        assert delivery is not None and delivery.body == body
+        delivery.ack()
 
 
 # ------------------------------------------------------- the node, in process
@@ -247,3 +342,129 @@ def test_a_node_refuses_to_start_with_a_certificate_it_cannot_load(tmp_path: Pat
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1
     assert "cannot load the TLS certificate" in result.stderr
+
+
+# ----------------------------------------------------- the clients, one node in process
+
+
+def test_both_clients_publish_and_consume_over_tls(tmp_path: Path, certs: Certificates) -> None:
+    server = NodeServer(_config(tmp_path, certs))
+
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint, tls=str(certs.ca)) as client:
+            with trio.fail_after(10):
+                await client.declare("q")
+                consumer = await client.subscribe("q", prefetch=5)
+
+                def blocking_publish() -> int:
+                    with Client(endpoint, tls=str(certs.ca)) as blocking:
+                        return blocking.publish("q", b"from the blocking client")
+
+                assert await trio.to_thread.run_sync(blocking_publish) == 0
+                assert await client.publish("q", b"from the trio client") == 1
+                bodies = []
+                for _ in range(2):
+                    delivery = await consumer.get()
+                    assert delivery is not None
+                    bodies.append(delivery.body)
+                    await delivery.ack()
+                assert bodies == [b"from the blocking client", b"from the trio client"]
+                served = [conn.transport for conn in server.connections]
+                assert served and all(isinstance(t, trio.SSLStream) for t in served)
+
+    _serve(server, body)
+
+
+def test_a_client_without_tls_is_told_the_port_is_tls_only_and_others_are_served(
+    tmp_path: Path, certs: Certificates, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = NodeServer(_config(tmp_path, certs, tls_silence_s=0.3))
+
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint, tls=str(certs.ca)) as client:
+            with trio.fail_after(20):
+                await client.declare("q")
+                consumer = await client.subscribe("q")
+                started = trio.current_time()
+                with pytest.raises(TlsError, match="serves clients over TLS only") as plain:
+                    await trio.to_thread.run_sync(lambda: Client(endpoint, connect_timeout=10))
+                with pytest.raises(TlsError, match="serves clients over TLS only") as aio_plain:
+                    async with quorumq.aio.connect(endpoint, connect_timeout=10):
+                        pass
+                assert trio.current_time() - started < 5  # told, not timed out
+                for error in (plain.value, aio_plain.value):
+                    assert "\n" not in str(error) and error.__cause__ is None
+                assert await client.publish("q", b"still served") == 0
+                delivery = await consumer.get()
+                assert delivery is not None and delivery.body == b"still served"
+
+    with caplog.at_level(logging.WARNING, logger="quorumq.server.node"):
+        _serve(server, body)
+    told = [r for r in caplog.records if "a client without TLS?" in r.getMessage()]
+    assert len(told) == 2
+
+
+def test_a_certificate_from_another_ca_or_for_another_host_fails_with_one_tls_error(
+    tmp_path: Path, certs: Certificates, other_ca: str
+) -> None:
+    elsewhere = make_certificates(tmp_path / "elsewhere", hosts=("elsewhere.example",))
+    cases = [
+        ("another-ca", certs, other_ca, "did not verify: unable to get local issuer certificate"),
+        ("another-host", elsewhere, str(elsewhere.ca), "did not verify: IP address mismatch"),
+    ]
+    for name, node_certs, ca, why in cases:
+        server = NodeServer(_config(tmp_path / name, node_certs))
+
+        async def body(endpoint: str, ca: str = ca, why: str = why) -> None:
+            with pytest.raises(TlsError, match=why) as blocking:
+                await trio.to_thread.run_sync(lambda: Client(endpoint, tls=ca))
+            with pytest.raises(TlsError, match=why) as aio:
+                async with quorumq.aio.connect(endpoint, tls=ca):
+                    pass
+            for error in (blocking.value, aio.value):  # one line, no ssl traceback
+                assert "\n" not in str(error) and error.__cause__ is None
+                assert error.__suppress_context__
+
+        _serve(server, body)
+
+
+def test_a_tls_client_against_a_node_without_tls_fails_with_a_tls_error(
+    tmp_path: Path, certs: Certificates
+) -> None:
+    server = NodeServer(_config(tmp_path, None))
+
+    async def body(endpoint: str) -> None:
+        why = "did not answer in TLS .* serves plain text"
+        with pytest.raises(TlsError, match=why):
+            await trio.to_thread.run_sync(lambda: Client(endpoint, tls=str(certs.ca)))
+        with pytest.raises(TlsError, match=why):
+            async with quorumq.aio.connect(endpoint, tls=str(certs.ca)):
+                pass
+        async with quorumq.aio.connect(endpoint) as client:  # and it serves plain clients
+            await client.declare("q")
+
+    _serve(server, body)
+
+
+def test_what_crosses_the_wire_is_tls_not_the_protocol(tmp_path: Path, certs: Certificates) -> None:
+    seen: dict[str, bytes] = {}
+    for name, node_certs in (("tls", certs), ("plain", None)):
+        server = NodeServer(_config(tmp_path / name, node_certs))
+        ca = str(certs.ca) if node_certs is not None else None
+
+        async def body(endpoint: str, name: str = name, ca: str | None = ca) -> None:
+            with Tap(endpoint) as tap:
+                await trio.to_thread.run_sync(_publish_and_consume_markers, tap.endpoint, ca)
+            seen[name] = tap.seen()
+            if name == "tls":  # both sides open with a TLS handshake record, not a frame
+                assert tap.to_node[:2] == b"\x16\x03" and tap.to_client[:2] == b"\x16\x03"
+
+        _serve(server, body)
+    assert all(marker in seen["plain"] for marker in MARKERS)  # the tap sees plain text
+    assert not any(marker in seen["tls"] for marker in MARKERS)
+    assert b"welcome" in seen["plain"] and b"welcome" not in seen["tls"]
+
+
+def test_a_ca_file_that_does_not_load_is_a_tls_error(tmp_path: Path) -> None:
+    with pytest.raises(TlsError, match="cannot load the TLS CA file"):
+        Client("127.0.0.1:1", tls=str(tmp_path / "no-such-ca.pem"))
