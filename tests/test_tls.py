@@ -4,20 +4,24 @@ In this process, a one-node group behind the trio server: first against the stan
 library's TLS client and raw sockets (the welcome over TLS, what a peer without TLS, a
 client that rejects the certificate and a stalled handshake get), then our clients (both
 over TLS, what a client without TLS, a wrong CA, a wrong host name and a node without
-TLS give them, and the bytes a tap in front of the node sees). Certificates come from
-throwaway CAs (`quorumq.embedded.make_certificates`).
+TLS give them, and the bytes a tap in front of the node sees). Then a real 3-node
+cluster with TLS on: a consumer on a follower, failover after SIGKILL of the leader, a
+plain client and a wrong CA refused while others are served, the tap again, and the
+CLI. Certificates come from throwaway CAs (`quorumq.embedded.make_certificates`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import socket
 import ssl
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +31,7 @@ import trio
 import quorumq
 import quorumq.aio
 from quorumq.client import Client, TlsError
-from quorumq.embedded import Certificates, free_ports, make_certificates
+from quorumq.embedded import Certificates, Cluster, free_ports, make_certificates
 from quorumq.protocol import FrameDecoder
 from quorumq.replica import ConfigError, ReplicaConfig
 from quorumq.server import NodeConfig, NodeServer
@@ -468,3 +472,132 @@ def test_what_crosses_the_wire_is_tls_not_the_protocol(tmp_path: Path, certs: Ce
 def test_a_ca_file_that_does_not_load_is_a_tls_error(tmp_path: Path) -> None:
     with pytest.raises(TlsError, match="cannot load the TLS CA file"):
         Client("127.0.0.1:1", tls=str(tmp_path / "no-such-ca.pem"))
+
+
+# ------------------------------------------------- a real 3-node cluster, with TLS
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Three node processes that serve clients over TLS only, with a client token."""
+    with Cluster(3, tls=True, token=secrets.token_hex(16)) as cluster:
+        cluster.leader()
+        yield cluster
+
+
+@pytest.mark.slow
+def test_over_tls_a_follower_delivers_and_both_clients_fail_over_when_the_leader_dies() -> None:
+    with Cluster(3, tls=True, token=secrets.token_hex(16), node_down_grace=30.0) as cluster:
+        leader = cluster.leader()
+        follower = next(n for n in cluster.nodes if n != leader)
+        producer = cluster.client(leader)
+        assert producer.node == leader
+        producer.declare("q")
+        consumer = cluster.client(follower).subscribe("q", prefetch=500)
+        leader_first = [cluster.endpoint(leader)] + [
+            cluster.endpoint(n) for n in cluster.nodes if n != leader
+        ]
+
+        async def main() -> list[int]:
+            async with quorumq.aio.connect(
+                leader_first, cluster.token, tls=cluster.tls_ca
+            ) as client:
+                assert client.node == leader
+                offsets = [await client.publish("q", b"aio-before-%d" % i) for i in range(20)]
+                for i in range(20):
+                    offsets.append(
+                        await trio.to_thread.run_sync(producer.publish, "q", b"before-%d" % i)
+                    )
+                await trio.to_thread.run_sync(cluster.kill, leader)
+                # both reconnect to another node; every node serves TLS only, so over TLS
+                with trio.fail_after(30):
+                    for i in range(20):
+                        offsets.append(await client.publish("q", b"aio-after-%d" % i))
+                        offsets.append(
+                            await trio.to_thread.run_sync(producer.publish, "q", b"after-%d" % i)
+                        )
+                assert client.node not in (None, leader)
+                return offsets
+
+        offsets = trio.run(main)
+        assert producer.node not in (None, leader)
+        assert sorted(offsets) == list(range(80))
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(got) < 80 and time.monotonic() < deadline:
+            delivery = consumer.get(timeout=1)
+            if delivery is not None:
+                assert delivery.node == follower  # from the follower's own replica
+                got.append(delivery.offset)
+                delivery.ack()
+        assert sorted(set(got)) == list(range(80))
+
+
+@pytest.mark.slow
+def test_on_a_tls_cluster_a_plain_client_and_a_wrong_ca_fail_clearly_and_others_are_served(
+    cluster: Cluster, other_ca: str
+) -> None:
+    client = cluster.client()
+    client.declare("served")
+    consumer = cluster.client(cluster.nodes[-1]).subscribe("served")
+    with pytest.raises(TlsError, match="serves clients over TLS only"):
+        quorumq.connect(cluster.endpoints, cluster.token)
+    with pytest.raises(TlsError, match="certificate did not verify"):
+        quorumq.connect(cluster.endpoints, cluster.token, tls=other_ca)
+    with pytest.raises(TlsError, match="certificate did not verify"):
+        quorumq.connect(cluster.endpoints, cluster.token, tls=True)  # not a system CA
+    offset = client.publish("served", b"still served")
+    delivery = consumer.get(timeout=10)
+    assert delivery is not None and delivery.offset == offset
+    delivery.ack()
+    for node in cluster.nodes:
+        log = cluster.log_path(node).read_text()
+        assert "a client without TLS?" in log
+        assert "alert unknown ca" in log
+
+
+@pytest.mark.slow
+def test_on_a_tls_cluster_the_bytes_on_the_wire_are_not_the_protocol(cluster: Cluster) -> None:
+    with Tap(cluster.endpoint(cluster.nodes[1])) as tap:
+        body, queue, key = MARKERS
+        with quorumq.connect(tap.endpoint, cluster.token, tls=cluster.tls_ca) as client:
+            client.declare(queue.decode())
+            consumer = client.subscribe(queue.decode())
+            client.publish(queue.decode(), body, key=key.decode())
+            delivery = consumer.get(timeout=10)
+            assert delivery is not None and delivery.body == body
+            delivery.ack()
+    assert tap.to_node[:2] == b"\x16\x03" and tap.to_client[:2] == b"\x16\x03"
+    assert len(tap.seen()) > 2 * len(body)
+    assert not any(marker in tap.seen() for marker in MARKERS)
+
+
+@pytest.mark.slow
+def test_the_cli_connects_over_tls_with_tls_ca_and_says_what_is_wrong_without(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    assert cluster.token is not None and cluster.tls_ca is not None
+    env = {"QUORUMQ_TOKEN": cluster.token, "PATH": ""}
+
+    def quorumq_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "quorumq", *args, "--endpoints", ",".join(cluster.endpoints)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env=env,
+            cwd=tmp_path,
+        )
+
+    published = quorumq_cli("publish", "cli-q", "over tls", "--tls-ca", cluster.tls_ca)
+    assert published.returncode == 2 and "declare it" in published.stderr  # it connected
+    assert quorumq_cli("declare", "cli-q", "--tls-ca", cluster.tls_ca).returncode == 0
+    published = quorumq_cli("publish", "cli-q", "over tls", "--tls-ca", cluster.tls_ca)
+    assert published.returncode == 0, published.stderr
+    consumed = quorumq_cli("consume", "cli-q", "--wait", "1", "--tls-ca", cluster.tls_ca)
+    assert '"body": "over tls"' in consumed.stdout
+    for extra, why in (((), "TLS only"), (("--tls",), "certificate did not verify")):
+        refused = quorumq_cli("publish", "cli-q", "x", *extra)
+        assert refused.returncode == 2
+        assert len(refused.stderr.splitlines()) == 1 and why in refused.stderr, refused.stderr
