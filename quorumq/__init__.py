@@ -1,7 +1,8 @@
 """quorumq: a Raft-replicated, ordered message queue for Python.
 
-`quorumq.connect(endpoints, token=None)` gives a blocking client. The pure queue
-machine is `quorumq.machine`; importing it does not import the client.
+`quorumq.connect(endpoints, token=None)` gives a blocking client (`tls=True` or
+`tls="ca.pem"` for nodes that serve TLS). The pure queue machine is `quorumq.machine`;
+importing it does not import the client.
 """
 
 from __future__ import annotations

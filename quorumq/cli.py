@@ -132,7 +132,7 @@ def _node(args: argparse.Namespace) -> int:
 
     from .replica import ConfigError, ReplicaConfig  # noqa: PLC0415
     from .server import NodeConfig, NodeServer  # noqa: PLC0415
-    from .server.node import check_node_config  # noqa: PLC0415
+    from .server.node import check_node_config, tls_context  # noqa: PLC0415
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -163,9 +163,12 @@ def _node(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         max_body=args.max_body,
         outbound_frames=args.outbound_frames,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
     try:
         check_node_config(config)
+        tls_context(config)  # the certificate and its key load, or one line says why
     except ConfigError as e:
         raise UsageError(str(e)) from None
     _lock_data_dir(Path(args.data_dir))
@@ -177,8 +180,9 @@ def _node(args: argparse.Namespace) -> int:
             host, port = listeners[0].socket.getsockname()[:2]
             metrics = server.metrics.address if server.metrics is not None else None
             print(
-                f"quorumq node {args.id} ready: clients on {host}:{port}, "
-                f"raft on {peers[args.id]}, fsync={args.fsync}"
+                f"quorumq node {args.id} ready: clients on {host}:{port}"
+                + (" (TLS)" if server.tls is not None else "")
+                + f", raft on {peers[args.id]}, fsync={args.fsync}"
                 + (f", metrics on http://{metrics[0]}:{metrics[1]}/metrics" if metrics else ""),
                 flush=True,
             )
@@ -237,13 +241,26 @@ def _endpoints(args: argparse.Namespace) -> list[str]:
     return [f"127.0.0.1:{n['client_port']}" for n in state["nodes"].values()]
 
 
+def _tls(args: argparse.Namespace) -> bool | str | None:
+    """The clients' `tls=`: `--tls-ca FILE`, or `--tls` (the system's CAs), or None."""
+    if args.tls_ca is not None:
+        return str(args.tls_ca)
+    return True if args.tls else None
+
+
 def _client(args: argparse.Namespace) -> Any:
     from .client import Client, QuorumqError  # noqa: PLC0415
 
     token = _secret(args.token_file, "QUORUMQ_TOKEN", "client token")
     admin = _secret(None, "QUORUMQ_ADMIN_TOKEN", "admin token")  # for `members`
     try:
-        return Client(_endpoints(args), token, connect_timeout=args.timeout, admin_token=admin)
+        return Client(
+            _endpoints(args),
+            token,
+            connect_timeout=args.timeout,
+            admin_token=admin,
+            tls=_tls(args),
+        )
     except (QuorumqError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -365,7 +382,12 @@ def _status_tables(args: argparse.Namespace) -> int:
     def status_of(endpoint: str) -> dict[str, Any]:
         timeout = 300.0 if args.audit else max(args.timeout, 1.0)
         with Client(
-            [endpoint], token, connect_timeout=args.timeout, timeout=timeout, admin_token=admin
+            [endpoint],
+            token,
+            connect_timeout=args.timeout,
+            timeout=timeout,
+            admin_token=admin,
+            tls=_tls(args),
         ) as client:
             status: dict[str, Any] = client.status(audit=args.audit)
             return status
@@ -450,7 +472,11 @@ def _members(args: argparse.Namespace) -> int:
         for endpoint in _endpoints(args):  # a node does not remove itself: ask another
             try:
                 with Client(
-                    [endpoint], token, connect_timeout=args.timeout, admin_token=admin
+                    [endpoint],
+                    token,
+                    connect_timeout=args.timeout,
+                    admin_token=admin,
+                    tls=_tls(args),
                 ) as client:
                     if client.node == args.member:
                         continue
@@ -715,6 +741,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-token-file",
         help="file with the admin token, for membership changes (or set QUORUMQ_ADMIN_TOKEN)",
     )
+    node.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="serve clients over TLS only, with this PEM certificate (chain); needs --tls-key",
+    )
+    node.add_argument("--tls-key", metavar="FILE", help="the PEM private key of --tls-cert")
     node.add_argument("--fsync", choices=["always", "batch", "never"], default="always")
     node.add_argument("--node-down-grace", type=_seconds, default=5.0, metavar="SECONDS")
     node.add_argument(
@@ -759,6 +791,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dir", default=DEFAULT_CLUSTER_DIR, help="the local dev cluster's dir")
         p.add_argument("--token-file", help="file with the client token (or QUORUMQ_TOKEN)")
         p.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to connect")
+        p.add_argument(
+            "--tls",
+            action="store_true",
+            help="connect over TLS, trusting the system's CAs (nodes run with --tls-cert)",
+        )
+        p.add_argument(
+            "--tls-ca",
+            metavar="FILE",
+            help="connect over TLS, trusting the CA certificates in this PEM file",
+        )
 
     declare = commands.add_parser("declare", help="create a queue (or check its options)")
     declare.add_argument("queue", type=_queue_name)

@@ -6,12 +6,16 @@
         cluster.kill(cluster.leader())
 
 Each node is a `python -m quorumq node` process with its own data dir, ports picked on
-127.0.0.1 and a random cluster secret. The cluster stops every process it started (and
+127.0.0.1 and a random cluster secret. With `tls=True` the nodes serve clients over TLS
+with a certificate from a throwaway CA made for the cluster (`tls_ca`), which the
+cluster's own clients trust. The cluster stops every process it started (and
 only those, by PID) when the `with` block ends.
 """
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import secrets
 import signal
@@ -23,9 +27,113 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from .client import Client, QuorumqError
 
 NODE_NAMES = "ABCDEFG"
+
+
+@attrs.frozen(kw_only=True)
+class Certificates:
+    """PEM files: a throwaway certificate authority (`ca`), and a certificate it signed
+    (`cert`, with its private key `key`) for a node's client port."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_certificates(
+    directory: str | Path,
+    hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+    *,
+    days: int = 30,
+) -> Certificates:
+    """A new CA, and a server certificate it signed for `hosts` (IP addresses or DNS
+    names), written to `directory` (the key readable by its owner only). For tests and
+    local clusters: a real deployment's certificates come from its own CA."""
+    from cryptography import x509  # noqa: PLC0415 - only clusters with TLS need it
+    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: PLC0415
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days))
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = name(f"quorumq test CA {secrets.token_hex(4)}")
+    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(valid[0])
+        .not_valid_after(valid[1])
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(ca_ski, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    alt_names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            alt_names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            alt_names.append(x509.DNSName(host))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name(hosts[0]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(valid[0])
+        .not_valid_after(valid[1])
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = Certificates(ca=root / "ca.pem", cert=root / "node.pem", key=root / "node.key")
+    files.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    fd = os.open(files.key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+    return files
 
 
 def free_ports(n: int) -> list[int]:
@@ -55,9 +163,13 @@ class Cluster:
         election_timeout: tuple[float, float] = (0.25, 0.6),
         log_level: str = "warning",
         metrics: bool = False,
+        tls: bool | Certificates = False,
     ) -> None:
         """`metrics`: each node serves Prometheus metrics on a port of its own
-        (`metrics_url`)."""
+        (`metrics_url`). `tls`: the nodes serve clients over TLS only, True with a
+        certificate for 127.0.0.1 from a CA made for this cluster (`make_certificates`,
+        in its directory), or with the given one; `tls_ca` is the CA's file, which the
+        clients the cluster makes trust."""
         if not 1 <= n <= len(NODE_NAMES):
             raise ValueError(f"n must be between 1 and {len(NODE_NAMES)}")
         self._tmp = tempfile.TemporaryDirectory(prefix="quorumq-") if data_dir is None else None
@@ -78,6 +190,11 @@ class Cluster:
         self.max_body = max_body
         self.election_timeout = election_timeout
         self.log_level = log_level
+        self.tls: Certificates | None = (
+            make_certificates(self.root / "tls") if tls is True else tls or None
+        )
+        self.tls_ca: str | None = str(self.tls.ca) if self.tls is not None else None
+        """The CA file a client of this cluster passes as `tls=` (None: no TLS)."""
         self._secret = secrets.token_hex(16)
         self.admin_token = secrets.token_hex(16)
         """For membership changes (`add_node`, `remove_node`) when the cluster has a token."""
@@ -142,6 +259,8 @@ class Cluster:
                 args += ["--peer", f"{other}=127.0.0.1:{self.raft_ports[other]}"]
         if node in self.metrics_ports:
             args += ["--metrics", f"127.0.0.1:{self.metrics_ports[node]}"]
+        if self.tls is not None:
+            args += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         env = {**os.environ, "QUORUMQ_SECRET": secret or self._secret}
         env.pop("QUORUMQ_TOKEN", None)
         env.pop("QUORUMQ_ADMIN_TOKEN", None)
@@ -205,7 +324,10 @@ class Cluster:
         self._spawn(node)
         self._wait_ready(node)
         with Client(
-            [self.endpoint(n) for n in members], self.token, admin_token=self.admin_token
+            [self.endpoint(n) for n in members],
+            self.token,
+            admin_token=self.admin_token,
+            tls=self.tls_ca,
         ) as client:
             client.add_member(node, f"127.0.0.1:{raft_port}")
         return node
@@ -214,7 +336,10 @@ class Cluster:
         """Remove `node` from the cluster online, then stop its process."""
         others = [n for n in self.nodes if n != node and self.alive(n)]
         with Client(
-            [self.endpoint(n) for n in others], self.token, admin_token=self.admin_token
+            [self.endpoint(n) for n in others],
+            self.token,
+            admin_token=self.admin_token,
+            tls=self.tls_ca,
         ) as client:
             client.remove_member(node)
         self.nodes.remove(node)
@@ -268,8 +393,10 @@ class Cluster:
         return f"http://127.0.0.1:{self.metrics_ports[node]}/metrics"
 
     def client(self, node: str | None = None, **options: Any) -> Client:
-        """A connected blocking client (to `node` first, if given); closed with the cluster."""
+        """A connected blocking client (to `node` first, if given); closed with the cluster.
+        Over TLS, trusting `tls_ca`, if the cluster serves TLS (unless `tls=` is given)."""
         order = self.nodes if node is None else [node] + [n for n in self.nodes if n != node]
+        options = {"tls": self.tls_ca, **options}
         client = Client([self.endpoint(n) for n in order], self.token, **options)
         self._clients.append(client)
         return client
@@ -278,7 +405,11 @@ class Cluster:
         """`node`'s status (`audit`: with the state digest, which hashes every message)."""
         admin = self.admin_token if audit else None  # an audit is administrative
         with Client(
-            [self.endpoint(node)], self.token, connect_timeout=2.0, admin_token=admin
+            [self.endpoint(node)],
+            self.token,
+            connect_timeout=2.0,
+            admin_token=admin,
+            tls=self.tls_ca,
         ) as client:
             return client.status(audit=audit)
 

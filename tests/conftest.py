@@ -7,7 +7,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import hypothesis  # noqa: F401 - see below
 import pytest
+
+# Imported before any test runs: an in-process node calls `gc.freeze()`, and a Hypothesis
+# imported after that (by its pytest plugin, at the end of a run of one module that does
+# not import it) warns that trio's registered random has no referrers, as the frozen
+# module holding it is out of `gc.get_referrers`' sight: with warnings as errors, the
+# run fails after every test passed.
 
 
 @pytest.fixture(scope="session")

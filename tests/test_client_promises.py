@@ -435,12 +435,12 @@ def test_closing_a_blocking_client_while_it_reconnects_leaves_no_connection(
     client._install = installing  # type: ignore[method-assign]
     client._on_lost = lost  # type: ignore[method-assign]
     try:
-        assert client._sock is not None
-        client._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks
+        assert client._wire is not None
+        client._wire.sock.shutdown(socket.SHUT_RDWR)  # the connection breaks
         assert accepted.wait(10)  # reconnecting: the next endpoint answers nothing
         client.close()
         assert reconnected.wait(10)
-        assert client._sock is None
+        assert client._wire is None
         assert all(s.fileno() == -1 for s in installed), "a connection was put in place"
     finally:
         client.close()

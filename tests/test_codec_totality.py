@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quorumq.codec import VERSION, CodecError, decode_command
+from quorumq.codec import _COMMIT_OFFSET, VERSION, CodecError, decode_command
 from quorumq.machine import Declare, Enqueue, Machine, Meta, QueueOptions, Subscribe
 
 _SCALARS = st.one_of(
@@ -98,3 +99,11 @@ def test_every_command_the_codec_accepts_survives_apply_snapshot_and_restore(
         probe = Enqueue(queue="q", body=b"y", key="k")
         assert restored.apply(later, probe) == machine.apply(later, probe)
         index += 1
+
+
+def test_a_commit_offset_without_an_offset_is_refused_by_the_codec() -> None:
+    # Found by the test above: CommitOffset's validator let None through (it allowed
+    # None, as for optional fields), and the machine failed comparing None with an int.
+    frame = bytes(msgpack.packb([VERSION, _COMMIT_OFFSET, "q", "", None], use_bin_type=True))
+    with pytest.raises(CodecError, match="offset must be an int"):
+        decode_command(frame)

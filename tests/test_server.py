@@ -218,9 +218,9 @@ def test_both_ends_of_a_client_connection_probe_a_silent_peer(tmp_path: Path) ->
                 blocking = await trio.to_thread.run_sync(Client, [endpoint])
                 try:
                     await trio.to_thread.run_sync(blocking.status)
-                    assert client._stream is not None and blocking._sock is not None
+                    assert client._stream is not None and blocking._wire is not None
                     assert probing(client._stream.socket) == (1, KEEPALIVE_IDLE_S)
-                    assert probing(blocking._sock) == (1, KEEPALIVE_IDLE_S)
+                    assert probing(blocking._wire.sock) == (1, KEEPALIVE_IDLE_S)
                     served = [conn.transport.socket for conn in server.connections]  # type: ignore[attr-defined]
                     assert len(served) == 2
                     assert all(probing(s) == (1, KEEPALIVE_IDLE_S) for s in served)

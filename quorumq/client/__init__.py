@@ -11,6 +11,7 @@ from .core import (
     ReadResult,
     RefusedBeforeError,
     ServerError,
+    TlsError,
     TooManyUnconfirmedError,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "RefusedBeforeError",
     "ServerError",
     "StreamMessage",
+    "TlsError",
     "TooManyUnconfirmedError",
     "connect",
 ]

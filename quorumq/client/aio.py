@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import ssl
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any
@@ -25,11 +26,11 @@ import trio
 from ..protocol import FrameDecoder, ProtocolError, encode_frame, keep_alive
 from .blocking import MessageLike, batch_rows, landed_offsets
 from .core import (
+    ConnectFailures,
     ConnectionLostError,
     Delivery,
     QuorumqError,
     ReadResult,
-    ServerError,
     check_hello_answer,
     check_message,
     hello_frame,
@@ -53,8 +54,12 @@ from .session import (
     Send,
     keys_of,
 )
+from .tls import TlsOption, client_context, handshake_failed
 
 logger = logging.getLogger(__name__)
+
+Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
+"""A connection to a node: plain, or TLS."""
 
 
 class _Answer:
@@ -123,14 +128,18 @@ class AsyncClient:
         self,
         endpoints: str | list[str],
         token: str | None,
-        nursery: trio.Nursery,
+        nursery: trio.Nursery | None,
         *,
         timeout: float = 30.0,
         connect_timeout: float = 5.0,
         admin_token: str | None = None,
         max_unconfirmed: int = MAX_UNCONFIRMED,
         max_unconfirmed_bytes: int = MAX_UNCONFIRMED_BYTES,
+        tls: TlsOption = None,
     ) -> None:
+        """As the blocking client's options (`tls`: over TLS, every connection). The
+        client's tasks run in `nursery` (`connect` gives it one once connected)."""
+        self._tls = client_context(tls)
         self._endpoints = parse_endpoints(endpoints)
         self._token = token
         self._admin_token = admin_token
@@ -145,7 +154,7 @@ class AsyncClient:
         self.producer = self._session.producer
         self._answers: dict[int, _Answer] = {}
         self._send_lock = trio.Lock()
-        self._stream: trio.SocketStream | None = None
+        self._stream: Stream | None = None
         self._resubscribing: list[Any] = []
         """Consumers of a lost connection waiting to be subscribed again on the next."""
         self._welcome: dict[str, Any] | None = None
@@ -154,10 +163,10 @@ class AsyncClient:
 
     # -------------------------------------------------------------- connecting
 
-    async def _connect(self, within: float) -> tuple[trio.SocketStream, FrameDecoder]:
+    async def _connect(self, within: float) -> tuple[Stream, FrameDecoder]:
         """A handshaken connection to the next endpoint that answers, trying them in turn
         for up to `within` seconds."""
-        errors: list[str] = []
+        failures = ConnectFailures(len(self._endpoints))
         with trio.move_on_after(within):
             while True:
                 for _ in range(len(self._endpoints)):
@@ -173,18 +182,25 @@ class AsyncClient:
                         ProtocolError,
                         QuorumqError,
                     ) as e:
-                        if isinstance(e, ServerError) and e.code == "auth_failed":
-                            raise
-                        errors.append(f"{host}:{port}: {e}")
+                        failures.add(host, port, e)
                 await trio.sleep(0.1)
-        distinct = list(dict.fromkeys(errors))
-        raise ConnectionLostError("no quorumq node answered: " + "; ".join(distinct[-6:]))
+        raise failures.give_up()
 
-    async def _handshake(self, host: str, port: int) -> tuple[trio.SocketStream, FrameDecoder]:
-        stream = await trio.open_tcp_stream(host, port)
-        keep_alive(stream.socket)
+    async def _handshake(self, host: str, port: int) -> tuple[Stream, FrameDecoder]:
+        tcp = await trio.open_tcp_stream(host, port)
+        keep_alive(tcp.socket)
+        stream: Stream = tcp
         decoder = FrameDecoder()
         try:
+            if self._tls is not None:
+                # https_compatible: as the node, no close_notify (frames carry their length)
+                stream = trio.SSLStream(tcp, self._tls, server_hostname=host, https_compatible=True)
+                try:
+                    await stream.do_handshake()
+                except trio.BrokenResourceError as e:
+                    if isinstance(e.__cause__, ssl.SSLError):
+                        raise handshake_failed(e.__cause__) from None
+                    raise
 
             async def receive() -> dict[str, Any]:
                 while True:
@@ -207,7 +223,7 @@ class AsyncClient:
         self._welcome = welcome
         return stream, decoder
 
-    async def _install(self, stream: trio.SocketStream) -> bool:
+    async def _install(self, stream: Stream) -> bool:
         """Make `stream` the connection and resend what is unconfirmed; False (and the
         stream closed) if the client was closed meanwhile."""
         async with self._send_lock:
@@ -220,7 +236,7 @@ class AsyncClient:
                 await self._write(frame)
         return True
 
-    async def _run(self, stream: trio.SocketStream, decoder: FrameDecoder) -> None:
+    async def _run(self, stream: Stream, decoder: FrameDecoder) -> None:
         """The reader task: frames in, events out; reconnects when the connection breaks."""
         while True:
             try:
@@ -265,6 +281,7 @@ class AsyncClient:
     # ----------------------------------------------------------------- events
 
     def _handle(self, events: list[Event]) -> None:
+        assert self._nursery is not None, "the client runs in a nursery once connected"
         for e in events:
             if isinstance(e, Resolved | Failed):
                 answer = self._answers.pop(e.request_id, None)
@@ -531,10 +548,14 @@ class AsyncClient:
 async def connect(
     endpoints: str | list[str], token: str | None = None, **options: Any
 ) -> AsyncIterator[AsyncClient]:
-    """A trio client connected to one of `endpoints`, for the `async with` block."""
+    """A trio client connected to one of `endpoints`, for the `async with` block. It
+    connects before its nursery opens, so that a failure to connect (`TlsError`, a wrong
+    token's `ServerError`, `ConnectionLostError`) is raised as itself, not in an
+    exception group."""
+    client = AsyncClient(endpoints, token, None, **options)
+    stream, decoder = await client._connect(client._connect_timeout)
     async with trio.open_nursery() as nursery:
-        client = AsyncClient(endpoints, token, nursery, **options)
-        stream, decoder = await client._connect(client._connect_timeout)
+        client._nursery = nursery
         await client._install(stream)
         nursery.start_soon(client._run, stream, decoder)
         try:

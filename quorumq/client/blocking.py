@@ -17,11 +17,9 @@ reader thread, the other callers or `close()`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import queue as queue_module
-import select
 import socket
 import threading
 import time
@@ -32,11 +30,11 @@ from typing import Any
 from .. import pathtiming
 from ..protocol import FrameDecoder, ProtocolError, encode_frame, keep_alive
 from .core import (
+    ConnectFailures,
     ConnectionLostError,
     Delivery,
     QuorumqError,
     ReadResult,
-    ServerError,
     check_hello_answer,
     check_message,
     hello_frame,
@@ -59,6 +57,8 @@ from .session import (
     RewindLater,
     Send,
 )
+from .tls import TlsOption, client_context
+from .wire import Wire
 
 logger = logging.getLogger(__name__)
 
@@ -108,22 +108,24 @@ def batch_rows(messages: Iterable[MessageLike]) -> list[list[Any]]:
 
 
 def handshake(
-    sock: socket.socket, token: str | None, admin_token: str | None = None
+    wire: Wire, token: str | None, admin_token: str | None = None, *, timeout: float = 5.0
 ) -> tuple[FrameDecoder, dict[str, Any]]:
-    """Welcome, hello (with proof), reply: on a connected blocking socket."""
+    """Welcome, hello (with proof), reply: on a connection in timeout mode."""
     decoder = FrameDecoder()
 
     def receive() -> dict[str, Any]:
         while True:
             for frame in decoder.frames():
                 return frame
-            data = sock.recv(65536)
+            data = wire.recv(65536)
             if not data:
                 raise ConnectionLostError("the node closed the connection")
             decoder.feed(data)
 
     welcome = receive()
-    sock.sendall(encode_frame(hello_frame(welcome, token, admin_token)))
+    hello = encode_frame(hello_frame(welcome, token, admin_token))
+    if wire.send_by(hello, time.monotonic() + timeout) is not None:
+        raise ConnectionLostError("the node did not take the hello")
     check_hello_answer(receive())
     return decoder, welcome
 
@@ -195,11 +197,17 @@ class Client:
         admin_token: str | None = None,
         max_unconfirmed: int = MAX_UNCONFIRMED,
         max_unconfirmed_bytes: int = MAX_UNCONFIRMED_BYTES,
+        tls: TlsOption = None,
     ) -> None:
         """`admin_token`: for administrative verbs (`add_member`, `remove_member`).
         `max_unconfirmed`, `max_unconfirmed_bytes`: how many publishes, and how many
         bytes of them, may wait for their confirms at once; past either, a publish fails
-        before anything is sent (`TooManyUnconfirmedError`; its key is not paused)."""
+        before anything is sent (`TooManyUnconfirmedError`; its key is not paused).
+        `tls`: connect over TLS (every connection, reconnects too): True verifies the
+        nodes' certificates against the system's CAs, a path against the CA certificates
+        in that PEM file; an `ssl.SSLContext` is used as it is. A node whose certificate
+        does not verify is not used; if none can be, `TlsError`."""
+        self._tls = client_context(tls)
         self._endpoints = parse_endpoints(endpoints)
         self._token = token
         self._admin_token = admin_token
@@ -211,7 +219,7 @@ class Client:
         self._send_lock = threading.Lock()
         """Serialises writes, so that send order is sequence order. Taken before `_lock`
         (never while holding it); held while writing, which ends by the `timeout`."""
-        self._sock: socket.socket | None = None
+        self._wire: Wire | None = None
         self._generation = 0
         self._endpoint_index = 0
         self._session = ClientSession(
@@ -236,7 +244,7 @@ class Client:
     # -------------------------------------------------------------- connecting
 
     def _connect(self, deadline: float) -> None:
-        errors = []
+        failures = ConnectFailures(len(self._endpoints))
         while True:
             for _ in range(len(self._endpoints)):
                 if self._session.closed:
@@ -244,51 +252,50 @@ class Client:
                 host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
                 self._endpoint_index += 1
                 try:
-                    sock = socket.create_connection((host, port), timeout=self._connect_timeout)
+                    wire = Wire.open(host, port, timeout=self._connect_timeout, context=self._tls)
                     try:
-                        decoder, welcome = handshake(sock, self._token, self._admin_token)
+                        decoder, welcome = handshake(
+                            wire, self._token, self._admin_token, timeout=self._connect_timeout
+                        )
                     except BaseException:
-                        sock.close()
+                        wire.hang_up()
                         raise
-                    self._install(sock, decoder, welcome)
+                    self._install(wire, decoder, welcome)
                     return
                 except (OSError, ProtocolError, QuorumqError) as e:
-                    if isinstance(e, ServerError) and e.code == "auth_failed":
-                        raise
-                    errors.append(f"{host}:{port}: {e}")
+                    failures.add(host, port, e)
             if time.monotonic() > deadline:
-                distinct = list(dict.fromkeys(errors))
-                raise ConnectionLostError("no quorumq node answered: " + "; ".join(distinct[-6:]))
+                raise failures.give_up()
             time.sleep(0.1)
 
-    def _install(self, sock: socket.socket, decoder: FrameDecoder, welcome: dict[str, Any]) -> None:
+    def _install(self, wire: Wire, decoder: FrameDecoder, welcome: dict[str, Any]) -> None:
         """Use the new connection (unless the client was closed meanwhile); first resend
         every unconfirmed publish, in order, under the send lock, so no new publish
         overtakes them."""
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        keep_alive(sock)
+        wire.settimeout(None)
+        wire.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(wire.sock)
         with self._send_lock:
             with self._lock:
                 if self._session.closed:
-                    _hang_up(sock)
+                    wire.hang_up()
                     raise QuorumqError("the client is closed")
-                self._sock = sock
+                self._wire = wire
                 self._session.connection_made(welcome)
                 self._generation += 1
                 self.node = str(welcome["node"])
                 generation = self._generation
                 resends = self._session.unconfirmed()
             for frame in resends:
-                self._write(sock, frame)
+                self._write(wire, frame)
         threading.Thread(
             target=self._read_loop,
-            args=(sock, decoder, generation),
+            args=(wire, decoder, generation),
             daemon=True,
             name="quorumq-client",
         ).start()
 
-    def _read_loop(self, sock: socket.socket, decoder: FrameDecoder, generation: int) -> None:
+    def _read_loop(self, wire: Wire, decoder: FrameDecoder, generation: int) -> None:
         try:
             while True:
                 try:
@@ -306,22 +313,22 @@ class Client:
                     if e.fatal:
                         break
                     continue
-                data = sock.recv(262144)
+                data = wire.recv(262144)
                 if not data:
                     break
                 decoder.feed(data)
-        except OSError:
+        except OSError:  # ssl.SSLError too: a TLS record that does not check
             pass
         except Exception:  # a bug of ours: lose this connection, not the client
             logger.exception("the client failed on a frame from the node; reconnecting")
-        _hang_up(sock)
+        wire.hang_up()
         self._on_lost(generation)
 
     def _on_lost(self, generation: int) -> None:
         with self._lock:
             if self._session.closed or generation != self._generation:
                 return
-            self._sock = None
+            self._wire = None
             events = self._session.connection_lost()
         self._handle([e for e in events if not isinstance(e, Resubscribe)])
         try:
@@ -372,9 +379,9 @@ class Client:
     def _rewind(self, queue: str) -> None:
         with self._send_lock:
             with self._lock:
-                frames, sock = self._session.rewind(queue), self._sock
+                frames, wire = self._session.rewind(queue), self._wire
             for frame in frames:
-                self._write(sock, frame)
+                self._write(wire, frame)
 
     def _resubscribe(self, consumer: Consumer) -> None:
         try:
@@ -385,27 +392,27 @@ class Client:
 
     # ---------------------------------------------------------------- sending
 
-    def _write(self, sock: socket.socket | None, frame: dict[str, Any]) -> None:
-        """Write `frame` whole on `sock`, under the send lock, by the client's `timeout`
+    def _write(self, wire: Wire | None, frame: dict[str, Any]) -> None:
+        """Write `frame` whole on `wire`, under the send lock, by the client's `timeout`
         from now: a node that stopped reading (stopped, its buffers full) would otherwise
         block the writer for ever. Past the deadline, or on an error, the connection is
         dropped (part of the frame may be out); the reader reconnects and the
         unconfirmed publishes are sent again. No connection (None): a publish goes with
         the resends after the reconnect."""
-        if sock is None:
+        if wire is None:
             return
-        failed = _send_by(sock, encode_frame(frame), time.monotonic() + self.timeout)
+        failed = wire.send_by(encode_frame(frame), time.monotonic() + self.timeout)
         if failed is not None:
             if failed is TimeoutError:
                 logger.warning("a frame could not be written in %s s: reconnecting", self.timeout)
-            _hang_up(sock)  # the reader notices and reconnects
+            wire.hang_up()  # the reader notices and reconnects
 
     def _send_frames(self, frames: list[dict[str, Any]]) -> None:
         with self._send_lock:
             with self._lock:
-                sock = self._sock
+                wire = self._wire
             for frame in frames:
-                self._write(sock, frame)
+                self._write(wire, frame)
 
     def _issue(
         self,
@@ -421,7 +428,7 @@ class Client:
             with self._lock:
                 request_id, frame = make(*args)
                 future = self._futures[request_id] = Future()
-                sock = self._sock
+                wire = self._wire
                 if publish:
                     deadline = time.monotonic() + self.timeout
                     self._deadlines[request_id] = (deadline, self.timeout)
@@ -430,7 +437,7 @@ class Client:
             timed = pathtiming.ENABLED and publish and frame.get("seq") is not None
             if timed:
                 pathtiming.mark("client.publish", ("p", frame["producer"], frame["seq"]))
-            self._write(sock, frame)
+            self._write(wire, frame)
             if timed:
                 pathtiming.mark("client.sent", ("p", frame["producer"], frame["seq"]))
         return request_id, future
@@ -710,11 +717,11 @@ class Client:
         a write: one in progress fails at once, its connection gone."""
         with self._lock:
             events = self._session.close()
-            sock, self._sock = self._sock, None
+            wire, self._wire = self._wire, None
             self._deadlines.clear()
             self._deadline_changed.notify()  # the deadline watcher ends
-        if sock is not None:
-            _hang_up(sock)
+        if wire is not None:
+            wire.hang_up()
         self._handle(events)
 
     def __enter__(self) -> Client:
@@ -722,32 +729,6 @@ class Client:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
-
-
-def _send_by(
-    sock: socket.socket, data: bytes, deadline: float
-) -> type[TimeoutError] | type[OSError] | None:
-    """Write all of `data` on the blocking `sock` by `deadline` (monotonic time), without
-    blocking past it. None once written; `TimeoutError` if the deadline passed first,
-    `OSError` if the connection failed (either way part of `data` may be out, so the
-    connection must go)."""
-    view = memoryview(data)
-    try:
-        poller = select.poll()
-        poller.register(sock, select.POLLOUT)
-        while view:
-            try:
-                sent = sock.send(view, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return TimeoutError
-                poller.poll(math.ceil(left * 1000))
-                continue
-            view = view[sent:]
-    except (OSError, ValueError):  # ValueError: closed meanwhile (no file descriptor)
-        return OSError
-    return None
 
 
 def _mark_read(frame: dict[str, Any]) -> None:
@@ -761,17 +742,8 @@ def _mark_read(frame: dict[str, Any]) -> None:
         pathtiming.mark("client.confirm.read", ("o", offset))
 
 
-def _hang_up(sock: socket.socket) -> None:
-    """End the connection now. `close()` alone does not while the reader thread waits in
-    `recv` on it (Linux keeps the socket until that call returns): the node would keep
-    this client's consumers, holding their unacked messages, until it sent something,
-    and a consumer with a full prefetch is sent nothing."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-
-
 def connect(endpoints: str | list[str], token: str | None = None, **options: Any) -> Client:
     """A blocking client connected to one of `endpoints` ("host:port", comma-separated or
-    a list); it moves to the others when its node goes away."""
+    a list); it moves to the others when its node goes away. `tls=True` (the system's
+    CAs), `tls="ca.pem"` or `tls=<ssl.SSLContext>`: over TLS (see `Client`)."""
     return Client(endpoints, token, **options)

@@ -55,6 +55,13 @@ class ConnectionLostError(QuorumqError):
     """No endpoint could be reached (or the connection broke and could not be restored)."""
 
 
+class TlsError(QuorumqError):
+    """No TLS session with the nodes: their certificates did not verify (not signed by
+    the CA the client trusts, or not for the host name it dialled), the client spoke TLS
+    to nodes that do not, or spoke plain text to nodes that serve TLS only. Trying again
+    does not mend it: the client or the nodes need another configuration."""
+
+
 class OutcomeUnknownError(ConnectionLostError):
     """No confirm came in time (or the waiting caller was cancelled), and the publish is
     still live: the client keeps resending it, so it may yet land, exactly once.
@@ -277,6 +284,8 @@ def hello_frame(
 ) -> dict[str, Any]:
     """The answer to a node's `welcome`: our protocol version, the token's proof and,
     for administrative verbs (membership), the admin token's."""
+    if welcome["t"] == "error" and welcome.get("code") == "tls_required":
+        raise TlsError(str(welcome.get("message", "the node serves clients over TLS only")))
     if welcome["t"] != "welcome":
         raise ProtocolError("bad_frame", "expected welcome")
     if welcome["auth"] and token is None:
@@ -323,6 +332,43 @@ def read_continues_at(reply: dict[str, Any], position: int, end: int) -> int | N
     if covered >= min(end, reply["next_offset"]) or covered <= position:
         return None
     return covered
+
+
+class ConnectFailures:
+    """Why the endpoints could not be connected to, in one attempt to connect (both
+    clients): what trying again cannot mend ends it at once."""
+
+    def __init__(self, endpoints: int) -> None:
+        self._endpoints = endpoints
+        self._errors: list[str] = []
+        self._tls: dict[str, list[str]] = {}
+        """TLS failures in a row, since the last failure of another kind: the endpoints
+        that failed, by what went wrong."""
+        self._tls_count = 0
+
+    def add(self, host: str, port: int, error: Exception) -> None:
+        """Note that `host:port` failed with `error`; raise it (a wrong token), or a
+        `TlsError` once every endpoint in a row failed TLS."""
+        if isinstance(error, ServerError) and error.code == "auth_failed":
+            raise error
+        self._errors.append(f"{host}:{port}: {error}")
+        if not isinstance(error, TlsError):
+            self._tls.clear()
+            self._tls_count = 0
+            return
+        self._tls.setdefault(str(error), []).append(f"{host}:{port}")
+        self._tls_count += 1
+        if self._tls_count >= self._endpoints:
+            raise TlsError(
+                "; ".join(
+                    f"{', '.join(dict.fromkeys(where))}: {why}" for why, where in self._tls.items()
+                )
+            ) from None
+
+    def give_up(self) -> ConnectionLostError:
+        """The error once the time to connect is over."""
+        distinct = list(dict.fromkeys(self._errors))
+        return ConnectionLostError("no quorumq node answered: " + "; ".join(distinct[-6:]))
 
 
 def parse_endpoints(endpoints: str | list[str] | tuple[str, ...]) -> list[tuple[str, int]]:

@@ -39,6 +39,13 @@ def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None
         raise ValueError(f"{attr.name} must be >= 0, got {value}")
 
 
+def _offset(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    """An int (exactly) >= 0, never None."""
+    if value is None:
+        raise TypeError(f"{attr.name} must be an int, got None")
+    _non_negative(inst, attr, value)
+
+
 def _exact_bool(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
     if type(value) is not bool:
         raise TypeError(f"{attr.name} must be a bool, got {type(value).__name__} {value!r}")
@@ -301,7 +308,7 @@ class CommitOffset:
 
     queue: str = attrs.field(validator=_str)
     group: str = attrs.field(validator=_str)
-    offset: int = attrs.field(validator=_non_negative)
+    offset: int = attrs.field(validator=_offset)
 
 
 @attrs.frozen(kw_only=True)

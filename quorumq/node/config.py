@@ -51,6 +51,16 @@ class NodeConfig:
     max_consumers: int = 1024
     """Consumers one connection may have (cancelled ones count until they hold nothing);
     one more subscribe is refused (`too_many_consumers`)."""
+    tls_cert: str | None = None
+    """PEM file of the certificate (and any intermediates) the client port presents: with
+    `tls_key`, clients are served over TLS only. None: plain TCP."""
+    tls_key: str | None = None
+    """PEM file of `tls_cert`'s private key."""
+    tls_silence_s: float = 1.0
+    """On a TLS client port, a peer that sends nothing this long is taken for a client
+    without TLS (a TLS client sends its first handshake message at once, and a quorumq
+    client without TLS waits for the node to speak): it is told so in plain text
+    (`tls_required`) and the connection closed."""
 
     @property
     def open_admin(self) -> bool:
@@ -89,3 +99,7 @@ def check_node_config(config: NodeConfig) -> None:
         )
     if config.max_consumers < 1:
         raise ConfigError(f"max consumers must be at least 1, not {config.max_consumers}")
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ConfigError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+    if not config.tls_silence_s > 0:
+        raise ConfigError(f"TLS silence must be more than 0 s, not {config.tls_silence_s}")

@@ -411,7 +411,7 @@ class NodeCore:
 
     # --------------------------------------------------------------- incoming
 
-    def data_received(self, conn: ConnectionCore, data: bytes) -> None:
+    def data_received(self, conn: ConnectionCore, data: bytes | bytearray) -> None:
         """Bytes from the client. The shell reads more only while `conn.wants_data`."""
         if conn.done:
             return

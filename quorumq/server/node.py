@@ -6,6 +6,11 @@ to the core, while the core wants them: back-pressure) and a writer (the core's 
 to the socket). A task runs the core's timers. The replica's Raft thread hands effects
 and proposal outcomes to trio only through the trio token (`run_sync_soon`, which never
 blocks it); the core only ever runs on the trio thread.
+
+With a certificate (`NodeConfig.tls_cert`) the client port speaks TLS only
+(`trio.SSLStream` over the standard library's `ssl`): each connection's handshake runs
+before its reader and writer start, within the core's handshake deadline, and a failed
+one ends that connection alone, with a log line.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import contextlib
 import gc
 import logging
 import math
+import socket
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -26,8 +33,8 @@ from ..machine import Command, Effect, Machine, Reply
 from ..metrics import NodeMetrics
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.core import ProposalCallback
-from ..protocol import keep_alive
-from ..replica import ProposalError, Replica
+from ..protocol import encode_frame, keep_alive
+from ..replica import ConfigError, ProposalError, Replica
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +46,47 @@ WRITE_BYTES = 1024 * 1024
 CLOSE_FLUSH_SECONDS = 5.0
 """How long a closing connection may take to send what it has queued."""
 
-__all__ = ["NodeConfig", "NodeServer", "check_node_config"]
+TLS_HANDSHAKE_RECORD = 0x16
+"""The first byte a TLS client sends (a handshake record): any other is not TLS."""
+
+ClientStream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
+
+__all__ = ["NodeConfig", "NodeServer", "check_node_config", "tls_context"]
+
+
+def tls_context(config: NodeConfig) -> ssl.SSLContext | None:
+    """The client port's TLS context (TLS 1.2 at least), or None without a certificate;
+    `ConfigError` (one line) if the certificate or its key cannot be loaded."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= ssl.OP_NO_RENEGOTIATION
+    try:
+        context.load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(
+            f"cannot load the TLS certificate {config.tls_cert} with the key {config.tls_key}: {e}"
+        ) from None
+    return context
+
+
+_TLS_REQUIRED = {
+    "t": "error",
+    "id": None,
+    "code": "tls_required",
+    "message": "this node serves clients over TLS only: connect with TLS (tls=True, or "
+    "tls= the CA file that signed its certificate; quorumq --tls or --tls-ca FILE)",
+}
+"""What a client without TLS is told, in plain text, in place of a `welcome`."""
+
+
+def _peer_name(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "a peer gone already"
+    return f"{host}:{port}"
 
 
 class _LoopReplica:
@@ -100,10 +147,13 @@ class _LoopReplica:
 class _Link:
     """One connection's trio side: its stream, and what wakes its reader and writer."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: ClientStream) -> None:
         self.stream = stream
         self.reader_event = trio.Event()
         self.writer_event = trio.Event()
+        self.handshaking = trio.CancelScope()
+        """The TLS handshake: the core ending the connection (its handshake deadline, an
+        eviction) cancels it."""
         self.reading = trio.CancelScope()
         self.scope = trio.CancelScope()
 
@@ -127,6 +177,8 @@ class NodeServer:
         """`metrics`: serve Prometheus metrics over HTTP on this (host, port)."""
         check_node_config(config)
         self.config = config
+        self.tls = tls_context(config)
+        """The client port's TLS context, or None (plain TCP)."""
         self.metrics = NodeMetrics() if metrics is not None else None
         self._metrics_address = metrics
         self.node_id = config.replica.node_id
@@ -206,7 +258,17 @@ class NodeServer:
                 task_status.started(self.listeners)
                 nursery.start_soon(self._run_timers)
                 nursery.start_soon(self._stop_if_raft_stopped)
-                await trio.serve_listeners(self._serve_client, self.listeners)
+                if self.tls is None:
+                    await trio.serve_listeners(self._serve_client, self.listeners)
+                else:  # as trio.open_ssl_over_tcp_listeners, on the listeners opened above
+                    # https_compatible: closing sends no close_notify, so a client that
+                    # does not read cannot hold a closing connection (frames carry their
+                    # length: a connection cut short cannot pass for a whole frame)
+                    secure = [
+                        trio.SSLListener(listener, self.tls, https_compatible=True)
+                        for listener in self.listeners
+                    ]
+                    await trio.serve_listeners(self._serve_client, secure)
         finally:
             with trio.CancelScope(shield=True):
                 if self.metrics is not None:
@@ -231,14 +293,19 @@ class NodeServer:
             self._timers_changed = trio.Event()
             core.run_timers()
 
-    async def _serve_client(self, stream: trio.SocketStream) -> None:
+    async def _serve_client(self, stream: ClientStream) -> None:
         core = self.core
-        keep_alive(stream.socket)  # a client whose host vanished gives its consumers up
+        raw = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        keep_alive(raw.socket)  # a client whose host vanished gives its consumers up
         conn = core.connection_made()
         conn.transport = stream
         link = self._links[conn] = _Link(stream)
         try:
             with link.scope:
+                if isinstance(stream, trio.SSLStream) and not await self._start_tls(
+                    conn, link, stream
+                ):
+                    return
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write, conn, link)
                     with link.reading:
@@ -255,6 +322,55 @@ class NodeServer:
             core.connection_lost(conn)
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+
+    async def _start_tls(
+        self, conn: ConnectionCore, link: _Link, stream: trio.SSLStream[trio.SocketStream]
+    ) -> bool:
+        """The TLS handshake, before the connection's reader and writer start (its
+        `welcome` waits in the outbox). It counts against the core's handshake deadline:
+        the core closing the connection cancels it, so a peer that stalls mid-handshake
+        is dropped as one that never says `hello`. A peer silent for `tls_silence_s`, or
+        whose first byte cannot begin TLS, is a client without TLS: it gets a plain
+        `tls_required` error frame. False, with a log line, if there is no TLS session."""
+        raw = stream.transport_stream
+        peer = _peer_name(raw)
+        why = None
+        with link.handshaking:
+            first = None
+            with trio.move_on_after(self.config.tls_silence_s):
+                try:
+                    first = await raw.socket.recv(1, socket.MSG_PEEK)
+                except OSError:
+                    first = b""
+            if first == b"":
+                logger.info("client connection %d from %s left before TLS", conn.number, peer)
+                return False
+            if first is None or first[0] != TLS_HANDSHAKE_RECORD:
+                logger.warning(
+                    "client connection %d from %s %s (a client without TLS?): told it this "
+                    "port is TLS only; closing it",
+                    conn.number,
+                    peer,
+                    "sent nothing" if first is None else "did not begin a TLS handshake",
+                )
+                with trio.move_on_after(1.0), contextlib.suppress(trio.BrokenResourceError):
+                    await raw.send_all(encode_frame(_TLS_REQUIRED))
+                return False
+            try:
+                await stream.do_handshake()
+            except trio.BrokenResourceError as e:
+                why = f"TLS handshake failed: {e.__cause__ or e}"
+                if getattr(e.__cause__, "reason", None) == "UNEXPECTED_EOF_WHILE_READING":
+                    why = (
+                        "the client hung up during the TLS handshake (does it trust the CA "
+                        "that signed this node's certificate?)"
+                    )
+            else:
+                return True
+        if why is None:  # the core ended it: its handshake deadline, or an eviction
+            why = f"no TLS handshake in time ({conn.close_reason})"
+        logger.warning("client connection %d from %s: %s; closing it", conn.number, peer, why)
+        return False
 
     async def _read(self, conn: ConnectionCore, link: _Link) -> None:
         """Bytes to the core while it wants them (a client whose replies wait unread, or
@@ -300,6 +416,7 @@ class NodeServer:
         if conn.aborted:
             link.scope.cancel()
         elif conn.done:
+            link.handshaking.cancel()
             link.reading.cancel()
 
     def timers_changed(self) -> None:
