@@ -510,8 +510,10 @@ class Replica:
         )
 
     def _snapshot(self) -> bytes:
-        with self.lock:
-            return self.machine.snapshot()
+        """The machine's snapshot encoding. Called on the Raft thread, the only one that
+        changes the machine, or in a child forked from it (`RaftMember` writes snapshots
+        there): it takes no lock, since another thread may have held it at the fork."""
+        return self.machine.snapshot()
 
     def _restore(self, data: bytes) -> None:
         """Load a snapshot: this node's own at start-up, or the leader's when this node

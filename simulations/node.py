@@ -131,17 +131,21 @@ class SimDisk:
 
 class SimSerializer:
     """PySyncObj's `Serializer` (its snapshot store) for a simulated member, on the
-    node's `SimDisk`, behaving as PySyncObj's does with a serializer of ours (the real
-    node's configuration, which never forks):
+    node's `SimDisk`, behaving as `RaftMember`'s does:
 
-    * `serialize` writes the snapshot at once, on the tick; PySyncObj learns it is
-      done, and compacts the journal, from `checkSerializing` (which `RaftRules` calls
-      again at once). A new snapshot starts every transfer over.
-    * the leader sends a follower behind its compacted log the snapshot it has now,
-      in chunks of `logCompactionBatchSize` (the first flagged, then an empty last one);
+    * `serialize` takes the snapshot of the state as it is (the real node forks), and
+      the write ends later, after `write_ms` (a random span: encoding the real state
+      takes 0.25-1.3 s), while the node goes on. Only then is the snapshot on the disk
+      and does PySyncObj learn it is done (`checkSerializing`) and compact the journal.
+      A crash meanwhile loses the write; the previous snapshot stays.
+    * the leader sends a follower behind its compacted log the snapshot it has on its
+      disk (the previous one while a write runs), in chunks of
+      `logCompactionBatchSize` (the first flagged, then an empty last one); a new
+      snapshot starts every transfer over.
     * the follower gathers the chunks in memory (lost if it crashes) and stores the
       snapshot only once whole and taken by `accept` (the shared rule that refuses a
-      stale one), as `RaftMember` does with its ".incoming" file.
+      stale one), as `RaftMember` does with its ".incoming" file. A write of its own
+      still running then is dropped: it is behind what was installed.
 
     `write(data)` turns PySyncObj's (last entry, previous entry, members) into the
     snapshot's bytes; `read(bytes)` loads them and gives that triple back."""
@@ -153,43 +157,49 @@ class SimSerializer:
         write: Callable[[Any], bytes],
         read: Callable[[bytes], Any],
         counts: Counter[str],
+        now_ms: Callable[[], int],
+        write_ms: Callable[[], int],
     ) -> None:
         self.disk = disk
         self.batch_size = batch_size
         self._write = write
         self._read = read
         self.counts = counts
+        self._now_ms = now_ms
+        self._write_ms = write_ms
         self.accept: Callable[[bytes], bool] = lambda _data: True
-        self._written: int | None = None
-        """The index of the snapshot written and not yet reported to PySyncObj."""
+        self._writing: tuple[int, bytes, int] | None = None
+        """(log index, bytes, when the write ends) of the snapshot being written."""
         self._sending: dict[Any, tuple[bytes, int]] = {}
         """Per follower: the snapshot being sent to it and how many bytes are sent."""
         self._receiving: bytearray | None = None
 
     def checkSerializing(self) -> tuple[int, int | None]:
-        written, self._written = self._written, None
-        if written is None:
+        if self._writing is None:
             return SERIALIZER_STATE.NOT_SERIALIZING, None
+        index, snapshot, ends_ms = self._writing
+        if self._now_ms() < ends_ms:
+            return SERIALIZER_STATE.SERIALIZING, index
+        self._writing = None
+        self.disk.snapshot = snapshot
+        self.counts["written"] += 1
         self._sending = {}  # as PySyncObj's: transfers start over with the new snapshot
-        return SERIALIZER_STATE.SUCCESS, written
+        return SERIALIZER_STATE.SUCCESS, index
 
     def serialize(self, data: Any, index: int) -> None:
-        if self._written is not None:
+        if self._writing is not None:
             return
-        self.disk.snapshot = self._write(data[1:])
-        self._written = index
-        self.counts["written"] += 1
+        self._writing = (index, self._write(data[1:]), self._now_ms() + self._write_ms())
 
     def deserialize(self) -> Any:
         assert self.disk.snapshot is not None
         return (None, *self._read(self.disk.snapshot))
 
     def getTransmissionData(self, follower: Any) -> tuple[bytes, bool, bool] | None:
-        if self._written is not None or self.disk.snapshot is None:
-            # PySyncObj's would answer None (still serializing, or no snapshot file to
-            # open), and PySyncObj then sends empty snapshot messages until
-            # appendEntriesPeriod has passed: for ever on the simulated clock, which
-            # stands still during a tick. Say so instead.
+        if self.disk.snapshot is None:
+            # PySyncObj's would answer None (no snapshot file to open), and PySyncObj
+            # then sends empty snapshot messages until appendEntriesPeriod has passed:
+            # for ever on the simulated clock, which stands still during a tick. Say so.
             raise RuntimeError(f"{self.disk.name} was asked to send a snapshot it does not have")
         snapshot, sent = self._sending.get(follower) or (self.disk.snapshot, 0)
         chunk = snapshot[sent : sent + self.batch_size]
@@ -216,6 +226,9 @@ class SimSerializer:
         if not self.accept(snapshot):
             self.counts["refused"] += 1
             return False
+        if self._writing is not None:  # behind the snapshot installed: it must not land
+            self._writing = None
+            self.counts["write dropped"] += 1
         self.disk.snapshot = snapshot
         self.counts["installed"] += 1
         return True

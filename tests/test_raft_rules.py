@@ -279,6 +279,40 @@ def test_replicated_time_never_runs_faster_than_true_time_whatever_the_wall_cloc
                     known[node], last_term[node] = ts, term
 
 
+def _with_applied_entries(member: Any, last: int = 20, applied: int = 10) -> None:
+    """Give `member` entries 2..`last` of term 1, committed and applied to `applied`."""
+    log = member._SyncObj__raftLog
+    member._SyncObj__setCurrentTerm(1, None)
+    for i in range(2, last + 1):
+        log.add(b"\x04cmd%d" % i, i, 1)
+    log.sync()
+    _commit(member, applied)
+    member._SyncObj__applyLogEntries()
+
+
+def _compact(member: Any, deadline_s: float = 30.0) -> None:
+    """Start a compaction and tick it until its snapshot write has ended."""
+    import time
+
+    member._SyncObj__forceLogCompaction = True
+    member._SyncObj__tryLogCompaction()
+    until = time.monotonic() + deadline_s
+    while member.snapshot_writing():
+        assert time.monotonic() < until, "the snapshot write did not end"
+        time.sleep(0.005)
+        member._SyncObj__tryLogCompaction()  # a tick: PySyncObj learns when it ended
+
+
+def _no_child_left() -> bool:
+    import os
+
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
 def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
     tmp_path: Any, caplog: Any
 ) -> None:
@@ -289,18 +323,126 @@ def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
             raise TypeError("cannot encode float: 1000000.0")
 
         member._snapshot = broken
-        entry = (b"\x04x", 1, 1)
+        _with_applied_entries(member)
         for _ in range(3):  # compaction is tried again at every tick
-            with pytest.raises(TypeError):
-                member._write_snapshot(str(tmp_path / "snap.tmp"), (entry, entry, set()))
+            _compact(member)
         assert member.compaction_error == "TypeError: cannot encode float: 1000000.0"
         failures = [r for r in caplog.records if "log compaction failed" in r.getMessage()]
         assert len(failures) == 1
+        assert member.journal[0][1] == 1  # the journal was not compacted
+        assert not list(tmp_path.glob("snapshot*"))  # and nothing half-written is left
         member._snapshot = lambda: b""
-        member._write_snapshot(str(tmp_path / "snap.tmp"), (entry, entry, set()))
+        _compact(member)
         assert member.compaction_error is None
+        assert member.journal[0][1] == 9  # compacted behind the snapshot (of entry 10)
     finally:
         member.stop()
+
+
+def test_a_snapshot_is_written_while_the_raft_thread_goes_on(tmp_path: Any) -> None:
+    """Encoding the whole state on the Raft thread took up to 1.3 s, at the same log
+    index on every node: the cluster stopped and elected. A child writes it now."""
+    import time
+
+    from quorumq.raft.rules import decode_snapshot
+
+    member, _ = _member(tmp_path)
+    try:
+
+        def slow() -> bytes:
+            time.sleep(1.0)  # (in the child)
+            return b"state at 10"
+
+        member._snapshot = slow
+        _with_applied_entries(member)
+        started = time.monotonic()
+        member._SyncObj__forceLogCompaction = True
+        member._SyncObj__tryLogCompaction()
+        assert time.monotonic() - started < 0.5, "the Raft thread waited for the write"
+        assert member.snapshot_writing()
+        _commit(member, 15)  # the node goes on applying meanwhile
+        member._SyncObj__applyLogEntries()
+        member._SyncObj__tryLogCompaction()
+        assert member.journal[0][1] == 1  # not compacted before the snapshot is stored
+        while member.snapshot_writing():
+            time.sleep(0.01)
+            member._SyncObj__tryLogCompaction()
+        stored = decode_snapshot((tmp_path / "snapshot").read_bytes(), "snapshot")
+        assert stored.last[1] == 10 and stored.machine == b"state at 10"
+        assert member.journal[0][1] == 9 and member.journal[-1][1] == 20
+        assert _no_child_left()
+    finally:
+        member.stop()
+
+
+def test_a_leader_snapshot_installed_during_a_write_is_not_overwritten_by_it(
+    tmp_path: Any,
+) -> None:
+    """The write of this node's own snapshot (of entry 10) is still running when the
+    leader's (of entry 30) is installed: the older one must not land over it, or the
+    node would restart from a snapshot its journal does not follow."""
+    import time
+
+    from quorumq.raft.rules import decode_snapshot, encode_snapshot
+
+    member, members = _member(tmp_path)
+    try:
+
+        def slow() -> bytes:
+            time.sleep(0.5)  # (in the child)
+            return b"own, at 10"
+
+        member._snapshot = slow
+        _with_applied_entries(member)
+        member._SyncObj__forceLogCompaction = True
+        member._SyncObj__tryLogCompaction()
+        assert member.snapshot_writing()
+        member._SyncObj__setCurrentTerm(2, None)
+        blob = encode_snapshot(
+            (b"\x04x", 30, 2), (b"\x04x", 29, 2), [(a, n) for n, a in members.items()], b"leader's"
+        )
+        message = {
+            "type": "append_entries",
+            "term": 2,
+            "commit_index": 30,
+            "serialized": (blob, True, True),
+        }
+        member._SyncObj__onMessageReceived(next(iter(member.otherNodes)), message)
+        assert not member.snapshot_writing()
+        time.sleep(0.7)  # the child would have finished by now
+        for _ in range(3):
+            member._SyncObj__tryLogCompaction()
+        stored = decode_snapshot((tmp_path / "snapshot").read_bytes(), "snapshot")
+        assert stored.last[1] == 30 and stored.machine == b"leader's"
+        assert _no_child_left()
+        assert not list(tmp_path.glob("snapshot.writing-*"))
+    finally:
+        member.stop()
+
+
+def test_a_node_stopping_during_a_snapshot_write_leaves_no_child_and_no_file(
+    tmp_path: Any,
+) -> None:
+    import time
+
+    member, _ = _member(tmp_path)
+    try:
+
+        def slow() -> bytes:
+            time.sleep(30)  # (in the child)
+            return b""
+
+        member._snapshot = slow
+        _with_applied_entries(member)
+        member._SyncObj__forceLogCompaction = True
+        member._SyncObj__tryLogCompaction()
+        assert member.snapshot_writing()
+    finally:
+        started = time.monotonic()
+        member.stop()
+    assert time.monotonic() - started < 5
+    assert _no_child_left()
+    assert not list(tmp_path.glob("snapshot*"))
 
 
 # ------------------------------------------------------------------ membership
@@ -478,22 +620,15 @@ def test_a_crash_between_snapshot_and_compaction_keeps_the_entries_after_it(
         pass
 
     member, members = _member(tmp_path)
-    log = member._SyncObj__raftLog
-    member._SyncObj__setCurrentTerm(1, None)
-    for i in range(2, 21):
-        log.add(b"\x04cmd%d" % i, i, 1)
-    log.sync()
-    _commit(member, 10)
-    member._SyncObj__applyLogEntries()
+    _with_applied_entries(member)
     _commit(member, 15)
 
     def crash(self: Any, entry_to: int) -> None:
         raise Crash
 
     monkeypatch.setattr(DurableJournal, "deleteEntriesTo", crash)
-    member._SyncObj__forceLogCompaction = True
     with pytest.raises(Crash):
-        member._SyncObj__tryLogCompaction()
+        _compact(member)
     monkeypatch.undo()
     member.stop()
     again = _restart(tmp_path, members)
@@ -515,13 +650,8 @@ def test_a_damaged_or_missing_snapshot_refuses_to_start(tmp_path: Any) -> None:
 
     member, members = _member(tmp_path)
     log = member._SyncObj__raftLog
-    member._SyncObj__setCurrentTerm(1, None)
-    for i in range(2, 21):
-        log.add(b"\x04cmd%d" % i, i, 1)
-    _commit(member, 20)
-    member._SyncObj__applyLogEntries()
-    member._SyncObj__forceLogCompaction = True
-    member._SyncObj__tryLogCompaction()
+    _with_applied_entries(member, 20, 20)
+    _compact(member)
     assert log[0][1] > 1
     member.stop()
     snapshot = tmp_path / "snapshot"

@@ -294,6 +294,36 @@ def test_state_survives_log_compaction_and_restart(tmp_path: Path) -> None:
         cluster.close()
 
 
+def test_snapshots_are_written_while_another_thread_holds_the_replica_lock(
+    tmp_path: Path,
+) -> None:
+    """The Raft thread forks a child to write each snapshot; a lock another thread held
+    at the fork stays held in the child for ever, so the child must take none (a child
+    that waited for the replica's lock never ended, and compaction stopped for good)."""
+    cluster = Cluster(tmp_path, compaction_entries=30)
+    stop = threading.Event()
+    replica = cluster.replicas["A"]
+
+    def hold_the_lock() -> None:  # as the node's readers do, most of the time here
+        while not stop.is_set():
+            with replica.lock:
+                time.sleep(0.002)
+            time.sleep(0.0002)
+
+    reader = threading.Thread(target=hold_the_lock)
+    reader.start()
+    try:
+        cluster.leader().submit(Declare(queue="q"))
+        for i in range(200):
+            cluster.replicas["B"].submit(Enqueue(queue="q", body=b"%d" % i))
+        wait_for(lambda: len(replica.member.journal) < 100, "compaction on A")
+        assert replica.member.compaction_error is None
+    finally:
+        stop.set()
+        reader.join()
+        cluster.close()
+
+
 def test_a_node_without_a_secret_refuses_to_start(tmp_path: Path) -> None:
     peers = {"A": "127.0.0.1:1", "B": "10.1.2.3:2"}
     with pytest.raises(ConfigError, match="secret is required"):

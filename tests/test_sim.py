@@ -164,19 +164,45 @@ def _snapshot(last: int) -> bytes:
     return encode_snapshot((b"x", last, 1), (b"x", last - 1, 1), [("A", "A")], b"machine")
 
 
-def _serializer(disk: SimDisk, counts: Counter[str]) -> SimSerializer:
-    return SimSerializer(disk, 4, lambda data: _snapshot(data[0][1]), lambda b: b, counts)
+def _serializer(
+    disk: SimDisk, counts: Counter[str], clock: list[int] | None = None
+) -> SimSerializer:
+    now = clock if clock is not None else [0]
+    return SimSerializer(
+        disk,
+        4,
+        lambda data: _snapshot(data[0][1]),
+        lambda b: b,
+        counts,
+        now_ms=lambda: now[0],
+        write_ms=lambda: 100,
+    )
 
 
-def test_a_snapshot_is_written_at_once_and_survives_a_crash() -> None:
-    disk, counts = _disk(), Counter[str]()
-    serializer = _serializer(disk, counts)
+def test_a_snapshot_is_stored_when_its_write_ends_and_survives_a_crash() -> None:
+    disk, counts, clock = _disk(), Counter[str](), [0]
+    serializer = _serializer(disk, counts, clock)
     assert serializer.checkSerializing() == (SERIALIZER_STATE.NOT_SERIALIZING, None)
     serializer.serialize((None, (b"x", 9, 1), (b"x", 8, 1), set()), 8)
+    clock[0] = 99
+    assert serializer.checkSerializing() == (SERIALIZER_STATE.SERIALIZING, 8)
+    assert disk.snapshot is None  # not before the write ends
+    clock[0] = 100
     assert serializer.checkSerializing() == (SERIALIZER_STATE.SUCCESS, 8)
     disk.power_loss()
     assert disk.snapshot == _snapshot(9)
     assert counts["written"] == 1
+
+
+def test_a_snapshot_write_a_leader_snapshot_overtakes_is_dropped() -> None:
+    disk, counts, clock = _disk(), Counter[str](), [0]
+    serializer = _serializer(disk, counts, clock)
+    serializer.serialize((None, (b"x", 9, 1), (b"x", 8, 1), set()), 8)
+    assert serializer.setTransmissionData((_snapshot(30), True, True))
+    clock[0] = 1000
+    assert serializer.checkSerializing() == (SERIALIZER_STATE.NOT_SERIALIZING, None)
+    assert disk.snapshot == _snapshot(30)
+    assert counts["write dropped"] == 1
 
 
 def test_a_snapshot_goes_to_a_follower_in_chunks_and_is_kept_only_if_accepted() -> None:

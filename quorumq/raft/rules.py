@@ -272,8 +272,6 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     _marked_commit = 0
     """Path timing: the commit index last marked."""
     """The message being handled is a commit notice (`push_commit_index`)."""
-    _snapshot_started = False
-    """A snapshot was written during this call of `_SyncObj__tryLogCompaction`."""
     _held_replies: list[tuple[Any, bool, int, bool]] | None = None
     """Answers to AppendEntries waiting for one sync (`hold_replies`); None: not holding."""
     _message_from: Any = None
@@ -673,24 +671,10 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         self._SyncObj__raftCommitIndex = index
         self._SyncObj__raftLog.setRaftCommitIndex(index)
 
-    def _SyncObj__tryLogCompaction(self) -> None:
-        self._snapshot_started = False
-        super()._SyncObj__tryLogCompaction()
-        if self._snapshot_started:
-            # Our serializers write the snapshot at once, on this thread (no fork), but
-            # PySyncObj only learns it is done, and compacts the journal behind it, on
-            # its next call, a tick later. Until then it has no snapshot to send: a
-            # leader that sent a follower behind its compacted log its snapshot
-            # meanwhile spun for a whole appendEntriesPeriod sending it empty snapshot
-            # messages (the simulator, whose clock stands still during a tick, spun for
-            # ever). Finish it now.
-            super()._SyncObj__tryLogCompaction()
-
     def snapshot_bytes(self, data: tuple[Entry, Entry, Any]) -> bytes:
         """The snapshot PySyncObj asks for (its last entry, the one before, its
         configuration), in our encoding: the machine's state, the members as of its
         last entry, the removed members. For the subclasses' serializers."""
-        self._snapshot_started = True
         last, prev, cluster = data
         members = [(str(n.id), node_name(n)) for n in self.configuration_at(last[1], cluster)]
         return encode_snapshot(last, prev, members, self._snapshot(), self.removed_members)
@@ -970,7 +954,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         return bool(self._isLeader())
 
     def role(self) -> str:
-        """"follower", "candidate" or "leader" (PySyncObj's Raft state; metrics)."""
+        """ "follower", "candidate" or "leader" (PySyncObj's Raft state; metrics)."""
         return ("follower", "candidate", "leader")[self._SyncObj__raftState]
 
     def peer_silence(self) -> dict[str, float]:
