@@ -389,3 +389,69 @@ def test_bad_options_fail_at_query_start_naming_the_option(
         )
     )
     assert expected in message
+
+
+@pytest.fixture(scope="module")
+def bare_python() -> Iterator[str]:
+    """A virtual environment's interpreter without quorumq or anything else installed:
+    what Spark's workers run when PYSPARK_PYTHON is the system's python3."""
+    import subprocess
+    import sys
+
+    where = Path(tempfile.mkdtemp(prefix="quorumq-bare-venv-"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+        yield str(where / "bin" / "python")
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.fixture
+def workers_run(spark: Any) -> Iterator[Callable[[str], None]]:
+    """Sets the interpreter the session starts Python workers with; restores it after."""
+    context = spark.sparkContext
+    before = context.pythonExec
+
+    def set_to(executable: str) -> None:
+        context.pythonExec = executable
+
+    try:
+        yield set_to
+    finally:
+        context.pythonExec = before
+
+
+def test_register_moves_local_workers_that_cannot_import_quorumq_to_the_driver_python(
+    spark: Any, cluster: Cluster, bare_python: str, workers_run: Callable[[str], None]
+) -> None:
+    import sys
+
+    import spark_source
+    from spark_source.workers import probe_workers
+
+    fill(cluster, "wrong-python", 20)
+    workers_run(bare_python)
+    executable, error = probe_workers(spark)
+    assert (executable, error) == (bare_python, "ModuleNotFoundError: No module named 'attrs'")
+    spark_source.register(spark)  # local mode: the workers may run this interpreter
+    assert spark.sparkContext.pythonExec == sys.executable
+    frame = spark.read.format("quorumq").option("endpoints", endpoints(cluster))
+    assert frame.option("queue", "wrong-python").load().count() == 20
+
+
+def test_register_fails_at_once_naming_pyspark_python_when_it_may_not_switch(
+    spark: Any, cluster: Cluster, bare_python: str, workers_run: Callable[[str], None]
+) -> None:
+    import sys
+
+    import spark_source
+
+    workers_run(bare_python)
+    with pytest.raises(spark_source.WorkerPythonError) as caught:
+        spark_source.register(spark, use_driver_python=False)
+    assert str(caught.value) == (
+        f"Spark's Python workers run {bare_python}, which cannot import quorumq "
+        f"(ModuleNotFoundError: No module named 'attrs'): set PYSPARK_PYTHON={sys.executable} "
+        "(or another interpreter that has quorumq) before the SparkSession starts."
+    )
+    assert spark.sparkContext.pythonExec == bare_python  # left as it was
