@@ -1,4 +1,4 @@
-"""The `quorumq` data source: `spark.readStream`, `spark.read` and `writeStream`.
+"""The `quorumq` data source: `spark.readStream`, `spark.read`, `writeStream` and `write`.
 
 Offsets are JSON dicts `{"group": ..., "offset": n}`: the next offset to read, and the
 query's group id. The group id is made once, by `initialOffset` when a new query starts
@@ -27,6 +27,7 @@ from pyspark.sql.datasource import (
     DataSourceReader,
     DataSourceStreamReader,
     DataSourceStreamWriter,
+    DataSourceWriter,
     InputPartition,
 )
 from pyspark.sql.streaming.datasource import (
@@ -43,7 +44,7 @@ from quorumq.client import Client, QuorumqError, ReadResult
 
 from .options import OptionError, ReadOptions, read_options, write_options
 from .reading import BucketRange, check_retained, plan, read_partition, read_range
-from .sink import QuorumqStreamWriter
+from .sink import QuorumqBatchWriter, QuorumqStreamWriter
 
 logger = logging.getLogger(__name__)
 
@@ -249,3 +250,11 @@ class QuorumqDataSource(DataSource):  # type: ignore[misc]
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802
         return QuorumqStreamWriter(write_options(self.options), schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        """`df.write`: appends to the queue (a queue is never overwritten)."""
+        if overwrite:
+            raise OptionError(
+                "a quorumq queue is only appended to: write with mode('append'), not overwrite"
+            )
+        return QuorumqBatchWriter(write_options(self.options), schema)

@@ -455,3 +455,108 @@ def test_register_fails_at_once_naming_pyspark_python_when_it_may_not_switch(
         "(or another interpreter that has quorumq) before the SparkSession starts."
     )
     assert spark.sparkContext.pythonExec == bare_python  # left as it was
+
+
+WRITE_RETRIED_JOB = '''
+"""A batch write in a session that retries a failed task once (local[2,2]): the first
+attempt of partition 0 dies after 25 of its rows, 20 of which landed (batchRows 10)."""
+import sys
+from pathlib import Path
+
+from pyspark import TaskContext
+from pyspark.sql import SparkSession
+
+from spark_source.sink import QuorumqBatchWriter
+from spark_source.source import QuorumqDataSource
+
+endpoints, queue, marker = sys.argv[1:4]
+
+
+def dies_after(rows, count):
+    for n, row in enumerate(rows):
+        if n == count:
+            Path(marker).write_text(f"attempt 0 of partition 0 died after {count} rows")
+            raise RuntimeError("task killed mid-partition")
+        yield row
+
+
+class DiesOnce(QuorumqBatchWriter):
+    def write(self, iterator):
+        context = TaskContext.get()
+        if context.partitionId() == 0 and context.attemptNumber() == 0:
+            iterator = dies_after(iterator, 25)
+        return super().write(iterator)
+
+
+class DyingSource(QuorumqDataSource):
+    @classmethod
+    def name(cls):
+        return "quorumq-dies-once"
+
+    def writer(self, schema, overwrite):
+        plain = super().writer(schema, overwrite)
+        return DiesOnce(plain.options, schema)
+
+
+spark = SparkSession.builder.master("local[2,2]").config("spark.ui.enabled", "false").getOrCreate()
+spark.sparkContext.setLogLevel("OFF")
+try:
+    spark.dataSource.register(DyingSource)
+    rows = spark.range(0, 100, numPartitions=2).selectExpr(
+        "concat('k', cast(id % 7 AS string)) AS key", "concat('row-', cast(id AS string)) AS value"
+    )
+    (
+        rows.write.format("quorumq-dies-once")
+        .mode("append")
+        .option("endpoints", endpoints)
+        .option("queue", queue)
+        .option("batchRows", "10")
+        .save()
+    )
+finally:
+    spark.stop()
+'''
+
+
+def test_a_batch_write_whose_task_is_retried_lands_each_row_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """In a session that retries failed tasks (its own process: the shared session's
+    local[2] fails a job at its first task failure), the first attempt of a task dies
+    after 20 of its 50 rows landed. The retry writes as the same producer with the same
+    numbers: the 20 are recognised, the other 30 land, and each row is there once."""
+    import os
+    import subprocess
+    import sys
+
+    client = cluster.client()
+    client.declare("written-once")
+    script, marker = tmp_path / "write_retried.py", tmp_path / "died"
+    script.write_text(WRITE_RETRIED_JOB)
+    job = subprocess.run(
+        [sys.executable, str(script), endpoints(cluster), "written-once", str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=QUERY_TIMEOUT_S * 2,
+        check=False,
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert marker.read_text() == "attempt 0 of partition 0 died after 25 rows"
+    bodies = [m.body for m in client.read("written-once", 0, 1000)]
+    assert sorted(bodies) == sorted(b"row-%d" % i for i in range(100))  # each exactly once
+    assert client.status()["queues"]["written-once"]["producers"] == 0  # forgotten at commit
+
+
+def test_a_batch_write_appends_and_refuses_overwrite(spark: Any, cluster: Cluster) -> None:
+    client = cluster.client()
+    client.declare("appended")
+    rows = spark.createDataFrame(
+        [("k1", "a"), ("k2", "b"), ("k1", "c")], "key string, value string"
+    ).coalesce(1)
+    writer = rows.write.format("quorumq").option("endpoints", endpoints(cluster))
+    writer.option("queue", "appended").mode("append").save()
+    messages = client.read("appended", 0, 100)
+    assert [(m.key, m.body) for m in messages] == [("k1", b"a"), ("k2", b"b"), ("k1", b"c")]
+    with pytest.raises(Exception, match=r"only appended to: write with mode\('append'\)"):
+        writer.option("queue", "appended").mode("overwrite").save()
