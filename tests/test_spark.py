@@ -5,6 +5,7 @@ directory. A query that must fail is awaited and its error message checked."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -370,25 +371,124 @@ def test_the_sink_forgets_each_batchs_producers_once_the_next_batch_commits(
     assert client.forget_producers("forget-out", f"spark-{query.id}-") == 0
 
 
+def first_error(message: str) -> str:
+    """The first `SomeError: ...` line of a Spark error message (past Spark's own tags)."""
+    return next(
+        line for line in message.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)
+    )
+
+
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        ({"maxOffsetPerTrigger": "10"}, "unknown quorumq read option(s) ['maxoffsetpertrigger']"),
-        ({"maxOffsetsPerTrigger": "ten"}, "option 'maxOffsetsPerTrigger' must be an integer"),
+        (
+            {"maxOffsetPerTrigger": "10"},
+            "spark_source.options.OptionError: unknown quorumq read or sink option(s) "
+            "['maxoffsetpertrigger'] (did you mean 'maxOffsetsPerTrigger'?)",
+        ),
+        (
+            {"maxOffsetsPerTrigger": "ten"},
+            "spark_source.options.OptionError: option 'maxOffsetsPerTrigger' must be an "
+            "integer, got 'ten'",
+        ),
     ],
 )
-def test_bad_options_fail_at_query_start_naming_the_option(
+def test_a_misspelt_option_fails_at_start_with_the_option_error_first(
     spark: Any, cluster: Cluster, checkpoint: Path, options: dict[str, str], expected: str
 ) -> None:
+    """Raised while the query is defined (Spark makes the data source at `load()`), not
+    by the query's thread later, and not buried under PySpark's UnboundLocalError."""
+    with pytest.raises(Exception) as caught:
+        (
+            stream(spark, cluster, "ranges", **options)
+            .writeStream.foreachBatch(lambda _f, _b: None)
+            .option("checkpointLocation", str(checkpoint))
+            .start()
+            .stop()
+        )
+    message = str(caught.value)
+    assert first_error(message).startswith(expected)
+    assert "UnboundLocalError" not in message
+
+
+def test_a_misspelt_sink_option_fails_the_query_with_the_option_error_first(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    """Spark makes a streaming sink in the query's thread, so this one fails as the
+    query starts running."""
+    fill(cluster, "misspelt-in", 5)
+    cluster.client().declare("misspelt-out")
     message = query_error(
         lambda: (
-            stream(spark, cluster, "ranges", **options)
+            stream(spark, cluster, "misspelt-in", startingOffsets="earliest")
+            .select("key", "value")
+            .writeStream.format("quorumq")
+            .option("endpoints", endpoints(cluster))
+            .option("queue", "misspelt-out")
+            .option("batchRow", "10")
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+    )
+    assert first_error(message).startswith(
+        "spark_source.options.OptionError: unknown quorumq read or sink option(s) "
+        "['batchrow'] (did you mean 'batchRows'?)"
+    )
+    assert "UnboundLocalError" not in message
+
+
+def test_an_option_for_batch_reads_fails_a_stream_with_the_option_error_first(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    """Only known to be wrong once Spark asks for a stream reader: the query fails as it
+    starts, with the OptionError first."""
+    message = query_error(
+        lambda: (
+            stream(spark, cluster, "ranges", endingOffsets="10")
             .writeStream.foreachBatch(lambda _f, _b: None)
             .option("checkpointLocation", str(checkpoint))
             .start()
         )
     )
-    assert expected in message
+    assert first_error(message) == (
+        "spark_source.options.OptionError: option 'endingOffsets' is for batch reads "
+        "(spark.read) only"
+    )
+    assert "UnboundLocalError" not in message
+
+
+def test_a_query_written_for_kafka_runs_with_only_its_format_and_connection_changed(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    """Kafka's option names, its JSON offsets included, as a Kafka query has them."""
+    fill(cluster, "kafka-names", 60)
+    batches: dict[int, list[int]] = {}
+
+    def record(frame: Any, batch_id: int) -> None:
+        batches[batch_id] = sorted(r.offset for r in frame.select("offset").collect())
+
+    source = (
+        spark.readStream.format("quorumq")  # was: "kafka"
+        .option("kafka.bootstrap.servers", endpoints(cluster))  # was: the brokers
+        .option("subscribe", "kafka-names")
+        .option("startingOffsets", '{"kafka-names": {"0": 10, "1": 10}}')
+        .option("maxOffsetsPerTrigger", "20")
+        .option("failOnDataLoss", "false")
+        .option("minPartitions", "2")
+        .load()
+    )
+    run_batches(source, checkpoint, record)
+    assert list(batches.values()) == [list(range(10, 30)), list(range(30, 50)), list(range(50, 60))]
+    some = (
+        spark.read.format("quorumq")
+        .option("kafka.bootstrap.servers", endpoints(cluster))
+        .option("subscribe", "kafka-names")
+        .option("startingOffsets", '{"kafka-names": {"0": -2}}')
+        .option("endingOffsets", '{"kafka-names": {"0": 25, "1": 25}}')
+        .load()
+    )
+    assert sorted(r.offset for r in some.select("offset").collect()) == list(range(25))
 
 
 @pytest.fixture(scope="module")
