@@ -1,6 +1,6 @@
 """Rows/s read by Spark from a 3-node loopback cluster, next to the plain client.
 
-    python -m benchmarks.bench_spark [--messages 200000] [--repeat 3]
+    python -m benchmarks.bench_spark [--messages 200000] [--repeat 3] [--baseline REV]
 
 The queue holds `--messages` messages of 100-byte values (keys from 1,000 distinct ones).
 Measured, interleaved in each round so that drift on a shared machine hits all alike:
@@ -10,6 +10,11 @@ Measured, interleaved in each round so that drift on a shared machine hits all a
   reads the range in one micro-batch into the `noop` sink; rows/s over the micro-batch's
   `triggerExecution` time, and over the whole query (start to termination);
 * batch: `spark.read` of the range into the `noop` sink (2 partitions).
+
+With `--baseline REV`, the source as it was at git revision REV (its `spark_source`,
+with this checkout's `quorumq`) reads too, as the format `quorumq_base`: a 1-partition
+streaming read, interleaved with the others, so before and after are measured side by side
+in one run.
 
 A warm-up query runs first: the first micro-batch of a session pays for starting Python
 workers and JIT-compiling Spark (about 15 s here), which is not the source's cost.
@@ -22,15 +27,19 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from quorumq.embedded import Cluster
 
 VALUE_BYTES = 100
 KEYS = 1000
+WARM_UP = 20_000
+"""Messages of the warm-up queries (Python workers started, Spark's code compiled)."""
 
 
 def fill(cluster: Cluster, queue: str, messages: int) -> None:
@@ -54,14 +63,19 @@ def plain_read(cluster: Cluster, queue: str, messages: int) -> float:
 
 
 def streaming_read(
-    spark: Any, cluster: Cluster, queue: str, messages: int, partitions: int
+    spark: Any,
+    cluster: Cluster,
+    queue: str,
+    messages: int,
+    partitions: int,
+    source: str = "quorumq",
 ) -> tuple[float, float]:
     """(rows/s over the micro-batch, rows/s over the whole query)."""
     checkpoint = tempfile.mkdtemp(prefix="bench-spark-")
     try:
         began = time.perf_counter()
         query = (
-            spark.readStream.format("quorumq")
+            spark.readStream.format(source)
             .option("endpoints", ",".join(cluster.endpoints))
             .option("queue", queue)
             .option("startingOffsets", "earliest")
@@ -96,6 +110,40 @@ def batch_read(spark: Any, cluster: Cluster, queue: str, messages: int) -> float
     return messages / (time.perf_counter() - began)
 
 
+BASELINE_PACKAGE = "spark_source_base"
+
+
+def extract_baseline(revision: str, into: Path) -> None:
+    """`spark_source` as it was at `revision`, as the package `spark_source_base` in
+    `into`, which goes on the PYTHONPATH of this process and of Spark's workers (its
+    imports are relative, so the rename is all it takes)."""
+    root = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", revision, "spark_source"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    (into / "spark_source").rename(into / BASELINE_PACKAGE)
+    sys.path.insert(0, str(into))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(into), os.environ.get("PYTHONPATH", "")) if p
+    )
+
+
+def register_baseline(spark: Any) -> None:
+    """The baseline's data source, as the format `quorumq_base`."""
+    import importlib
+
+    base = importlib.import_module(f"{BASELINE_PACKAGE}.source").QuorumqDataSource
+    source = type(
+        "BaselineDataSource",
+        (base,),
+        {"name": classmethod(lambda cls: "quorumq_base"), "__module__": __name__},
+    )
+    spark.dataSource.register(source)
+
+
 def session() -> Any:
     from pyspark.sql import SparkSession
 
@@ -118,18 +166,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--baseline", metavar="REV", help="also read with spark_source at REV")
     args = parser.parse_args()
     n = args.messages
     load_before = os.getloadavg()[0]
+    baseline_dir = tempfile.mkdtemp(prefix="bench-spark-baseline-")
+    if args.baseline:
+        extract_baseline(args.baseline, Path(baseline_dir))
     spark = session()
+    if args.baseline:
+        register_baseline(spark)
     results: dict[str, list[float]] = {}
     try:
         with Cluster(3) as cluster:
             cluster.leader()
             fill(cluster, "bench", n)
-            fill(cluster, "warm-up", 1000)
-            streaming_read(spark, cluster, "warm-up", 1000, 2)
-            batch_read(spark, cluster, "warm-up", 1000)
+            fill(cluster, "warm-up", WARM_UP)
+            streaming_read(spark, cluster, "warm-up", WARM_UP, 2)
+            streaming_read(spark, cluster, "warm-up", WARM_UP, 1)
+            if args.baseline:
+                streaming_read(spark, cluster, "warm-up", WARM_UP, 1, "quorumq_base")
+            batch_read(spark, cluster, "warm-up", WARM_UP)
             for _ in range(args.repeat):
                 results.setdefault("plain client", []).append(plain_read(cluster, "bench", n))
                 for partitions in (1, 2):
@@ -137,11 +194,19 @@ def main() -> None:
                     name = f"streaming, {partitions} partition{'s' if partitions > 1 else ''}"
                     results.setdefault(f"{name} (micro-batch)", []).append(batch_rate)
                     results.setdefault(f"{name} (whole query)", []).append(whole_rate)
+                    if args.baseline and partitions == 1:
+                        batch_rate, whole_rate = streaming_read(
+                            spark, cluster, "bench", n, 1, "quorumq_base"
+                        )
+                        name = f"streaming, 1 partition, at {args.baseline}"
+                        results.setdefault(f"{name} (micro-batch)", []).append(batch_rate)
+                        results.setdefault(f"{name} (whole query)", []).append(whole_rate)
                 results.setdefault("batch read, 2 partitions", []).append(
                     batch_read(spark, cluster, "bench", n)
                 )
     finally:
         spark.stop()
+        shutil.rmtree(baseline_dir, ignore_errors=True)
     plain = statistics.median(results["plain client"])
     print(
         f"\n{n:,} messages of {VALUE_BYTES} bytes, {args.repeat} interleaved rounds; "

@@ -23,7 +23,8 @@ import hashlib
 import hmac
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from operator import itemgetter
 from typing import Any, Protocol
 
 import msgpack
@@ -197,6 +198,47 @@ class FrameDecoder:
             except Exception as e:  # msgpack raises several kinds for garbage
                 raise ProtocolError("bad_frame", f"frame is not msgpack: {e}") from None
             yield check_frame(frame)
+
+
+READ_COLUMNS = ("offsets", "keys", "bodies", "body_lengths", "headers", "ts_ms")
+"""The fields of a read reply's `columns` (a read that asked `columns: true`)."""
+
+
+def encode_columns(records: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """A read reply's (offset, key, body, headers, ts_ms) records column by column: the
+    bodies as one bytes object and their lengths, so that a bulk reader (the Spark
+    source) builds Arrow arrays from them without a Python object per body."""
+    bodies = list(map(itemgetter(2), records))
+    return {
+        "offsets": list(map(itemgetter(0), records)),
+        "keys": list(map(itemgetter(1), records)),
+        "bodies": b"".join(bodies),
+        "body_lengths": list(map(len, bodies)),
+        "headers": list(map(itemgetter(3), records)),
+        "ts_ms": list(map(itemgetter(4), records)),
+    }
+
+
+def check_columns(columns: object) -> dict[str, Any]:
+    """A read reply's `columns` as `encode_columns` makes them, or `ProtocolError`: the
+    lengths must add up, since readers cut `bodies` by them."""
+    fields = columns if isinstance(columns, dict) else {}
+    lists: list[list[Any]] = []
+    for name in READ_COLUMNS:
+        value = fields.get(name)
+        if type(value) is not (bytes if name == "bodies" else list):
+            raise ProtocolError("bad_frame", f"read columns: {name!r} is missing or malformed")
+        if name != "bodies":
+            lists.append(value)  # type: ignore[arg-type]  # checked to be a list above
+    bodies: bytes = fields["bodies"]
+    lengths: list[Any] = fields["body_lengths"]
+    if len({len(v) for v in lists}) != 1:
+        raise ProtocolError("bad_frame", "read columns: the columns differ in length")
+    if not all(type(n) is int and n >= 0 for n in lengths):
+        raise ProtocolError("bad_frame", "read columns: a body length is not a size")
+    if sum(lengths) != len(bodies):
+        raise ProtocolError("bad_frame", "read columns: body lengths do not add up to bodies")
+    return fields
 
 
 def auth_proof(token: str, nonce: bytes) -> bytes:

@@ -9,11 +9,18 @@ from typing import Any
 from .options import OptionError
 from .reading import DataLossError
 from .source import QuorumqDataSource
+from .workers import WorkerPythonError, ensure_workers_import_quorumq
 
 
-def register(spark: Any) -> None:
+def register(spark: Any, *, use_driver_python: bool | None = None) -> None:
     """Register the `quorumq` format in `spark`'s session. Without a `partitions`
-    option, a read uses the session's default parallelism as its number of key buckets."""
+    option, a read uses the session's default parallelism as its number of key buckets.
+
+    First one task checks that Spark's Python workers import quorumq. If they cannot,
+    they are switched to this interpreter when `use_driver_python` (default: in local
+    mode, where the workers run on this machine); otherwise `WorkerPythonError` says
+    which PYSPARK_PYTHON to set, rather than a query failing later inside a task."""
+    ensure_workers_import_quorumq(spark, use_driver_python)
     try:
         parallelism = int(spark.sparkContext.defaultParallelism)
     except Exception:  # Spark Connect sessions have no SparkContext
@@ -26,4 +33,10 @@ def register(spark: Any) -> None:
     spark.dataSource.register(source)
 
 
-__all__ = ["DataLossError", "OptionError", "QuorumqDataSource", "register"]
+__all__ = [
+    "DataLossError",
+    "OptionError",
+    "QuorumqDataSource",
+    "WorkerPythonError",
+    "register",
+]

@@ -7,10 +7,13 @@ needs travels in the `BucketRange` partition, and it keeps no state between call
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import queue
+import threading
+from collections.abc import Generator, Iterator, Sequence
 from operator import itemgetter
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import InputPartition
@@ -19,7 +22,7 @@ from pyspark.sql.types import StructType
 
 import quorumq
 from quorumq.client import Client, QuorumqError, ReadResult, ServerError
-from quorumq.client.core import Row
+from quorumq.client.core import ReadColumns, Row
 
 from .options import ReadOptions
 
@@ -28,7 +31,15 @@ logger = logging.getLogger(__name__)
 ARROW_BATCH_ROWS = 50_000
 """Rows per Arrow record batch handed to Spark."""
 CHUNK_OFFSETS = 20_000
-"""Offsets read per request to a node: Spark takes one chunk while the next is read."""
+"""Most offsets read per request to a node: Spark takes one chunk while the next is read."""
+FIRST_CHUNK_OFFSETS = 1_000
+"""Offsets of a partition's first chunk: Spark gets rows soon, and the next chunks are
+sized by what this one weighed."""
+CHUNK_BYTES = 4 * 1024 * 1024
+"""About how many bytes of messages a chunk holds: a task keeps a chunk and the few read
+ahead in memory, and a chunk is one Arrow batch (whose binary column holds < 2 GiB)."""
+PREFETCH_CHUNKS = 2
+"""Chunks read ahead of the one being turned into Arrow and handed to Spark."""
 RETRY_ELSEWHERE = frozenset({"lagging", "not_applied", "outcome_unknown"})
 """Errors after which another node may well answer the same read."""
 
@@ -77,25 +88,37 @@ def read_chunks(
     buckets: int | None = None,
     *,
     prefer: int = 0,
-) -> Iterator[tuple[int, int, ReadResult]]:
+    columns: bool = False,
+) -> Generator[tuple[int, int, ReadResult], None, None]:
     """The committed messages of [start, end) (a range some node reported committed) as
-    (lo, hi, result) chunks of `CHUNK_OFFSETS` offsets, each whole, in order. Chunks
-    let Spark take one while the next is read. A node that lags or is down is left for
-    the next one; the read fails only when every node failed the same chunk."""
+    (lo, hi, result) chunks, each whole, in order: the first of `FIRST_CHUNK_OFFSETS`
+    offsets, the next sized to about `CHUNK_BYTES` by what the last weighed, at most
+    `CHUNK_OFFSETS`. Chunks let Spark take one while the next is read. A node that lags
+    or is down is left for the next one; the read fails only when every node failed the
+    same chunk. `columns`: results column by column (`ReadResult.columns`)."""
     endpoints = rotated(options.endpoints, prefer)
+    if buckets == 1:  # every message is in bucket 0 of 1: spare the node a crc32 per row
+        bucket = buckets = None
     client: Client | None = None
     node = 0
     errors: list[str] = []
     position = start
+    span = FIRST_CHUNK_OFFSETS
     try:
         while position < end:
-            hi = min(end, position + CHUNK_OFFSETS)
+            hi = min(end, position + span)
             endpoint = endpoints[node % len(endpoints)]
             try:
                 if client is None:
                     client = quorumq.connect([endpoint], options.token, connect_timeout=1.0)
                 result = client.read(
-                    options.queue, position, hi, bucket, buckets, wait=options.read_wait_seconds
+                    options.queue,
+                    position,
+                    hi,
+                    bucket,
+                    buckets,
+                    wait=options.read_wait_seconds,
+                    columns=columns,
                 )
             except QuorumqError as e:
                 if isinstance(e, ServerError) and e.code not in RETRY_ELSEWHERE:
@@ -112,11 +135,28 @@ def read_chunks(
                 node += 1
                 continue
             errors.clear()
+            weight = result_bytes(result)
             yield position, hi, result
+            span = next_span(span, hi - position, weight)
             position = hi
     finally:
         if client is not None:
             client.close()
+
+
+def result_bytes(result: ReadResult) -> int:
+    """About what a read result weighs in memory: its bodies and a little per message."""
+    if result.columns is not None:
+        return len(result.columns.bodies) + 64 * len(result.columns.offsets)
+    return sum(len(row[2]) + 64 for row in result.rows)
+
+
+def next_span(span: int, offsets: int, weight: int) -> int:
+    """The offsets of the next chunk: about `CHUNK_BYTES` at this chunk's bytes per offset
+    (twice as many after an empty one), from 1 to `CHUNK_OFFSETS`."""
+    if weight <= 0:
+        return min(CHUNK_OFFSETS, 2 * span)
+    return max(1, min(CHUNK_OFFSETS, CHUNK_BYTES * offsets // weight))
 
 
 def read_range(
@@ -154,18 +194,17 @@ def arrow_batches(
     arrow_schema = to_arrow_schema(schema, timezone="UTC")
     for lo in range(0, len(rows), ARROW_BATCH_ROWS):
         chunk = rows[lo : lo + ARROW_BATCH_ROWS]
-        offsets, keys, bodies, headers, ts_ms = (list(map(itemgetter(i), chunk)) for i in range(5))
         n = len(chunk)
         columns: dict[str, Any] = {
-            "offset": offsets,
-            "key": keys,
-            "value": bodies,
-            "timestamp": pc.multiply(pa.array(ts_ms, pa.int64()), 1000),  # ms -> us
-            "queue": [options.queue] * n,
-            "partition": [bucket] * n,
+            "offset": list(map(itemgetter(0), chunk)),
+            "key": list(map(itemgetter(1), chunk)),
+            "value": list(map(itemgetter(2), chunk)),
+            "timestamp": pc.multiply(pa.array(list(map(itemgetter(4), chunk)), pa.int64()), 1000),
+            "queue": pa.repeat(pa.scalar(options.queue, pa.string()), n),  # ms -> us above
+            "partition": pa.repeat(pa.scalar(bucket, pa.int32()), n),
         }
         if "headers" in arrow_schema.names:
-            columns["headers"] = [list(h.items()) if h else None for h in headers]
+            columns["headers"] = [list(h.items()) if h else None for h in map(itemgetter(3), chunk)]
         arrays = []
         for field in arrow_schema:
             data = columns[field.name]
@@ -174,6 +213,78 @@ def arrow_batches(
             else:
                 arrays.append(pa.array(data, type=field.type))
         yield pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
+
+
+Chunk = tuple[int, int, ReadResult]
+
+
+def column_batch(
+    columns: ReadColumns, options: ReadOptions, bucket: int, schema: StructType
+) -> pa.RecordBatch:
+    """A column-wise read result as one Arrow record batch matching `schema` exactly:
+    the bodies become the binary column without a copy per body."""
+    arrow_schema = to_arrow_schema(schema, timezone="UTC")
+    n = len(columns.offsets)
+    ends = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(columns.body_lengths, out=ends[1:])
+    bodies = pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), n, [None, pa.py_buffer(ends), pa.py_buffer(columns.bodies)]
+    )
+    data: dict[str, pa.Array] = {
+        "offset": pa.array(columns.offsets, pa.int64()),
+        "key": pa.array(columns.keys, pa.string()),
+        "value": bodies,
+        "timestamp": pc.multiply(pa.array(columns.ts_ms, pa.int64()), 1000),  # ms -> us
+        "queue": pa.repeat(pa.scalar(options.queue, pa.string()), n),
+        "partition": pa.repeat(pa.scalar(bucket, pa.int32()), n),
+    }
+    if "headers" in arrow_schema.names:
+        headers = [list(h.items()) if h else None for h in columns.headers]
+        data["headers"] = pa.array(headers, arrow_schema.field("headers").type)
+    arrays = [data[field.name].cast(field.type) for field in arrow_schema]
+    return pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
+
+
+def prefetched(chunks: Generator[Chunk, None, None]) -> Iterator[Chunk]:
+    """`chunks`, read up to `PREFETCH_CHUNKS` ahead by a thread: the node serves (and this
+    process decodes) the next chunk while Spark takes the current one. The thread's error
+    is raised here, in order; closing this generator stops the thread and waits for it."""
+    ready: queue.Queue[Chunk | BaseException | None] = queue.Queue(PREFETCH_CHUNKS)
+    stop = threading.Event()
+
+    def put(item: Chunk | BaseException | None) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def fetch() -> None:
+        try:
+            for chunk in chunks:
+                if not put(chunk):
+                    return
+            put(None)
+        except BaseException as e:  # handed to the consumer, which raises it
+            put(e)
+        finally:
+            chunks.close()  # its client, in this thread
+
+    reader = threading.Thread(target=fetch, name="quorumq-prefetch", daemon=True)
+    reader.start()
+    try:
+        while True:
+            item = ready.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        reader.join()
 
 
 def read_partition(partition: BucketRange, schema: StructType) -> Iterator[pa.RecordBatch]:
@@ -186,7 +297,12 @@ def read_partition(partition: BucketRange, schema: StructType) -> Iterator[pa.Re
         partition.bucket,
         partition.buckets,
         prefer=partition.bucket,
+        columns=True,
     )
-    for lo, hi, result in chunks:
+    for lo, hi, result in prefetched(chunks):
         check_retained(options, lo, hi, result.first_retained)
-        yield from arrow_batches(result.rows, options, partition.bucket, schema)
+        if result.columns is not None:
+            if result.columns.offsets:
+                yield column_batch(result.columns, options, partition.bucket, schema)
+        else:  # a node of an earlier release answers rows
+            yield from arrow_batches(result.rows, options, partition.bucket, schema)

@@ -1,4 +1,5 @@
-"""The `quorumq` streaming sink: rows (`key`, `value`, optional `headers`) into a queue.
+"""The `quorumq` sink, streaming and batch: rows (`key`, `value`, optional `headers`) into
+a queue.
 
 Effectively once without two-phase commit: every task writes under its own idempotent
 producer id, `spark-<query id>-<batch id>-<partition>`, and numbers each row: by its
@@ -16,17 +17,24 @@ numbering by position would shift the rest onto numbers already used, and drop t
 Spark runs batch b only once batch b-1 is in the checkpoint's commit log, so when batch
 b commits, batch b-1 can never be replayed: `commit` then has the queue forget b-1's
 producers (prefix `spark-<query id>-<b-1>-`), and only the latest batch's stay.
+
+A batch write (`df.write.format("quorumq")`) is effectively once per write job the same
+way: its writer is made once, on the driver, with a new job id, and every attempt of a
+task writes as `spark-write-<job id>-<partition>`, so a retried or speculative attempt's
+rows are recognised. When the job commits (or aborts), nothing of it can run again, and
+the queue forgets its producers. A new `save()` is a new job: it writes its rows again.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
 from pyspark import TaskContext
-from pyspark.sql.datasource import DataSourceStreamWriter, WriterCommitMessage
+from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, IntegerType, LongType, MapType, StringType, StructType
 
 import quorumq
@@ -133,6 +141,51 @@ def numbered_rows(rows: Iterator[Any]) -> Iterator[tuple[int, dict[str, Any]]]:
         yield offset, fields
 
 
+def write_rows(options: WriteOptions, producer: str, iterator: Iterator[Any]) -> int:
+    """Publish a task's rows as `producer`, numbered (see `numbered_rows`), in batches
+    of `batchRows`; how many rows were sent (the queue drops the duplicates)."""
+    rows = 0
+    with quorumq.connect(list(options.endpoints), options.token) as client:
+        chunk: list[tuple[bytes, str | None, Mapping[str, str] | None]] = []
+        seqs: list[int] = []
+
+        def send() -> None:
+            # the task's first batch opens its producer: once the queue forgot the
+            # producer (its batch committed, or evicted), a zombie attempt's later
+            # batches are refused instead of landing again
+            client.publish_batch(
+                options.queue, chunk, producer=producer, seqs=seqs, opens=rows == 0
+            )
+
+        for seq, fields in numbered_rows(iterator):
+            chunk.append(message_of(fields))
+            seqs.append(seq)
+            if len(chunk) >= options.batch_rows:
+                send()
+                rows += len(chunk)
+                chunk, seqs = [], []
+        if chunk:
+            send()
+            rows += len(chunk)
+    return rows
+
+
+def forget(options: WriteOptions, prefix: str) -> None:
+    """Have the queue forget the producers whose id starts with `prefix`; a failure is
+    only logged (they expire after 7 days of silence anyway)."""
+    error: QuorumqError | None = None
+    for _ in range(FORGET_ATTEMPTS):
+        try:
+            with quorumq.connect(list(options.endpoints), options.token) as client:
+                client.forget_producers(options.queue, prefix)
+            return
+        except QuorumqError as e:
+            error = e
+            if isinstance(e, ServerError) and e.code not in RETRIABLE:
+                break
+    logger.warning("could not forget the producers %s* of %s: %s", prefix, options.queue, error)
+
+
 class QuorumqStreamWriter(DataSourceStreamWriter):  # type: ignore[misc]
     def __init__(self, options: WriteOptions, schema: StructType) -> None:
         check_sink_schema(schema)
@@ -140,53 +193,48 @@ class QuorumqStreamWriter(DataSourceStreamWriter):  # type: ignore[misc]
 
     def write(self, iterator: Iterator[Any]) -> PartitionWritten:
         query, producer = task_producer()
-        options = self.options
-        rows = 0
-        with quorumq.connect(list(options.endpoints), options.token) as client:
-            chunk: list[tuple[bytes, str | None, Mapping[str, str] | None]] = []
-            seqs: list[int] = []
-
-            def send() -> None:
-                # the task's first batch opens its producer: once the queue forgot the
-                # producer (its batch committed, or evicted), a zombie attempt's later
-                # batches are refused instead of landing again
-                client.publish_batch(
-                    options.queue, chunk, producer=producer, seqs=seqs, opens=rows == 0
-                )
-
-            for seq, fields in numbered_rows(iterator):
-                chunk.append(message_of(fields))
-                seqs.append(seq)
-                if len(chunk) >= options.batch_rows:
-                    send()
-                    rows += len(chunk)
-                    chunk, seqs = [], []
-            if chunk:
-                send()
-                rows += len(chunk)
-        return PartitionWritten(query, producer, rows)
+        return PartitionWritten(query, producer, write_rows(self.options, producer, iterator))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
         """Every task's rows are confirmed by the queue already. The batch before this
-        one can no longer be replayed: forget its producers. A failure to forget is only
-        logged (they expire after 7 days of silence anyway)."""
+        one can no longer be replayed: forget its producers."""
         queries = {m.query for m in messages if isinstance(m, PartitionWritten)}
         if batchId < 1 or len(queries) != 1:
             return
         (query,) = queries
-        prefix = batch_prefix(query, batchId - 1)
-        options = self.options
-        error: QuorumqError | None = None
-        for _ in range(FORGET_ATTEMPTS):
-            try:
-                with quorumq.connect(list(options.endpoints), options.token) as client:
-                    client.forget_producers(options.queue, prefix)
-                return
-            except QuorumqError as e:
-                error = e
-                if isinstance(e, ServerError) and e.code not in RETRIABLE:
-                    break
-        logger.warning("could not forget the producers %s* of %s: %s", prefix, options.queue, error)
+        forget(self.options, batch_prefix(query, batchId - 1))
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
         """Rows that landed stay; a replay of the batch is recognised as duplicates."""
+
+
+def job_prefix(job: str) -> str:
+    """The producer-id prefix of one batch write job's tasks."""
+    return f"spark-write-{job}-"
+
+
+class QuorumqBatchWriter(DataSourceWriter):  # type: ignore[misc]
+    """`df.write.format("quorumq").mode("append").save()`: effectively once per job."""
+
+    def __init__(self, options: WriteOptions, schema: StructType) -> None:
+        check_sink_schema(schema)
+        self.options = options
+        self.job = uuid.uuid4().hex
+        """Made once, on the driver: every attempt of every task of this job has it."""
+
+    def write(self, iterator: Iterator[Any]) -> PartitionWritten:
+        context = TaskContext.get()
+        if context is None:
+            raise RuntimeError("the quorumq sink writes only inside a Spark task")
+        producer = f"{job_prefix(self.job)}{context.partitionId()}"
+        return PartitionWritten(self.job, producer, write_rows(self.options, producer, iterator))
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Every task's rows are confirmed by the queue; no attempt of this job can run
+        again, so the queue forgets its producers."""
+        forget(self.options, job_prefix(self.job))
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Rows that landed stay (no transaction spans the tasks); a new `save()` is a
+        new job and writes them again. The producers are forgotten as on commit."""
+        forget(self.options, job_prefix(self.job))

@@ -1,4 +1,4 @@
-"""The `quorumq` data source: `spark.readStream`, `spark.read` and `writeStream`.
+"""The `quorumq` data source: `spark.readStream`, `spark.read`, `writeStream` and `write`.
 
 Offsets are JSON dicts `{"group": ..., "offset": n}`: the next offset to read, and the
 query's group id. The group id is made once, by `initialOffset` when a new query starts
@@ -27,6 +27,7 @@ from pyspark.sql.datasource import (
     DataSourceReader,
     DataSourceStreamReader,
     DataSourceStreamWriter,
+    DataSourceWriter,
     InputPartition,
 )
 from pyspark.sql.streaming.datasource import (
@@ -41,9 +42,9 @@ from pyspark.sql.types import StructType
 import quorumq
 from quorumq.client import Client, QuorumqError, ReadResult
 
-from .options import OptionError, ReadOptions, read_options, write_options
+from .options import OptionError, ReadOptions, check_options, read_options, write_options
 from .reading import BucketRange, check_retained, plan, read_partition, read_range
-from .sink import QuorumqStreamWriter
+from .sink import QuorumqBatchWriter, QuorumqStreamWriter
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,37 @@ class QuorumqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow): 
         self.ends.close()
 
 
+class RefusedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
+    """A stream reader whose options were refused: every call raises their error."""
+
+    def __init__(self, error: OptionError) -> None:
+        self.error = error
+
+    def initialOffset(self) -> dict[str, Any]:  # noqa: N802
+        raise self.error
+
+    def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802
+        raise self.error
+
+    def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802
+        raise self.error
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:  # noqa: N802
+        raise self.error
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        raise self.error
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        raise self.error
+
+    def commit(self, end: dict[str, Any]) -> None:
+        raise self.error
+
+    def stop(self) -> None:
+        """Nothing was opened."""
+
+
 class QuorumqBatchReader(DataSourceReader):  # type: ignore[misc]
     def __init__(self, options: ReadOptions, buckets: int, schema: StructType) -> None:
         self.options = options
@@ -202,11 +234,13 @@ class QuorumqBatchReader(DataSourceReader):  # type: ignore[misc]
         try:
             start = ends.resolve_start()
             latest = ends.bounds()
+            end = latest.next_offset
+            if isinstance(self.options.ending_offsets, int):
+                end = min(end, self.options.ending_offsets)
+            if self.options.ending_timestamp is not None:
+                end = ends.first_at_or_after(self.options.ending_timestamp, latest)
         finally:
             ends.close()
-        end = latest.next_offset
-        if isinstance(self.options.ending_offsets, int):
-            end = min(end, self.options.ending_offsets)
         if self.options.starting_timestamp is None:  # an explicit start that was trimmed
             check_retained(self.options, start, end, latest.first_retained)
         return plan(self.options, start, end, self.buckets)
@@ -222,6 +256,12 @@ class QuorumqDataSource(DataSource):  # type: ignore[misc]
     default_partitions = 2
     """Key buckets when the `partitions` option is not given (register() sets it to the
     session's default parallelism)."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        """Spark makes the data source when a query is defined (`load()`, `start()`,
+        `save()`): a misspelt or malformed option fails there, naming the option."""
+        check_options(options)
+        super().__init__(options)
 
     @classmethod
     def name(cls) -> str:
@@ -244,8 +284,22 @@ class QuorumqDataSource(DataSource):  # type: ignore[misc]
         return QuorumqBatchReader(options, self._buckets(options), schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802
-        options = read_options(self.options, batch=False)
+        """The stream's reader; for options that do not fit a streaming read, one that
+        raises their OptionError when Spark first asks it something (raised here, PySpark
+        buries it under an UnboundLocalError of its own)."""
+        try:
+            options = read_options(self.options, batch=False)
+        except OptionError as e:
+            return RefusedStreamReader(e)
         return QuorumqStreamReader(options, self._buckets(options), schema)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802
         return QuorumqStreamWriter(write_options(self.options), schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        """`df.write`: appends to the queue (a queue is never overwritten)."""
+        if overwrite:
+            raise OptionError(
+                "a quorumq queue is only appended to: write with mode('append'), not overwrite"
+            )
+        return QuorumqBatchWriter(write_options(self.options), schema)

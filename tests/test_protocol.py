@@ -117,3 +117,50 @@ def test_auth_proof_is_an_hmac_of_the_nonce() -> None:
     assert not proof_matches("token", b"other-nonce", proof)
     assert not proof_matches("token", b"nonce", None)
     assert b"token" not in proof
+
+
+def test_read_columns_carry_the_same_messages_as_rows_and_pages_join() -> None:
+    from quorumq.client.core import read_result
+    from quorumq.protocol import check_columns, encode_columns
+
+    records = [
+        (7, "k1", b"first", None, 1000),
+        (9, None, b"", {"h": "v"}, 1001),
+        (12, "k2", b"x" * 300, None, 1002),
+    ]
+    page = encode_columns(records)
+    assert check_columns(msgpack.unpackb(msgpack.packb(page, use_bin_type=True))) == page
+
+    def reply(part: list[tuple[object, ...]]) -> dict[str, object]:
+        return {"first_retained": 0, "next_offset": 13, "columns": encode_columns(part)}
+
+    joined = read_result([reply(records[:1]), reply(records[1:])])
+    assert joined.rows == [] and joined.columns is not None
+    assert joined.columns.bodies == b"first" + b"x" * 300
+    assert [list(r) for r in records] == joined.columns.rows()
+    assert [(m.offset, m.key, m.body, m.headers) for m in joined] == [r[:4] for r in records]
+    old_node = read_result([{"first_retained": 0, "next_offset": 13, "messages": records}])
+    assert old_node.columns is None and old_node.rows == records  # asked columns, got rows
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"body_lengths": [5, 0, 299]}, "body lengths do not add up to bodies"),
+        ({"body_lengths": [5, -1, 301]}, "a body length is not a size"),
+        ({"body_lengths": [5, 0, 300, 0]}, "the columns differ in length"),
+        ({"keys": ["k1", None]}, "the columns differ in length"),
+        ({"bodies": "text"}, "'bodies' is missing or malformed"),
+        ({"ts_ms": None}, "'ts_ms' is missing or malformed"),
+    ],
+)
+def test_read_columns_that_do_not_add_up_are_a_bad_frame(
+    change: dict[str, object], message: str
+) -> None:
+    from quorumq.protocol import check_columns, encode_columns
+
+    page = encode_columns(
+        [(7, "k1", b"first", None, 1), (9, None, b"", None, 2), (12, "k2", b"x" * 300, None, 3)]
+    )
+    with pytest.raises(ProtocolError, match=message):
+        check_columns({**page, **change})

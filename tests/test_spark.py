@@ -5,6 +5,7 @@ directory. A query that must fail is awaited and its error message checked."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -370,22 +371,292 @@ def test_the_sink_forgets_each_batchs_producers_once_the_next_batch_commits(
     assert client.forget_producers("forget-out", f"spark-{query.id}-") == 0
 
 
+def first_error(message: str) -> str:
+    """The first `SomeError: ...` line of a Spark error message (past Spark's own tags)."""
+    return next(
+        line for line in message.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)
+    )
+
+
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        ({"maxOffsetPerTrigger": "10"}, "unknown quorumq read option(s) ['maxoffsetpertrigger']"),
-        ({"maxOffsetsPerTrigger": "ten"}, "option 'maxOffsetsPerTrigger' must be an integer"),
+        (
+            {"maxOffsetPerTrigger": "10"},
+            "spark_source.options.OptionError: unknown quorumq read or sink option(s) "
+            "['maxoffsetpertrigger'] (did you mean 'maxOffsetsPerTrigger'?)",
+        ),
+        (
+            {"maxOffsetsPerTrigger": "ten"},
+            "spark_source.options.OptionError: option 'maxOffsetsPerTrigger' must be an "
+            "integer, got 'ten'",
+        ),
     ],
 )
-def test_bad_options_fail_at_query_start_naming_the_option(
+def test_a_misspelt_option_fails_at_start_with_the_option_error_first(
     spark: Any, cluster: Cluster, checkpoint: Path, options: dict[str, str], expected: str
 ) -> None:
+    """Raised while the query is defined (Spark makes the data source at `load()`), not
+    by the query's thread later, and not buried under PySpark's UnboundLocalError."""
+    with pytest.raises(Exception) as caught:
+        (
+            stream(spark, cluster, "ranges", **options)
+            .writeStream.foreachBatch(lambda _f, _b: None)
+            .option("checkpointLocation", str(checkpoint))
+            .start()
+            .stop()
+        )
+    message = str(caught.value)
+    assert first_error(message).startswith(expected)
+    assert "UnboundLocalError" not in message
+
+
+def test_a_misspelt_sink_option_fails_the_query_with_the_option_error_first(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    """Spark makes a streaming sink in the query's thread, so this one fails as the
+    query starts running."""
+    fill(cluster, "misspelt-in", 5)
+    cluster.client().declare("misspelt-out")
     message = query_error(
         lambda: (
-            stream(spark, cluster, "ranges", **options)
+            stream(spark, cluster, "misspelt-in", startingOffsets="earliest")
+            .select("key", "value")
+            .writeStream.format("quorumq")
+            .option("endpoints", endpoints(cluster))
+            .option("queue", "misspelt-out")
+            .option("batchRow", "10")
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+    )
+    assert first_error(message).startswith(
+        "spark_source.options.OptionError: unknown quorumq read or sink option(s) "
+        "['batchrow'] (did you mean 'batchRows'?)"
+    )
+    assert "UnboundLocalError" not in message
+
+
+def test_an_option_for_batch_reads_fails_a_stream_with_the_option_error_first(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    """Only known to be wrong once Spark asks for a stream reader: the query fails as it
+    starts, with the OptionError first."""
+    message = query_error(
+        lambda: (
+            stream(spark, cluster, "ranges", endingOffsets="10")
             .writeStream.foreachBatch(lambda _f, _b: None)
             .option("checkpointLocation", str(checkpoint))
             .start()
         )
     )
-    assert expected in message
+    assert first_error(message) == (
+        "spark_source.options.OptionError: option 'endingOffsets' is for batch reads "
+        "(spark.read) only"
+    )
+    assert "UnboundLocalError" not in message
+
+
+def test_a_query_written_for_kafka_runs_with_only_its_format_and_connection_changed(
+    spark: Any, cluster: Cluster, checkpoint: Path
+) -> None:
+    """Kafka's option names, its JSON offsets included, as a Kafka query has them."""
+    fill(cluster, "kafka-names", 60)
+    batches: dict[int, list[int]] = {}
+
+    def record(frame: Any, batch_id: int) -> None:
+        batches[batch_id] = sorted(r.offset for r in frame.select("offset").collect())
+
+    source = (
+        spark.readStream.format("quorumq")  # was: "kafka"
+        .option("kafka.bootstrap.servers", endpoints(cluster))  # was: the brokers
+        .option("subscribe", "kafka-names")
+        .option("startingOffsets", '{"kafka-names": {"0": 10, "1": 10}}')
+        .option("maxOffsetsPerTrigger", "20")
+        .option("failOnDataLoss", "false")
+        .option("minPartitions", "2")
+        .load()
+    )
+    run_batches(source, checkpoint, record)
+    assert list(batches.values()) == [list(range(10, 30)), list(range(30, 50)), list(range(50, 60))]
+    some = (
+        spark.read.format("quorumq")
+        .option("kafka.bootstrap.servers", endpoints(cluster))
+        .option("subscribe", "kafka-names")
+        .option("startingOffsets", '{"kafka-names": {"0": -2}}')
+        .option("endingOffsets", '{"kafka-names": {"0": 25, "1": 25}}')
+        .load()
+    )
+    assert sorted(r.offset for r in some.select("offset").collect()) == list(range(25))
+
+
+@pytest.fixture(scope="module")
+def bare_python() -> Iterator[str]:
+    """A virtual environment's interpreter without quorumq or anything else installed:
+    what Spark's workers run when PYSPARK_PYTHON is the system's python3."""
+    import subprocess
+    import sys
+
+    where = Path(tempfile.mkdtemp(prefix="quorumq-bare-venv-"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+        yield str(where / "bin" / "python")
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.fixture
+def workers_run(spark: Any) -> Iterator[Callable[[str], None]]:
+    """Sets the interpreter the session starts Python workers with; restores it after."""
+    context = spark.sparkContext
+    before = context.pythonExec
+
+    def set_to(executable: str) -> None:
+        context.pythonExec = executable
+
+    try:
+        yield set_to
+    finally:
+        context.pythonExec = before
+
+
+def test_register_moves_local_workers_that_cannot_import_quorumq_to_the_driver_python(
+    spark: Any, cluster: Cluster, bare_python: str, workers_run: Callable[[str], None]
+) -> None:
+    import sys
+
+    import spark_source
+    from spark_source.workers import probe_workers
+
+    fill(cluster, "wrong-python", 20)
+    workers_run(bare_python)
+    executable, error = probe_workers(spark)
+    assert (executable, error) == (bare_python, "ModuleNotFoundError: No module named 'attrs'")
+    spark_source.register(spark)  # local mode: the workers may run this interpreter
+    assert spark.sparkContext.pythonExec == sys.executable
+    frame = spark.read.format("quorumq").option("endpoints", endpoints(cluster))
+    assert frame.option("queue", "wrong-python").load().count() == 20
+
+
+def test_register_fails_at_once_naming_pyspark_python_when_it_may_not_switch(
+    spark: Any, cluster: Cluster, bare_python: str, workers_run: Callable[[str], None]
+) -> None:
+    import sys
+
+    import spark_source
+
+    workers_run(bare_python)
+    with pytest.raises(spark_source.WorkerPythonError) as caught:
+        spark_source.register(spark, use_driver_python=False)
+    assert str(caught.value) == (
+        f"Spark's Python workers run {bare_python}, which cannot import quorumq "
+        f"(ModuleNotFoundError: No module named 'attrs'): set PYSPARK_PYTHON={sys.executable} "
+        "(or another interpreter that has quorumq) before the SparkSession starts."
+    )
+    assert spark.sparkContext.pythonExec == bare_python  # left as it was
+
+
+WRITE_RETRIED_JOB = '''
+"""A batch write in a session that retries a failed task once (local[2,2]): the first
+attempt of partition 0 dies after 25 of its rows, 20 of which landed (batchRows 10)."""
+import sys
+from pathlib import Path
+
+from pyspark import TaskContext
+from pyspark.sql import SparkSession
+
+from spark_source.sink import QuorumqBatchWriter
+from spark_source.source import QuorumqDataSource
+
+endpoints, queue, marker = sys.argv[1:4]
+
+
+def dies_after(rows, count):
+    for n, row in enumerate(rows):
+        if n == count:
+            Path(marker).write_text(f"attempt 0 of partition 0 died after {count} rows")
+            raise RuntimeError("task killed mid-partition")
+        yield row
+
+
+class DiesOnce(QuorumqBatchWriter):
+    def write(self, iterator):
+        context = TaskContext.get()
+        if context.partitionId() == 0 and context.attemptNumber() == 0:
+            iterator = dies_after(iterator, 25)
+        return super().write(iterator)
+
+
+class DyingSource(QuorumqDataSource):
+    @classmethod
+    def name(cls):
+        return "quorumq-dies-once"
+
+    def writer(self, schema, overwrite):
+        plain = super().writer(schema, overwrite)
+        return DiesOnce(plain.options, schema)
+
+
+spark = SparkSession.builder.master("local[2,2]").config("spark.ui.enabled", "false").getOrCreate()
+spark.sparkContext.setLogLevel("OFF")
+try:
+    spark.dataSource.register(DyingSource)
+    rows = spark.range(0, 100, numPartitions=2).selectExpr(
+        "concat('k', cast(id % 7 AS string)) AS key", "concat('row-', cast(id AS string)) AS value"
+    )
+    (
+        rows.write.format("quorumq-dies-once")
+        .mode("append")
+        .option("endpoints", endpoints)
+        .option("queue", queue)
+        .option("batchRows", "10")
+        .save()
+    )
+finally:
+    spark.stop()
+'''
+
+
+def test_a_batch_write_whose_task_is_retried_lands_each_row_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """In a session that retries failed tasks (its own process: the shared session's
+    local[2] fails a job at its first task failure), the first attempt of a task dies
+    after 20 of its 50 rows landed. The retry writes as the same producer with the same
+    numbers: the 20 are recognised, the other 30 land, and each row is there once."""
+    import os
+    import subprocess
+    import sys
+
+    client = cluster.client()
+    client.declare("written-once")
+    script, marker = tmp_path / "write_retried.py", tmp_path / "died"
+    script.write_text(WRITE_RETRIED_JOB)
+    job = subprocess.run(
+        [sys.executable, str(script), endpoints(cluster), "written-once", str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=QUERY_TIMEOUT_S * 2,
+        check=False,
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert marker.read_text() == "attempt 0 of partition 0 died after 25 rows"
+    bodies = [m.body for m in client.read("written-once", 0, 1000)]
+    assert sorted(bodies) == sorted(b"row-%d" % i for i in range(100))  # each exactly once
+    assert client.status()["queues"]["written-once"]["producers"] == 0  # forgotten at commit
+
+
+def test_a_batch_write_appends_and_refuses_overwrite(spark: Any, cluster: Cluster) -> None:
+    client = cluster.client()
+    client.declare("appended")
+    rows = spark.createDataFrame(
+        [("k1", "a"), ("k2", "b"), ("k1", "c")], "key string, value string"
+    ).coalesce(1)
+    writer = rows.write.format("quorumq").option("endpoints", endpoints(cluster))
+    writer.option("queue", "appended").mode("append").save()
+    messages = client.read("appended", 0, 100)
+    assert [(m.key, m.body) for m in messages] == [("k1", b"a"), ("k2", b"b"), ("k1", b"c")]
+    with pytest.raises(Exception, match=r"only appended to: write with mode\('append'\)"):
+        writer.option("queue", "appended").mode("overwrite").save()

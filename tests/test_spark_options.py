@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from spark_source.options import OptionError, ReadOptions, read_options, write_options
+from spark_source.options import (
+    OptionError,
+    ReadOptions,
+    check_options,
+    read_options,
+    write_options,
+)
 
 BASE = {"endpoints": "127.0.0.1:7001,127.0.0.1:7002", "queue": "orders"}
 
@@ -26,7 +32,10 @@ def test_names_are_case_insensitive_as_spark_hands_them_over() -> None:
 @pytest.mark.parametrize(
     ("extra", "batch", "message"),
     [
-        ({"topic": "x"}, False, "unknown quorumq read option(s) ['topic']"),
+        ({"topic": "x"}, False, "option 'topic' is a sink option, not a read one"),
+        ({"maxOffsetPerTrigger": "1"}, False, "(did you mean 'maxOffsetsPerTrigger'?)"),
+        ({"endingTimestamp": "5"}, False, "'endingTimestamp' is for batch reads"),
+        ({"subscribe": "orders"}, False, "options 'queue' and 'subscribe' mean the same"),
         ({"startingOffsets": "-3"}, False, "option 'startingOffsets' must not be negative"),
         ({"startingOffsets": "latest"}, True, "cannot be latest in a batch read"),
         ({"endingOffsets": "latest"}, False, "'endingOffsets' is for batch reads"),
@@ -54,9 +63,7 @@ def test_a_bad_read_option_is_named(extra: dict[str, str], batch: bool, message:
 
 def test_a_bad_sink_option_is_named() -> None:
     assert write_options({**BASE, "batchRows": "50"}).batch_rows == 50
-    with pytest.raises(
-        OptionError, match=r"unknown quorumq sink option\(s\) \['startingOffsets'\]"
-    ):
+    with pytest.raises(OptionError, match="option 'startingOffsets' is a read option, not a sink"):
         write_options({**BASE, "startingOffsets": "earliest"})
     with pytest.raises(OptionError, match="option 'endpoints' is required"):
         write_options({"queue": "q"})
@@ -80,3 +87,97 @@ def test_min_offsets_per_trigger_waits_at_most_max_trigger_delay() -> None:
     assert isinstance(reader(maxOffsetsPerTrigger="7").getDefaultReadLimit(), ReadMaxRows)
     with pytest.raises(OptionError, match="'maxTriggerDelay' must be a duration"):
         reader(maxTriggerDelay="soon")
+
+
+KAFKA_BASE = {"kafka.bootstrap.servers": "127.0.0.1:7001,127.0.0.1:7002", "subscribe": "orders"}
+
+
+def test_kafka_names_of_the_same_options_are_taken() -> None:
+    options = read_options(
+        {**KAFKA_BASE, "minPartitions": "3", "startingOffsetsByTimestamp": '{"orders": {"0": 7}}'},
+        batch=False,
+    )
+    assert options == ReadOptions(
+        endpoints=("127.0.0.1:7001", "127.0.0.1:7002"),
+        queue="orders",
+        partitions=3,
+        starting_timestamp=7,
+    )
+    sink = write_options({"kafka.bootstrap.servers": "127.0.0.1:7001", "topic": "orders"})
+    assert (sink.endpoints, sink.queue) == (("127.0.0.1:7001",), "orders")
+    with pytest.raises(OptionError, match="option 'subscribe' is a read option, not a sink one"):
+        write_options(KAFKA_BASE)
+
+
+@pytest.mark.parametrize(
+    ("name", "json_form", "batch", "meaning"),
+    [
+        ("startingOffsets", {"0": 23, "1": 23, "2": 23}, False, 23),
+        ("startingOffsets", {"0": -2, "1": -2}, False, "earliest"),
+        ("startingOffsets", {"0": -1}, False, "latest"),
+        ("endingOffsets", {"0": 40, "1": 40}, True, 40),
+        ("endingOffsets", {"0": -1}, True, "latest"),
+    ],
+)
+def test_kafkas_json_offsets_map_when_every_partition_has_the_same(
+    name: str, json_form: dict[str, int], batch: bool, meaning: str | int
+) -> None:
+    import json
+
+    options = read_options({**KAFKA_BASE, name: json.dumps({"orders": json_form})}, batch=batch)
+    assert getattr(
+        options, "starting_offsets" if name == "startingOffsets" else "ending_offsets"
+    ) == (meaning)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"startingOffsets": '{"orders": {"0": 23, "1": -2}}'},
+            "gives its partitions ['-2', '23']: a quorumq queue is one log",
+        ),
+        ({"startingOffsets": '{"payments": {"0": 3}}'}, "names ['payments'], but this query"),
+        ({"startingOffsets": '{"orders": [0, 1]}'}, 'in JSON must be {"orders": {"0": <value>'),
+        ({"startingOffsets": '{"orders": {"0": 1'}, "option 'startingOffsets' is not valid JSON"),
+        ({"endingOffsets": '{"orders": {"0": -2}}'}, "'endingOffsets' must not be negative"),
+    ],
+)
+def test_kafkas_json_offsets_that_do_not_map_are_refused(
+    extra: dict[str, str], message: str
+) -> None:
+    with pytest.raises(OptionError) as caught:
+        read_options({**KAFKA_BASE, **extra}, batch=True)
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("assign", "Kafka's option 'assign' has no quorumq equivalent: a quorumq source reads"),
+        ("kafka.group.id", "Kafka's option 'kafka.group.id' has no quorumq equivalent"),
+        ("maxRecordsPerPartition", "(a key bucket) is never split"),
+        ("kafka.security.protocol", "'kafka.security.protocol' is a Kafka client setting"),
+    ],
+)
+def test_kafka_options_without_a_quorumq_meaning_are_refused_saying_why(
+    name: str, message: str
+) -> None:
+    with pytest.raises(OptionError) as caught:
+        check_options({**KAFKA_BASE, name: "x"})
+    assert message in str(caught.value)
+
+
+def test_what_is_checked_when_spark_makes_the_source() -> None:
+    """Names and values, before Spark says whether it reads or writes, in batch or not:
+    a misspelt name, a malformed value and options of both sides fail; an option of one
+    kind of read is left for the reader to judge."""
+    with pytest.raises(OptionError, match=r"\['batchrow'\] \(did you mean 'batchRows'\?\)"):
+        check_options({**BASE, "batchRow": "10"})
+    with pytest.raises(OptionError, match="'maxOffsetsPerTrigger' must be an integer"):
+        check_options({**BASE, "maxOffsetsPerTrigger": "ten"})
+    with pytest.raises(OptionError, match=r"\['batchRows'\] for the sink: give one side's"):
+        check_options({**BASE, "maxOffsetsPerTrigger": "10", "batchRows": "5"})
+    check_options({**BASE, "endingOffsets": "10"})  # fine for spark.read
+    check_options({**BASE, "maxOffsetsPerTrigger": "10"})  # fine for readStream
+    check_options({**KAFKA_BASE, "maxOffsetsPerTrigger": "10"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -143,3 +144,78 @@ def test_a_partition_read_moves_past_a_dead_node_and_fails_clearly_when_all_are(
             list(read_chunks(nowhere, 0, 30))
     finally:
         cluster.restart(victim)
+
+
+def test_prefetched_chunks_come_in_order_and_the_readers_error_in_its_place() -> None:
+    import threading
+
+    from quorumq.client import ReadResult
+    from spark_source.reading import prefetched
+
+    def chunks() -> Any:
+        for lo in range(0, 50, 10):
+            yield lo, lo + 10, ReadResult(rows=[], first_retained=0, next_offset=lo + 10)
+        raise QuorumqError("no node could serve offsets [50, 60)")
+
+    got: list[int] = []
+    with pytest.raises(QuorumqError, match=r"no node could serve offsets \[50, 60\)"):
+        for lo, _hi, _result in prefetched(chunks()):
+            got.append(lo)
+    assert got == [0, 10, 20, 30, 40]
+    assert not [t for t in threading.enumerate() if t.name == "quorumq-prefetch"]
+
+
+def test_closing_prefetched_early_stops_its_thread_and_closes_the_chunks() -> None:
+    import threading
+
+    from quorumq.client import ReadResult
+    from spark_source.reading import PREFETCH_CHUNKS, prefetched
+
+    made: list[int] = []
+    closed = threading.Event()
+
+    def chunks() -> Any:
+        try:
+            for lo in range(0, 10_000, 10):
+                made.append(lo)
+                yield lo, lo + 10, ReadResult(rows=[], first_retained=0, next_offset=lo + 10)
+        finally:
+            closed.set()
+
+    reading = prefetched(chunks())
+    assert next(reading)[0] == 0
+    wait_for(lambda: len(made) == PREFETCH_CHUNKS + 2, "the reader to fill its queue")
+    reading.close()  # Spark stopped taking rows (a limit, a failed task)
+    assert closed.is_set()  # its client closed, in the reader's thread
+    assert not [t for t in threading.enumerate() if t.name == "quorumq-prefetch"]
+    assert len(made) <= PREFETCH_CHUNKS + 2  # read ahead, but only so far
+
+
+def test_a_read_by_columns_gives_the_messages_a_read_by_rows_does(cluster: Cluster) -> None:
+    """Across reply pages (4 MB of bodies: pages hold 768 KiB), in a key bucket, with
+    keyless, empty, headed and large messages."""
+    client = cluster.client()
+    client.declare("by-columns")
+    for lo in range(0, 4000, 500):
+        batch = [
+            (b"" if i % 97 == 0 else b"%d" % i * (1 + i % 300), None if i % 5 else f"k{i % 11}")
+            for i in range(lo, lo + 500)
+        ]
+        client.publish_batch("by-columns", batch)
+    client.publish("by-columns", b"with headers", key="h", headers={"a": "1"})
+    for bucket, buckets in ((None, None), (1, 3)):
+        rows = client.read("by-columns", 0, 4001, bucket, buckets, wait=10)
+        columns = client.read("by-columns", 0, 4001, bucket, buckets, wait=10, columns=True)
+        assert columns.rows == [] and columns.columns is not None
+        assert len(columns.columns.bodies) > 1024 * 1024 or bucket is not None
+        assert columns.messages == rows.messages
+        assert (columns.first_retained, columns.next_offset) == (0, 4001)
+
+
+def test_chunks_are_sized_by_what_the_last_one_weighed() -> None:
+    from spark_source.reading import CHUNK_BYTES, CHUNK_OFFSETS, next_span
+
+    assert next_span(1000, 1000, 1000 * 1024) == CHUNK_BYTES // 1024  # 1 KiB an offset
+    assert next_span(1000, 1000, 1000 * 100) == CHUNK_OFFSETS  # small: at most this many
+    assert next_span(1000, 1000, 1000 * 8 * 1024 * 1024) == 1  # 8 MiB messages: one each
+    assert next_span(1000, 1000, 0) == 2000  # nothing in that chunk (another bucket's)

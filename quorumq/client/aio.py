@@ -494,11 +494,14 @@ class AsyncClient:
         buckets: int | None = None,
         *,
         wait: float | None = None,
+        columns: bool = False,
     ) -> ReadResult:
         frames = []
         position: int | None = start
         while position is not None:
-            reply = await self._request(read_frame(queue, position, end, bucket, buckets, wait))
+            reply = await self._request(
+                read_frame(queue, position, end, bucket, buckets, wait, columns)
+            )
             frames.append(reply)
             position = read_continues_at(reply, position, end)
         return read_result(frames)

@@ -664,6 +664,7 @@ class Client:
         buckets: int | None = None,
         *,
         wait: float | None = None,
+        columns: bool = False,
     ) -> ReadResult:
         """Stream view: retained messages with offsets in [start, end) that this node has
         committed (and in `bucket` of `buckets` by key), in offset order.
@@ -672,11 +673,14 @@ class Client:
         With `wait` (seconds) the range is known to be committed (say `end` came from
         `status`): a node whose replica lags waits for it, and past `wait` the read
         fails with `ServerError` code `lagging` (ask another node); it never returns
-        part of the range."""
+        part of the range.
+
+        `columns`: the messages column by column (`ReadResult.columns`, bodies in one
+        bytes object), for readers that build Arrow arrays; `rows` is empty then."""
         frames = []
         position: int | None = start
         while position is not None:
-            reply = self._request(read_frame(queue, position, end, bucket, buckets, wait))
+            reply = self._request(read_frame(queue, position, end, bucket, buckets, wait, columns))
             frames.append(reply)
             position = read_continues_at(reply, position, end)
         return read_result(frames)

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from ..machine.views import StreamMessage
-from ..protocol import PROTOCOL_VERSION, ProtocolError, auth_proof
+from ..protocol import PROTOCOL_VERSION, READ_COLUMNS, ProtocolError, auth_proof, check_columns
 
 logger = logging.getLogger("quorumq.client")
 
@@ -78,6 +78,31 @@ Row = list[Any]
 
 
 @attrs.frozen(kw_only=True)
+class ReadColumns:
+    """A read's messages column by column (`read(..., columns=True)`): what a bulk reader
+    (the Spark source) builds Arrow arrays from. The bodies are one bytes object, cut by
+    `body_lengths`, instead of an object per message."""
+
+    offsets: list[int]
+    keys: list[str | None]
+    bodies: bytes
+    body_lengths: list[int]
+    headers: list[dict[str, str] | None]
+    ts_ms: list[int]
+
+    def rows(self) -> list[Row]:
+        """The same messages as [offset, key, body, headers, ts_ms] rows."""
+        rows: list[Row] = []
+        at = 0
+        for offset, key, length, headers, ts in zip(
+            self.offsets, self.keys, self.body_lengths, self.headers, self.ts_ms, strict=True
+        ):
+            rows.append([offset, key, self.bodies[at : at + length], headers, ts])
+            at += length
+        return rows
+
+
+@attrs.frozen(kw_only=True)
 class ReadResult:
     """Messages with offsets in the requested range (and bucket) that are retained.
 
@@ -90,12 +115,15 @@ class ReadResult:
     rows: list[Row]
     first_retained: int
     next_offset: int
+    columns: ReadColumns | None = None
+    """The messages column by column, when the read asked for them (`rows` is empty
+    then), and the node knew how."""
 
     @functools.cached_property
     def messages(self) -> tuple[StreamMessage, ...]:
+        rows = self.rows if self.columns is None else self.columns.rows()
         return tuple(
-            StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t)
-            for o, k, b, h, t in self.rows
+            StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t) for o, k, b, h, t in rows
         )
 
     def __iter__(self) -> Iterator[StreamMessage]:
@@ -271,9 +299,28 @@ def delivery_from(frame: dict[str, Any], queue: str, settle: Callable[..., Any])
 
 
 def read_result(frames: list[dict[str, Any]]) -> ReadResult:
+    """A read's reply frames (pages) as one result: rows, or columns when the node sent
+    columns (a node that does not know them answers rows)."""
     last = frames[-1]
+    if all("columns" in f for f in frames):
+        pages = [check_columns(f["columns"]) for f in frames]
+
+        def joined(name: str) -> Any:
+            if len(pages) == 1:  # the common case: nothing to copy
+                return pages[0][name]
+            if name == "bodies":
+                return b"".join(p[name] for p in pages)
+            return [v for p in pages for v in p[name]]
+
+        columns = ReadColumns(**{name: joined(name) for name in READ_COLUMNS})
+        return ReadResult(
+            rows=[],
+            first_retained=last["first_retained"],
+            next_offset=last["next_offset"],
+            columns=columns,
+        )
     return ReadResult(
-        rows=[r for f in frames for r in f["messages"]],
+        rows=[r for f in frames for r in f.get("messages", [])],
         first_retained=last["first_retained"],
         next_offset=last["next_offset"],
     )
@@ -309,9 +356,11 @@ def read_frame(
     bucket: int | None,
     buckets: int | None,
     wait: float | None = None,
+    columns: bool = False,
 ) -> dict[str, Any]:
     """A `read` request; with `wait` (seconds) the node waits that long for its replica
-    to apply the whole range, and answers `lagging` if it cannot."""
+    to apply the whole range, and answers `lagging` if it cannot. `columns`: the rows
+    column by column (`protocol.encode_columns`)."""
     frame: dict[str, Any] = {
         "t": "read",
         "queue": queue,
@@ -322,6 +371,8 @@ def read_frame(
     }
     if wait is not None:
         frame["wait_ms"] = round(wait * 1000)
+    if columns:
+        frame["columns"] = True
     return frame
 
 

@@ -76,7 +76,14 @@ from ..machine import (
     UnknownQueueError,
 )
 from ..machine.queue import may_start_generation_id
-from ..protocol import PROTOCOL_VERSION, Frame, ProtocolError, encode_frame, proof_matches
+from ..protocol import (
+    PROTOCOL_VERSION,
+    Frame,
+    ProtocolError,
+    encode_columns,
+    encode_frame,
+    proof_matches,
+)
 from ..replica import (
     AuditBusyError,
     AuditFailedError,
@@ -884,7 +891,8 @@ class NodeCore:
         With `wait_ms` the caller says the whole range is committed (it learned `end`
         from some node): a replica that lags is waited for (polled, backing off to 20
         ms); past the wait the node answers `lagging`, and the client asks another node.
-        It never answers part of the range in that case."""
+        It never answers part of the range in that case. With `columns: true` the rows
+        come column by column (`protocol.encode_columns`), for bulk readers."""
         start, end = frame["start"], frame["end"]
         bucket, buckets = frame["bucket"], frame["buckets"]
         wait_ms = frame.get("wait_ms")
@@ -977,17 +985,18 @@ class NodeCore:
         except UnknownQueueError as e:
             self._error(conn, frame["id"], "unknown_queue", str(e))
             return
-        self._push(
-            conn,
-            {
-                "t": "reply",
-                "id": frame["id"],
-                "messages": rows,
-                "first_retained": stats.first_retained,
-                "next_offset": stats.next_offset,
-                "covered_until": covered,
-            },
-        )
+        reply: Frame = {
+            "t": "reply",
+            "id": frame["id"],
+            "first_retained": stats.first_retained,
+            "next_offset": stats.next_offset,
+            "covered_until": covered,
+        }
+        if frame.get("columns") is True:  # a bulk reader's: bodies in one bytes object
+            reply["columns"] = encode_columns(rows)
+        else:
+            reply["messages"] = rows
+        self._push(conn, reply)
 
     # ---------------------------------------------------------- other requests
 
