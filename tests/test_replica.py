@@ -241,8 +241,9 @@ def test_a_follower_refuses_a_leader_snapshot_older_than_what_it_applied(tmp_pat
             leader.submit(Enqueue(queue="q", body=b"more %d" % i))
         wait_for(cluster.converged, "convergence")
         wait_for(lambda: snapshot.read_bytes() != old, "a newer snapshot on the follower")
-        own, status = snapshot.read_bytes(), follower.status(audit=True)
         member = follower.member
+        wait_for(lambda: not member.snapshot_writing(), "the follower's snapshot write to end")
+        own, status = snapshot.read_bytes(), follower.status(audit=True)
         leader_node = next(n for n in member.otherNodes if str(n.id) == leader.config.raft_address)
         installed: list[bool] = []
         fed = threading.Event()
