@@ -84,8 +84,18 @@ def _unpack(data: bytes) -> list[Any]:
     return value
 
 
+_LATER_OPTIONS = ("retry_backoff_ms",)
+"""Options added after the first release: left out of the map while they have their
+default, so an entry that does not use them reads as before (on a node of an earlier
+release too)."""
+
+
 def _options_to_map(options: QueueOptions) -> dict[str, Any]:
-    return attrs.asdict(options)
+    fields = attrs.asdict(options)
+    for name in _LATER_OPTIONS:
+        if fields[name] is None:
+            del fields[name]
+    return fields
 
 
 def _options_from_map(raw: object) -> QueueOptions:
@@ -115,7 +125,8 @@ def _command_fields(cmd: Command) -> list[Any]:
         case Ack():
             return [_ACK, cmd.queue, cmd.consumer, list(cmd.offsets)]
         case Nack():
-            return [_NACK, cmd.queue, cmd.consumer, list(cmd.offsets), cmd.requeue]
+            fields = [_NACK, cmd.queue, cmd.consumer, list(cmd.offsets), cmd.requeue]
+            return fields if cmd.delay_ms is None else [*fields, cmd.delay_ms]
         case Declare():
             return [_DECLARE, cmd.queue, _options_to_map(cmd.options)]
         case Subscribe():
@@ -173,7 +184,10 @@ _COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]
     ),
     _CANCEL: (2, lambda q, c: Cancel(queue=q, consumer=c)),
     _ACK: (3, lambda q, c, o: Ack(queue=q, consumer=c, offsets=o)),
-    _NACK: (4, lambda q, c, o, r: Nack(queue=q, consumer=c, offsets=o, requeue=r)),
+    _NACK: (
+        (4, 5),  # the fifth, a retry delay, only when it has one
+        lambda q, c, o, r, d=None: Nack(queue=q, consumer=c, offsets=o, requeue=r, delay_ms=d),
+    ),
     _DOWN: (1, lambda c: Down(consumer=c)),
     _NODE_DOWN: (1, lambda n: NodeDown(node=n)),
     _NODE_UP: (1, lambda n: NodeUp(node=n)),

@@ -75,15 +75,21 @@ cmds = [
     Nack(queue="q", consumer="c1", offsets=[0]),
     Down(consumer="c1"),
     CommitOffset(queue="q", group="spark", offset=2),
+    Declare(queue="r", options=QueueOptions(retry_backoff_ms=(100, 1000))),
+    Subscribe(queue="r", consumer="c3", node="C"),
+    EnqueueBatch(queue="r", messages=[Message(body=b"d", key="j"), Message(body=b"e")]),
+    Nack(queue="r", consumer="c3", offsets=[0]),
+    Nack(queue="r", consumer="c3", offsets=[1], delay_ms=5000),
     Tick(),
 ]
 for i, c in enumerate(cmds, 1):
     m.apply(Meta(i, 1000 + i), c)
 print(m.digest())
 """
-GOLDEN_DIGEST = "7604be51bc7f9abbe595ab4f9a812dde834630c0b8ff3590624f67ef12f504fd"
-"""Snapshot version 3 (retention cost, the death path, delivery times, consumer timeouts,
-the highest producer generation each queue forgot)."""
+GOLDEN_DIGEST = "523fac82e3e0187602640d4775d316af9b8b39c0addcd88a340ae0cc82f4cd55"
+"""Snapshot version 4 (retention cost, the death path, delivery times, consumer timeouts,
+the highest producer generation each queue forgot, messages waiting for a retry delay
+and the `retry_backoff_ms` option)."""
 
 
 def _digest_in_subprocess(hash_seed: str) -> str:
@@ -109,4 +115,27 @@ def test_a_version_1_snapshot_is_still_read_and_its_retained_bytes_counted_again
     old = [current[0], 1, *current[2:]]
     old[5][0][4] = 1  # version 1 counted the body only
     restored = Machine.restore(encode(old))
+    assert restored.digest() == m.digest()
+
+
+def test_a_version_3_snapshot_is_still_read_with_no_retry_state() -> None:
+    """Version 3 had no `retry_backoff_ms` option and no waiting messages: restored, its
+    queues take the default and wait for nothing, and it snapshots as version 4."""
+    from quorumq.machine import Declare, Enqueue, Meta, Nack, QueueOptions, Subscribe
+
+    m = Machine()
+    m.apply(Meta(1, 0), Declare(queue="q", options=QueueOptions(delivery_limit=3)))
+    m.apply(Meta(2, 0), Subscribe(queue="q", consumer="c", node="A"))
+    m.apply(Meta(3, 0), Enqueue(queue="q", body=b"x", key="k"))
+    m.apply(Meta(4, 0), Nack(queue="q", consumer="c", offsets=[0]))
+    current = decode(m.snapshot())
+    assert current[1] == 4
+    old = [current[0], 3, *current[2:]]
+    queue = old[5][0]
+    assert queue[-1] == []  # nothing waits
+    del queue[-1]
+    del queue[1][-1]  # options end with retry_backoff_ms
+    restored = Machine.restore(encode(old))
+    assert restored.options("q") == QueueOptions(delivery_limit=3)
+    assert restored.waiting("q") == {}
     assert restored.digest() == m.digest()

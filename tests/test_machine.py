@@ -1117,3 +1117,184 @@ def test_oldest_ready_ms_is_the_enqueue_time_of_the_oldest_message_not_held(d: D
     assert d.machine.oldest_ready_ms("q") == 1_000  # returned: ready again, and oldest
     restored = Machine.restore(d.machine.snapshot())
     assert restored.oldest_ready_ms("q") == 1_000
+
+
+# ------------------------------------------------------------ retry with backoff
+
+
+def _redelivered(applied: object) -> list[tuple[str, int, int]]:
+    """(consumer, offset, delivery count) of every delivery, in order."""
+    return [(e.consumer, e.offset, e.delivery_count) for e in delivered(applied)]  # type: ignore[arg-type]
+
+
+def test_a_nack_with_a_delay_holds_the_message_back_until_log_time_reaches_it() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c", node="A"), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m0"))
+    assert d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=1_000), ts_ms=10).effects == ()
+    assert d.machine.waiting("q") == {0: 1_010}
+    assert d.machine.ready("q") == (0,)  # it counts as ready: it is in the queue, nobody's
+    assert d.machine.needs_tick() and d.machine.next_retry_ms() == 1_010
+    assert d(Tick(), ts_ms=1_009).effects == ()
+    assert _redelivered(d(Tick(), ts_ms=1_010)) == [("c", 0, 1)]
+    assert d.machine.waiting("q") == {} and d.machine.next_retry_ms() is None
+
+
+def test_a_waiting_message_keeps_its_place_while_later_ones_go_on() -> None:
+    """Other messages are not held up by an unkeyed one waiting; once it is due it comes
+    before any later ready message (rule 1)."""
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c", node="A", prefetch=1), ts_ms=0)
+    publish(d, 3)  # c holds 0
+    applied = d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=100), ts_ms=0)
+    assert deliveries(applied) == [("c", 1)]  # 0 waits; the next one goes
+    assert deliveries(d(Ack(queue="q", consumer="c", offsets=[1]), ts_ms=100)) == [("c", 0)]
+    assert deliveries(d(Ack(queue="q", consumer="c", offsets=[0]), ts_ms=100)) == [("c", 2)]
+
+
+def test_a_waiting_keyed_message_holds_its_key_back_in_order_and_other_keys_go_on() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c1", node="A"), ts_ms=0)
+    for key in ("k", "k", "j"):
+        d(Enqueue(queue="q", body=b"m", key=key))  # c1 holds 0 (k), 1 (k), 2 (j)
+    d(Subscribe(queue="q", consumer="c2", node="B"))
+    applied = d(Nack(queue="q", consumer="c1", offsets=[0], delay_ms=1_000), ts_ms=0)
+    assert applied.effects == ()  # 1 came back with 0 (rule 4); key k waits, for c2 too
+    assert d.machine.unacked("q", "c1") == (2,)
+    assert d.machine.waiting("q") == {0: 1_000}
+    later = [delivered(d(Enqueue(queue="q", body=b"m", key=key), ts_ms=10)) for key in "kx"]
+    assert [[e.offset for e in got] for got in later] == [[], [4]]  # k waits; x goes on
+    assert d(Tick(), ts_ms=999).effects == ()
+    woken = d(Tick(), ts_ms=1_000)
+    assert [(e.offset, e.key, e.redelivered) for e in delivered(woken)] == [
+        (0, "k", True),
+        (1, "k", True),
+        (3, "k", False),
+    ]
+    assert len({e.consumer for e in delivered(woken)}) == 1  # the key has one holder
+
+
+def test_retry_backoff_doubles_the_delay_with_each_failed_delivery_up_to_its_max() -> None:
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(retry_backoff_ms=(100, 300))))
+    d(Subscribe(queue="q", consumer="c", node="A"), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m"))
+    now, waits = 0, []
+    for _ in range(4):
+        d(Nack(queue="q", consumer="c", offsets=[0]), ts_ms=now)
+        (due,) = d.machine.waiting("q").values()
+        waits.append(due - now)
+        assert d(Tick(), ts_ms=due - 1).effects == ()
+        now = due
+        assert deliveries(d(Tick(), ts_ms=now)) == [("c", 0)]
+    assert waits == [100, 200, 300, 300]
+
+
+def test_a_nacks_own_delay_wins_over_the_queues_backoff_and_zero_means_at_once() -> None:
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(retry_backoff_ms=(100, 300))))
+    d(Subscribe(queue="q", consumer="c", node="A"), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m"))
+    d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=5_000))
+    assert d.machine.waiting("q") == {0: 5_000}
+    d(Tick(), ts_ms=5_000)
+    assert _redelivered(d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=0))) == [("c", 0, 2)]
+
+
+def test_a_single_active_consumer_queue_waits_for_its_returned_message() -> None:
+    """Strict FIFO, redeliveries included: nothing later is given out meanwhile."""
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(single_active_consumer=True)))
+    d(Subscribe(queue="q", consumer="c", node="A"), ts_ms=0)
+    publish(d, 3)  # c holds 0, 1, 2
+    d(Nack(queue="q", consumer="c", offsets=[1], delay_ms=500))
+    d(Ack(queue="q", consumer="c", offsets=[0, 2]))
+    assert deliveries(d(Enqueue(queue="q", body=b"m3"), ts_ms=100)) == []
+    assert deliveries(d(Tick(), ts_ms=500)) == [("c", 1), ("c", 3)]
+
+
+def test_a_consumers_messages_return_after_the_backoff_when_it_goes_down() -> None:
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(retry_backoff_ms=(200, 1_000))))
+    d(Subscribe(queue="q", consumer="c1", node="A", prefetch=1), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m"))
+    d(Subscribe(queue="q", consumer="c2", node="B"))
+    assert deliveries(d(Down(consumer="c1"), ts_ms=50)) == []
+    assert _redelivered(d(Tick(), ts_ms=250)) == [("c2", 0, 1)]
+
+
+def test_a_waiting_message_still_expires_and_still_counts_toward_max_length() -> None:
+    d = Driver()
+    d(Declare(queue="t", options=QueueOptions(message_ttl_ms=300)))
+    d(Subscribe(queue="t", consumer="c", node="A"), ts_ms=0)
+    d(Enqueue(queue="t", body=b"m"))
+    d(Nack(queue="t", consumer="c", offsets=[0], delay_ms=1_000))
+    expired = d(Tick(), ts_ms=300)
+    assert [(e.offset, e.reason) for e in expired.effects if isinstance(e, Dropped)] == [
+        (0, "expired")
+    ]
+    assert d.machine.waiting("t") == {} and d(Tick(), ts_ms=1_000).effects == ()
+
+    d(Declare(queue="m", options=QueueOptions(max_length=1)))
+    d(Subscribe(queue="m", consumer="c", node="A", prefetch=1))
+    publish(d, 1, queue="m")
+    d(Nack(queue="m", consumer="c", offsets=[0], delay_ms=1_000))
+    assert deliveries(d(Enqueue(queue="m", body=b"m1"))) == [("c", 1)]
+    pushed_out = d(Enqueue(queue="m", body=b"m2"))  # two ready (0 waiting, 2): one too many
+    assert [(e.offset, e.reason) for e in pushed_out.effects if isinstance(e, Dropped)] == [
+        (0, "max_length")
+    ]
+    assert d.machine.waiting("m") == {}
+
+
+def test_a_snapshot_taken_while_messages_wait_restores_their_places() -> None:
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(single_active_consumer=True)))
+    d(Declare(queue="k"))
+    for queue in ("q", "k"):
+        d(Subscribe(queue=queue, consumer="c", node="A"), ts_ms=0)
+    publish(d, 2)
+    publish(d, 2, queue="k", key="a")
+    d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=100))
+    d(Nack(queue="k", consumer="c", offsets=[0], delay_ms=200))
+    restored = Driver(Machine.restore(d.machine.snapshot()))
+    assert restored.machine.digest() == d.machine.digest()
+    for ts in (50, 100, 150, 200):
+        enqueue = Enqueue(queue="q", body=b"x", key=None)
+        assert restored(enqueue, ts_ms=ts) == d(enqueue, ts_ms=ts)
+        assert restored(Tick(), ts_ms=ts) == d(Tick(), ts_ms=ts)
+    assert restored.machine.digest() == d.machine.digest()
+    assert d.machine.waiting("q") == d.machine.waiting("k") == {}
+
+
+def test_retry_options_are_checked_when_built() -> None:
+    with pytest.raises(ValueError, match="requeue"):
+        Nack(queue="q", consumer="c", offsets=[0], requeue=False, delay_ms=10)
+    with pytest.raises(ValueError, match="delay_ms"):
+        Nack(queue="q", consumer="c", offsets=[0], delay_ms=-1)
+    with pytest.raises(ValueError, match="at most"):
+        Nack(queue="q", consumer="c", offsets=[0], delay_ms=10**12)
+    with pytest.raises(ValueError, match="min <= max"):
+        QueueOptions(retry_backoff_ms=(500, 100))
+    with pytest.raises(ValueError, match="1 <= min"):
+        QueueOptions(retry_backoff_ms=(0, 100))
+    with pytest.raises(TypeError, match="pair of ints"):
+        QueueOptions(retry_backoff_ms=(1.0, 100))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pair of ints"):
+        QueueOptions(retry_backoff_ms=100)  # type: ignore[arg-type]
+    assert QueueOptions(retry_backoff_ms=[10, 20]).retry_backoff_ms == (10, 20)  # type: ignore[arg-type]
+
+
+def test_retry_timers_stay_bounded_by_what_waits_however_many_retries() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c", node="A"), ts_ms=0)
+    publish(d, 2)
+    for now in range(1, 3_000):  # 0 is retried 3,000 times, waiting 1 ms each time
+        d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=1), ts_ms=now)
+        d(Tick(), ts_ms=now + 1)
+    q = d.machine._queues["q"]
+    assert len(q.timers) <= 2 * len(q.waiting) + 33 and len(q.waiting_low) <= 33

@@ -16,6 +16,14 @@ public queries:
   queue forgot is refused (`producer_forgotten`), so a (producer, seq) of an id with
   a generation never lands at two offsets, forgotten or not;
 * with single active consumer, only the oldest live subscriber receives;
+* rule 1, with retry delays: a message is given to a consumer only when no lower
+  ready message is one it could take instead (an unkeyed one, or the first ready
+  message of a key nobody else holds) that is due; a message returned as failed (a
+  nack with requeue, or its consumer removed) is not given again before its delay (the
+  nack's `delay_ms`, else the queue's `retry_backoff_ms` doubled per failure up to its
+  max) has run out in log time; a key waits behind its waiting message, in order; a
+  single-active-consumer queue gives nothing above a waiting message; and after a
+  `Tick` no consumer that may receive is left with a message it could take;
 * the stream view at an offset never changes;
 * a second machine fed the same log, and one restored from a snapshot taken mid-way
   and fed the rest, end with the same digest.
@@ -87,6 +95,8 @@ options_strategy = st.builds(
     retention_messages=st.none() | st.integers(0, 8),
     retention_bytes=st.none() | st.integers(0, 40),
     message_ttl_ms=st.none() | st.integers(1, 300),
+    retry_backoff_ms=st.none()
+    | st.integers(1, 150).flatmap(lambda low: st.tuples(st.just(low), st.integers(low, 1_000))),
 )
 clock_step = st.integers(-30, 120)
 
@@ -107,6 +117,8 @@ class QueueMachineRules(RuleBasedStateMachine):
         self.machine = Machine()
         self.index = 0
         self.ts = 0
+        self.now = 0
+        """The machine's clock: the largest timestamp applied so far."""
         self.log: list[tuple[Meta, Command]] = []
         self.applied: list[Applied] = []
         self.snapshot: tuple[int, bytes] | None = None
@@ -133,12 +145,15 @@ class QueueMachineRules(RuleBasedStateMachine):
         self.leaving: set[Ref] = set()
         """Messages given back and not delivered or gone since: under single active
         consumer they come before any later message (strict FIFO)."""
+        self.due: dict[Ref, int] = {}
+        """Returned messages held back by a retry delay: when they may go out again."""
 
     # ---------------------------------------------------------------- driving
 
     def apply(self, command: Command, dt: int = 0) -> Applied:
         self.index += 1
         self.ts = max(0, self.ts + dt)
+        self.now = max(self.now, self.ts)
         meta = Meta(self.index, self.ts)
         self.log.append((meta, command))
         applied = self.machine.apply(meta, command)
@@ -157,12 +172,56 @@ class QueueMachineRules(RuleBasedStateMachine):
             if mc.cancelled and not self.held_by(queue, cid):
                 del self.consumers[queue][cid]
 
-    def give_back(self, queue: str, offsets: list[int], failed: set[int]) -> None:
+    def give_back(
+        self, queue: str, offsets: list[int], failed: set[int], delay_ms: int | None = None
+    ) -> None:
+        """Return held `offsets`; the failed ones wait `delay_ms`, or the queue's backoff."""
+        backoff = self.options[queue].retry_backoff_ms
         for off in offsets:
-            del self.held[(queue, off)]
-            self.returned.add((queue, off))
+            ref = (queue, off)
+            del self.held[ref]
+            self.returned.add(ref)
             if off in failed:
-                self.failures[(queue, off)] = self.failures.get((queue, off), 0) + 1
+                failures = self.failures[ref] = self.failures.get(ref, 0) + 1
+                delay = delay_ms
+                if delay is None:
+                    delay = (
+                        0 if backoff is None else min(backoff[1], backoff[0] * 2 ** (failures - 1))
+                    )
+                if delay:
+                    self.due[ref] = self.now + delay
+
+    def ready_refs(self, queue: str) -> list[int]:
+        """The model's ready offsets of `queue` (not held, settled or leaving), ascending."""
+        gone = self.acked | self.dropped | self.leaving
+        return sorted(
+            o
+            for q, o in self.enqueued
+            if q == queue and (q, o) not in self.held and (q, o) not in gone
+        )
+
+    def could_take(self, queue: str, consumer: str) -> list[int]:
+        """The ready offsets `consumer` could be given now (rule 1, keys, retry delays)."""
+        ready = self.ready_refs(queue)
+        holders = {self.enqueued[r][0]: c for r, c in self.held.items() if r[0] == queue}
+        first_of_key: dict[str, int] = {}
+        out = []
+        for off in ready:
+            key = self.enqueued[(queue, off)][0]
+            if key is not None:
+                if key in first_of_key:
+                    continue  # behind the key's first ready message
+                first_of_key[key] = off
+                if holders.get(key, consumer) != consumer:
+                    continue  # another consumer owns the key
+            if self.due.get((queue, off), 0) > self.now:
+                continue  # waits for its retry delay
+            out.append(off)
+        if self.options[queue].single_active_consumer:
+            waiting = [o for o in ready if self.due.get((queue, o), 0) > self.now]
+            if waiting:
+                out = [o for o in out if o < waiting[0]]  # the queue waits, in order
+        return out
 
     def take_effects(self, applied: Applied) -> None:
         self.leaving = {
@@ -193,6 +252,7 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     def leave(self, ref: Ref) -> None:
         self.returned.discard(ref)
+        self.due.pop(ref, None)
         assert ref in self.enqueued, ref
         assert ref not in self.held, f"{ref} left while held"
         assert ref not in self.acked and ref not in self.dropped, ref
@@ -210,6 +270,10 @@ class QueueMachineRules(RuleBasedStateMachine):
         assert (e.key, e.body) == self.enqueued[ref]
         assert e.redelivered == (ref in self.delivered_ever)
         assert e.delivery_count == self.failures.get(ref, 0)
+        due = self.due.pop(ref, 0)
+        assert due <= self.now, f"{ref} given at {self.now}, before its retry delay ends at {due}"
+        lower = [o for o in self.could_take(e.queue, e.consumer) if o < e.offset]
+        assert not lower, f"{ref} given to {e.consumer} while it could take {lower} (rule 1)"
         self.returned.discard(ref)
         if self.options[e.queue].single_active_consumer:
             # the oldest subscriber that is not cancelled, or that still holds messages:
@@ -305,12 +369,31 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    @initialize(q1=options_strategy, q2=options_strategy)
-    def declare_queues(self, q1: QueueOptions, q2: QueueOptions) -> None:
+    @initialize(
+        q1=options_strategy,
+        q2=options_strategy,
+        subscribers=st.lists(
+            st.tuples(
+                st.sampled_from(WORK_QUEUES),
+                st.sampled_from(CONSUMERS),
+                st.sampled_from(NODES),
+                st.sampled_from([0, 1, 2, 3]),
+            ),
+            max_size=3,
+            unique_by=lambda s: s[:2],
+        ),
+    )
+    def declare_queues(
+        self, q1: QueueOptions, q2: QueueOptions, subscribers: list[tuple[str, str, str, int]]
+    ) -> None:
+        """Declare the queues, and subscribe some consumers from the start (sequences
+        where messages are held, returned and retried are the ones that find bugs)."""
         self.options = {"dlq": QueueOptions(), "q1": q1, "q2": q2}
         for name in ("dlq", "q1", "q2"):
             applied = self.apply(Declare(queue=name, options=self.options[name]))
             assert applied.reply == Declared(created=True)
+        for queue, consumer, node, prefetch in subscribers:
+            self.subscribe(queue, consumer, node, prefetch, 0)
 
     @rule(queue=st.sampled_from(QUEUES), key=st.sampled_from(KEYS), dt=clock_step)
     def enqueue(self, queue: str, key: str | None, dt: int) -> None:
@@ -451,13 +534,35 @@ class QueueMachineRules(RuleBasedStateMachine):
         queue=st.sampled_from(QUEUES),
         consumer=st.sampled_from(CONSUMERS),
         requeue=st.booleans(),
+        delay_ms=st.none() | st.integers(0, 60) | st.integers(200, 2_000),
         dt=clock_step,
     )
-    def nack(self, data: st.DataObject, queue: str, consumer: str, requeue: bool, dt: int) -> None:
+    def nack(
+        self,
+        data: st.DataObject,
+        queue: str,
+        consumer: str,
+        requeue: bool,
+        delay_ms: int | None,
+        dt: int,
+    ) -> None:
         offsets, ok = self.pick_held(data, queue, consumer, stray=False)
-        applied = self.apply(
-            Nack(queue=queue, consumer=consumer, offsets=offsets, requeue=requeue), dt
+        self.apply_nack(queue, consumer, offsets, ok, requeue, delay_ms if requeue else None, dt)
+
+    def apply_nack(
+        self,
+        queue: str,
+        consumer: str,
+        offsets: list[int],
+        ok: bool,
+        requeue: bool,
+        delay_ms: int | None,
+        dt: int,
+    ) -> None:
+        nack = Nack(
+            queue=queue, consumer=consumer, offsets=offsets, requeue=requeue, delay_ms=delay_ms
         )
+        applied = self.apply(nack, dt)
         if self.settled(applied, queue, consumer, ok):
             nacked = set(offsets)
             if requeue:
@@ -471,7 +576,7 @@ class QueueMachineRules(RuleBasedStateMachine):
                     key = self.enqueued[(queue, o)][0]
                     if key in first_by_key and o >= first_by_key[key]:
                         back.add(o)  # rule 4: the key's later messages come back with it
-                self.give_back(queue, sorted(back), nacked)
+                self.give_back(queue, sorted(back), nacked, delay_ms)
             else:
                 for o in nacked:
                     del self.held[(queue, o)]
@@ -482,6 +587,22 @@ class QueueMachineRules(RuleBasedStateMachine):
                 }
                 assert rejected == nacked
         self.take_effects(applied)
+
+    @precondition(lambda self: self.held)
+    @rule(
+        data=st.data(),
+        delay_ms=st.one_of(st.none(), st.none(), st.integers(0, 60), st.integers(200, 2_000)),
+        dt=clock_step,
+    )
+    def retry_held(self, data: st.DataObject, delay_ms: int | None, dt: int) -> None:
+        """A consumer that holds messages gives one back to be retried (the `nack` rule
+        mostly names one that holds nothing: this one keeps retries, and their delays
+        and backoff, common)."""
+        queue, consumer = data.draw(
+            st.sampled_from(sorted({(q, c) for (q, _), c in self.held.items()}))
+        )
+        offsets, ok = self.pick_held(data, queue, consumer, stray=False)
+        self.apply_nack(queue, consumer, offsets, ok, True, delay_ms, dt)
 
     @rule(consumer=st.sampled_from(CONSUMERS), dt=clock_step)
     def down(self, consumer: str, dt: int) -> None:
@@ -513,6 +634,38 @@ class QueueMachineRules(RuleBasedStateMachine):
         applied = self.apply(Tick(), dt)
         assert applied.reply == OK
         self.take_effects(applied)
+        self.leaving = set()
+        for q in QUEUES:  # what is due went out: nobody who may receive is left idle
+            for c in self.receiving(q):
+                assert not self.could_take(q, c), f"{q}: {c} could take {self.could_take(q, c)}"
+
+    @precondition(lambda self: any(due > self.now for due in self.due.values()))
+    @rule(off_by=st.integers(-2, 1))
+    def tick_when_a_retry_is_due(self, off_by: int) -> None:
+        """Time moves to just before, at or just after the next retry the model expects:
+        a delay that runs out early, late or not at all shows here."""
+        due = min(due for due in self.due.values() if due > self.now)
+        self.tick(due + off_by - self.ts)
+
+    def receiving(self, queue: str) -> list[str]:
+        """Consumers of `queue` that may be given a message now (live, with credit, the
+        active one under single active consumer)."""
+        live = [
+            c
+            for c, m in self.consumers[queue].items()
+            if not m.cancelled and (not m.prefetch or len(self.held_by(queue, c)) < m.prefetch)
+        ]
+        if self.options[queue].single_active_consumer:
+            active = next(
+                (
+                    c
+                    for c, m in self.consumers[queue].items()
+                    if not m.cancelled or self.held_by(queue, c)
+                ),
+                None,
+            )
+            return [c for c in live if c == active]
+        return live
 
     @rule(queue=st.sampled_from(QUEUES), group=st.sampled_from(["g1", "g2"]), data=st.data())
     def commit_offset(self, queue: str, group: str, data: st.DataObject) -> None:

@@ -72,12 +72,14 @@ def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
 
 
 _SNAPSHOT_FORMAT = "quorumq-machine"
-_SNAPSHOT_VERSION = 3
+_SNAPSHOT_VERSION = 4
 """2: retention counts keys, headers and an overhead per message (`message_cost`), and
 dead-lettered messages carry their death path. 3: each queue ends with the highest
-producer generation it forgot. Versions 1 and 2 are read too (the retained bytes are
-counted again on restore; no generation was forgotten)."""
-_READABLE_VERSIONS = (1, 2, 3)
+producer generation it forgot. 4: and then its messages waiting for a retry delay, and
+its options end with `retry_backoff_ms`. Versions 1 to 3 are read too (the retained
+bytes are counted again on restore; no generation was forgotten; nothing waits, and
+options missing at the end take their defaults)."""
+_READABLE_VERSIONS = (1, 2, 3, 4)
 _OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
 
 
@@ -492,7 +494,7 @@ class Machine:
             return found
         q, c = found
         if cmd.requeue:
-            q.requeue(c, cmd.offsets)
+            q.requeue(c, cmd.offsets, cmd.delay_ms, self._now)
         else:
             q.reject(c, cmd.offsets)
         self._forget_if_gone(q, cmd.consumer)
@@ -500,7 +502,7 @@ class Machine:
         return OK
 
     def _remove(self, q: QueueState, c: ConsumerState, reason: str, effects: list[Any]) -> None:
-        q.remove_consumer(c)
+        q.remove_consumer(c, self._now)
         self._forget_if_gone(q, c.id)
         effects.append(ConsumerDown(queue=q.name, consumer=c.id, node=c.node, reason=reason))
 
@@ -553,12 +555,20 @@ class Machine:
 
     def needs_tick(self) -> bool:
         """Whether time must move on even with no other command: a queue has a message
-        TTL, remembers producers that may expire, or has deliveries out (consumer
-        timeout). The leader proposes `Tick` then."""
+        TTL, remembers producers that may expire, has deliveries out (consumer
+        timeout), or messages waiting for a retry delay. The leader proposes `Tick`
+        then."""
         return any(
-            q.options.message_ttl_ms is not None or q.producers or q.held
+            q.options.message_ttl_ms is not None or q.producers or q.held or q.waiting
             for q in self._queues.values()
         )
+
+    def next_retry_ms(self) -> int | None:
+        """The log time when the next message waiting for a retry delay is due (None:
+        none waits). The leader proposes a `Tick` once its clock gets there, so a
+        delay is not rounded up to the next periodic tick. It may be early, never late."""
+        due = [t for q in self._queues.values() if (t := q.next_due()) is not None]
+        return min(due) if due else None
 
     def _tick(self, cmd: Tick, effects: list[Any]) -> Reply:
         now = self._now
@@ -578,7 +588,14 @@ class Machine:
                     p for p, s in q.producers.items() if now - s.last_ts > PRODUCER_EXPIRY_MS
                 ):
                     q.forget_producer(producer, now)
-        self._run([q for q in self._queues.values() if q.outbox], effects)
+        self._run(
+            [
+                q
+                for q in self._queues.values()
+                if q.outbox or (q.sq and q.timers and q.timers[0][0] <= now)
+            ],
+            effects,
+        )  # what expired leaves; what waited for a retry delay and is due is delivered
         return OK
 
     # ---------------------------------------------------------------- queries
@@ -596,7 +613,8 @@ class Machine:
         return self._get(queue).options
 
     def ready(self, queue: str) -> tuple[int, ...]:
-        """Offsets of the ready messages, in the order they will be offered."""
+        """Offsets of the ready messages (those waiting for a retry delay too, see
+        `waiting`), ascending."""
         q = self._get(queue)
         return tuple(sorted(o for o in q.msgs if o not in q.held))
 
@@ -610,6 +628,11 @@ class Machine:
             if offset not in held:
                 return msg[4]
         return None
+
+    def waiting(self, queue: str) -> dict[int, int]:
+        """Returned messages of `queue` held back by a retry delay: offset -> the log time
+        they are due (they count as ready, and keep their place)."""
+        return dict(self._get(queue).waiting)
 
     def unacked(self, queue: str, consumer: str) -> tuple[int, ...]:
         """Offsets `consumer` holds on `queue` (empty if it holds none or is not there)."""
@@ -767,6 +790,7 @@ def _encode_queue(q: QueueState) -> list[Any]:
         sorted([g, o] for g, o in q.commits.items()),
         q.expiry_cursor,
         q.forgotten_generation,
+        sorted([o, due] for o, due in q.waiting.items()),
     ]
 
 
@@ -785,7 +809,7 @@ def _decode_queue(raw: list[Any], now: int) -> QueueState:
         producers,
         commits,
         expiry_cursor,
-        *forgotten,  # version 2 snapshots have no forgotten generation
+        *later,  # version 3: the forgotten generation; version 4: and what waits
     ) = raw
     if len(options) > len(_OPTION_FIELDS):
         raise encoding.DecodeError(f"queue {name!r} has {len(options)} options")
@@ -801,6 +825,7 @@ def _decode_queue(raw: list[Any], now: int) -> QueueState:
     )
     q.msgs = {o: by_offset[o] for o in in_queue}
     q.returns = {o: n for o, n in returns}
+    q.waiting = {o: due for o, due in later[1]} if len(later) > 1 else {}
     for cid, node, prefetch, cancelled, unacked, *rest in consumers:
         c = ConsumerState(cid, node, prefetch, rest[0] if rest else None)
         c.cancelled = cancelled
@@ -824,7 +849,7 @@ def _decode_queue(raw: list[Any], now: int) -> QueueState:
         q.producers[producer] = state
     q.commits = {g: o for g, o in commits}
     q.expiry_cursor = expiry_cursor
-    q.forgotten_generation = forgotten[0] if forgotten else 0
+    q.forgotten_generation = later[0] if later else 0
     return q
 
 
