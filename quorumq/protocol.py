@@ -94,7 +94,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "subscribe": {"id": (_I,), "queue": (_S,), "prefetch": (_I,)},
     "cancel": {"id": (_I,), "consumer": (_S,)},
     "ack": {"consumer": (_S,), "offsets": (_LIST,)},
-    "nack": {"consumer": (_S,), "offsets": (_LIST,), "requeue": (_BOOL,)},
+    "nack": {"consumer": (_S,), "offsets": (_LIST,), "requeue": (_BOOL,), "delay_ms": (_I, _N)},
     "read": {
         "id": (_I,),
         "queue": (_S,),

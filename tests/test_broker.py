@@ -85,6 +85,39 @@ def test_keys_stay_in_order_across_two_consumers(cluster: Cluster) -> None:
     assert seen == sent
 
 
+def test_retry_backoff_brings_a_key_back_in_order_after_a_doubling_delay(
+    cluster: Cluster,
+) -> None:
+    """A consumer on a follower nacks; the queue's backoff (500 ms, doubling) holds the
+    message and the key's later one back, and they come back in order."""
+    client = cluster.client()
+    client.declare("backoff", retry_backoff_ms=(500, 5_000))
+    consumer = cluster.client("B").subscribe("backoff", prefetch=10)
+    for key in ("k", "k", "x"):
+        client.publish("backoff", key.encode(), key=key)
+    first, _, other = [consumer.get(timeout=10) for _ in range(3)]
+    assert first is not None and other is not None
+    other.ack()
+    nacked_at = time.monotonic()
+    first.nack()  # 0 waits 500 ms, and 1 (the key's, held) with it
+    again = [consumer.get(timeout=10) for _ in range(2)]
+    waits = [time.monotonic() - nacked_at]
+    assert [(d.offset, d.redelivered, d.delivery_count) for d in again if d] == [
+        (0, True, 1),
+        (1, True, 0),
+    ]
+    first, second = again
+    assert first is not None and second is not None
+    second.ack()
+    nacked_at = time.monotonic()
+    first.nack()  # its second failure: 1 s
+    last = consumer.get(timeout=10)
+    waits.append(time.monotonic() - nacked_at)
+    assert last is not None and (last.offset, last.delivery_count) == (0, 2)
+    last.ack()
+    assert 0.5 <= waits[0] < 1.0 <= waits[1] < 5, waits
+
+
 def test_the_blocking_client_forgets_producers_by_prefix(cluster: Cluster) -> None:
     client = cluster.client()
     client.declare("forget")

@@ -171,3 +171,36 @@ def test_a_nack_does_not_overtake_an_ack_a_leader_change_made_wait() -> None:
     clock.now = RETRY_EVERY_S * 2
     node.run_timers()
     assert _settled(replica) == [("Ack", (1,)), ("Ack", (1,)), ("Nack", (0,))]  # not again
+
+
+def test_nacks_read_together_go_in_one_command_per_delay_and_a_bad_delay_is_refused(
+    core: tuple[NodeCore, _Replica],
+) -> None:
+    node, replica = core
+    conn, consumer = _subscribed(node, replica)
+    nack = {"t": "nack", "consumer": consumer, "requeue": True}
+    _send(
+        node,
+        conn,
+        {**nack, "offsets": [0], "delay_ms": 500},
+        {**nack, "offsets": [1]},
+        {**nack, "offsets": [2], "delay_ms": 500},
+        {**nack, "offsets": [3], "delay_ms": 500, "requeue": False},
+        {**nack, "offsets": [4], "delay_ms": 10**12},
+    )
+    assert [(n.offsets, n.delay_ms) for n in replica.commands(Nack)] == [
+        ((0, 2), 500),
+        ((1,), None),
+    ]
+    errors = [f for f in _frames(conn) if f["t"] == "error"]
+    assert [f["code"] for f in errors] == ["invalid", "invalid"]
+    assert "delay_ms" in errors[0]["message"]
+
+
+def _frames(conn: ConnectionCore) -> list[dict[str, Any]]:
+    from quorumq.protocol import FrameDecoder
+
+    decoder = FrameDecoder()
+    data, _frames_count, _cost = conn.take_output(1 << 20)
+    decoder.feed(data)
+    return list(decoder.frames())

@@ -417,11 +417,13 @@ class AsyncClient:
             async with self._send_lock:
                 await self._write(frame)
 
-    async def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
+    async def _settle(
+        self, delivery: Delivery, ack: bool, requeue: bool, delay_ms: int | None
+    ) -> None:
         """Send an ack or nack, whatever cancels the caller: the delivery is marked
         settled already, so one lost waiting for the send lock could not be sent again
         ("already acked"), and the message would stay held."""
-        frame = self._session.settle_frame(delivery, ack, requeue)
+        frame = self._session.settle_frame(delivery, ack, requeue, delay_ms)
         if frame is not None:
             await self._send_whole(frame)
 

@@ -532,9 +532,9 @@ class Client:
                 logger.info("subscribing to %r again in %.2f s: %s", consumer.queue, delay, e)
                 time.sleep(delay)
 
-    def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
+    def _settle(self, delivery: Delivery, ack: bool, requeue: bool, delay_ms: int | None) -> None:
         with self._lock:
-            frame = self._session.settle_frame(delivery, ack, requeue)
+            frame = self._session.settle_frame(delivery, ack, requeue, delay_ms)
         if frame is not None:
             self._send_frames([frame])
 

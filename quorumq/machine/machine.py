@@ -564,10 +564,13 @@ class Machine:
         )
 
     def next_retry_ms(self) -> int | None:
-        """The log time when the next message waiting for a retry delay is due (None:
-        none waits). The leader proposes a `Tick` once its clock gets there, so a
-        delay is not rounded up to the next periodic tick. It may be early, never late."""
-        due = [t for q in self._queues.values() if (t := q.next_due()) is not None]
+        """The log time when the next message waiting for a retry delay is due, of the
+        queues with a consumer that may receive it (None: none). The leader proposes a
+        `Tick` once its clock gets there, so a delay is not rounded up to the next
+        periodic tick. It may be early (a stale timer, which that `Tick` clears), never
+        late. A queue that nobody may receive from is woken by its next subscribe,
+        ack or nack, which runs it anyway."""
+        due = [t for q in self._queues.values() if q.sq and (t := q.next_due()) is not None]
         return min(due) if due else None
 
     def _tick(self, cmd: Tick, effects: list[Any]) -> Reply:

@@ -75,6 +75,7 @@ from ..machine import (
     Tick,
     UnknownQueueError,
 )
+from ..machine.commands import MAX_RETRY_DELAY_MS
 from ..machine.queue import may_start_generation_id
 from ..protocol import (
     PROTOCOL_VERSION,
@@ -126,6 +127,9 @@ MIN_FORGET_PREFIX = 12
 """The shortest producer prefix a client may forget without the admin credential."""
 
 ProposalCallback = Callable[[Reply | None, ProposalError | None], None]
+_SettleKey = tuple[str, bool, bool, int | None]
+"""Acks and nacks read together go in one command per (consumer, nack, requeue,
+delay_ms)."""
 
 
 class ReplicaHandle(Protocol):
@@ -431,7 +435,7 @@ class NodeCore:
         if conn.done:
             return
         publishes: list[Frame] = []
-        acks: dict[tuple[str, bool, bool], list[int]] = {}
+        acks: dict[_SettleKey, list[int]] = {}
         while not conn.done:
             try:
                 for frame in conn.decoder.frames():
@@ -726,7 +730,7 @@ class NodeCore:
         self._propose_for(conn, frame["id"], Cancel(queue=queue, consumer=consumer))
 
     def _gather_ack(
-        self, conn: ConnectionCore, acks: dict[tuple[str, bool, bool], list[int]], frame: Frame
+        self, conn: ConnectionCore, acks: dict[_SettleKey, list[int]], frame: Frame
     ) -> None:
         consumer = frame["consumer"]
         if consumer not in conn.consumers:
@@ -739,18 +743,32 @@ class NodeCore:
             self._error(conn, None, "invalid", "offsets must be non-negative integers")
             return
         nack = frame["t"] == "nack"
-        acks.setdefault((consumer, nack, bool(frame.get("requeue"))), []).extend(offsets)
+        requeue = bool(frame.get("requeue"))
+        delay_ms = frame.get("delay_ms") if nack else None
+        if delay_ms is not None and (not requeue or not 0 <= delay_ms <= MAX_RETRY_DELAY_MS):
+            self._error(
+                conn,
+                None,
+                "invalid",
+                f"delay_ms must be from 0 to {MAX_RETRY_DELAY_MS}, and goes with requeue=True",
+            )
+            return
+        acks.setdefault((consumer, nack, requeue, delay_ms), []).extend(offsets)
 
-    def _flush_acks(
-        self, conn: ConnectionCore, acks: dict[tuple[str, bool, bool], list[int]]
-    ) -> None:
-        for (consumer, nack, requeue), offsets in acks.items():
+    def _flush_acks(self, conn: ConnectionCore, acks: dict[_SettleKey, list[int]]) -> None:
+        for (consumer, nack, requeue, delay_ms), offsets in acks.items():
             queue = conn.consumers.get(consumer)
             if queue is None:
                 continue
             if nack:
                 self._release_acks(consumer)  # the consumer's acks before its nack
-                command = Nack(queue=queue, consumer=consumer, offsets=offsets, requeue=requeue)
+                command = Nack(
+                    queue=queue,
+                    consumer=consumer,
+                    offsets=offsets,
+                    requeue=requeue,
+                    delay_ms=delay_ms,
+                )
                 self.settle(command, conn)
             else:
                 self._ack(queue, consumer, offsets, conn)
