@@ -37,6 +37,7 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
             dead_letter=args.dead_letter,
             single_active_consumer=args.single_active_consumer,
             consumer_timeout_ms=args.consumer_timeout,
+            retry_backoff_ms=args.retry_backoff,
             producers=args.producers,
             consumers=args.consumers,
             keys=args.keys,
@@ -64,6 +65,17 @@ def _setup_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if unknown:
         parser.error(f"--setup {path}: unknown settings {unknown}; known: {sorted(known)}")
     return setup
+
+
+def _backoff(text: str) -> tuple[int, int]:
+    """An argparse type: MIN:MAX in milliseconds."""
+    low, sep, high = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN:MAX (milliseconds)") from None
 
 
 def _seeds(text: str) -> range:
@@ -141,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar="MS",
         help="remove a consumer that holds a record this long (slow ones ack after 0.2-1.5 s)",
+    )
+    common.add_argument(
+        "--retry-backoff",
+        type=_backoff,
+        metavar="MIN:MAX",
+        help="the queue's retry backoff in ms (doubling per failure); consumers then nack "
+        "with a delay of their own half the time",
     )
     common.add_argument("--no-disk-faults", action="store_true", help="leave out the disk faults")
     common.add_argument(
