@@ -25,6 +25,7 @@ from .machine import (
     CommitOffset,
     Declare,
     Declared,
+    DeleteQueue,
     Down,
     Enqueue,
     EnqueueBatch,
@@ -38,7 +39,10 @@ from .machine import (
     NodeDown,
     NodeUp,
     Ok,
+    PurgeQueue,
+    QueueDeleted,
     QueueOptions,
+    QueuePurged,
     Reply,
     Subscribe,
     Tick,
@@ -50,9 +54,11 @@ VERSION = 1
 _DECLARE, _ENQUEUE, _ENQUEUE_BATCH, _SUBSCRIBE, _CANCEL, _ACK, _NACK = 1, 2, 3, 4, 5, 6, 7
 _DOWN, _NODE_DOWN, _NODE_UP, _COMMIT_OFFSET, _TICK = 8, 9, 10, 11, 12
 _FORGET_PRODUCERS = 13
+_PURGE_QUEUE, _DELETE_QUEUE = 14, 15
 # reply tags
 _OK, _DECLARED, _ENQUEUED, _ERROR = 100, 101, 102, 103
 _FORGOTTEN = 104
+_QUEUE_PURGED, _QUEUE_DELETED = 105, 106
 # envelope tags
 _ENTRY = 200
 
@@ -144,6 +150,10 @@ def _command_fields(cmd: Command) -> list[Any]:
             return [_COMMIT_OFFSET, cmd.queue, cmd.group, cmd.offset]
         case ForgetProducers():
             return [_FORGET_PRODUCERS, cmd.queue, cmd.prefix]
+        case PurgeQueue():
+            return [_PURGE_QUEUE, cmd.queue]
+        case DeleteQueue():
+            return [_DELETE_QUEUE, cmd.queue, cmd.force]
         case Tick():
             return [_TICK]
     raise TypeError(f"not a command: {cmd!r}")
@@ -194,6 +204,8 @@ _COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]
     _COMMIT_OFFSET: (3, lambda q, g, o: CommitOffset(queue=q, group=g, offset=o)),
     _TICK: (0, Tick),
     _FORGET_PRODUCERS: (2, lambda q, p: ForgetProducers(queue=q, prefix=p)),
+    _PURGE_QUEUE: (1, lambda q: PurgeQueue(queue=q)),
+    _DELETE_QUEUE: (2, lambda q, f: DeleteQueue(queue=q, force=f)),
 }
 
 
@@ -273,6 +285,10 @@ def encode_reply(reply: Reply) -> bytes:
             return _pack([VERSION, _ENQUEUED, reply.offset, reply.count, reply.duplicate])
         case Forgotten():
             return _pack([VERSION, _FORGOTTEN, reply.count])
+        case QueuePurged():
+            return _pack([VERSION, _QUEUE_PURGED, reply.messages])
+        case QueueDeleted():
+            return _pack([VERSION, _QUEUE_DELETED, reply.messages, reply.consumers])
         case Error():
             return _pack(
                 [
@@ -299,6 +315,10 @@ def decode_reply(data: bytes) -> Reply:
             return Enqueued(offset=args[0], count=args[1], duplicate=args[2])
         if tag == _FORGOTTEN and len(args) == 1 and type(args[0]) is int:
             return Forgotten(count=args[0])
+        if tag == _QUEUE_PURGED and len(args) == 1 and type(args[0]) is int:
+            return QueuePurged(messages=args[0])
+        if tag == _QUEUE_DELETED and len(args) == 2 and all(type(a) is int for a in args):
+            return QueueDeleted(messages=args[0], consumers=args[1])
         if tag == _ERROR and len(args) in (3, 4):  # 3: before producer generations
             generation = args[3] if len(args) == 4 else None
             return Error(

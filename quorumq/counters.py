@@ -19,9 +19,18 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from .machine import OK, Ack, Applied, Command, DeadLettered, Deliver, Dropped, Nack
+from .machine import OK, Ack, Applied, Command, DeadLettered, Deliver, Dropped, Nack, Purged
 
-COUNTS = ("delivered", "redelivered", "acked", "rejected", "dead_lettered", "expired", "dropped")
+COUNTS = (
+    "delivered",
+    "redelivered",
+    "acked",
+    "rejected",
+    "dead_lettered",
+    "expired",
+    "dropped",
+    "purged",
+)
 """What is counted per queue:
 
 * `delivered`: deliveries (`Deliver` effects), redeliveries included;
@@ -31,9 +40,20 @@ COUNTS = ("delivered", "redelivered", "acked", "rejected", "dead_lettered", "exp
 * `dead_lettered`: messages that left the queue into its dead-letter queue, any reason;
 * `expired`: messages whose TTL ran out (dead-lettered or dropped);
 * `dropped`: messages that left the queue undelivered and were not dead-lettered (max
-  length, delivery limit, rejection or expiry without a dead-letter queue, a cycle).
+  length, delivery limit, rejection or expiry without a dead-letter queue, a cycle);
+* `purged`: messages removed by a purge (ready ones) or with the queue when it was
+  deleted (all of them, held ones too).
 """
-_DELIVERED, _REDELIVERED, _ACKED, _REJECTED, _DEAD_LETTERED, _EXPIRED, _DROPPED = range(len(COUNTS))
+(
+    _DELIVERED,
+    _REDELIVERED,
+    _ACKED,
+    _REJECTED,
+    _DEAD_LETTERED,
+    _EXPIRED,
+    _DROPPED,
+    _PURGED,
+) = range(len(COUNTS))
 
 
 class QueueCounters:
@@ -84,6 +104,8 @@ class QueueCounters:
                     left[_DEAD_LETTERED if isinstance(e, DeadLettered) else _DROPPED] += 1
                     if e.reason == "expired":
                         left[_EXPIRED] += 1
+                elif isinstance(e, Purged):
+                    self._row(e.queue)[_PURGED] += len(e.offsets)
 
     def snapshot_loaded(self, replica: Any, applied: int, index: int) -> None:
         """A snapshot was loaded (the replica counts these itself)."""

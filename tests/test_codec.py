@@ -29,6 +29,7 @@ from quorumq.machine import (
     CommitOffset,
     Declare,
     Declared,
+    DeleteQueue,
     Down,
     Enqueue,
     EnqueueBatch,
@@ -41,7 +42,10 @@ from quorumq.machine import (
     Nack,
     NodeDown,
     NodeUp,
+    PurgeQueue,
+    QueueDeleted,
     QueueOptions,
+    QueuePurged,
     Subscribe,
     Tick,
 )
@@ -91,6 +95,8 @@ commands = st.one_of(
     st.builds(NodeUp, node=names),
     st.builds(CommitOffset, queue=names, group=names, offset=st.integers(0, 2**40)),
     st.builds(ForgetProducers, queue=names, prefix=names),
+    st.builds(PurgeQueue, queue=names),
+    st.builds(DeleteQueue, queue=names, force=st.booleans()),
     st.just(Tick()),
 )
 replies = st.one_of(
@@ -103,6 +109,8 @@ replies = st.one_of(
         duplicate=st.booleans(),
     ),
     st.builds(Forgotten, count=st.integers(0, 2**40)),
+    st.builds(QueuePurged, messages=st.integers(0, 2**40)),
+    st.builds(QueueDeleted, messages=st.integers(0, 2**40), consumers=st.integers(0, 10**6)),
     st.builds(
         Error,
         code=st.sampled_from(list(ErrorCode)),
@@ -188,6 +196,10 @@ def test_new_tags_are_pinned() -> None:
     # added after VERSION 1 shipped: the next free tags, never renumbered
     assert encode_command(ForgetProducers(queue="q", prefix="p-")) == b"\x94\x01\x0d\xa1q\xa2p-"
     assert encode_reply(Forgotten(count=3)) == b"\x93\x01\x68\x03"
+    assert encode_command(PurgeQueue(queue="q")) == _raw(VERSION, 14, "q")
+    assert encode_command(DeleteQueue(queue="q", force=True)) == _raw(VERSION, 15, "q", True)
+    assert encode_reply(QueuePurged(messages=3)) == _raw(VERSION, 105, 3)
+    assert encode_reply(QueueDeleted(messages=3, consumers=1)) == _raw(VERSION, 106, 3, 1)
 
 
 def test_a_retry_delay_and_backoff_travel_only_when_set() -> None:

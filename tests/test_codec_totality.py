@@ -52,7 +52,10 @@ _OPTIONS = st.dictionaries(
     st.one_of(_SCALARS, st.lists(st.integers(-2, 2**64 - 1) | _SCALARS, max_size=3)),
     max_size=4,
 )
-_ARITY = {1: 2, 2: 6, 3: 4, 4: 4, 5: 2, 6: 3, 7: 4, 8: 1, 9: 1, 10: 1, 11: 3, 12: 0, 13: 2}
+_ARITY = {
+    **{1: 2, 2: 6, 3: 4, 4: 4, 5: 2, 6: 3, 7: 4, 8: 1, 9: 1, 10: 1, 11: 3, 12: 0, 13: 2},
+    **{14: 1, 15: 2},  # purge, delete (queue, force)
+}
 _OPTIONAL_LAST = {3: 2, 4: 1, 7: 1}
 """Commands with optional last fields, how many: a batch's seqs and opens, a
 subscribe's timeout, a nack's retry delay."""

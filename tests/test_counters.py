@@ -55,6 +55,7 @@ def test_deliveries_redeliveries_acks_rejections_and_dead_letters_are_counted_pe
         "dead_lettered": 1,
         "expired": 0,
         "dropped": 0,
+        "purged": 0,
     }
     assert "dlq" not in counts  # it was enqueued into, not delivered from
     assert counters.counts(["dlq", "q"])["dlq"] == dict.fromkeys(COUNTS, 0)
@@ -70,3 +71,18 @@ def test_expired_messages_count_as_expired_and_dropped_without_a_dead_letter_que
     assert counters.counts()["ttl"]["expired"] == 2
     assert counters.counts()["ttl"]["dropped"] == 2
     assert counters.counts()["ttl"]["dead_lettered"] == 0
+
+
+def test_purged_and_deleted_messages_are_counted_as_purged() -> None:
+    from quorumq.machine import DeleteQueue, PurgeQueue
+
+    apply = Counted()
+    apply(Declare(queue="q"), ts_ms=0)
+    apply(Subscribe(queue="q", consumer="c", node="A", prefetch=1), ts_ms=0)
+    for _ in range(4):
+        apply(Enqueue(queue="q", body=b"m"), ts_ms=0)  # c holds one, three ready
+    apply(PurgeQueue(queue="q"), ts_ms=0)
+    assert apply.counters.counts()["q"]["purged"] == 3
+    apply(Enqueue(queue="q", body=b"m"), ts_ms=0)
+    apply(DeleteQueue(queue="q", force=True), ts_ms=0)  # the held one and the new one
+    assert apply.counters.counts()["q"]["purged"] == 5

@@ -13,6 +13,7 @@ from quorumq.machine import (
     DeadLettered,
     Declare,
     Declared,
+    DeleteQueue,
     Down,
     Dropped,
     Enqueue,
@@ -28,7 +29,11 @@ from quorumq.machine import (
     Nack,
     NodeDown,
     NodeUp,
+    Purged,
+    PurgeQueue,
+    QueueDeleted,
     QueueOptions,
+    QueuePurged,
     Subscribe,
     Tick,
     UnknownQueueError,
@@ -1298,3 +1303,98 @@ def test_retry_timers_stay_bounded_by_what_waits_however_many_retries() -> None:
         d(Tick(), ts_ms=now + 1)
     q = d.machine._queues["q"]
     assert len(q.timers) <= 2 * len(q.waiting) + 33 and len(q.waiting_low) <= 33
+
+
+# ---------------------------------------------------------- purge and delete
+
+
+def test_purge_removes_the_ready_messages_and_counts_them_and_held_ones_stay() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c", node="A", prefetch=2), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m0", key="k"))
+    d(Enqueue(queue="q", body=b"m1"))  # c holds 0 and 1
+    d(Nack(queue="q", consumer="c", offsets=[1], delay_ms=1_000))  # 1 waits
+    for key in ("k", None, "j"):
+        d(Enqueue(queue="q", body=b"r", key=key))  # c takes 2; 3 and 4 are ready
+    applied = d(PurgeQueue(queue="q"))
+    assert applied.reply == QueuePurged(messages=3)
+    assert applied.effects == (Purged(queue="q", offsets=(1, 3, 4), reason="purged"),)
+    assert d.machine.ready("q") == () and d.machine.waiting("q") == {}
+    assert d.machine.unacked("q", "c") == (0, 2)
+    assert [m.offset for m in d.machine.read("q", 0, 10)] == [0, 1, 2, 3, 4]  # the stream
+    assert d(Tick(), ts_ms=2_000).effects == ()
+    assert deliveries(d(Enqueue(queue="q", body=b"new", key="k"))) == []  # no credit
+    assert deliveries(d(Ack(queue="q", consumer="c", offsets=[0, 2]))) == [("c", 5)]
+    assert d(PurgeQueue(queue="q")).reply == QueuePurged(messages=0)
+    assert _error_code(d(PurgeQueue(queue="nope")).reply) is ErrorCode.UNKNOWN_QUEUE
+
+
+def test_deleting_a_queue_in_use_is_refused_unless_forced() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c1", node="A", prefetch=1))
+    d(Subscribe(queue="q", consumer="c2", node="B", prefetch=1))
+    publish(d, 3)  # c1 holds 0, c2 holds 1, 2 is ready
+    d(Cancel(queue="q", consumer="c1"))
+    before = d.machine.snapshot()
+    refused = d(DeleteQueue(queue="q"))
+    assert _error_code(refused.reply) is ErrorCode.QUEUE_IN_USE and refused.effects == ()
+    assert "2 consumers, holding 2 messages" in refused.reply.message  # type: ignore[union-attr]
+    assert Machine.restore(before).queues() == d.machine.queues() == ("q",)
+    forced = d(DeleteQueue(queue="q", force=True))
+    assert forced.reply == QueueDeleted(messages=3, consumers=2)
+    assert forced.effects == (
+        ConsumerDown(queue="q", consumer="c1", node="A", reason="queue_deleted"),
+        ConsumerDown(queue="q", consumer="c2", node="B", reason="queue_deleted"),
+        Purged(queue="q", offsets=(0, 1, 2), reason="queue_deleted"),
+    )
+    assert d.machine.queues() == () and d.machine.consumers_on("A") == ()
+    assert _error_code(d(Ack(queue="q", consumer="c2", offsets=[1])).reply) is (
+        ErrorCode.UNKNOWN_QUEUE
+    )
+    assert d(Down(consumer="c2")).effects == ()  # its connection closing: nothing left
+    assert _error_code(d(DeleteQueue(queue="q")).reply) is ErrorCode.UNKNOWN_QUEUE
+
+
+def test_a_queue_nobody_consumes_is_deleted_with_its_messages_counted_and_starts_afresh() -> None:
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(max_length=10)))
+    d(Enqueue(queue="q", body=b"x", producer="p", seq=0))
+    d(CommitOffset(queue="q", group="spark", offset=1))
+    applied = d(DeleteQueue(queue="q"))
+    assert applied.reply == QueueDeleted(messages=1, consumers=0)
+    assert applied.effects == (Purged(queue="q", offsets=(0,), reason="queue_deleted"),)
+    assert d(Declare(queue="q")).reply == Declared(created=True)  # other options now
+    assert d(Enqueue(queue="q", body=b"y", producer="p", seq=0)).reply == Enqueued(offset=0)
+    assert d.machine.committed_offset("q", "spark") is None
+
+
+def test_a_consumer_of_two_queues_keeps_the_other_when_one_is_deleted() -> None:
+    d = Driver()
+    d(Declare(queue="a"))
+    d(Declare(queue="b"))
+    for queue in ("a", "b"):
+        d(Subscribe(queue=queue, consumer="c", node="A"))
+        d(Enqueue(queue=queue, body=b"m"))
+    d(Subscribe(queue="b", consumer="other", node="B", prefetch=1))
+    d(DeleteQueue(queue="a", force=True))
+    assert d.machine.consumers_on("A") == ("c",)
+    down = d(Down(consumer="c"))
+    assert [(e.queue, e.consumer) for e in down.effects if isinstance(e, ConsumerDown)] == [
+        ("b", "c")
+    ]
+    assert deliveries(down) == [("other", 0)]  # what it held on b went back
+    restored = Machine.restore(d.machine.snapshot())
+    assert restored.digest() == d.machine.digest()
+
+
+def test_dead_lettering_into_a_deleted_queue_drops_instead() -> None:
+    d = Driver()
+    d(Declare(queue="dlq"))
+    d(Declare(queue="q", options=QueueOptions(dead_letter_queue="dlq")))
+    d(Subscribe(queue="q", consumer="c", node="A"))
+    d(Enqueue(queue="q", body=b"m"))
+    d(DeleteQueue(queue="dlq"))
+    rejected = d(Nack(queue="q", consumer="c", offsets=[0], requeue=False))
+    assert rejected.effects == (Dropped(queue="q", offset=0, reason="rejected"),)

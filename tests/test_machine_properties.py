@@ -25,6 +25,10 @@ public queries:
   single-active-consumer queue gives nothing above a waiting message; and after a
   `Tick` no consumer that may receive is left with a message it could take;
 * the stream view at an offset never changes;
+* a purge removes exactly the ready messages (held ones stay with their holders), a
+  delete of a queue with consumers is refused unless forced, and a forced one cancels
+  every consumer (`queue_deleted`) and removes every message, each counted; a deleted
+  queue refuses everything until it is declared again, afresh;
 * a second machine fed the same log, and one restored from a snapshot taken mid-way
   and fed the rest, end with the same digest.
 """
@@ -55,6 +59,7 @@ from quorumq.machine import (
     DeadLettered,
     Declare,
     Declared,
+    DeleteQueue,
     Deliver,
     Down,
     Dropped,
@@ -71,7 +76,11 @@ from quorumq.machine import (
     Nack,
     NodeDown,
     NodeUp,
+    Purged,
+    PurgeQueue,
+    QueueDeleted,
     QueueOptions,
+    QueuePurged,
     Subscribe,
     Tick,
 )
@@ -147,6 +156,8 @@ class QueueMachineRules(RuleBasedStateMachine):
         consumer they come before any later message (strict FIFO)."""
         self.due: dict[Ref, int] = {}
         """Returned messages held back by a retry delay: when they may go out again."""
+        self.deleted: set[str] = set()
+        """Queues deleted and not declared again."""
 
     # ---------------------------------------------------------------- driving
 
@@ -190,6 +201,36 @@ class QueueMachineRules(RuleBasedStateMachine):
                     )
                 if delay:
                     self.due[ref] = self.now + delay
+
+    def gone(self, queue: str, applied: Applied) -> bool:
+        """Whether `queue` is deleted: then the command was refused, and did nothing."""
+        if queue not in self.deleted:
+            return False
+        assert isinstance(applied.reply, Error), applied.reply
+        assert applied.reply.code is ErrorCode.UNKNOWN_QUEUE, applied.reply
+        assert applied.effects == ()
+        return True
+
+    def forget_queue(self, queue: str) -> None:
+        """The model of a deleted queue: nothing (a queue declared again is new)."""
+        for refs in (self.held, self.due, self.failures, self.enqueued):
+            for ref in [r for r in refs if r[0] == queue]:
+                del refs[ref]  # type: ignore[attr-defined]
+        for group in (self.acked, self.dropped, self.delivered_ever, self.returned, self.leaving):
+            group.difference_update({r for r in group if r[0] == queue})
+        for slots in (
+            self.last_unkeyed_first,
+            self.last_key_first,
+            self.producer_offsets,
+            self.producer_last,
+        ):
+            for slot in [k for k in slots if k[0] == queue]:
+                del slots[slot]  # type: ignore[attr-defined]
+        for landed in [k for k in self.landed if k[0] == queue]:
+            del self.landed[landed]
+        self.forgotten_generation.pop(queue, None)
+        self.consumers[queue] = {}
+        self.next_offset[queue] = 0
 
     def ready_refs(self, queue: str) -> list[int]:
         """The model's ready offsets of `queue` (not held, settled or leaving), ascending."""
@@ -245,6 +286,10 @@ class QueueMachineRules(RuleBasedStateMachine):
                 ]
             elif isinstance(e, Deliver):
                 self.deliver(e)
+            elif isinstance(e, Purged):
+                assert e.reason == "purged", e  # a delete's effects are checked by its rule
+                for off in e.offsets:
+                    self.leave((e.queue, off))
             else:  # pragma: no cover - a new effect type needs a model
                 raise AssertionError(f"unexpected effect {e}")
         for q in QUEUES:
@@ -398,8 +443,10 @@ class QueueMachineRules(RuleBasedStateMachine):
     @rule(queue=st.sampled_from(QUEUES), key=st.sampled_from(KEYS), dt=clock_step)
     def enqueue(self, queue: str, key: str | None, dt: int) -> None:
         body = self.body()
-        ready_before = len(self.machine.ready(queue))
+        ready_before = 0 if queue in self.deleted else len(self.machine.ready(queue))
         applied = self.apply(Enqueue(queue=queue, body=body, key=key), dt)
+        if self.gone(queue, applied):
+            return
         if not self.refused_as_full(queue, applied.reply, 1, ready_before):
             assert isinstance(applied.reply, Enqueued)
             self.record_enqueued(queue, applied.reply, [(key, body)])
@@ -430,8 +477,10 @@ class QueueMachineRules(RuleBasedStateMachine):
             producer=producer,
             first_seq=seq,
         )
-        ready_before = len(self.machine.ready(queue))
+        ready_before = 0 if queue in self.deleted else len(self.machine.ready(queue))
         applied = self.apply(batch, dt)
+        if self.gone(queue, applied):
+            return
         if producer is not None and seq is not None:
             self.producer_enqueue(queue, producer, seq, messages, applied, ready_before)
         elif not self.refused_as_full(queue, applied.reply, len(messages), ready_before):
@@ -451,9 +500,11 @@ class QueueMachineRules(RuleBasedStateMachine):
     ) -> None:
         seq = max(0, self.producer_last.get((queue, producer), -1) + 1 + seq_shift)
         body = self.body()
-        ready_before = len(self.machine.ready(queue))
+        ready_before = 0 if queue in self.deleted else len(self.machine.ready(queue))
         cmd = Enqueue(queue=queue, body=body, key=key, producer=producer, seq=seq)
         applied = self.apply(cmd, dt)
+        if self.gone(queue, applied):
+            return
         self.producer_enqueue(queue, producer, seq, [(key, body)], applied, ready_before)
         self.take_effects(applied)
 
@@ -468,6 +519,8 @@ class QueueMachineRules(RuleBasedStateMachine):
         applied = self.apply(
             Subscribe(queue=queue, consumer=consumer, node=node, prefetch=prefetch), dt
         )
+        if self.gone(queue, applied):
+            return
         if node in self.down_nodes:
             assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.NODE_DOWN
         elif consumer in self.consumers[queue]:
@@ -481,6 +534,8 @@ class QueueMachineRules(RuleBasedStateMachine):
     @rule(queue=st.sampled_from(QUEUES), consumer=st.sampled_from(CONSUMERS), dt=clock_step)
     def cancel(self, queue: str, consumer: str, dt: int) -> None:
         applied = self.apply(Cancel(queue=queue, consumer=consumer), dt)
+        if self.gone(queue, applied):
+            return
         mc = self.consumers[queue].get(consumer)
         if mc is None:
             assert isinstance(applied.reply, Error)
@@ -502,6 +557,8 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     def settled(self, applied: Applied, queue: str, consumer: str, all_held: bool) -> bool:
         """Check the reply to an ack or nack; True when it took effect."""
+        if self.gone(queue, applied):
+            return False
         if consumer not in self.consumers[queue]:
             assert isinstance(applied.reply, Error)
             assert applied.reply.code is ErrorCode.UNKNOWN_CONSUMER
@@ -671,6 +728,8 @@ class QueueMachineRules(RuleBasedStateMachine):
     def commit_offset(self, queue: str, group: str, data: st.DataObject) -> None:
         offset = data.draw(st.integers(0, self.next_offset[queue] + 1))
         applied = self.apply(CommitOffset(queue=queue, group=group, offset=offset))
+        if self.gone(queue, applied):
+            return
         if offset <= self.next_offset[queue]:
             assert applied.reply == OK
             assert self.machine.committed_offset(queue, group) == offset
@@ -680,6 +739,8 @@ class QueueMachineRules(RuleBasedStateMachine):
     @rule(queue=st.sampled_from(QUEUES), prefix=st.sampled_from(["", "p", *PRODUCERS, "x"]))
     def forget_producers(self, queue: str, prefix: str) -> None:
         applied = self.apply(ForgetProducers(queue=queue, prefix=prefix))
+        if self.gone(queue, applied):
+            return
         assert applied.effects == ()
         if not prefix:
             assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.INVALID
@@ -694,6 +755,51 @@ class QueueMachineRules(RuleBasedStateMachine):
                 before = self.forgotten_generation.get(queue, 0)
                 self.forgotten_generation[queue] = max(before, generation)
 
+    @rule(queue=st.sampled_from(QUEUES), dt=clock_step)
+    def purge(self, queue: str, dt: int) -> None:
+        ready = [] if queue in self.deleted else self.ready_refs(queue)
+        applied = self.apply(PurgeQueue(queue=queue), dt)
+        if self.gone(queue, applied):
+            return
+        assert applied.reply == QueuePurged(messages=len(ready)), (applied.reply, ready)
+        expected = (Purged(queue=queue, offsets=tuple(ready), reason="purged"),)
+        assert applied.effects == (expected if ready else ())
+        self.take_effects(applied)
+
+    @rule(queue=st.sampled_from(QUEUES), force=st.booleans(), dt=clock_step)
+    def delete_queue(self, queue: str, force: bool, dt: int) -> None:
+        applied = self.apply(DeleteQueue(queue=queue, force=force), dt)
+        if self.gone(queue, applied):
+            return
+        consumers = self.consumers[queue]
+        if consumers and not force:
+            assert isinstance(applied.reply, Error), applied.reply
+            assert applied.reply.code is ErrorCode.QUEUE_IN_USE
+            assert applied.effects == ()
+            return
+        gone = self.ready_refs(queue) + [o for q, o in self.held if q == queue]
+        assert applied.reply == QueueDeleted(messages=len(gone), consumers=len(consumers))
+        down = [
+            ConsumerDown(queue=queue, consumer=c, node=m.node, reason="queue_deleted")
+            for c, m in consumers.items()
+        ]
+        purged = [Purged(queue=queue, offsets=tuple(sorted(gone)), reason="queue_deleted")]
+        assert list(applied.effects) == down + (purged if gone else [])
+        self.forget_queue(queue)
+        self.deleted.add(queue)
+
+    @precondition(lambda self: self.deleted)
+    @rule(data=st.data(), options=options_strategy, dt=clock_step)
+    def declare_again(self, data: st.DataObject, options: QueueOptions, dt: int) -> None:
+        queue = data.draw(st.sampled_from(sorted(self.deleted)))
+        if queue == "dlq":
+            options = QueueOptions()
+        applied = self.apply(Declare(queue=queue, options=options), dt)
+        assert (applied.reply, applied.effects) == (Declared(created=True), ())
+        self.options[queue] = options
+        self.deleted.discard(queue)
+        assert self.machine.stats(queue).next_offset == 0
+
     @rule()
     def snapshot_round_trip(self) -> None:
         snapshot = self.machine.snapshot()
@@ -704,22 +810,26 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     # ------------------------------------------------------------- invariants
 
+    def live_queues(self) -> list[str]:
+        return [q for q in QUEUES if q not in self.deleted]
+
     @invariant()
     def holds_match_the_model(self) -> None:
-        for q in QUEUES:
+        assert set(self.machine.queues()) == set(QUEUES) - self.deleted
+        for q in self.live_queues():
             assert set(self.machine.consumers(q)) == set(self.consumers[q])
             for c in self.consumers[q]:
                 assert list(self.machine.unacked(q, c)) == self.held_by(q, c), (q, c)
 
     @invariant()
     def producers_match_the_model(self) -> None:
-        for q in QUEUES:
+        for q in self.live_queues():
             mine = sorted(p for queue, p in self.producer_last if queue == q)
             assert list(self.machine.producers(q)) == mine
 
     @invariant()
     def no_message_is_lost(self) -> None:
-        for q in QUEUES:
+        for q in self.live_queues():
             ready = {(q, o) for o in self.machine.ready(q)}
             mine = {r for r in self.enqueued if r[0] == q}
             held = {r for r in self.held if r[0] == q}
@@ -729,7 +839,7 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     @invariant()
     def keys_are_held_by_one_consumer_and_older_than_ready(self) -> None:
-        for q in QUEUES:
+        for q in self.live_queues():
             holders: dict[str, set[str]] = {}
             newest_held: dict[str, int] = {}
             for (queue, off), c in self.held.items():
@@ -745,7 +855,7 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     @invariant()
     def stream_view_never_changes(self) -> None:
-        for q in QUEUES:
+        for q in self.live_queues():
             stats = self.machine.stats(q)
             assert stats.next_offset == self.next_offset[q]
             got = self.machine.read(q, 0, stats.next_offset)

@@ -378,6 +378,30 @@ class ForgetProducers:
 
 
 @attrs.frozen(kw_only=True)
+class PurgeQueue:
+    """Remove every ready message of `queue` (those waiting for a retry delay too); they
+    are counted (`QueuePurged`, and a `Purged` effect lists them). Held messages stay
+    with their consumers: acked, or returned by a nack or a `Down` as ever. The stream
+    view keeps everything, as after an ack, until retention drops it."""
+
+    queue: str = attrs.field(validator=_str)
+
+
+@attrs.frozen(kw_only=True)
+class DeleteQueue:
+    """Delete `queue`: its messages, consumers, stream view, idempotent producers and
+    committed offsets. A queue in use (with consumers, cancelled ones still holding
+    messages included) is refused (`queue_in_use`) unless `force`: then each consumer
+    is cancelled (`ConsumerDown`, reason "queue_deleted") and what it held goes with
+    the queue. Every message the queue held, ready or delivered, is counted
+    (`QueueDeleted`, and a `Purged` effect lists them): none is dead-lettered. A queue
+    declared again under the name starts afresh, at offset 0."""
+
+    queue: str = attrs.field(validator=_str)
+    force: bool = attrs.field(default=False, validator=_exact_bool)
+
+
+@attrs.frozen(kw_only=True)
 class Tick:
     """Moves time (message TTL, producer expiry, consumer timeouts, retry delays) when
     nothing else does."""
@@ -396,5 +420,7 @@ Command: TypeAlias = (
     | NodeUp
     | CommitOffset
     | ForgetProducers
+    | PurgeQueue
+    | DeleteQueue
     | Tick
 )

@@ -22,6 +22,7 @@ from .commands import (
     Command,
     CommitOffset,
     Declare,
+    DeleteQueue,
     Down,
     Enqueue,
     EnqueueBatch,
@@ -30,11 +31,12 @@ from .commands import (
     Nack,
     NodeDown,
     NodeUp,
+    PurgeQueue,
     QueueOptions,
     Subscribe,
     Tick,
 )
-from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect
+from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect, Purged
 from .queue import (
     ConsumerState,
     ProducerState,
@@ -43,7 +45,17 @@ from .queue import (
     message_cost,
     producer_generation,
 )
-from .replies import OK, Declared, Enqueued, Error, ErrorCode, Forgotten, Reply
+from .replies import (
+    OK,
+    Declared,
+    Enqueued,
+    Error,
+    ErrorCode,
+    Forgotten,
+    QueueDeleted,
+    QueuePurged,
+    Reply,
+)
 from .views import QueueStats, StreamMessage, bucket_of
 
 PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
@@ -434,8 +446,9 @@ class Machine:
         self._run([q], effects)
         return OK
 
-    def _forget_if_gone(self, q: QueueState, consumer: str) -> None:
-        if consumer not in q.consumers:
+    def _forget_if_gone(self, q: QueueState, consumer: str, *, deleted: bool = False) -> None:
+        """Drop `consumer` from the queues it is on if `q` no longer has it (or is gone)."""
+        if deleted or consumer not in q.consumers:
             queues = self._consumer_queues.get(consumer)
             if queues is not None:
                 queues.pop(q.name, None)
@@ -552,6 +565,40 @@ class Machine:
         if not cmd.prefix:
             return _error(ErrorCode.INVALID, "an empty prefix would forget every producer")
         return Forgotten(count=q.forget_producers(cmd.prefix, self._now))
+
+    def _purge_queue(self, cmd: PurgeQueue, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        gone = q.purge()
+        if gone:
+            effects.append(Purged(queue=q.name, offsets=tuple(gone), reason="purged"))
+        return QueuePurged(messages=len(gone))
+
+    def _delete_queue(self, cmd: DeleteQueue, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        consumers = list(q.consumers.values())
+        if consumers and not cmd.force:
+            held = len(q.held)
+            return _error(
+                ErrorCode.QUEUE_IN_USE,
+                f"queue {q.name!r} is in use: {len(consumers)} consumers, holding {held} "
+                "messages; cancel them, or delete with force (which cancels them, and "
+                "deletes what they hold)",
+            )
+        for c in consumers:  # subscription order
+            effects.append(
+                ConsumerDown(queue=q.name, consumer=c.id, node=c.node, reason="queue_deleted")
+            )
+        gone = sorted(q.msgs)
+        if gone:
+            effects.append(Purged(queue=q.name, offsets=tuple(gone), reason="queue_deleted"))
+        del self._queues[q.name]
+        for c in consumers:
+            self._forget_if_gone(q, c.id, deleted=True)
+        return QueueDeleted(messages=len(gone), consumers=len(consumers))
 
     def needs_tick(self) -> bool:
         """Whether time must move on even with no other command: a queue has a message
@@ -869,6 +916,8 @@ _HANDLERS: dict[type, Callable[[Machine, Any, list[Any]], Reply]] = {
     NodeUp: Machine._node_up,
     CommitOffset: Machine._commit_offset,
     ForgetProducers: Machine._forget_producers,
+    PurgeQueue: Machine._purge_queue,
+    DeleteQueue: Machine._delete_queue,
     Tick: Machine._tick,
 }
 

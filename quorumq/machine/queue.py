@@ -853,6 +853,25 @@ class QueueState:
             if msgs[off][4] + ttl <= now:
                 self.outbox.append((self.remove_ready(off), "expired", True))
 
+    def purge(self) -> list[int]:
+        """Remove every ready message (waiting ones too); return their offsets, ascending.
+        Held messages, and the keys their holders own, stay as they are."""
+        held = self.held
+        msgs = self.msgs
+        gone = sorted(o for o in msgs if o not in held)
+        self.msgs = {o: msgs[o] for o in sorted(held)}
+        self.returns = {o: n for o, n in self.returns.items() if o in held}
+        self.fresh.clear()
+        self.returned.clear()
+        self.lanes.clear()
+        self.free_keys.clear()
+        for c in self.consumers.values():
+            c.owned.clear()
+        self.waiting.clear()
+        self.timers.clear()
+        self.waiting_low.clear()
+        return gone
+
     def take_outbox(self) -> list[tuple[Record, str, bool]]:
         out = self.outbox
         self.outbox = []
