@@ -1340,7 +1340,7 @@ def test_deleting_a_queue_in_use_is_refused_unless_forced() -> None:
     before = d.machine.snapshot()
     refused = d(DeleteQueue(queue="q"))
     assert _error_code(refused.reply) is ErrorCode.QUEUE_IN_USE and refused.effects == ()
-    assert "2 consumers, holding 2 messages" in refused.reply.message  # type: ignore[union-attr]
+    assert "in use by 2 consumer(s) holding 2 message(s)" in refused.reply.message  # type: ignore[union-attr]
     assert Machine.restore(before).queues() == d.machine.queues() == ("q",)
     forced = d(DeleteQueue(queue="q", force=True))
     assert forced.reply == QueueDeleted(messages=3, consumers=2)
@@ -1357,17 +1357,72 @@ def test_deleting_a_queue_in_use_is_refused_unless_forced() -> None:
     assert _error_code(d(DeleteQueue(queue="q")).reply) is ErrorCode.UNKNOWN_QUEUE
 
 
-def test_a_queue_nobody_consumes_is_deleted_with_its_messages_counted_and_starts_afresh() -> None:
+def test_a_queue_declared_again_is_empty_and_carries_on_from_the_deleted_ones_offsets() -> None:
+    """A reader that kept an offset of the deleted queue (a Spark checkpoint, say) finds
+    no message of the new one under it, only a gap, as if retention had dropped them."""
     d = Driver()
     d(Declare(queue="q", options=QueueOptions(max_length=10)))
-    d(Enqueue(queue="q", body=b"x", producer="p", seq=0))
+    publish(d, 3)
     d(CommitOffset(queue="q", group="spark", offset=1))
     applied = d(DeleteQueue(queue="q"))
-    assert applied.reply == QueueDeleted(messages=1, consumers=0)
-    assert applied.effects == (Purged(queue="q", offsets=(0,), reason="queue_deleted"),)
+    assert applied.reply == QueueDeleted(messages=3, consumers=0)
+    assert applied.effects == (Purged(queue="q", offsets=(0, 1, 2), reason="queue_deleted"),)
     assert d(Declare(queue="q")).reply == Declared(created=True)  # other options now
-    assert d(Enqueue(queue="q", body=b"y", producer="p", seq=0)).reply == Enqueued(offset=0)
+    stats = d.machine.stats("q")
+    assert (stats.first_retained, stats.next_offset, stats.ready) == (3, 3, 0)
+    assert d.machine.read("q", 0, 10) == ()
+    assert d(Enqueue(queue="q", body=b"new")).reply == Enqueued(offset=3)
+    assert [m.body for m in d.machine.read("q", 1, 10)] == [b"new"]
     assert d.machine.committed_offset("q", "spark") is None
+    assert Machine.restore(d.machine.snapshot()).digest() == d.machine.digest()
+
+
+def test_a_queue_declared_again_refuses_a_resend_of_a_publish_to_the_deleted_one() -> None:
+    """A client whose publish landed in the deleted queue, and which resends it after the
+    name was declared again (its reply lost), is refused: the new queue forgot the
+    deleted one's producers, as `ForgetProducers` does. A caller's own id carries no
+    generation: it starts afresh at seq 0, as after a forget."""
+    d = Driver()
+    d(Declare(queue="q"), ts_ms=50_000)
+    client = "g9c40-" + "a" * 32  # generation 40,000: made at 40 s
+    ahead = "g186a0-" + "b" * 32  # generation 100,000: a client clock ahead of the log's
+    assert d(Enqueue(queue="q", body=b"m", producer=client, seq=0)).reply == Enqueued(offset=0)
+    d(Enqueue(queue="q", body=b"m", producer=ahead, seq=0))
+    d(Enqueue(queue="q", body=b"m", producer="mine", seq=0))
+    d(DeleteQueue(queue="q"), ts_ms=60_000)
+    d(Declare(queue="q"))
+    refused = d(Enqueue(queue="q", body=b"m", producer=client, seq=0)).reply
+    assert isinstance(refused, Error) and refused.code is ErrorCode.PRODUCER_FORGOTTEN
+    assert refused.generation == 60_000  # the log's time at the delete, not `ahead`'s
+    # the mark never passes the log's time (as for a forget: an id made up far ahead
+    # must not lock every client out), so an id made by a clock ahead of it is new
+    assert d(Enqueue(queue="q", body=b"m", producer=ahead, seq=0)).reply == Enqueued(offset=3)
+    fresh = "g2bf20-" + "c" * 32  # made at 180 s, after the delete
+    assert d(Enqueue(queue="q", body=b"m", producer=fresh, seq=0)).reply == Enqueued(offset=4)
+    assert d(Enqueue(queue="q", body=b"m", producer="mine", seq=0)).reply == Enqueued(offset=5)
+
+
+def test_deleted_names_are_remembered_up_to_a_bound_past_which_new_queues_start_above_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Memory stays bounded as queues come and go: past `MAX_DELETED_NAMES` the oldest
+    name is let go into a floor that every other new queue starts from, so no name
+    gives an offset twice however many were deleted."""
+    from quorumq.machine import machine as machine_module
+
+    monkeypatch.setattr(machine_module, "MAX_DELETED_NAMES", 2)
+    d = Driver()
+    for name, count in (("a", 5), ("b", 2), ("c", 1)):
+        d(Declare(queue=name))
+        publish(d, count, queue=name)
+        d(DeleteQueue(queue=name))
+    assert list(d.machine._deleted) == ["b", "c"]  # "a" (5) went into the floor
+    restored = Machine.restore(d.machine.snapshot())
+    assert restored.digest() == d.machine.digest()
+    for name, first in (("c", 1), ("a", 5), ("new", 5), ("b", 2)):
+        d(Declare(queue=name))
+        assert d.machine.stats(name).next_offset == first, name
+    assert d.machine._deleted == {}
 
 
 def test_a_consumer_of_two_queues_keeps_the_other_when_one_is_deleted() -> None:

@@ -28,7 +28,8 @@ public queries:
 * a purge removes exactly the ready messages (held ones stay with their holders), a
   delete of a queue with consumers is refused unless forced, and a forced one cancels
   every consumer (`queue_deleted`) and removes every message, each counted; a deleted
-  queue refuses everything until it is declared again, afresh;
+  queue refuses everything until it is declared again: then it is empty, carries on
+  from the deleted one's next offset, and refuses its producers' ids as forgotten;
 * a second machine fed the same log, and one restored from a snapshot taken mid-way
   and fed the rest, end with the same digest.
 """
@@ -211,8 +212,28 @@ class QueueMachineRules(RuleBasedStateMachine):
         assert applied.effects == ()
         return True
 
+    def forget_producer(self, queue: str, producer: str) -> None:
+        """`queue` forgets `producer`: unknown ids of its generation or below are refused
+        from now on. The mark is capped at the log's time (an id made up far ahead must
+        not lock every client out), so an id above it is new again: what it landed may
+        land again, and `landed` stops holding it to one offset."""
+        self.producer_last.pop((queue, producer), None)
+        self.producer_offsets.pop((queue, producer), None)
+        generation = producer_generation(producer)
+        if generation is None:
+            return
+        mark = max(self.forgotten_generation.get(queue, 0), min(generation, self.now))
+        self.forgotten_generation[queue] = mark
+        if generation > mark:
+            for slot in [k for k in self.landed if k[:2] == (queue, producer)]:
+                del self.landed[slot]
+
     def forget_queue(self, queue: str) -> None:
-        """The model of a deleted queue: nothing (a queue declared again is new)."""
+        """The model of a deleted queue: no message, consumer or producer. A queue declared
+        again under the name carries on from its next offset, and has forgotten its
+        producers (`landed` and the forgotten generation outlive it)."""
+        for producer in sorted(p for q, p in self.producer_last if q == queue):
+            self.forget_producer(queue, producer)
         for refs in (self.held, self.due, self.failures, self.enqueued):
             for ref in [r for r in refs if r[0] == queue]:
                 del refs[ref]  # type: ignore[attr-defined]
@@ -226,11 +247,7 @@ class QueueMachineRules(RuleBasedStateMachine):
         ):
             for slot in [k for k in slots if k[0] == queue]:
                 del slots[slot]  # type: ignore[attr-defined]
-        for landed in [k for k in self.landed if k[0] == queue]:
-            del self.landed[landed]
-        self.forgotten_generation.pop(queue, None)
         self.consumers[queue] = {}
-        self.next_offset[queue] = 0
 
     def ready_refs(self, queue: str) -> list[int]:
         """The model's ready offsets of `queue` (not held, settled or leaving), ascending."""
@@ -747,13 +764,8 @@ class QueueMachineRules(RuleBasedStateMachine):
             return
         gone = [s for s in self.producer_last if s[0] == queue and s[1].startswith(prefix)]
         assert applied.reply == Forgotten(count=len(gone))
-        for slot in gone:  # its next enqueue starts afresh, at seq 0
-            del self.producer_last[slot]
-            del self.producer_offsets[slot]
-            generation = producer_generation(slot[1])
-            if generation is not None:
-                before = self.forgotten_generation.get(queue, 0)
-                self.forgotten_generation[queue] = max(before, generation)
+        for _, producer in gone:  # its next enqueue starts afresh, at seq 0
+            self.forget_producer(queue, producer)
 
     @rule(queue=st.sampled_from(QUEUES), dt=clock_step)
     def purge(self, queue: str, dt: int) -> None:
@@ -798,7 +810,9 @@ class QueueMachineRules(RuleBasedStateMachine):
         assert (applied.reply, applied.effects) == (Declared(created=True), ())
         self.options[queue] = options
         self.deleted.discard(queue)
-        assert self.machine.stats(queue).next_offset == 0
+        stats = self.machine.stats(queue)  # empty, where the deleted queue ended
+        assert (stats.first_retained, stats.next_offset) == (self.next_offset[queue],) * 2
+        assert (stats.ready, stats.unacked, stats.consumers, stats.producers) == (0, 0, 0, 0)
 
     @rule()
     def snapshot_round_trip(self) -> None:

@@ -395,7 +395,10 @@ class DeleteQueue:
     is cancelled (`ConsumerDown`, reason "queue_deleted") and what it held goes with
     the queue. Every message the queue held, ready or delivered, is counted
     (`QueueDeleted`, and a `Purged` effect lists them): none is dead-lettered. A queue
-    declared again under the name starts afresh, at offset 0."""
+    declared again under the name is a new, empty queue that carries on from the deleted
+    one's next offset (an offset a reader kept never names a message of the other queue)
+    and refuses the deleted one's producer ids (`producer_forgotten`: a resend of a
+    publish to the deleted queue does not land in the new one)."""
 
     queue: str = attrs.field(validator=_str)
     force: bool = attrs.field(default=False, validator=_exact_bool)

@@ -69,6 +69,11 @@ the hour is never forgotten to make room (one forgotten seconds after its first 
 had that publish enqueued twice when its client resent it)."""
 EVICT_SILENT_MS = 3600 * 1000
 """How long a producer must be silent before it may be forgotten to make room."""
+MAX_DELETED_NAMES = 10_000
+"""Most names of deleted queues the machine remembers where their offsets ended (a queue
+declared again under one carries on from there). Past it the oldest is folded into one
+floor that every other new queue starts from, so memory stays bounded as queues come
+and go, and no name ever gives an offset or takes a producer id twice."""
 
 
 def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
@@ -87,10 +92,11 @@ _SNAPSHOT_FORMAT = "quorumq-machine"
 _SNAPSHOT_VERSION = 4
 """2: retention counts keys, headers and an overhead per message (`message_cost`), and
 dead-lettered messages carry their death path. 3: each queue ends with the highest
-producer generation it forgot. 4: and then its messages waiting for a retry delay, and
-its options end with `retry_backoff_ms`. Versions 1 to 3 are read too (the retained
-bytes are counted again on restore; no generation was forgotten; nothing waits, and
-options missing at the end take their defaults)."""
+producer generation it forgot. 4: and then its messages waiting for a retry delay, its
+options end with `retry_backoff_ms`, and the machine ends with where deleted queues
+ended (`Machine._deleted`). Versions 1 to 3 are read too (the retained bytes are counted
+again on restore; no generation was forgotten; nothing waits, options missing at the
+end take their defaults, and no queue was deleted)."""
 _READABLE_VERSIONS = (1, 2, 3, 4)
 _OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
 
@@ -137,6 +143,15 @@ class Machine:
         self._down_nodes: set[str] = set()
         self._consumer_queues: dict[str, dict[str, None]] = {}
         """Consumer id -> the queues it is on (derived, for `Down`)."""
+        self._deleted: dict[str, tuple[int, int]] = {}
+        """Names of deleted queues not declared again, oldest first -> (the offset after
+        the last one the queue gave, the highest producer generation it knew or forgot):
+        a queue declared again under the name starts there, so an offset a reader kept
+        never names a message of the other queue, and a resend of a publish to the
+        deleted queue is refused (`producer_forgotten`), not enqueued in the new one."""
+        self._deleted_floor = (0, 0)
+        """The highest of each over the names `_deleted` let go (`MAX_DELETED_NAMES`):
+        where every other new queue starts."""
 
     @property
     def last_index(self) -> int:
@@ -264,7 +279,10 @@ class Machine:
             )
         if cmd.options.dead_letter_queue == cmd.queue:
             return _error(ErrorCode.INVALID, "a queue cannot be its own dead_letter_queue")
-        self._queues[cmd.queue] = QueueState(cmd.queue, cmd.options)
+        first_offset, generation = self._deleted.pop(cmd.queue, self._deleted_floor)
+        self._queues[cmd.queue] = QueueState(
+            cmd.queue, cmd.options, first_offset=first_offset, forgotten_generation=generation
+        )
         return Declared(created=True)
 
     def _check_producer(
@@ -584,8 +602,8 @@ class Machine:
             held = len(q.held)
             return _error(
                 ErrorCode.QUEUE_IN_USE,
-                f"queue {q.name!r} is in use: {len(consumers)} consumers, holding {held} "
-                "messages; cancel them, or delete with force (which cancels them, and "
+                f"queue {q.name!r} is in use by {len(consumers)} consumer(s) holding {held} "
+                "message(s); cancel them, or delete with force (which cancels them, and "
                 "deletes what they hold)",
             )
         for c in consumers:  # subscription order
@@ -598,7 +616,21 @@ class Machine:
         del self._queues[q.name]
         for c in consumers:
             self._forget_if_gone(q, c.id, deleted=True)
+        self._remember_deleted(q)
         return QueueDeleted(messages=len(gone), consumers=len(consumers))
+
+    def _remember_deleted(self, q: QueueState) -> None:
+        """Keep where deleted `q` ended (`_deleted`): its next offset, and the highest
+        generation of its producers (each capped at the log time, as when a producer is
+        forgotten)."""
+        for producer in sorted(q.producers):
+            q.forget_producer(producer, self._now)
+        deleted = self._deleted
+        deleted[q.name] = (q.next_offset, q.forgotten_generation)
+        if len(deleted) > MAX_DELETED_NAMES:
+            offset, generation = deleted.pop(next(iter(deleted)))
+            floor = self._deleted_floor
+            self._deleted_floor = (max(floor[0], offset), max(floor[1], generation))
 
     def needs_tick(self) -> bool:
         """Whether time must move on even with no other command: a queue has a message
@@ -790,6 +822,10 @@ class Machine:
                 self._now,
                 sorted(self._down_nodes),
                 [_encode_queue(q) for q in self._queues.values()],
+                [
+                    list(self._deleted_floor),
+                    [[name, *ended] for name, ended in self._deleted.items()],  # oldest first
+                ],
             ]
         )
 
@@ -800,10 +836,12 @@ class Machine:
     @classmethod
     def restore(cls, data: bytes) -> Machine:
         value = encoding.decode(data)
-        if not (isinstance(value, list) and len(value) == 6 and value[0] == _SNAPSHOT_FORMAT):
+        if not (isinstance(value, list) and len(value) in (6, 7) and value[0] == _SNAPSHOT_FORMAT):
             raise encoding.DecodeError("not a quorumq machine snapshot")
         if value[1] not in _READABLE_VERSIONS:
             raise encoding.DecodeError(f"unsupported snapshot version {value[1]}")
+        if len(value) != (7 if value[1] >= 4 else 6):
+            raise encoding.DecodeError(f"a version {value[1]} snapshot of {len(value)} parts")
         m = cls()
         m._last_index, m._now = value[2], value[3]
         m._down_nodes = set(value[4])
@@ -812,6 +850,10 @@ class Machine:
             m._queues[q.name] = q
             for consumer in q.consumers:
                 m._consumer_queues.setdefault(consumer, {})[q.name] = None
+        if len(value) == 7:  # version 4: where deleted queues ended
+            floor, deleted = value[6]
+            m._deleted_floor = (floor[0], floor[1])
+            m._deleted = {name: (offset, generation) for name, offset, generation in deleted}
         return m
 
 

@@ -235,13 +235,22 @@ class QueueState:
         "waiting_low",
     )
 
-    def __init__(self, name: str, options: QueueOptions) -> None:
+    def __init__(
+        self,
+        name: str,
+        options: QueueOptions,
+        *,
+        first_offset: int = 0,
+        forgotten_generation: int = 0,
+    ) -> None:
+        """`first_offset`, `forgotten_generation`: where a queue declared under the name
+        of a deleted one starts (`Machine._declare`)."""
         self.name = name
         self.options = options
-        self.next_offset = 0
+        self.next_offset = first_offset
         # stream view: stream_items[i] has offset stream_base + i; retained from stream_head
         self.stream_items: list[Record | None] = []
-        self.stream_base = 0
+        self.stream_base = first_offset
         self.stream_head = 0
         self.stream_bytes = 0
         # queue view
@@ -257,10 +266,10 @@ class QueueState:
         self.consumers: dict[str, ConsumerState] = {}
         self.sq: deque[ConsumerState] = deque()
         self.producers: dict[str, ProducerState] = {}
-        self.forgotten_generation = 0
+        self.forgotten_generation = forgotten_generation
         """The highest generation of a producer id this queue forgot (`producer_generation`)."""
         self.commits: dict[str, int] = {}
-        self.expiry_cursor = 0
+        self.expiry_cursor = first_offset
         self.outbox: list[tuple[Record, str, bool]] = []
         self.waiting: dict[int, int] = {}
         """Returned messages held back by a retry delay: offset -> log time it is due."""
