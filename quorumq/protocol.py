@@ -105,6 +105,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "commit_offset": {"id": (_I,), "queue": (_S,), "group": (_S,), "offset": (_I,)},
     "forget_producers": {"id": (_I,), "queue": (_S,), "prefix": (_S,)},
+    "purge_queue": {"id": (_I,), "queue": (_S,)},
+    "delete_queue": {"id": (_I,), "queue": (_S,), "force": (_BOOL, _N)},
     "status": {"id": (_I,)},
     "add_member": {"id": (_I,), "node": (_S,), "raft_address": (_S,)},
     "remove_member": {"id": (_I,), "node": (_S,)},

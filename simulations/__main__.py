@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from quorumq.cli import backoff_ms
 from quorumq.scenarios import SCENARIOS
 from quorumq.scenarios import render as render_scenario
 
@@ -65,17 +66,6 @@ def _setup_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if unknown:
         parser.error(f"--setup {path}: unknown settings {unknown}; known: {sorted(known)}")
     return setup
-
-
-def _backoff(text: str) -> tuple[int, int]:
-    """An argparse type: MIN:MAX in milliseconds."""
-    low, sep, high = text.partition(":")
-    try:
-        if not sep:
-            raise ValueError
-        return int(low), int(high)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not MIN:MAX (milliseconds)") from None
 
 
 def _seeds(text: str) -> range:
@@ -156,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     common.add_argument(
         "--retry-backoff",
-        type=_backoff,
+        type=backoff_ms,
         metavar="MIN:MAX",
         help="the queue's retry backoff in ms (doubling per failure); consumers then nack "
         "with a delay of their own half the time",

@@ -275,3 +275,28 @@ def test_a_nack_with_a_delay_comes_back_once_it_ran_out_with_its_key_in_order(
                     raise AssertionError("redelivered before the queue's backoff ran out")
 
     _serve(tmp_path, body)
+
+
+def test_the_trio_client_purges_and_deletes_and_its_consumer_is_told_why(
+    tmp_path: Path,
+) -> None:
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as client:
+            with trio.fail_after(10):
+                await client.declare("q")
+                consumer = await client.subscribe("q", prefetch=1)
+                for body in (b"a", b"b", b"c"):
+                    await client.publish("q", body)
+                assert await consumer.get() is not None
+                assert await client.purge_queue("q") == 2
+                with pytest.raises(ServerError, match="queue_in_use"):
+                    await client.delete_queue("q")
+                deleted = await client.delete_queue("q", force=True)
+                assert deleted == {"messages": 1, "consumers": 1}
+                assert await consumer.get() is None
+                assert consumer.cancel_reason == "queue_deleted"
+                assert "q" not in (await client.status())["queues"]
+                await client.declare("q")  # a new queue: this client publishes to it afresh
+                assert await client.publish("q", b"again") == 3
+
+    _serve(tmp_path, body)

@@ -657,3 +657,21 @@ def test_a_resend_refused_because_the_batch_can_never_fit_is_not_published() -> 
     assert type(failed.error) is ServerError
     assert not any(isinstance(e, RewindLater) for e in events)
     assert session.settling_keys() == set()
+
+
+def test_after_this_client_deletes_a_queue_it_publishes_to_it_under_a_new_id_from_seq_0() -> None:
+    """A queue declared again under the deleted one's name refuses the deleted one's
+    producer ids: the client that deleted it takes a new one (another client's next
+    publish is refused, and it renews then), and a queue's deletion by a consumer of
+    it is said: `queue_deleted`, never subscribed again."""
+    session = _session()
+    _, first = session.publish("q", b"m0", None, None)
+    session.receive(_reply(first["id"], offset=0))
+    session.queue_deleted("q")
+    _, again = session.publish("q", b"m1", None, None)
+    assert again["producer"] != first["producer"] and again["seq"] == 0
+    consumer = _Consumer("q")
+    subscribed, _ = session.subscribe(consumer)
+    session.receive(_reply(subscribed, consumer="n.1"))
+    cancelled = {"t": "cancelled", "consumer": "n.1", "reason": "queue_deleted"}
+    assert session.receive(cancelled) == [ConsumerEnded(consumer, "queue_deleted")]

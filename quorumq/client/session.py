@@ -561,6 +561,12 @@ class ClientSession:
         key has left, nothing more can land for it, and a read tells what did."""
         return {key for _, key in self._live}
 
+    def queue_deleted(self, queue: str) -> None:
+        """This client deleted `queue`: publishes to one declared again under the name go
+        under a new producer id, from seq 0 (the new queue refuses the deleted one's
+        producer ids as forgotten, and the next publish would fail)."""
+        self.producer.renew(queue)
+
     def resume(self, key: str) -> None:
         """Publishing `key` may go on. Refused (`KeyPausedError`) while the key has a
         live publish: one whose outcome is unknown may still land, so a read that misses
