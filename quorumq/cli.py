@@ -55,6 +55,20 @@ def _seconds(text: str) -> float:
     return value
 
 
+def backoff_ms(text: str) -> tuple[int, int]:
+    """An argparse type: MIN:MAX, whole milliseconds (a queue's `retry_backoff_ms`; the
+    simulator's `--retry-backoff` takes it too). The queue checks the range."""
+    low, sep, high = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not MIN:MAX (milliseconds, e.g. 1000:60000)"
+        ) from None
+
+
 def _queue_name(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("a queue name must not be empty")
@@ -289,6 +303,7 @@ def _declare(args: argparse.Namespace) -> int:
             "retention_messages",
             "retention_bytes",
             "message_ttl_ms",
+            "retry_backoff_ms",
         )
         if getattr(args, name) is not None
     }
@@ -300,6 +315,28 @@ def _declare(args: argparse.Namespace) -> int:
         except QuorumqError as e:
             raise UsageError(str(e)) from None
     print(f"queue {args.queue} {'created' if created else 'exists with these options'}")
+    return 0
+
+
+def _many(count: int, thing: str) -> str:
+    return f"{count} {thing}" + ("" if count == 1 else "s")
+
+
+def _delete_queue(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        deleted = client.delete_queue(args.queue, force=args.force)
+    cancelled = deleted["consumers"]
+    print(
+        f"deleted queue {args.queue}: {_many(deleted['messages'], 'message')} removed"
+        + (f", {_many(cancelled, 'consumer')} cancelled" if cancelled else "")
+    )
+    return 0
+
+
+def _purge_queue(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        removed = client.purge_queue(args.queue)
+    print(f"purged queue {args.queue}: {_many(removed, 'ready message')} removed")
     return 0
 
 
@@ -818,6 +855,13 @@ def build_parser() -> argparse.ArgumentParser:
     declare.add_argument(
         "--message-ttl-ms", type=_count(0), help="ready messages expire after this"
     )
+    declare.add_argument(
+        "--retry-backoff-ms",
+        type=backoff_ms,
+        metavar="MIN:MAX",
+        help="a returned message waits MIN ms before it is delivered again, doubled with "
+        "each failed delivery, at most MAX",
+    )
     client_options(declare)
     declare.set_defaults(run=_declare)
 
@@ -842,6 +886,36 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--no-ack", action="store_true", help="do not ack (they come back)")
     client_options(consume)
     consume.set_defaults(run=_consume)
+
+    delete = commands.add_parser(
+        "delete-queue",
+        help="delete a queue and its messages (refused while it has consumers)",
+        description="Deletes the queue with its messages, stream view, producers and "
+        "committed offsets, and prints how many messages went. A queue with consumers is "
+        "refused unless --force. A queue declared again under the name is empty and "
+        "carries on from the offset where this one ended.",
+    )
+    delete.add_argument("queue", type=_queue_name)
+    delete.add_argument(
+        "--force",
+        action="store_true",
+        help="delete it even with consumers: they are cancelled (reason queue_deleted) "
+        "and the messages they hold are deleted too",
+    )
+    client_options(delete)
+    delete.set_defaults(run=_delete_queue)
+
+    purge = commands.add_parser(
+        "purge-queue",
+        help="remove a queue's ready messages (delivered ones stay with their consumers)",
+        description="Removes the queue's ready messages, those waiting for a retry delay "
+        "too, and prints how many went. Delivered ones stay with their consumers, to ack "
+        "or nack as before; the stream view (read) keeps everything until retention "
+        "drops it.",
+    )
+    purge.add_argument("queue", type=_queue_name)
+    client_options(purge)
+    purge.set_defaults(run=_purge_queue)
 
     members = commands.add_parser(
         "members",
@@ -902,8 +976,10 @@ def _client_error(args: argparse.Namespace, error: Exception) -> str:
     text = str(error) or type(error).__name__
     if isinstance(error, ServerError):
         queue = getattr(args, "queue", None)
-        if error.code == "unknown_queue" and queue and args.command != "declare":
+        if error.code == "unknown_queue" and queue and args.command in ("publish", "consume"):
             text += f" (declare it: quorumq declare {queue})"
+        elif error.code == "queue_in_use":
+            text += " (--force deletes it all the same)"
         elif error.code == "admin_required" and "QUORUMQ_ADMIN_TOKEN" not in text:
             text += " (set QUORUMQ_ADMIN_TOKEN)"
     return text

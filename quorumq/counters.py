@@ -19,9 +19,29 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from .machine import OK, Ack, Applied, Command, DeadLettered, Deliver, Dropped, Nack
+from .machine import (
+    OK,
+    Ack,
+    Applied,
+    Command,
+    DeadLettered,
+    Deliver,
+    Dropped,
+    Nack,
+    Purged,
+    QueueDeleted,
+)
 
-COUNTS = ("delivered", "redelivered", "acked", "rejected", "dead_lettered", "expired", "dropped")
+COUNTS = (
+    "delivered",
+    "redelivered",
+    "acked",
+    "rejected",
+    "dead_lettered",
+    "expired",
+    "dropped",
+    "purged",
+)
 """What is counted per queue:
 
 * `delivered`: deliveries (`Deliver` effects), redeliveries included;
@@ -31,9 +51,24 @@ COUNTS = ("delivered", "redelivered", "acked", "rejected", "dead_lettered", "exp
 * `dead_lettered`: messages that left the queue into its dead-letter queue, any reason;
 * `expired`: messages whose TTL ran out (dead-lettered or dropped);
 * `dropped`: messages that left the queue undelivered and were not dead-lettered (max
-  length, delivery limit, rejection or expiry without a dead-letter queue, a cycle).
+  length, delivery limit, rejection or expiry without a dead-letter queue, a cycle);
+* `purged`: messages removed by a purge (ready ones only; a delete drops the queue's
+  counts with it).
+
+A deleted queue's counts go with it (and a queue declared again under its name counts
+from zero, a counter reset to Prometheus): a node whose queues come and go keeps counts
+of the queues that are, not of every queue there ever was.
 """
-_DELIVERED, _REDELIVERED, _ACKED, _REJECTED, _DEAD_LETTERED, _EXPIRED, _DROPPED = range(len(COUNTS))
+(
+    _DELIVERED,
+    _REDELIVERED,
+    _ACKED,
+    _REJECTED,
+    _DEAD_LETTERED,
+    _EXPIRED,
+    _DROPPED,
+    _PURGED,
+) = range(len(COUNTS))
 
 
 class QueueCounters:
@@ -65,6 +100,10 @@ class QueueCounters:
             if which >= 0:
                 with self._lock:
                     self._row(command.queue)[which] += len(set(command.offsets))
+        if isinstance(applied.reply, QueueDeleted):
+            with self._lock:
+                self._counts.pop(command.queue, None)  # type: ignore[union-attr]
+            return  # its effects: its consumers down, its messages gone uncounted
         effects = applied.effects
         if not effects:
             return
@@ -84,9 +123,16 @@ class QueueCounters:
                     left[_DEAD_LETTERED if isinstance(e, DeadLettered) else _DROPPED] += 1
                     if e.reason == "expired":
                         left[_EXPIRED] += 1
+                elif isinstance(e, Purged):
+                    self._row(e.queue)[_PURGED] += len(e.offsets)
 
     def snapshot_loaded(self, replica: Any, applied: int, index: int) -> None:
-        """A snapshot was loaded (the replica counts these itself)."""
+        """A snapshot was loaded (the replica counts these itself): the counts of queues
+        it does not have, deleted in the entries it skipped, go."""
+        queues = set(replica.query(lambda m: m.queues()))
+        with self._lock:
+            for queue in [q for q in self._counts if q not in queues]:
+                del self._counts[queue]
 
     def proposed_duty(self, replica: Any, command: Command) -> None:
         """The replica, as leader, proposed a duty (not counted)."""

@@ -45,6 +45,7 @@ QUEUE_COUNTERS = (
     ("dead_lettered", "Messages that left the queue into its dead-letter queue."),
     ("expired", "Messages whose TTL ran out (dead-lettered or dropped)."),
     ("dropped", "Messages that left undelivered and were not dead-lettered."),
+    ("purged", "Ready messages removed by a purge."),
 )
 """The per-queue counts of `quorumq.counters`, as `quorumq_queue_messages_<name>_total`."""
 

@@ -94,7 +94,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "subscribe": {"id": (_I,), "queue": (_S,), "prefetch": (_I,)},
     "cancel": {"id": (_I,), "consumer": (_S,)},
     "ack": {"consumer": (_S,), "offsets": (_LIST,)},
-    "nack": {"consumer": (_S,), "offsets": (_LIST,), "requeue": (_BOOL,)},
+    "nack": {"consumer": (_S,), "offsets": (_LIST,), "requeue": (_BOOL,), "delay_ms": (_I, _N)},
     "read": {
         "id": (_I,),
         "queue": (_S,),
@@ -105,6 +105,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "commit_offset": {"id": (_I,), "queue": (_S,), "group": (_S,), "offset": (_I,)},
     "forget_producers": {"id": (_I,), "queue": (_S,), "prefix": (_S,)},
+    "purge_queue": {"id": (_I,), "queue": (_S,)},
+    "delete_queue": {"id": (_I,), "queue": (_S,), "force": (_BOOL, _N)},
     "status": {"id": (_I,)},
     "add_member": {"id": (_I,), "node": (_S,), "raft_address": (_S,)},
     "remove_member": {"id": (_I,), "node": (_S,)},

@@ -23,7 +23,8 @@ threads read it with `query`.
 
 As leader, the replica turns time and failure into log commands: `NodeDown(node)` when
 a replica has not answered for `node_down_grace_s`, `NodeUp(node)` when it answers
-again, and `Tick()` while time must move (`Machine.needs_tick`: TTLs, producers).
+again, and `Tick()` while time must move (`Machine.needs_tick`: TTLs, producers), and as
+soon as a retry delay runs out (`Machine.next_retry_ms`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ E = TypeVar("E")
 
 TICK_EVERY_S = 1.0
 """How often the leader proposes `Tick` while some queue has a message TTL."""
+RETRY_TICK_EVERY_S = 0.05
+"""As leader, the shortest time between two `Tick`s proposed because a retry delay ran
+out (`Machine.next_retry_ms`): a delay is kept to within this plus a commit."""
 DUTIES_EVERY_S = 0.01
 """How often the leader looks at its peers' silence (the grace period is seconds: looking
 on every Raft tick, one per message under load, cost a tenth of a tick)."""
@@ -400,6 +404,7 @@ class Replica:
         self._in_flight: InFlight[ProposalError] = InFlight(config.proposal_timeout_s)
         """Proposals in submission order, to answer those PySyncObj never answers."""
         self._last_tick_proposal = 0.0
+        self._last_retry_tick = 0.0
         self._duties_due = 0.0
         self._auditing = threading.Lock()
         """Held while an audit runs: one at a time."""
@@ -573,6 +578,19 @@ class Replica:
             self._last_tick_proposal = now
             if self.machine.needs_tick():  # TTLs, and producers that may expire
                 self._propose_once(("tick", ""), Tick())
+        elif now - self._last_retry_tick >= RETRY_TICK_EVERY_S and self._retry_due():
+            self._last_retry_tick = now
+            self._propose_once(("tick", ""), Tick())
+
+    def _retry_due(self) -> bool:
+        """Whether a message waiting for a retry delay is due by the time this leader
+        would stamp now (so a `Tick` now delivers it)."""
+        due = self.machine.next_retry_ms()
+        if due is None:
+            return False
+        clock = getattr(self.member, "leader_clock", None)
+        stamp = None if clock is None else clock.peek(self.member.raftCurrentTerm)
+        return stamp is not None and stamp >= due
 
     def _propose_once(self, key: tuple[str, str], command: Command) -> None:
         if key in self._pending:

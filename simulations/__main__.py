@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from quorumq.cli import backoff_ms
 from quorumq.scenarios import SCENARIOS
 from quorumq.scenarios import render as render_scenario
 
@@ -37,6 +38,7 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
             dead_letter=args.dead_letter,
             single_active_consumer=args.single_active_consumer,
             consumer_timeout_ms=args.consumer_timeout,
+            retry_backoff_ms=args.retry_backoff,
             producers=args.producers,
             consumers=args.consumers,
             keys=args.keys,
@@ -141,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar="MS",
         help="remove a consumer that holds a record this long (slow ones ack after 0.2-1.5 s)",
+    )
+    common.add_argument(
+        "--retry-backoff",
+        type=backoff_ms,
+        metavar="MIN:MAX",
+        help="the queue's retry backoff in ms (doubling per failure); consumers then nack "
+        "with a delay of their own half the time",
     )
     common.add_argument("--no-disk-faults", action="store_true", help="leave out the disk faults")
     common.add_argument(

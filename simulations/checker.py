@@ -21,6 +21,9 @@ As entries are applied (cheap checks, every entry):
   since it was published (`early_expiry`: queue time ran fast);
 * with a single active consumer, a message is given to a consumer only while no
   other consumer holds one (`single_active`);
+* with retry backoff, a message returned as failed (nacked with requeue, or its
+  consumer removed) is not given again before its delay has run out in queue time: the
+  nack's `delay_ms`, else the queue's backoff for its failure count (`retry_early`);
 * a record leaves the queue undelivered only as the queue's options say: dropped
   (expired, pushed out by max_length, over its delivery limit) or dead-lettered; a
   publish refused because the queue is full (`reject-publish`) is no violation, but
@@ -138,10 +141,19 @@ class Checker:
         digest_every: int = 500,
         message_ttl_ms: int | None = None,
         single_active: bool = False,
+        retry_backoff_ms: tuple[int, int] | None = None,
     ) -> None:
         self.world = world
         self.message_ttl_ms = message_ttl_ms
         self.single_active = single_active
+        self.retry_backoff_ms = retry_backoff_ms
+        self.failures: dict[int, int] = {}
+        """Per offset of the queue: its failed deliveries so far (the last `delivery_count`
+        delivered, plus the failures since)."""
+        self.retry_due: dict[int, int] = {}
+        """Per offset returned with a delay: the queue time before which it may not go."""
+        self.retries_held = 0
+        """Redeliveries that waited for a retry delay (the workload exercised it)."""
         self.digest_every = digest_every
         self.records: dict[bytes, Record] = {}
         self.violations: list[Violation] = []
@@ -426,6 +438,9 @@ class Checker:
                 self.subscribers[command.consumer] = True
         elif isinstance(command, Ack | Nack) and isinstance(applied.reply, Ok):
             if isinstance(command, Nack):
+                if command.requeue and command.queue == QUEUE:
+                    for offset in set(command.offsets):
+                        self._failed(offset, now_ms, command.delay_ms)
                 self._return_key_tails(command.consumer, command.offsets)
             for offset in command.offsets:
                 self._release(offset)
@@ -436,11 +451,13 @@ class Checker:
                         self.records[body].acked = True
         for e in applied.effects:
             if type(e) is Deliver:
-                self._delivered(e)
+                self._delivered(e, now_ms)
             elif type(e) is ConsumerDown:
                 self.consumers_removed[e.reason] += 1
                 if e.queue == QUEUE:
                     self.subscribers.pop(e.consumer, None)
+                    for offset in self.held_by.get(e.consumer, ()):
+                        self._failed(offset, now_ms, None)
                 for offset in list(self.held_by.get(e.consumer, ())):
                     self._release(offset)
             elif type(e) is Dropped or type(e) is DeadLettered:
@@ -470,12 +487,32 @@ class Checker:
                 f"with a TTL of {ttl} ms",
             )
 
-    def _delivered(self, e: Deliver) -> None:
+    def _failed(self, offset: int, now_ms: int, delay_ms: int | None) -> None:
+        """A delivery of `offset` failed at queue time `now_ms`: when it may go again."""
+        failures = self.failures[offset] = self.failures.get(offset, 0) + 1
+        backoff = self.retry_backoff_ms
+        if delay_ms is None and backoff is not None:
+            delay_ms = min(backoff[1], backoff[0] << min(failures - 1, 62))
+        if delay_ms:
+            self.retry_due[offset] = now_ms + delay_ms
+
+    def _delivered(self, e: Deliver, now_ms: int) -> None:
         offset = e.offset
         self.deliveries += 1
         key = _delivery_key(e)
         self.made[key] = self.made.get(key, 0) + 1
         self.redeliveries += e.redelivered
+        if e.queue == QUEUE:
+            self.failures[offset] = e.delivery_count
+            due = self.retry_due.pop(offset, None)
+            if due is not None:
+                self.retries_held += 1
+                if now_ms < due:
+                    self.violation(
+                        "retry_early",
+                        f"offset {offset} given to {e.consumer} at queue time {now_ms}, "
+                        f"{due - now_ms} ms before its retry delay ran out",
+                    )
         self.body_of[offset] = e.body
         self.key_of[offset] = e.key
         if offset in self.settled:
@@ -539,6 +576,7 @@ class Checker:
             "dead_lettered": 0,
             "refused": 0,
             "consumers_timed_out": self.consumers_removed["consumer_timeout"],
+            "retries_held": self.retries_held,
             "unexpected": sum(1 for v in self.violations if v.kind == "unexpected"),
             "refused_start": self.refused_starts,
             "fatal_stop": self.fatal_stops,

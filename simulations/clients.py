@@ -357,7 +357,7 @@ class SimClient:
             return
         self._request(made, answer, publish=False)
 
-    def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
-        frame = self.session.settle_frame(delivery, ack, requeue)
+    def _settle(self, delivery: Delivery, ack: bool, requeue: bool, delay_ms: int | None) -> None:
+        frame = self.session.settle_frame(delivery, ack, requeue, delay_ms)
         if frame is not None:
             self._write(frame)

@@ -181,6 +181,8 @@ class Result:
         ]
         if self.confirm_pauses:
             lines[-1:-1] = pause_table(self.confirm_pauses, self.delivery_pauses)
+        if self.config.workload.retry_backoff_ms is not None:
+            lines.insert(5, f"retry backoff: {c['retries_held']} redeliveries held to a delay")
         if self.snapshots:
             lines.insert(
                 -1, "snapshots: " + ", ".join(f"{k} {v}" for k, v in self.snapshots.items())
@@ -216,6 +218,7 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         world,
         message_ttl_ms=config.workload.message_ttl_ms,
         single_active=config.workload.single_active_consumer,
+        retry_backoff_ms=config.workload.retry_backoff_ms,
     )
     history = History(world, cluster.hosts, QUEUE)
     cluster.observers += [checker, history]

@@ -5,8 +5,10 @@ batches through a `SimClient` (the real `ClientSession`): idempotent, resent aft
 retriable failure or a reconnect, paused keys after an outcome unknown. Consumers are
 attached to nodes (consumer `i` prefers node `i mod n`), subscribe with a prefetch,
 ack what they receive after a processing delay (some are slow), sometimes nack with
-requeue; their client subscribes them again after a reconnect or a `node_down`; what
-they held comes back to the queue through `Down` or `NodeDown`.
+requeue (with `retry_backoff_ms`, half those nacks leave the delay to the queue's
+backoff and half give their own `delay_ms`); their client subscribes them again after a
+reconnect or a `node_down`; what they held comes back to the queue through `Down` or
+`NodeDown`.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class WorkloadConfig:
     consumer_timeout_ms: int | None = None
     """A consumer holding a record longer than this (queue time) is removed and what it
     held returns (the workload's slow consumers ack after up to 1.5 s)."""
+    retry_backoff_ms: tuple[int, int] | None = None
+    """The queue's retry backoff (min, max): a returned record waits, doubling per
+    failure. Consumers then nack with a delay of their own (up to max) half the time,
+    and the checker holds every redelivery to its delay (`retry_early`)."""
 
     def queue_options(self) -> QueueOptions:
         """The workload queue's options (clear errors for bad values come from here)."""
@@ -84,6 +90,7 @@ class WorkloadConfig:
             dead_letter_queue=DEAD_LETTER_QUEUE if self.dead_letter else None,
             single_active_consumer=self.single_active_consumer,
             consumer_timeout_ms=self.consumer_timeout_ms,
+            retry_backoff_ms=self.retry_backoff_ms,
         )
 
     def queue_option_flags(self) -> str:
@@ -101,6 +108,8 @@ class WorkloadConfig:
             flags += " --single-active-consumer"
         if self.consumer_timeout_ms is not None:
             flags += f" --consumer-timeout {self.consumer_timeout_ms}"
+        if self.retry_backoff_ms is not None:
+            flags += " --retry-backoff {}:{}".format(*self.retry_backoff_ms)
         return flags
 
 
@@ -283,8 +292,13 @@ class _Subscription:
     def _settle(self, delivery: Delivery) -> None:
         if self.slot.sub is not self or self.client.closed:
             return
-        if self.slot.random.random() < self.slot.config.nack_p:
-            delivery.nack()
+        slot = self.slot
+        if slot.random.random() < slot.config.nack_p:
+            backoff = slot.config.retry_backoff_ms
+            if backoff is not None and slot.random.random() < 0.5:
+                delivery.nack(delay_ms=slot.random.randint(0, backoff[1]))
+            else:
+                delivery.nack()
         else:
             delivery.ack()
 

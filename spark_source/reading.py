@@ -45,7 +45,8 @@ RETRY_ELSEWHERE = frozenset({"lagging", "not_applied", "outcome_unknown"})
 
 
 class DataLossError(RuntimeError):
-    """Offsets a query was to read were trimmed by the queue's retention first."""
+    """Offsets a query was to read were trimmed by the queue's retention first (or went
+    with the queue when it was deleted: one declared again carries on from its end)."""
 
 
 class BucketRange(InputPartition):  # type: ignore[misc]
@@ -177,8 +178,8 @@ def check_retained(options: ReadOptions, start: int, end: int, first_retained: i
     lost_until = min(first_retained, end)
     message = (
         f"offsets [{start}, {lost_until}) of queue {options.queue!r} were trimmed by the "
-        f"queue's retention before this query read them (the queue now starts at offset "
-        f"{first_retained})"
+        f"queue's retention, or deleted with the queue, before this query read them (the "
+        f"queue now starts at offset {first_retained})"
     )
     if options.fail_on_data_loss:
         raise DataLossError(

@@ -85,6 +85,84 @@ def test_keys_stay_in_order_across_two_consumers(cluster: Cluster) -> None:
     assert seen == sent
 
 
+def test_retry_backoff_brings_a_key_back_in_order_after_a_doubling_delay(
+    cluster: Cluster,
+) -> None:
+    """A consumer on a follower nacks; the queue's backoff (500 ms, doubling) holds the
+    message and the key's later one back, and they come back in order."""
+    client = cluster.client()
+    client.declare("backoff", retry_backoff_ms=(500, 5_000))
+    consumer = cluster.client("B").subscribe("backoff", prefetch=10)
+    for key in ("k", "k", "x"):
+        client.publish("backoff", key.encode(), key=key)
+    first, _, other = [consumer.get(timeout=10) for _ in range(3)]
+    assert first is not None and other is not None
+    other.ack()
+    nacked_at = time.monotonic()
+    first.nack()  # 0 waits 500 ms, and 1 (the key's, held) with it
+    again = [consumer.get(timeout=10) for _ in range(2)]
+    waits = [time.monotonic() - nacked_at]
+    assert [(d.offset, d.redelivered, d.delivery_count) for d in again if d] == [
+        (0, True, 1),
+        (1, True, 0),
+    ]
+    first, second = again
+    assert first is not None and second is not None
+    second.ack()
+    nacked_at = time.monotonic()
+    first.nack()  # its second failure: 1 s
+    last = consumer.get(timeout=10)
+    waits.append(time.monotonic() - nacked_at)
+    assert last is not None and (last.offset, last.delivery_count) == (0, 2)
+    last.ack()
+    assert 0.5 <= waits[0] < 1.0 <= waits[1] < 5, waits
+
+
+def test_purge_and_delete_a_queue_in_use_across_the_cluster(cluster: Cluster) -> None:
+    """Purge takes the ready messages and leaves the held ones with their consumer (on a
+    follower); a delete of the queue in use is refused, and forced it cancels that
+    consumer with a clear reason and takes what it held, each message counted. Every
+    replica agrees: the queue is gone everywhere, and declared again it is empty and
+    carries on from the offset where the deleted one ended."""
+    client = cluster.client()
+    other = cluster.client()  # another producer, which knows nothing of the delete
+    client.declare("doomed", retry_backoff_ms=(60_000, 60_000))
+    follower = next(n for n in cluster.nodes if n != cluster.leader())
+    consumer = cluster.client(follower).subscribe("doomed", prefetch=3)
+    for i in range(5):
+        client.publish("doomed", b"m%d" % i)
+    other.publish("doomed", b"m5")
+    held = [consumer.get(timeout=10) for _ in range(3)]
+    assert [d.offset for d in held if d] == [0, 1, 2]
+    held[0].nack()  # type: ignore[union-attr]  # 0 waits a minute; the consumer takes 3
+    refill = consumer.get(timeout=10)
+    assert refill is not None and refill.offset == 3
+    assert client.purge_queue("doomed") == 3  # 0 (waiting), 4, 5
+    stats = client.status()["queues"]["doomed"]
+    assert (stats["ready"], stats["unacked"]) == (0, 3)
+    held[1].ack()  # type: ignore[union-attr]  # held ones are still the consumer's
+    wait_for(lambda: client.status()["queues"]["doomed"]["unacked"] == 2, "the ack applied")
+    with pytest.raises(ServerError, match="queue_in_use"):
+        client.delete_queue("doomed")
+    assert client.delete_queue("doomed", force=True) == {"messages": 2, "consumers": 1}
+    assert consumer.get(timeout=10) is None
+    assert consumer.cancel_reason == "queue_deleted"
+    for node in cluster.nodes:
+        wait_for(lambda n=node: "doomed" not in cluster.status(n)["queues"], f"{node} agrees")
+    with pytest.raises(ServerError, match="unknown_queue"):
+        client.purge_queue("doomed")
+    assert client.declare("doomed") is True  # empty, where the deleted one ended
+    assert client.publish("doomed", b"again") == 6  # under a new producer id
+    assert [row[0] for row in client.read("doomed", 0, 10).rows] == [6]
+    # the other client's id is one the new queue refuses (a resend of its publish to
+    # the deleted queue must not land here): its next publish fails, certainly not
+    # published, and the one after goes under a new id
+    with pytest.raises(ServerError, match="producer_forgotten"):
+        other.publish("doomed", b"m6")
+    assert other.publish("doomed", b"m6") == 7
+    assert client.delete_queue("doomed") == {"messages": 2, "consumers": 0}
+
+
 def test_the_blocking_client_forgets_producers_by_prefix(cluster: Cluster) -> None:
     client = cluster.client()
     client.declare("forget")

@@ -457,3 +457,37 @@ def _watch_headings(output: bytes) -> list[bytes]:
     import re
 
     return re.findall(rb"every 0\.2 s, (\d\d:\d\d:\d\d)", output)
+
+
+def test_purge_and_delete_queue_say_what_they_removed_and_a_queue_in_use_needs_force() -> None:
+    from quorumq.embedded import Cluster
+
+    with Cluster(1) as cluster:
+        cluster.leader()
+
+        def q(*args: str) -> subprocess.CompletedProcess[str]:
+            return _quorumq(*args, "--endpoints", cluster.endpoint("A"))
+
+        declared = q("declare", "jobs", "--retry-backoff-ms", "1000:60000")
+        assert declared.returncode == 0, declared.stderr
+        assert cluster.client().status()["queues"]["jobs"]["ready"] == 0
+        _one_line_error(q("declare", "x", "--retry-backoff-ms", "5"), "'5' is not MIN:MAX")
+        _one_line_error(q("declare", "x", "--retry-backoff-ms", "5:1"), "min <= max")
+        assert q("publish", "jobs", "a", "b", "c").returncode == 0
+        consumer = cluster.client().subscribe("jobs", prefetch=1)
+        assert consumer.get(timeout=10) is not None
+        purged = q("purge-queue", "jobs")
+        assert purged.stdout == "purged queue jobs: 2 ready messages removed\n", purged.stderr
+        _one_line_error(
+            q("delete-queue", "jobs"),
+            "queue_in_use: queue 'jobs' is in use by 1 consumer(s) holding 1 message(s)",
+        )
+        _one_line_error(q("delete-queue", "jobs"), "(--force deletes it all the same)")
+        deleted = q("delete-queue", "jobs", "--force")
+        assert deleted.stdout == (
+            "deleted queue jobs: 1 message removed, 1 consumer cancelled\n"
+        ), deleted.stderr
+        assert consumer.get(timeout=10) is None and consumer.cancel_reason == "queue_deleted"
+        gone = q("purge-queue", "jobs")
+        _one_line_error(gone, "unknown_queue: no queue named 'jobs'")
+        assert "declare it" not in gone.stderr

@@ -45,12 +45,20 @@ _OPTION_NAMES = [
     "retention_bytes",
     "message_ttl_ms",
     "consumer_timeout_ms",
+    "retry_backoff_ms",
 ]
-_OPTIONS = st.dictionaries(st.sampled_from(_OPTION_NAMES), _SCALARS, max_size=4)
-_ARITY = {1: 2, 2: 6, 3: 4, 4: 4, 5: 2, 6: 3, 7: 4, 8: 1, 9: 1, 10: 1, 11: 3, 12: 0, 13: 2}
-_OPTIONAL_LAST = {3: 2, 4: 1}
+_OPTIONS = st.dictionaries(
+    st.sampled_from(_OPTION_NAMES),
+    st.one_of(_SCALARS, st.lists(st.integers(-2, 2**64 - 1) | _SCALARS, max_size=3)),
+    max_size=4,
+)
+_ARITY = {
+    **{1: 2, 2: 6, 3: 4, 4: 4, 5: 2, 6: 3, 7: 4, 8: 1, 9: 1, 10: 1, 11: 3, 12: 0, 13: 2},
+    **{14: 1, 15: 2},  # purge, delete (queue, force)
+}
+_OPTIONAL_LAST = {3: 2, 4: 1, 7: 1}
 """Commands with optional last fields, how many: a batch's seqs and opens, a
-subscribe's timeout."""
+subscribe's timeout, a nack's retry delay."""
 
 
 @st.composite
@@ -66,6 +74,11 @@ def raw_commands(draw: Any) -> bytes:
         fields[4] = draw(st.one_of(_VALUES, st.lists(st.integers(-2, 40), max_size=3)))
     if tag == 3 and optional == 2:  # opens: often a bool
         fields[5] = draw(st.one_of(_VALUES, st.booleans()))
+    if tag == 7 and len(fields) > 3:  # a nack: often a requeue with a small delay
+        fields[2] = draw(st.one_of(_VALUES, st.lists(st.integers(0, 3), max_size=2)))
+        fields[3] = draw(st.one_of(_VALUES, st.just(True)))
+    if tag == 7 and optional:
+        fields[4] = draw(st.one_of(_VALUES, st.integers(-5, 10**6)))
     if fields and draw(st.booleans()):
         fields[0] = "q"  # often about the queue that exists
     return bytes(msgpack.packb([VERSION, tag, *fields], use_bin_type=True))

@@ -9,6 +9,7 @@ from quorumq.machine import (
     Command,
     Declare,
     Enqueue,
+    Meta,
     Nack,
     QueueOptions,
     Subscribe,
@@ -55,6 +56,7 @@ def test_deliveries_redeliveries_acks_rejections_and_dead_letters_are_counted_pe
         "dead_lettered": 1,
         "expired": 0,
         "dropped": 0,
+        "purged": 0,
     }
     assert "dlq" not in counts  # it was enqueued into, not delivered from
     assert counters.counts(["dlq", "q"])["dlq"] == dict.fromkeys(COUNTS, 0)
@@ -70,3 +72,37 @@ def test_expired_messages_count_as_expired_and_dropped_without_a_dead_letter_que
     assert counters.counts()["ttl"]["expired"] == 2
     assert counters.counts()["ttl"]["dropped"] == 2
     assert counters.counts()["ttl"]["dead_lettered"] == 0
+
+
+def test_purged_messages_are_counted_and_a_deleted_queues_counts_go_with_it() -> None:
+    """A node whose queues come and go keeps counts of the queues that are: a delete
+    drops the queue's row (applied, or skipped by a snapshot install), and a queue
+    declared again under the name counts from zero."""
+    from quorumq.machine import DeleteQueue, Machine, PurgeQueue
+
+    apply = Counted()
+    apply(Declare(queue="q"), ts_ms=0)
+    apply(Declare(queue="kept"), ts_ms=0)
+    apply(Subscribe(queue="q", consumer="c", node="A", prefetch=1), ts_ms=0)
+    for _ in range(4):
+        apply(Enqueue(queue="q", body=b"m"), ts_ms=0)  # c holds one, three ready
+    apply(PurgeQueue(queue="q"), ts_ms=0)
+    assert apply.counters.counts()["q"]["purged"] == 3
+    apply(DeleteQueue(queue="q", force=True), ts_ms=0)
+    assert "q" not in apply.counters.counts()
+    apply(Declare(queue="q"), ts_ms=0)
+    assert apply.counters.counts(["q"])["q"] == dict.fromkeys(COUNTS, 0)
+
+    class _Replica:
+        def query(self, read: object) -> object:
+            return read(machine)  # type: ignore[operator]
+
+    apply(Enqueue(queue="q", body=b"m"), ts_ms=0)
+    apply(PurgeQueue(queue="q"), ts_ms=0)  # counted: "q" has a row again
+    apply(Enqueue(queue="kept", body=b"m"), ts_ms=0)
+    apply(PurgeQueue(queue="kept"), ts_ms=0)
+    assert sorted(apply.counters.counts()) == ["kept", "q"]
+    machine = Machine()  # a snapshot taken after "q" was deleted again
+    machine.apply(Meta(1, 0), Declare(queue="kept"))
+    apply.counters.snapshot_loaded(_Replica(), 10, 20)
+    assert list(apply.counters.counts()) == ["kept"]

@@ -75,15 +75,27 @@ cmds = [
     Nack(queue="q", consumer="c1", offsets=[0]),
     Down(consumer="c1"),
     CommitOffset(queue="q", group="spark", offset=2),
+    Declare(queue="r", options=QueueOptions(retry_backoff_ms=(100, 1000))),
+    Subscribe(queue="r", consumer="c3", node="C"),
+    EnqueueBatch(queue="r", messages=[Message(body=b"d", key="j"), Message(body=b"e")]),
+    Nack(queue="r", consumer="c3", offsets=[0]),
+    Nack(queue="r", consumer="c3", offsets=[1], delay_ms=5000),
     Tick(),
+    Declare(queue="gone"),
+    Enqueue(queue="gone", body=b"f", producer="g1-" + "0" * 32, seq=0),
+    DeleteQueue(queue="gone"),
+    Declare(queue="s"),
+    DeleteQueue(queue="s"),
+    Declare(queue="s"),
 ]
 for i, c in enumerate(cmds, 1):
     m.apply(Meta(i, 1000 + i), c)
 print(m.digest())
 """
-GOLDEN_DIGEST = "7604be51bc7f9abbe595ab4f9a812dde834630c0b8ff3590624f67ef12f504fd"
-"""Snapshot version 3 (retention cost, the death path, delivery times, consumer timeouts,
-the highest producer generation each queue forgot)."""
+GOLDEN_DIGEST = "2081381f9ac58485397273782a294ef8d603201d92aa655f0eb0294eda1f0e20"
+"""Snapshot version 4 (retention cost, the death path, delivery times, consumer timeouts,
+the highest producer generation each queue forgot, messages waiting for a retry delay,
+the `retry_backoff_ms` option, and where deleted queues ended)."""
 
 
 def _digest_in_subprocess(hash_seed: str) -> str:
@@ -106,7 +118,32 @@ def test_a_version_1_snapshot_is_still_read_and_its_retained_bytes_counted_again
     m.apply(Meta(1, 0), Declare(queue="q", options=QueueOptions(retention_bytes=10**6)))
     m.apply(Meta(2, 0), Enqueue(queue="q", body=b"x", key="k", headers={"h": "v"}))
     current = decode(m.snapshot())
-    old = [current[0], 1, *current[2:]]
+    old = [current[0], 1, *current[2:6]]  # no deleted queues (version 4)
     old[5][0][4] = 1  # version 1 counted the body only
     restored = Machine.restore(encode(old))
+    assert restored.digest() == m.digest()
+
+
+def test_a_version_3_snapshot_is_still_read_with_no_retry_state() -> None:
+    """Version 3 had no `retry_backoff_ms` option and no waiting messages: restored, its
+    queues take the default and wait for nothing, and it snapshots as version 4."""
+    from quorumq.machine import Declare, Enqueue, Meta, Nack, QueueOptions, Subscribe
+
+    m = Machine()
+    m.apply(Meta(1, 0), Declare(queue="q", options=QueueOptions(delivery_limit=3)))
+    m.apply(Meta(2, 0), Subscribe(queue="q", consumer="c", node="A"))
+    m.apply(Meta(3, 0), Enqueue(queue="q", body=b"x", key="k"))
+    m.apply(Meta(4, 0), Nack(queue="q", consumer="c", offsets=[0]))
+    current = decode(m.snapshot())
+    assert current[1] == 4
+    old = [current[0], 3, *current[2:6]]  # no deleted queues
+    queue = old[5][0]
+    assert queue[-1] == []  # nothing waits
+    del queue[-1]
+    del queue[1][-1]  # options end with retry_backoff_ms
+    restored = Machine.restore(encode(old))
+    assert restored.options("q") == QueueOptions(delivery_limit=3)
+    assert restored.waiting("q") == {}
+    with pytest.raises(DecodeError, match="a version 3 snapshot of 7 parts"):
+        Machine.restore(encode([*old, [[0, 0], []]]))
     assert restored.digest() == m.digest()

@@ -13,6 +13,7 @@ from quorumq.machine import (
     DeadLettered,
     Declare,
     Declared,
+    DeleteQueue,
     Down,
     Dropped,
     Enqueue,
@@ -28,7 +29,11 @@ from quorumq.machine import (
     Nack,
     NodeDown,
     NodeUp,
+    Purged,
+    PurgeQueue,
+    QueueDeleted,
     QueueOptions,
+    QueuePurged,
     Subscribe,
     Tick,
     UnknownQueueError,
@@ -1117,3 +1122,334 @@ def test_oldest_ready_ms_is_the_enqueue_time_of_the_oldest_message_not_held(d: D
     assert d.machine.oldest_ready_ms("q") == 1_000  # returned: ready again, and oldest
     restored = Machine.restore(d.machine.snapshot())
     assert restored.oldest_ready_ms("q") == 1_000
+
+
+# ------------------------------------------------------------ retry with backoff
+
+
+def _redelivered(applied: object) -> list[tuple[str, int, int]]:
+    """(consumer, offset, delivery count) of every delivery, in order."""
+    return [(e.consumer, e.offset, e.delivery_count) for e in delivered(applied)]  # type: ignore[arg-type]
+
+
+def test_a_nack_with_a_delay_holds_the_message_back_until_log_time_reaches_it() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c", node="A"), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m0"))
+    assert d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=1_000), ts_ms=10).effects == ()
+    assert d.machine.waiting("q") == {0: 1_010}
+    assert d.machine.ready("q") == (0,)  # it counts as ready: it is in the queue, nobody's
+    assert d.machine.needs_tick() and d.machine.next_retry_ms() == 1_010
+    assert d(Tick(), ts_ms=1_009).effects == ()
+    assert _redelivered(d(Tick(), ts_ms=1_010)) == [("c", 0, 1)]
+    assert d.machine.waiting("q") == {} and d.machine.next_retry_ms() is None
+
+
+def test_a_waiting_message_keeps_its_place_while_later_ones_go_on() -> None:
+    """Other messages are not held up by an unkeyed one waiting; once it is due it comes
+    before any later ready message (rule 1)."""
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c", node="A", prefetch=1), ts_ms=0)
+    publish(d, 3)  # c holds 0
+    applied = d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=100), ts_ms=0)
+    assert deliveries(applied) == [("c", 1)]  # 0 waits; the next one goes
+    assert deliveries(d(Ack(queue="q", consumer="c", offsets=[1]), ts_ms=100)) == [("c", 0)]
+    assert deliveries(d(Ack(queue="q", consumer="c", offsets=[0]), ts_ms=100)) == [("c", 2)]
+
+
+def test_a_waiting_keyed_message_holds_its_key_back_in_order_and_other_keys_go_on() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c1", node="A"), ts_ms=0)
+    for key in ("k", "k", "j"):
+        d(Enqueue(queue="q", body=b"m", key=key))  # c1 holds 0 (k), 1 (k), 2 (j)
+    d(Subscribe(queue="q", consumer="c2", node="B"))
+    applied = d(Nack(queue="q", consumer="c1", offsets=[0], delay_ms=1_000), ts_ms=0)
+    assert applied.effects == ()  # 1 came back with 0 (rule 4); key k waits, for c2 too
+    assert d.machine.unacked("q", "c1") == (2,)
+    assert d.machine.waiting("q") == {0: 1_000}
+    later = [delivered(d(Enqueue(queue="q", body=b"m", key=key), ts_ms=10)) for key in "kx"]
+    assert [[e.offset for e in got] for got in later] == [[], [4]]  # k waits; x goes on
+    assert d(Tick(), ts_ms=999).effects == ()
+    woken = d(Tick(), ts_ms=1_000)
+    assert [(e.offset, e.key, e.redelivered) for e in delivered(woken)] == [
+        (0, "k", True),
+        (1, "k", True),
+        (3, "k", False),
+    ]
+    assert len({e.consumer for e in delivered(woken)}) == 1  # the key has one holder
+
+
+def test_retry_backoff_doubles_the_delay_with_each_failed_delivery_up_to_its_max() -> None:
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(retry_backoff_ms=(100, 300))))
+    d(Subscribe(queue="q", consumer="c", node="A"), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m"))
+    now, waits = 0, []
+    for _ in range(4):
+        d(Nack(queue="q", consumer="c", offsets=[0]), ts_ms=now)
+        (due,) = d.machine.waiting("q").values()
+        waits.append(due - now)
+        assert d(Tick(), ts_ms=due - 1).effects == ()
+        now = due
+        assert deliveries(d(Tick(), ts_ms=now)) == [("c", 0)]
+    assert waits == [100, 200, 300, 300]
+
+
+def test_a_nacks_own_delay_wins_over_the_queues_backoff_and_zero_means_at_once() -> None:
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(retry_backoff_ms=(100, 300))))
+    d(Subscribe(queue="q", consumer="c", node="A"), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m"))
+    d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=5_000))
+    assert d.machine.waiting("q") == {0: 5_000}
+    d(Tick(), ts_ms=5_000)
+    assert _redelivered(d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=0))) == [("c", 0, 2)]
+
+
+def test_a_single_active_consumer_queue_waits_for_its_returned_message() -> None:
+    """Strict FIFO, redeliveries included: nothing later is given out meanwhile."""
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(single_active_consumer=True)))
+    d(Subscribe(queue="q", consumer="c", node="A"), ts_ms=0)
+    publish(d, 3)  # c holds 0, 1, 2
+    d(Nack(queue="q", consumer="c", offsets=[1], delay_ms=500))
+    d(Ack(queue="q", consumer="c", offsets=[0, 2]))
+    assert deliveries(d(Enqueue(queue="q", body=b"m3"), ts_ms=100)) == []
+    assert deliveries(d(Tick(), ts_ms=500)) == [("c", 1), ("c", 3)]
+
+
+def test_a_consumers_messages_return_after_the_backoff_when_it_goes_down() -> None:
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(retry_backoff_ms=(200, 1_000))))
+    d(Subscribe(queue="q", consumer="c1", node="A", prefetch=1), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m"))
+    d(Subscribe(queue="q", consumer="c2", node="B"))
+    assert deliveries(d(Down(consumer="c1"), ts_ms=50)) == []
+    assert _redelivered(d(Tick(), ts_ms=250)) == [("c2", 0, 1)]
+
+
+def test_a_waiting_message_still_expires_and_still_counts_toward_max_length() -> None:
+    d = Driver()
+    d(Declare(queue="t", options=QueueOptions(message_ttl_ms=300)))
+    d(Subscribe(queue="t", consumer="c", node="A"), ts_ms=0)
+    d(Enqueue(queue="t", body=b"m"))
+    d(Nack(queue="t", consumer="c", offsets=[0], delay_ms=1_000))
+    expired = d(Tick(), ts_ms=300)
+    assert [(e.offset, e.reason) for e in expired.effects if isinstance(e, Dropped)] == [
+        (0, "expired")
+    ]
+    assert d.machine.waiting("t") == {} and d(Tick(), ts_ms=1_000).effects == ()
+
+    d(Declare(queue="m", options=QueueOptions(max_length=1)))
+    d(Subscribe(queue="m", consumer="c", node="A", prefetch=1))
+    publish(d, 1, queue="m")
+    d(Nack(queue="m", consumer="c", offsets=[0], delay_ms=1_000))
+    assert deliveries(d(Enqueue(queue="m", body=b"m1"))) == [("c", 1)]
+    pushed_out = d(Enqueue(queue="m", body=b"m2"))  # two ready (0 waiting, 2): one too many
+    assert [(e.offset, e.reason) for e in pushed_out.effects if isinstance(e, Dropped)] == [
+        (0, "max_length")
+    ]
+    assert d.machine.waiting("m") == {}
+
+
+def test_a_snapshot_taken_while_messages_wait_restores_their_places() -> None:
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(single_active_consumer=True)))
+    d(Declare(queue="k"))
+    for queue in ("q", "k"):
+        d(Subscribe(queue=queue, consumer="c", node="A"), ts_ms=0)
+    publish(d, 2)
+    publish(d, 2, queue="k", key="a")
+    d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=100))
+    d(Nack(queue="k", consumer="c", offsets=[0], delay_ms=200))
+    restored = Driver(Machine.restore(d.machine.snapshot()))
+    assert restored.machine.digest() == d.machine.digest()
+    for ts in (50, 100, 150, 200):
+        enqueue = Enqueue(queue="q", body=b"x", key=None)
+        assert restored(enqueue, ts_ms=ts) == d(enqueue, ts_ms=ts)
+        assert restored(Tick(), ts_ms=ts) == d(Tick(), ts_ms=ts)
+    assert restored.machine.digest() == d.machine.digest()
+    assert d.machine.waiting("q") == d.machine.waiting("k") == {}
+
+
+def test_retry_options_are_checked_when_built() -> None:
+    with pytest.raises(ValueError, match="requeue"):
+        Nack(queue="q", consumer="c", offsets=[0], requeue=False, delay_ms=10)
+    with pytest.raises(ValueError, match="delay_ms"):
+        Nack(queue="q", consumer="c", offsets=[0], delay_ms=-1)
+    with pytest.raises(ValueError, match="at most"):
+        Nack(queue="q", consumer="c", offsets=[0], delay_ms=10**12)
+    with pytest.raises(ValueError, match="min <= max"):
+        QueueOptions(retry_backoff_ms=(500, 100))
+    with pytest.raises(ValueError, match="1 <= min"):
+        QueueOptions(retry_backoff_ms=(0, 100))
+    with pytest.raises(TypeError, match="pair of ints"):
+        QueueOptions(retry_backoff_ms=(1.0, 100))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pair of ints"):
+        QueueOptions(retry_backoff_ms=100)  # type: ignore[arg-type]
+    assert QueueOptions(retry_backoff_ms=[10, 20]).retry_backoff_ms == (10, 20)  # type: ignore[arg-type]
+
+
+def test_retry_timers_stay_bounded_by_what_waits_however_many_retries() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c", node="A"), ts_ms=0)
+    publish(d, 2)
+    for now in range(1, 3_000):  # 0 is retried 3,000 times, waiting 1 ms each time
+        d(Nack(queue="q", consumer="c", offsets=[0], delay_ms=1), ts_ms=now)
+        d(Tick(), ts_ms=now + 1)
+    q = d.machine._queues["q"]
+    assert len(q.timers) <= 2 * len(q.waiting) + 33 and len(q.waiting_low) <= 33
+
+
+# ---------------------------------------------------------- purge and delete
+
+
+def test_purge_removes_the_ready_messages_and_counts_them_and_held_ones_stay() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c", node="A", prefetch=2), ts_ms=0)
+    d(Enqueue(queue="q", body=b"m0", key="k"))
+    d(Enqueue(queue="q", body=b"m1"))  # c holds 0 and 1
+    d(Nack(queue="q", consumer="c", offsets=[1], delay_ms=1_000))  # 1 waits
+    for key in ("k", None, "j"):
+        d(Enqueue(queue="q", body=b"r", key=key))  # c takes 2; 3 and 4 are ready
+    applied = d(PurgeQueue(queue="q"))
+    assert applied.reply == QueuePurged(messages=3)
+    assert applied.effects == (Purged(queue="q", offsets=(1, 3, 4), reason="purged"),)
+    assert d.machine.ready("q") == () and d.machine.waiting("q") == {}
+    assert d.machine.unacked("q", "c") == (0, 2)
+    assert [m.offset for m in d.machine.read("q", 0, 10)] == [0, 1, 2, 3, 4]  # the stream
+    assert d(Tick(), ts_ms=2_000).effects == ()
+    assert deliveries(d(Enqueue(queue="q", body=b"new", key="k"))) == []  # no credit
+    assert deliveries(d(Ack(queue="q", consumer="c", offsets=[0, 2]))) == [("c", 5)]
+    assert d(PurgeQueue(queue="q")).reply == QueuePurged(messages=0)
+    assert _error_code(d(PurgeQueue(queue="nope")).reply) is ErrorCode.UNKNOWN_QUEUE
+
+
+def test_deleting_a_queue_in_use_is_refused_unless_forced() -> None:
+    d = Driver()
+    d(Declare(queue="q"))
+    d(Subscribe(queue="q", consumer="c1", node="A", prefetch=1))
+    d(Subscribe(queue="q", consumer="c2", node="B", prefetch=1))
+    publish(d, 3)  # c1 holds 0, c2 holds 1, 2 is ready
+    d(Cancel(queue="q", consumer="c1"))
+    before = d.machine.snapshot()
+    refused = d(DeleteQueue(queue="q"))
+    assert _error_code(refused.reply) is ErrorCode.QUEUE_IN_USE and refused.effects == ()
+    assert "in use by 2 consumer(s) holding 2 message(s)" in refused.reply.message  # type: ignore[union-attr]
+    assert Machine.restore(before).queues() == d.machine.queues() == ("q",)
+    forced = d(DeleteQueue(queue="q", force=True))
+    assert forced.reply == QueueDeleted(messages=3, consumers=2)
+    assert forced.effects == (
+        ConsumerDown(queue="q", consumer="c1", node="A", reason="queue_deleted"),
+        ConsumerDown(queue="q", consumer="c2", node="B", reason="queue_deleted"),
+        Purged(queue="q", offsets=(0, 1, 2), reason="queue_deleted"),
+    )
+    assert d.machine.queues() == () and d.machine.consumers_on("A") == ()
+    assert _error_code(d(Ack(queue="q", consumer="c2", offsets=[1])).reply) is (
+        ErrorCode.UNKNOWN_QUEUE
+    )
+    assert d(Down(consumer="c2")).effects == ()  # its connection closing: nothing left
+    assert _error_code(d(DeleteQueue(queue="q")).reply) is ErrorCode.UNKNOWN_QUEUE
+
+
+def test_a_queue_declared_again_is_empty_and_carries_on_from_the_deleted_ones_offsets() -> None:
+    """A reader that kept an offset of the deleted queue (a Spark checkpoint, say) finds
+    no message of the new one under it, only a gap, as if retention had dropped them."""
+    d = Driver()
+    d(Declare(queue="q", options=QueueOptions(max_length=10)))
+    publish(d, 3)
+    d(CommitOffset(queue="q", group="spark", offset=1))
+    applied = d(DeleteQueue(queue="q"))
+    assert applied.reply == QueueDeleted(messages=3, consumers=0)
+    assert applied.effects == (Purged(queue="q", offsets=(0, 1, 2), reason="queue_deleted"),)
+    assert d(Declare(queue="q")).reply == Declared(created=True)  # other options now
+    stats = d.machine.stats("q")
+    assert (stats.first_retained, stats.next_offset, stats.ready) == (3, 3, 0)
+    assert d.machine.read("q", 0, 10) == ()
+    assert d(Enqueue(queue="q", body=b"new")).reply == Enqueued(offset=3)
+    assert [m.body for m in d.machine.read("q", 1, 10)] == [b"new"]
+    assert d.machine.committed_offset("q", "spark") is None
+    assert Machine.restore(d.machine.snapshot()).digest() == d.machine.digest()
+
+
+def test_a_queue_declared_again_refuses_a_resend_of_a_publish_to_the_deleted_one() -> None:
+    """A client whose publish landed in the deleted queue, and which resends it after the
+    name was declared again (its reply lost), is refused: the new queue forgot the
+    deleted one's producers, as `ForgetProducers` does. A caller's own id carries no
+    generation: it starts afresh at seq 0, as after a forget."""
+    d = Driver()
+    d(Declare(queue="q"), ts_ms=50_000)
+    client = "g9c40-" + "a" * 32  # generation 40,000: made at 40 s
+    ahead = "g186a0-" + "b" * 32  # generation 100,000: a client clock ahead of the log's
+    assert d(Enqueue(queue="q", body=b"m", producer=client, seq=0)).reply == Enqueued(offset=0)
+    d(Enqueue(queue="q", body=b"m", producer=ahead, seq=0))
+    d(Enqueue(queue="q", body=b"m", producer="mine", seq=0))
+    d(DeleteQueue(queue="q"), ts_ms=60_000)
+    d(Declare(queue="q"))
+    refused = d(Enqueue(queue="q", body=b"m", producer=client, seq=0)).reply
+    assert isinstance(refused, Error) and refused.code is ErrorCode.PRODUCER_FORGOTTEN
+    assert refused.generation == 60_000  # the log's time at the delete, not `ahead`'s
+    # the mark never passes the log's time (as for a forget: an id made up far ahead
+    # must not lock every client out), so an id made by a clock ahead of it is new
+    assert d(Enqueue(queue="q", body=b"m", producer=ahead, seq=0)).reply == Enqueued(offset=3)
+    fresh = "g2bf20-" + "c" * 32  # made at 180 s, after the delete
+    assert d(Enqueue(queue="q", body=b"m", producer=fresh, seq=0)).reply == Enqueued(offset=4)
+    assert d(Enqueue(queue="q", body=b"m", producer="mine", seq=0)).reply == Enqueued(offset=5)
+
+
+def test_deleted_names_are_remembered_up_to_a_bound_past_which_new_queues_start_above_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Memory stays bounded as queues come and go: past `MAX_DELETED_NAMES` the oldest
+    name is let go into a floor that every other new queue starts from, so no name
+    gives an offset twice however many were deleted."""
+    from quorumq.machine import machine as machine_module
+
+    monkeypatch.setattr(machine_module, "MAX_DELETED_NAMES", 2)
+    d = Driver()
+    for name, count in (("a", 5), ("b", 2), ("c", 1)):
+        d(Declare(queue=name))
+        publish(d, count, queue=name)
+        d(DeleteQueue(queue=name))
+    assert list(d.machine._deleted) == ["b", "c"]  # "a" (5) went into the floor
+    restored = Machine.restore(d.machine.snapshot())
+    assert restored.digest() == d.machine.digest()
+    for name, first in (("c", 1), ("a", 5), ("new", 5), ("b", 2)):
+        d(Declare(queue=name))
+        assert d.machine.stats(name).next_offset == first, name
+    assert d.machine._deleted == {}
+
+
+def test_a_consumer_of_two_queues_keeps_the_other_when_one_is_deleted() -> None:
+    d = Driver()
+    d(Declare(queue="a"))
+    d(Declare(queue="b"))
+    for queue in ("a", "b"):
+        d(Subscribe(queue=queue, consumer="c", node="A"))
+        d(Enqueue(queue=queue, body=b"m"))
+    d(Subscribe(queue="b", consumer="other", node="B", prefetch=1))
+    d(DeleteQueue(queue="a", force=True))
+    assert d.machine.consumers_on("A") == ("c",)
+    down = d(Down(consumer="c"))
+    assert [(e.queue, e.consumer) for e in down.effects if isinstance(e, ConsumerDown)] == [
+        ("b", "c")
+    ]
+    assert deliveries(down) == [("other", 0)]  # what it held on b went back
+    restored = Machine.restore(d.machine.snapshot())
+    assert restored.digest() == d.machine.digest()
+
+
+def test_dead_lettering_into_a_deleted_queue_drops_instead() -> None:
+    d = Driver()
+    d(Declare(queue="dlq"))
+    d(Declare(queue="q", options=QueueOptions(dead_letter_queue="dlq")))
+    d(Subscribe(queue="q", consumer="c", node="A"))
+    d(Enqueue(queue="q", body=b"m"))
+    d(DeleteQueue(queue="dlq"))
+    rejected = d(Nack(queue="q", consumer="c", offsets=[0], requeue=False))
+    assert rejected.effects == (Dropped(queue="q", offset=0, reason="rejected"),)

@@ -16,7 +16,20 @@ public queries:
   queue forgot is refused (`producer_forgotten`), so a (producer, seq) of an id with
   a generation never lands at two offsets, forgotten or not;
 * with single active consumer, only the oldest live subscriber receives;
+* rule 1, with retry delays: a message is given to a consumer only when no lower
+  ready message is one it could take instead (an unkeyed one, or the first ready
+  message of a key nobody else holds) that is due; a message returned as failed (a
+  nack with requeue, or its consumer removed) is not given again before its delay (the
+  nack's `delay_ms`, else the queue's `retry_backoff_ms` doubled per failure up to its
+  max) has run out in log time; a key waits behind its waiting message, in order; a
+  single-active-consumer queue gives nothing above a waiting message; and after a
+  `Tick` no consumer that may receive is left with a message it could take;
 * the stream view at an offset never changes;
+* a purge removes exactly the ready messages (held ones stay with their holders), a
+  delete of a queue with consumers is refused unless forced, and a forced one cancels
+  every consumer (`queue_deleted`) and removes every message, each counted; a deleted
+  queue refuses everything until it is declared again: then it is empty, carries on
+  from the deleted one's next offset, and refuses its producers' ids as forgotten;
 * a second machine fed the same log, and one restored from a snapshot taken mid-way
   and fed the rest, end with the same digest.
 """
@@ -47,6 +60,7 @@ from quorumq.machine import (
     DeadLettered,
     Declare,
     Declared,
+    DeleteQueue,
     Deliver,
     Down,
     Dropped,
@@ -63,7 +77,11 @@ from quorumq.machine import (
     Nack,
     NodeDown,
     NodeUp,
+    Purged,
+    PurgeQueue,
+    QueueDeleted,
     QueueOptions,
+    QueuePurged,
     Subscribe,
     Tick,
 )
@@ -87,6 +105,8 @@ options_strategy = st.builds(
     retention_messages=st.none() | st.integers(0, 8),
     retention_bytes=st.none() | st.integers(0, 40),
     message_ttl_ms=st.none() | st.integers(1, 300),
+    retry_backoff_ms=st.none()
+    | st.integers(1, 150).flatmap(lambda low: st.tuples(st.just(low), st.integers(low, 1_000))),
 )
 clock_step = st.integers(-30, 120)
 
@@ -107,6 +127,8 @@ class QueueMachineRules(RuleBasedStateMachine):
         self.machine = Machine()
         self.index = 0
         self.ts = 0
+        self.now = 0
+        """The machine's clock: the largest timestamp applied so far."""
         self.log: list[tuple[Meta, Command]] = []
         self.applied: list[Applied] = []
         self.snapshot: tuple[int, bytes] | None = None
@@ -133,12 +155,17 @@ class QueueMachineRules(RuleBasedStateMachine):
         self.leaving: set[Ref] = set()
         """Messages given back and not delivered or gone since: under single active
         consumer they come before any later message (strict FIFO)."""
+        self.due: dict[Ref, int] = {}
+        """Returned messages held back by a retry delay: when they may go out again."""
+        self.deleted: set[str] = set()
+        """Queues deleted and not declared again."""
 
     # ---------------------------------------------------------------- driving
 
     def apply(self, command: Command, dt: int = 0) -> Applied:
         self.index += 1
         self.ts = max(0, self.ts + dt)
+        self.now = max(self.now, self.ts)
         meta = Meta(self.index, self.ts)
         self.log.append((meta, command))
         applied = self.machine.apply(meta, command)
@@ -157,12 +184,102 @@ class QueueMachineRules(RuleBasedStateMachine):
             if mc.cancelled and not self.held_by(queue, cid):
                 del self.consumers[queue][cid]
 
-    def give_back(self, queue: str, offsets: list[int], failed: set[int]) -> None:
+    def give_back(
+        self, queue: str, offsets: list[int], failed: set[int], delay_ms: int | None = None
+    ) -> None:
+        """Return held `offsets`; the failed ones wait `delay_ms`, or the queue's backoff."""
+        backoff = self.options[queue].retry_backoff_ms
         for off in offsets:
-            del self.held[(queue, off)]
-            self.returned.add((queue, off))
+            ref = (queue, off)
+            del self.held[ref]
+            self.returned.add(ref)
             if off in failed:
-                self.failures[(queue, off)] = self.failures.get((queue, off), 0) + 1
+                failures = self.failures[ref] = self.failures.get(ref, 0) + 1
+                delay = delay_ms
+                if delay is None:
+                    delay = (
+                        0 if backoff is None else min(backoff[1], backoff[0] * 2 ** (failures - 1))
+                    )
+                if delay:
+                    self.due[ref] = self.now + delay
+
+    def gone(self, queue: str, applied: Applied) -> bool:
+        """Whether `queue` is deleted: then the command was refused, and did nothing."""
+        if queue not in self.deleted:
+            return False
+        assert isinstance(applied.reply, Error), applied.reply
+        assert applied.reply.code is ErrorCode.UNKNOWN_QUEUE, applied.reply
+        assert applied.effects == ()
+        return True
+
+    def forget_producer(self, queue: str, producer: str) -> None:
+        """`queue` forgets `producer`: unknown ids of its generation or below are refused
+        from now on. The mark is capped at the log's time (an id made up far ahead must
+        not lock every client out), so an id above it is new again: what it landed may
+        land again, and `landed` stops holding it to one offset."""
+        self.producer_last.pop((queue, producer), None)
+        self.producer_offsets.pop((queue, producer), None)
+        generation = producer_generation(producer)
+        if generation is None:
+            return
+        mark = max(self.forgotten_generation.get(queue, 0), min(generation, self.now))
+        self.forgotten_generation[queue] = mark
+        if generation > mark:
+            for slot in [k for k in self.landed if k[:2] == (queue, producer)]:
+                del self.landed[slot]
+
+    def forget_queue(self, queue: str) -> None:
+        """The model of a deleted queue: no message, consumer or producer. A queue declared
+        again under the name carries on from its next offset, and has forgotten its
+        producers (`landed` and the forgotten generation outlive it)."""
+        for producer in sorted(p for q, p in self.producer_last if q == queue):
+            self.forget_producer(queue, producer)
+        for refs in (self.held, self.due, self.failures, self.enqueued):
+            for ref in [r for r in refs if r[0] == queue]:
+                del refs[ref]  # type: ignore[attr-defined]
+        for group in (self.acked, self.dropped, self.delivered_ever, self.returned, self.leaving):
+            group.difference_update({r for r in group if r[0] == queue})
+        for slots in (
+            self.last_unkeyed_first,
+            self.last_key_first,
+            self.producer_offsets,
+            self.producer_last,
+        ):
+            for slot in [k for k in slots if k[0] == queue]:
+                del slots[slot]  # type: ignore[attr-defined]
+        self.consumers[queue] = {}
+
+    def ready_refs(self, queue: str) -> list[int]:
+        """The model's ready offsets of `queue` (not held, settled or leaving), ascending."""
+        gone = self.acked | self.dropped | self.leaving
+        return sorted(
+            o
+            for q, o in self.enqueued
+            if q == queue and (q, o) not in self.held and (q, o) not in gone
+        )
+
+    def could_take(self, queue: str, consumer: str) -> list[int]:
+        """The ready offsets `consumer` could be given now (rule 1, keys, retry delays)."""
+        ready = self.ready_refs(queue)
+        holders = {self.enqueued[r][0]: c for r, c in self.held.items() if r[0] == queue}
+        first_of_key: dict[str, int] = {}
+        out = []
+        for off in ready:
+            key = self.enqueued[(queue, off)][0]
+            if key is not None:
+                if key in first_of_key:
+                    continue  # behind the key's first ready message
+                first_of_key[key] = off
+                if holders.get(key, consumer) != consumer:
+                    continue  # another consumer owns the key
+            if self.due.get((queue, off), 0) > self.now:
+                continue  # waits for its retry delay
+            out.append(off)
+        if self.options[queue].single_active_consumer:
+            waiting = [o for o in ready if self.due.get((queue, o), 0) > self.now]
+            if waiting:
+                out = [o for o in out if o < waiting[0]]  # the queue waits, in order
+        return out
 
     def take_effects(self, applied: Applied) -> None:
         self.leaving = {
@@ -186,6 +303,10 @@ class QueueMachineRules(RuleBasedStateMachine):
                 ]
             elif isinstance(e, Deliver):
                 self.deliver(e)
+            elif isinstance(e, Purged):
+                assert e.reason == "purged", e  # a delete's effects are checked by its rule
+                for off in e.offsets:
+                    self.leave((e.queue, off))
             else:  # pragma: no cover - a new effect type needs a model
                 raise AssertionError(f"unexpected effect {e}")
         for q in QUEUES:
@@ -193,6 +314,7 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     def leave(self, ref: Ref) -> None:
         self.returned.discard(ref)
+        self.due.pop(ref, None)
         assert ref in self.enqueued, ref
         assert ref not in self.held, f"{ref} left while held"
         assert ref not in self.acked and ref not in self.dropped, ref
@@ -210,6 +332,10 @@ class QueueMachineRules(RuleBasedStateMachine):
         assert (e.key, e.body) == self.enqueued[ref]
         assert e.redelivered == (ref in self.delivered_ever)
         assert e.delivery_count == self.failures.get(ref, 0)
+        due = self.due.pop(ref, 0)
+        assert due <= self.now, f"{ref} given at {self.now}, before its retry delay ends at {due}"
+        lower = [o for o in self.could_take(e.queue, e.consumer) if o < e.offset]
+        assert not lower, f"{ref} given to {e.consumer} while it could take {lower} (rule 1)"
         self.returned.discard(ref)
         if self.options[e.queue].single_active_consumer:
             # the oldest subscriber that is not cancelled, or that still holds messages:
@@ -305,18 +431,39 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    @initialize(q1=options_strategy, q2=options_strategy)
-    def declare_queues(self, q1: QueueOptions, q2: QueueOptions) -> None:
+    @initialize(
+        q1=options_strategy,
+        q2=options_strategy,
+        subscribers=st.lists(
+            st.tuples(
+                st.sampled_from(WORK_QUEUES),
+                st.sampled_from(CONSUMERS),
+                st.sampled_from(NODES),
+                st.sampled_from([0, 1, 2, 3]),
+            ),
+            max_size=3,
+            unique_by=lambda s: s[:2],
+        ),
+    )
+    def declare_queues(
+        self, q1: QueueOptions, q2: QueueOptions, subscribers: list[tuple[str, str, str, int]]
+    ) -> None:
+        """Declare the queues, and subscribe some consumers from the start (sequences
+        where messages are held, returned and retried are the ones that find bugs)."""
         self.options = {"dlq": QueueOptions(), "q1": q1, "q2": q2}
         for name in ("dlq", "q1", "q2"):
             applied = self.apply(Declare(queue=name, options=self.options[name]))
             assert applied.reply == Declared(created=True)
+        for queue, consumer, node, prefetch in subscribers:
+            self.subscribe(queue, consumer, node, prefetch, 0)
 
     @rule(queue=st.sampled_from(QUEUES), key=st.sampled_from(KEYS), dt=clock_step)
     def enqueue(self, queue: str, key: str | None, dt: int) -> None:
         body = self.body()
-        ready_before = len(self.machine.ready(queue))
+        ready_before = 0 if queue in self.deleted else len(self.machine.ready(queue))
         applied = self.apply(Enqueue(queue=queue, body=body, key=key), dt)
+        if self.gone(queue, applied):
+            return
         if not self.refused_as_full(queue, applied.reply, 1, ready_before):
             assert isinstance(applied.reply, Enqueued)
             self.record_enqueued(queue, applied.reply, [(key, body)])
@@ -347,8 +494,10 @@ class QueueMachineRules(RuleBasedStateMachine):
             producer=producer,
             first_seq=seq,
         )
-        ready_before = len(self.machine.ready(queue))
+        ready_before = 0 if queue in self.deleted else len(self.machine.ready(queue))
         applied = self.apply(batch, dt)
+        if self.gone(queue, applied):
+            return
         if producer is not None and seq is not None:
             self.producer_enqueue(queue, producer, seq, messages, applied, ready_before)
         elif not self.refused_as_full(queue, applied.reply, len(messages), ready_before):
@@ -368,9 +517,11 @@ class QueueMachineRules(RuleBasedStateMachine):
     ) -> None:
         seq = max(0, self.producer_last.get((queue, producer), -1) + 1 + seq_shift)
         body = self.body()
-        ready_before = len(self.machine.ready(queue))
+        ready_before = 0 if queue in self.deleted else len(self.machine.ready(queue))
         cmd = Enqueue(queue=queue, body=body, key=key, producer=producer, seq=seq)
         applied = self.apply(cmd, dt)
+        if self.gone(queue, applied):
+            return
         self.producer_enqueue(queue, producer, seq, [(key, body)], applied, ready_before)
         self.take_effects(applied)
 
@@ -385,6 +536,8 @@ class QueueMachineRules(RuleBasedStateMachine):
         applied = self.apply(
             Subscribe(queue=queue, consumer=consumer, node=node, prefetch=prefetch), dt
         )
+        if self.gone(queue, applied):
+            return
         if node in self.down_nodes:
             assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.NODE_DOWN
         elif consumer in self.consumers[queue]:
@@ -398,6 +551,8 @@ class QueueMachineRules(RuleBasedStateMachine):
     @rule(queue=st.sampled_from(QUEUES), consumer=st.sampled_from(CONSUMERS), dt=clock_step)
     def cancel(self, queue: str, consumer: str, dt: int) -> None:
         applied = self.apply(Cancel(queue=queue, consumer=consumer), dt)
+        if self.gone(queue, applied):
+            return
         mc = self.consumers[queue].get(consumer)
         if mc is None:
             assert isinstance(applied.reply, Error)
@@ -419,6 +574,8 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     def settled(self, applied: Applied, queue: str, consumer: str, all_held: bool) -> bool:
         """Check the reply to an ack or nack; True when it took effect."""
+        if self.gone(queue, applied):
+            return False
         if consumer not in self.consumers[queue]:
             assert isinstance(applied.reply, Error)
             assert applied.reply.code is ErrorCode.UNKNOWN_CONSUMER
@@ -451,13 +608,35 @@ class QueueMachineRules(RuleBasedStateMachine):
         queue=st.sampled_from(QUEUES),
         consumer=st.sampled_from(CONSUMERS),
         requeue=st.booleans(),
+        delay_ms=st.none() | st.integers(0, 60) | st.integers(200, 2_000),
         dt=clock_step,
     )
-    def nack(self, data: st.DataObject, queue: str, consumer: str, requeue: bool, dt: int) -> None:
+    def nack(
+        self,
+        data: st.DataObject,
+        queue: str,
+        consumer: str,
+        requeue: bool,
+        delay_ms: int | None,
+        dt: int,
+    ) -> None:
         offsets, ok = self.pick_held(data, queue, consumer, stray=False)
-        applied = self.apply(
-            Nack(queue=queue, consumer=consumer, offsets=offsets, requeue=requeue), dt
+        self.apply_nack(queue, consumer, offsets, ok, requeue, delay_ms if requeue else None, dt)
+
+    def apply_nack(
+        self,
+        queue: str,
+        consumer: str,
+        offsets: list[int],
+        ok: bool,
+        requeue: bool,
+        delay_ms: int | None,
+        dt: int,
+    ) -> None:
+        nack = Nack(
+            queue=queue, consumer=consumer, offsets=offsets, requeue=requeue, delay_ms=delay_ms
         )
+        applied = self.apply(nack, dt)
         if self.settled(applied, queue, consumer, ok):
             nacked = set(offsets)
             if requeue:
@@ -471,7 +650,7 @@ class QueueMachineRules(RuleBasedStateMachine):
                     key = self.enqueued[(queue, o)][0]
                     if key in first_by_key and o >= first_by_key[key]:
                         back.add(o)  # rule 4: the key's later messages come back with it
-                self.give_back(queue, sorted(back), nacked)
+                self.give_back(queue, sorted(back), nacked, delay_ms)
             else:
                 for o in nacked:
                     del self.held[(queue, o)]
@@ -482,6 +661,22 @@ class QueueMachineRules(RuleBasedStateMachine):
                 }
                 assert rejected == nacked
         self.take_effects(applied)
+
+    @precondition(lambda self: self.held)
+    @rule(
+        data=st.data(),
+        delay_ms=st.one_of(st.none(), st.none(), st.integers(0, 60), st.integers(200, 2_000)),
+        dt=clock_step,
+    )
+    def retry_held(self, data: st.DataObject, delay_ms: int | None, dt: int) -> None:
+        """A consumer that holds messages gives one back to be retried (the `nack` rule
+        mostly names one that holds nothing: this one keeps retries, and their delays
+        and backoff, common)."""
+        queue, consumer = data.draw(
+            st.sampled_from(sorted({(q, c) for (q, _), c in self.held.items()}))
+        )
+        offsets, ok = self.pick_held(data, queue, consumer, stray=False)
+        self.apply_nack(queue, consumer, offsets, ok, True, delay_ms, dt)
 
     @rule(consumer=st.sampled_from(CONSUMERS), dt=clock_step)
     def down(self, consumer: str, dt: int) -> None:
@@ -513,11 +708,45 @@ class QueueMachineRules(RuleBasedStateMachine):
         applied = self.apply(Tick(), dt)
         assert applied.reply == OK
         self.take_effects(applied)
+        self.leaving = set()
+        for q in QUEUES:  # what is due went out: nobody who may receive is left idle
+            for c in self.receiving(q):
+                assert not self.could_take(q, c), f"{q}: {c} could take {self.could_take(q, c)}"
+
+    @precondition(lambda self: any(due > self.now for due in self.due.values()))
+    @rule(off_by=st.integers(-2, 1))
+    def tick_when_a_retry_is_due(self, off_by: int) -> None:
+        """Time moves to just before, at or just after the next retry the model expects:
+        a delay that runs out early, late or not at all shows here."""
+        due = min(due for due in self.due.values() if due > self.now)
+        self.tick(due + off_by - self.ts)
+
+    def receiving(self, queue: str) -> list[str]:
+        """Consumers of `queue` that may be given a message now (live, with credit, the
+        active one under single active consumer)."""
+        live = [
+            c
+            for c, m in self.consumers[queue].items()
+            if not m.cancelled and (not m.prefetch or len(self.held_by(queue, c)) < m.prefetch)
+        ]
+        if self.options[queue].single_active_consumer:
+            active = next(
+                (
+                    c
+                    for c, m in self.consumers[queue].items()
+                    if not m.cancelled or self.held_by(queue, c)
+                ),
+                None,
+            )
+            return [c for c in live if c == active]
+        return live
 
     @rule(queue=st.sampled_from(QUEUES), group=st.sampled_from(["g1", "g2"]), data=st.data())
     def commit_offset(self, queue: str, group: str, data: st.DataObject) -> None:
         offset = data.draw(st.integers(0, self.next_offset[queue] + 1))
         applied = self.apply(CommitOffset(queue=queue, group=group, offset=offset))
+        if self.gone(queue, applied):
+            return
         if offset <= self.next_offset[queue]:
             assert applied.reply == OK
             assert self.machine.committed_offset(queue, group) == offset
@@ -527,19 +756,63 @@ class QueueMachineRules(RuleBasedStateMachine):
     @rule(queue=st.sampled_from(QUEUES), prefix=st.sampled_from(["", "p", *PRODUCERS, "x"]))
     def forget_producers(self, queue: str, prefix: str) -> None:
         applied = self.apply(ForgetProducers(queue=queue, prefix=prefix))
+        if self.gone(queue, applied):
+            return
         assert applied.effects == ()
         if not prefix:
             assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.INVALID
             return
         gone = [s for s in self.producer_last if s[0] == queue and s[1].startswith(prefix)]
         assert applied.reply == Forgotten(count=len(gone))
-        for slot in gone:  # its next enqueue starts afresh, at seq 0
-            del self.producer_last[slot]
-            del self.producer_offsets[slot]
-            generation = producer_generation(slot[1])
-            if generation is not None:
-                before = self.forgotten_generation.get(queue, 0)
-                self.forgotten_generation[queue] = max(before, generation)
+        for _, producer in gone:  # its next enqueue starts afresh, at seq 0
+            self.forget_producer(queue, producer)
+
+    @rule(queue=st.sampled_from(QUEUES), dt=clock_step)
+    def purge(self, queue: str, dt: int) -> None:
+        ready = [] if queue in self.deleted else self.ready_refs(queue)
+        applied = self.apply(PurgeQueue(queue=queue), dt)
+        if self.gone(queue, applied):
+            return
+        assert applied.reply == QueuePurged(messages=len(ready)), (applied.reply, ready)
+        expected = (Purged(queue=queue, offsets=tuple(ready), reason="purged"),)
+        assert applied.effects == (expected if ready else ())
+        self.take_effects(applied)
+
+    @rule(queue=st.sampled_from(QUEUES), force=st.booleans(), dt=clock_step)
+    def delete_queue(self, queue: str, force: bool, dt: int) -> None:
+        applied = self.apply(DeleteQueue(queue=queue, force=force), dt)
+        if self.gone(queue, applied):
+            return
+        consumers = self.consumers[queue]
+        if consumers and not force:
+            assert isinstance(applied.reply, Error), applied.reply
+            assert applied.reply.code is ErrorCode.QUEUE_IN_USE
+            assert applied.effects == ()
+            return
+        gone = self.ready_refs(queue) + [o for q, o in self.held if q == queue]
+        assert applied.reply == QueueDeleted(messages=len(gone), consumers=len(consumers))
+        down = [
+            ConsumerDown(queue=queue, consumer=c, node=m.node, reason="queue_deleted")
+            for c, m in consumers.items()
+        ]
+        purged = [Purged(queue=queue, offsets=tuple(sorted(gone)), reason="queue_deleted")]
+        assert list(applied.effects) == down + (purged if gone else [])
+        self.forget_queue(queue)
+        self.deleted.add(queue)
+
+    @precondition(lambda self: self.deleted)
+    @rule(data=st.data(), options=options_strategy, dt=clock_step)
+    def declare_again(self, data: st.DataObject, options: QueueOptions, dt: int) -> None:
+        queue = data.draw(st.sampled_from(sorted(self.deleted)))
+        if queue == "dlq":
+            options = QueueOptions()
+        applied = self.apply(Declare(queue=queue, options=options), dt)
+        assert (applied.reply, applied.effects) == (Declared(created=True), ())
+        self.options[queue] = options
+        self.deleted.discard(queue)
+        stats = self.machine.stats(queue)  # empty, where the deleted queue ended
+        assert (stats.first_retained, stats.next_offset) == (self.next_offset[queue],) * 2
+        assert (stats.ready, stats.unacked, stats.consumers, stats.producers) == (0, 0, 0, 0)
 
     @rule()
     def snapshot_round_trip(self) -> None:
@@ -551,22 +824,26 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     # ------------------------------------------------------------- invariants
 
+    def live_queues(self) -> list[str]:
+        return [q for q in QUEUES if q not in self.deleted]
+
     @invariant()
     def holds_match_the_model(self) -> None:
-        for q in QUEUES:
+        assert set(self.machine.queues()) == set(QUEUES) - self.deleted
+        for q in self.live_queues():
             assert set(self.machine.consumers(q)) == set(self.consumers[q])
             for c in self.consumers[q]:
                 assert list(self.machine.unacked(q, c)) == self.held_by(q, c), (q, c)
 
     @invariant()
     def producers_match_the_model(self) -> None:
-        for q in QUEUES:
+        for q in self.live_queues():
             mine = sorted(p for queue, p in self.producer_last if queue == q)
             assert list(self.machine.producers(q)) == mine
 
     @invariant()
     def no_message_is_lost(self) -> None:
-        for q in QUEUES:
+        for q in self.live_queues():
             ready = {(q, o) for o in self.machine.ready(q)}
             mine = {r for r in self.enqueued if r[0] == q}
             held = {r for r in self.held if r[0] == q}
@@ -576,7 +853,7 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     @invariant()
     def keys_are_held_by_one_consumer_and_older_than_ready(self) -> None:
-        for q in QUEUES:
+        for q in self.live_queues():
             holders: dict[str, set[str]] = {}
             newest_held: dict[str, int] = {}
             for (queue, off), c in self.held.items():
@@ -592,7 +869,7 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     @invariant()
     def stream_view_never_changes(self) -> None:
-        for q in QUEUES:
+        for q in self.live_queues():
             stats = self.machine.stats(q)
             assert stats.next_offset == self.next_offset[q]
             got = self.machine.read(q, 0, stats.next_offset)

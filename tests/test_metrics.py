@@ -218,3 +218,29 @@ def test_a_node_whose_metrics_port_is_taken_says_so_in_one_line(tmp_path: object
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
     assert "Address already in use" in result.stderr
+
+
+def test_a_purge_is_counted_and_a_deleted_queues_series_go_from_every_node(
+    cluster: Cluster,
+) -> None:
+    """Queues that come and go leave no series behind (nor counts in the node's memory):
+    every `queue` label of a deleted queue is gone from the next scrape of every node."""
+    client = cluster.client()
+    client.declare("brief")
+    consumer = client.subscribe("brief", prefetch=1)
+    for _ in range(3):
+        client.publish("brief", b"m")
+    assert consumer.get(timeout=10) is not None
+    assert client.purge_queue("brief") == 2
+    urls = [cluster.metrics_url(node) for node in cluster.nodes]
+    for url in urls:
+        wait_for(
+            lambda url=url: queue(scrape(url), "messages_purged_total", "brief") == 2,
+            f"{url} counted the purge",
+        )
+    client.delete_queue("brief", force=True)
+    for url in urls:
+        wait_for(
+            lambda url=url: not any(("queue", "brief") in labels for _, labels in scrape(url)),
+            f"{url} dropped the deleted queue's series",
+        )

@@ -10,7 +10,24 @@ from typing import Any
 
 import pytest
 
-from quorumq.machine import OK, Ack, Command, Down, Nack, Subscribe
+from quorumq.deliveries import SENT_RECORD_MIN
+from quorumq.machine import (
+    OK,
+    Ack,
+    Applied,
+    Command,
+    ConsumerDown,
+    Declare,
+    DeleteQueue,
+    Down,
+    EnqueueBatch,
+    Machine,
+    Message,
+    Meta,
+    Nack,
+    NodeDown,
+    Subscribe,
+)
 from quorumq.node import ConnectionCore, NodeConfig, NodeCore
 from quorumq.protocol import PROTOCOL_VERSION, encode_frame
 from quorumq.replica import ReplicaConfig
@@ -58,8 +75,8 @@ class _Clock:
         return self.now
 
 
-def _node(clock: Callable[[], float]) -> tuple[NodeCore, _Replica]:
-    replica = _Replica()
+def _node(clock: Callable[[], float], replica: _Replica | None = None) -> tuple[NodeCore, _Replica]:
+    replica = _Replica() if replica is None else replica
     config = NodeConfig(
         replica=ReplicaConfig(
             node_id="A", peers={"A": "127.0.0.1:1"}, data_dir="/nonexistent", secret="s"
@@ -171,3 +188,125 @@ def test_a_nack_does_not_overtake_an_ack_a_leader_change_made_wait() -> None:
     clock.now = RETRY_EVERY_S * 2
     node.run_timers()
     assert _settled(replica) == [("Ack", (1,)), ("Ack", (1,)), ("Nack", (0,))]  # not again
+
+
+def test_nacks_read_together_go_in_one_command_per_delay_and_a_bad_delay_is_refused(
+    core: tuple[NodeCore, _Replica],
+) -> None:
+    node, replica = core
+    conn, consumer = _subscribed(node, replica)
+    nack = {"t": "nack", "consumer": consumer, "requeue": True}
+    _send(
+        node,
+        conn,
+        {**nack, "offsets": [0], "delay_ms": 500},
+        {**nack, "offsets": [1]},
+        {**nack, "offsets": [2], "delay_ms": 500},
+        {**nack, "offsets": [3], "delay_ms": 500, "requeue": False},
+        {**nack, "offsets": [4], "delay_ms": 10**12},
+    )
+    assert [(n.offsets, n.delay_ms) for n in replica.commands(Nack)] == [
+        ((0, 2), 500),
+        ((1,), None),
+    ]
+    errors = [f for f in _frames(conn) if f["t"] == "error"]
+    assert [f["code"] for f in errors] == ["invalid", "invalid"]
+    assert "delay_ms" in errors[0]["message"]
+
+
+def _frames(conn: ConnectionCore) -> list[dict[str, Any]]:
+    from quorumq.protocol import FrameDecoder
+
+    decoder = FrameDecoder()
+    data, _frames_count, _cost = conn.take_output(1 << 20)
+    decoder.feed(data)
+    return list(decoder.frames())
+
+
+class _MachineReplica(_Replica):
+    """A replica whose queries read a real machine, which the test applies commands to
+    (their effects reach the node only when the test hands them over)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.machine = Machine()
+
+    def apply(self, command: Command) -> Applied:
+        return self.machine.apply(Meta(self.machine.last_index + 1, 0), command)
+
+    def query(self, read: Callable[[Any], Any]) -> Any:
+        return read(self.machine)
+
+
+def _node_on_a_machine(*queues: str) -> tuple[NodeCore, _MachineReplica]:
+    replica = _MachineReplica()
+    for queue in queues:
+        replica.apply(Declare(queue=queue))
+    node, _ = _node(lambda: 0.0, replica)
+    return node, replica
+
+
+def _subscribe_on_machine(
+    node: NodeCore, replica: _MachineReplica, conn: ConnectionCore, queue: str, prefetch: int
+) -> str:
+    """Subscribe through the node, apply the Subscribe, answer it: the consumer's id."""
+    _send(node, conn, {"t": "subscribe", "id": 1, "queue": queue, "prefetch": prefetch})
+    subscribe, callback = replica.proposed[-1]
+    assert isinstance(subscribe, Subscribe) and callback is not None
+    callback(replica.apply(subscribe).reply, None)
+    return subscribe.consumer
+
+
+def test_a_deleted_queues_consumer_is_told_why_and_late_deliveries_find_its_queue_gone() -> None:
+    """The node runs an entry's effects after its replica may have applied more: here
+    1,100 deliveries (past the record's trim, which asks the machine what the consumer
+    holds) after the queue's delete. Nothing trips over the missing queue, and the
+    consumer's `cancelled` says `queue_deleted`."""
+    node, replica = _node_on_a_machine("q")
+    conn = node.connection_made()
+    _send(node, conn, {"t": "hello", "v": PROTOCOL_VERSION, "client": "t"})
+    consumer = _subscribe_on_machine(node, replica, conn, "q", prefetch=0)
+    batch = EnqueueBatch(queue="q", messages=[Message(body=b"m")] * (SENT_RECORD_MIN + 76))
+    delivered = replica.apply(batch)
+    deleted = replica.apply(DeleteQueue(queue="q", force=True))
+    node.effects_applied(3, delivered.effects)
+    node.effects_applied(4, tuple(e for e in deleted.effects if isinstance(e, ConsumerDown)))
+    frames = _frames(conn)
+    assert sum(f["t"] == "deliver" for f in frames) == SENT_RECORD_MIN + 76
+    assert frames[-1] == {"t": "cancelled", "consumer": consumer, "reason": "queue_deleted"}
+    assert consumer not in node.consumers and consumer not in conn.consumers
+
+
+def test_after_a_snapshot_install_a_consumer_whose_queue_went_is_cancelled_as_deleted() -> None:
+    """The entries a snapshot install skipped never ran their effects here: a consumer
+    the machine no longer has is cancelled with `queue_deleted` if its queue is gone (its
+    client must not subscribe again), else as though its node was marked down."""
+    node, replica = _node_on_a_machine("gone", "kept")
+    conn = node.connection_made()
+    _send(node, conn, {"t": "hello", "v": PROTOCOL_VERSION, "client": "t"})
+    on_gone = _subscribe_on_machine(node, replica, conn, "gone", prefetch=1)
+    on_kept = _subscribe_on_machine(node, replica, conn, "kept", prefetch=1)
+    _frames(conn)  # the subscribe replies
+    replica.apply(DeleteQueue(queue="gone", force=True))
+    replica.apply(NodeDown(node="A"))
+    node.state_replaced()
+    cancelled = {f["consumer"]: f["reason"] for f in _frames(conn) if f["t"] == "cancelled"}
+    assert cancelled == {on_gone: "queue_deleted", on_kept: "node_down"}
+
+
+def test_an_ack_whose_outcome_is_unknown_is_not_settled_again_once_its_queue_is_gone() -> None:
+    """After "outcome unknown" the node settles again what the consumer still holds,
+    asking its machine; a queue deleted meanwhile holds nothing."""
+    from quorumq.replica import OutcomeUnknownError
+
+    node, replica = _node_on_a_machine("q")
+    conn = node.connection_made()
+    _send(node, conn, {"t": "hello", "v": PROTOCOL_VERSION, "client": "t"})
+    consumer = _subscribe_on_machine(node, replica, conn, "q", prefetch=2)
+    replica.apply(EnqueueBatch(queue="q", messages=[Message(body=b"m")] * 2))
+    _send(node, conn, {"t": "ack", "consumer": consumer, "offsets": [0, 1]})
+    ack, callback = replica.proposed[-1]
+    assert isinstance(ack, Ack) and callback is not None
+    replica.apply(DeleteQueue(queue="q", force=True))
+    callback(None, OutcomeUnknownError("lost with the leader"))
+    assert replica.proposed[-1][0] is ack  # nothing proposed again

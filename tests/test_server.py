@@ -228,3 +228,75 @@ def test_both_ends_of_a_client_connection_probe_a_silent_peer(tmp_path: Path) ->
                     blocking.close()
 
     _serve_with(server, body)
+
+
+def test_a_nack_with_a_delay_comes_back_once_it_ran_out_with_its_key_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retry with backoff through the trio client: the node's leader proposes a `Tick`
+    as soon as the delay runs out (the periodic one is switched off here, so nothing
+    else could deliver it), the key's later message comes back behind it, in order, and
+    another key is not held up meanwhile."""
+    import quorumq.replica
+
+    monkeypatch.setattr(quorumq.replica, "TICK_EVERY_S", 3600.0)
+
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as client:
+            with trio.fail_after(10):
+                await client.declare("q", retry_backoff_ms=(10_000, 60_000))
+                consumer = await client.subscribe("q", prefetch=10)
+                for key in ("k", "k", "x"):
+                    await client.publish("q", key.encode(), key=key)
+                got = [await consumer.get() for _ in range(3)]
+                first, _, other = got
+                assert first is not None and other is not None
+                with pytest.raises(ValueError, match="requeue"):
+                    await first.nack(requeue=False, delay_ms=5)
+                nacked_at = trio.current_time()
+                await first.nack(delay_ms=300)  # its own delay, not the queue's 10 s
+                await other.ack()
+                again = [await consumer.get() for _ in range(2)]
+                waited = trio.current_time() - nacked_at
+                assert [(d.offset, d.redelivered) for d in again if d] == [(0, True), (1, True)]
+                assert 0.3 <= waited < 5, waited
+                for d in again:
+                    await d.ack()  # type: ignore[union-attr]
+                await client.publish("q", b"k", key="k")
+                fourth = await consumer.get()
+                assert fourth is not None
+                await fourth.nack()  # the queue's backoff: 10 s
+                while True:  # the nack travels without an answer: wait until it landed
+                    if (await client.status())["queues"]["q"]["ready"] == 1:
+                        break
+                    await trio.sleep(0.02)
+                with trio.move_on_after(1):
+                    await consumer.get()
+                    raise AssertionError("redelivered before the queue's backoff ran out")
+
+    _serve(tmp_path, body)
+
+
+def test_the_trio_client_purges_and_deletes_and_its_consumer_is_told_why(
+    tmp_path: Path,
+) -> None:
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as client:
+            with trio.fail_after(10):
+                await client.declare("q")
+                consumer = await client.subscribe("q", prefetch=1)
+                for body in (b"a", b"b", b"c"):
+                    await client.publish("q", body)
+                assert await consumer.get() is not None
+                assert await client.purge_queue("q") == 2
+                with pytest.raises(ServerError, match="queue_in_use"):
+                    await client.delete_queue("q")
+                deleted = await client.delete_queue("q", force=True)
+                assert deleted == {"messages": 1, "consumers": 1}
+                assert await consumer.get() is None
+                assert consumer.cancel_reason == "queue_deleted"
+                assert "q" not in (await client.status())["queues"]
+                await client.declare("q")  # a new queue: this client publishes to it afresh
+                assert await client.publish("q", b"again") == 3
+
+    _serve(tmp_path, body)

@@ -43,7 +43,7 @@ class _Consumer:
 
 
 def _session() -> ClientSession:
-    session = ClientSession(settle=lambda _delivery, _ack, _requeue: None)
+    session = ClientSession(settle=lambda _delivery, _ack, _requeue, _delay: None)
     session.connection_made()
     return session
 
@@ -137,7 +137,7 @@ def test_no_subscribe_is_tried_again_by_a_closed_client() -> None:
 
 
 def test_a_subscribe_without_a_connection_fails_as_a_lost_connection_until_one_is_made() -> None:
-    session = ClientSession(settle=lambda _delivery, _ack, _requeue: None)
+    session = ClientSession(settle=lambda _delivery, _ack, _requeue, _delay: None)
     with pytest.raises(ConnectionLostError, match="reconnecting"):
         session.subscribe(_Consumer("q"))  # sent now, it would get no answer, ever
     session.connection_made()
@@ -293,7 +293,7 @@ def test_a_publish_whose_caller_stopped_waiting_stays_live_and_pauses_its_key() 
 
 
 def test_a_publish_that_can_never_fit_fails_at_once_with_too_large() -> None:
-    session = ClientSession(settle=lambda _delivery, _ack, _requeue: None)
+    session = ClientSession(settle=lambda _delivery, _ack, _requeue, _delay: None)
     session.connection_made({"node": "A", "max_body": 1024, "max_frame": 4096})
     with pytest.raises(ServerError, match="too_large"):
         session.publish("q", b"x" * 1025, "k", None)
@@ -319,7 +319,7 @@ def test_what_is_sent_always_fits_the_nodes_limits(
 ) -> None:
     """Around every limit: a publish either fails at once with too_large, or what is
     sent is within the node's body and frame limits (never a frame it drops)."""
-    session = ClientSession(settle=lambda _delivery, _ack, _requeue: None)
+    session = ClientSession(settle=lambda _delivery, _ack, _requeue, _delay: None)
     max_frame = max_body + overhead
     session.connection_made({"node": "A", "max_body": max_body, "max_frame": max_frame})
     bodies = [b"x" * n for n in sizes]
@@ -456,7 +456,7 @@ def test_a_publish_past_the_unconfirmed_limits_fails_before_anything_is_sent() -
     """A node that never answers (stopped, its TCP kept alive by the kernel) made the
     unconfirmed publishes, and every rewind's resends, grow without bound."""
     session = ClientSession(
-        settle=lambda _d, _a, _r: None, max_unconfirmed=2, max_unconfirmed_bytes=100
+        settle=lambda _d, _a, _r, _w: None, max_unconfirmed=2, max_unconfirmed_bytes=100
     )
     session.connection_made()
     first, _ = session.publish("q", b"x" * 10, "a", None)
@@ -469,7 +469,7 @@ def test_a_publish_past_the_unconfirmed_limits_fails_before_anything_is_sent() -
     session.receive(_reply(first, offset=0))
     _, frame = session.publish("q", b"x", "k", None)
     assert frame["seq"] == 2  # the refused ones took no sequence number
-    session = ClientSession(settle=lambda _d, _a, _r: None, max_unconfirmed_bytes=100)
+    session = ClientSession(settle=lambda _d, _a, _r, _w: None, max_unconfirmed_bytes=100)
     session.connection_made()
     big, _ = session.publish("q", b"x" * 500, None, None)  # alone, any size goes
     with pytest.raises(TooManyUnconfirmedError, match=r"max_unconfirmed_bytes=100"):
@@ -536,7 +536,7 @@ def test_a_producer_the_queue_forgot_is_refused_not_duplicated_and_the_next_id_i
     is not live any more. Either way the next id is above the generation, even from a
     clock behind it."""
     session = ClientSession(
-        settle=lambda _d, _a, _r: None, producer=Producer(clock_ms=lambda: 0x1000)
+        settle=lambda _d, _a, _r, _w: None, producer=Producer(clock_ms=lambda: 0x1000)
     )
     session.connection_made()
     first, frame = session.publish("q", b"m0", "a", None)
@@ -657,3 +657,21 @@ def test_a_resend_refused_because_the_batch_can_never_fit_is_not_published() -> 
     assert type(failed.error) is ServerError
     assert not any(isinstance(e, RewindLater) for e in events)
     assert session.settling_keys() == set()
+
+
+def test_after_this_client_deletes_a_queue_it_publishes_to_it_under_a_new_id_from_seq_0() -> None:
+    """A queue declared again under the deleted one's name refuses the deleted one's
+    producer ids: the client that deleted it takes a new one (another client's next
+    publish is refused, and it renews then), and a queue's deletion by a consumer of
+    it is said: `queue_deleted`, never subscribed again."""
+    session = _session()
+    _, first = session.publish("q", b"m0", None, None)
+    session.receive(_reply(first["id"], offset=0))
+    session.queue_deleted("q")
+    _, again = session.publish("q", b"m1", None, None)
+    assert again["producer"] != first["producer"] and again["seq"] == 0
+    consumer = _Consumer("q")
+    subscribed, _ = session.subscribe(consumer)
+    session.receive(_reply(subscribed, consumer="n.1"))
+    cancelled = {"t": "cancelled", "consumer": "n.1", "reason": "queue_deleted"}
+    assert session.receive(cancelled) == [ConsumerEnded(consumer, "queue_deleted")]

@@ -111,7 +111,7 @@ class SessionAgainstTheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.session = ClientSession(
-            settle=lambda _d, _a, _r: None, max_unconfirmed=MAX_UNCONFIRMED
+            settle=lambda _d, _a, _r, _w: None, max_unconfirmed=MAX_UNCONFIRMED
         )
         self.machine = Machine()
         self.index = 0

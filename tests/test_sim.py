@@ -597,6 +597,23 @@ def test_a_follower_must_refuse_a_leader_snapshot_older_than_what_it_applied(
     assert "rollback" in _kinds(ci_config(21))
 
 
+def test_a_retry_delay_the_machine_does_not_keep_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the queue's retry backoff (`--retry-backoff 100:2000`) and consumers that
+    also nack with delays of their own, every redelivery waits its delay through the
+    faults (seed 0: 115 held to one); a machine that returns a message at once is
+    caught by the checker (`retry_early`, seed 0)."""
+    from quorumq.machine.queue import QueueState
+
+    config = ci_config(0, workload=attrs.evolve(CI_WORKLOAD, retry_backoff_ms=(100, 2000)))
+    result = run(config)
+    assert result.ok, result.summary()
+    assert result.counts["retries_held"] > 20
+    monkeypatch.setattr(QueueState, "_wait", lambda _self, _off, _due: None)
+    assert "retry_early" in _kinds(config)
+
+
 def test_a_producers_first_batch_overtaken_by_its_second_is_not_lost() -> None:
     """Seeds 215, 315 and 382 (no compaction) lost confirmed records: a producer's
     second batch reached the log before its first, the queue took it as the producer's

@@ -219,3 +219,36 @@ def test_chunks_are_sized_by_what_the_last_one_weighed() -> None:
     assert next_span(1000, 1000, 1000 * 100) == CHUNK_OFFSETS  # small: at most this many
     assert next_span(1000, 1000, 1000 * 8 * 1024 * 1024) == 1  # 8 MiB messages: one each
     assert next_span(1000, 1000, 0) == 2000  # nothing in that chunk (another bucket's)
+
+
+def test_a_read_across_a_delete_never_takes_a_message_of_one_queue_for_the_others(
+    cluster: Cluster,
+) -> None:
+    """A queue declared again under a deleted one's name carries on from its end: a
+    query that had read part of the deleted queue fails with data loss (or skips, with
+    failOnDataLoss=false) rather than read the new queue's messages under old offsets,
+    and one that had read all of it goes on with the new one's."""
+    from spark_source.options import read_options
+    from spark_source.reading import DataLossError, check_retained, read_chunks
+
+    client = cluster.client()
+    client.declare("reborn")
+    client.publish_batch("reborn", [b"old%d" % i for i in range(10)])
+    client.delete_queue("reborn")
+    client.declare("reborn")
+    client.publish_batch("reborn", [b"new%d" % i for i in range(3)])
+    options = read_options(
+        {"endpoints": ",".join(cluster.endpoints), "queue": "reborn", "readWaitSeconds": "5"},
+        batch=False,
+    )
+
+    def read(start: int, end: int) -> list[tuple[int, bytes]]:
+        rows = []
+        for lo, hi, result in read_chunks(options, start, end):
+            check_retained(options, lo, hi, result.first_retained)
+            rows += [(row[0], row[2]) for row in result.rows]
+        return rows
+
+    with pytest.raises(DataLossError, match=r"offsets \[4, 10\) .*deleted with the queue"):
+        read(4, 13)  # a checkpoint of the deleted queue at offset 4
+    assert read(10, 13) == [(10, b"new0"), (11, b"new1"), (12, b"new2")]

@@ -417,11 +417,13 @@ class AsyncClient:
             async with self._send_lock:
                 await self._write(frame)
 
-    async def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
+    async def _settle(
+        self, delivery: Delivery, ack: bool, requeue: bool, delay_ms: int | None
+    ) -> None:
         """Send an ack or nack, whatever cancels the caller: the delivery is marked
         settled already, so one lost waiting for the send lock could not be sent again
         ("already acked"), and the message would stay held."""
-        frame = self._session.settle_frame(delivery, ack, requeue)
+        frame = self._session.settle_frame(delivery, ack, requeue, delay_ms)
         if frame is not None:
             await self._send_whole(frame)
 
@@ -519,6 +521,22 @@ class AsyncClient:
         frame = {"t": "forget_producers", "queue": queue, "prefix": prefix}
         reply = await self._request(frame)
         return int(reply["forgotten"])
+
+    async def purge_queue(self, queue: str) -> int:
+        """Remove every ready message of `queue` (those waiting for a retry delay too);
+        return how many. Delivered ones stay with their consumers."""
+        reply = await self._request({"t": "purge_queue", "queue": queue})
+        return int(reply["messages"])
+
+    async def delete_queue(self, queue: str, force: bool = False) -> dict[str, int]:
+        """Delete `queue` and everything in it; return {"messages": removed,
+        "consumers": cancelled}. Refused while it has consumers (`queue_in_use`) unless
+        `force`: they end (`cancel_reason == "queue_deleted"`) and what they held goes
+        too. Not sent again by the client, as `declare`. A queue declared again under
+        the name carries on from this one's offsets (see the blocking client's)."""
+        reply = await self._request({"t": "delete_queue", "queue": queue, "force": force})
+        self._session.queue_deleted(queue)
+        return {"messages": int(reply["messages"]), "consumers": int(reply["consumers"])}
 
     async def add_member(self, node: str, raft_address: str) -> dict[str, str]:
         """Add a replica to the cluster (start its node first, with the current members and

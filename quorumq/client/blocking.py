@@ -532,9 +532,9 @@ class Client:
                 logger.info("subscribing to %r again in %.2f s: %s", consumer.queue, delay, e)
                 time.sleep(delay)
 
-    def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
+    def _settle(self, delivery: Delivery, ack: bool, requeue: bool, delay_ms: int | None) -> None:
         with self._lock:
-            frame = self._session.settle_frame(delivery, ack, requeue)
+            frame = self._session.settle_frame(delivery, ack, requeue, delay_ms)
         if frame is not None:
             self._send_frames([frame])
 
@@ -695,6 +695,28 @@ class Client:
         other is refused (`out_of_order`, expected 0)."""
         reply = self._request({"t": "forget_producers", "queue": queue, "prefix": prefix})
         return int(reply["forgotten"])
+
+    def purge_queue(self, queue: str) -> int:
+        """Remove every ready message of `queue` (those waiting for a retry delay too);
+        return how many. Delivered ones stay with their consumers, to ack or nack as
+        before; the stream view (`read`) keeps everything until retention drops it."""
+        reply = self._request({"t": "purge_queue", "queue": queue})
+        return int(reply["messages"])
+
+    def delete_queue(self, queue: str, force: bool = False) -> dict[str, int]:
+        """Delete `queue` with its messages, stream view, producers and committed
+        offsets; return {"messages": removed, "consumers": cancelled}. A queue with
+        consumers is refused (`ServerError` "queue_in_use") unless `force`: then each
+        of its consumers ends (`cancel_reason == "queue_deleted"`), and what they held
+        is deleted with the rest (nothing is dead-lettered). Like `declare`, it is not
+        sent again by the client: after `outcome_unknown`, `status()` tells. A queue
+        declared again under the name is empty, and carries on from the offset where
+        this one ended; it refuses this one's producer ids (another client's next
+        publish to it fails with `producer_forgotten`, and the one after goes through)."""
+        reply = self._request({"t": "delete_queue", "queue": queue, "force": force})
+        with self._lock:
+            self._session.queue_deleted(queue)
+        return {"messages": int(reply["messages"]), "consumers": int(reply["consumers"])}
 
     def add_member(self, node: str, raft_address: str) -> dict[str, str]:
         """Add a replica to the cluster (start its node first, with the current members and

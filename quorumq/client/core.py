@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from ..machine.commands import MAX_RETRY_DELAY_MS
 from ..machine.views import StreamMessage
 from ..protocol import PROTOCOL_VERSION, READ_COLUMNS, ProtocolError, auth_proof, check_columns
 
@@ -147,7 +148,7 @@ class Delivery:
     node: str
     """The node whose replica sent it: the one this client is connected to."""
     consumer: str
-    _settle: Callable[[Delivery, bool, bool], Any] = attrs.field(
+    _settle: Callable[[Delivery, bool, bool, int | None], Any] = attrs.field(
         eq=False, repr=False, alias="settle"
     )
     _settled: list[str] = attrs.field(factory=list, eq=False, repr=False, init=False)
@@ -155,12 +156,18 @@ class Delivery:
     def ack(self) -> Any:
         """Done with it: it is never delivered again."""
         self._once("acked")
-        return self._settle(self, True, False)
+        return self._settle(self, True, False, None)
 
-    def nack(self, requeue: bool = True) -> Any:
-        """Give it back (`requeue`), or drop or dead-letter it."""
+    def nack(self, requeue: bool = True, delay_ms: int | None = None) -> Any:
+        """Give it back (`requeue`), or drop or dead-letter it.
+
+        Given back, it waits `delay_ms` before it is delivered again (None: what the
+        queue's `retry_backoff_ms` says, or not at all; 0: at once), and keeps its
+        place meanwhile: it comes before any later message once due, its key waits
+        behind it, and a single-active-consumer queue waits for it."""
+        check_retry_delay(requeue, delay_ms)
         self._once("nacked")
-        return self._settle(self, False, requeue)
+        return self._settle(self, False, requeue, delay_ms)
 
     def _once(self, how: str) -> None:
         # a second ack would travel with others of the consumer and spoil their batch
@@ -281,6 +288,18 @@ def publish_frame(
         "producer": producer,
         "seq": seq,
     }
+
+
+def check_retry_delay(requeue: bool, delay_ms: int | None) -> None:
+    """A nack's `delay_ms`: None, or an int from 0 to a day, with `requeue=True`."""
+    if delay_ms is None:
+        return
+    if type(delay_ms) is not int:
+        raise TypeError(f"delay_ms must be an int (milliseconds), got {type(delay_ms).__name__}")
+    if not requeue:
+        raise ValueError("delay_ms goes with requeue=True: a rejected message does not return")
+    if not 0 <= delay_ms <= MAX_RETRY_DELAY_MS:
+        raise ValueError(f"delay_ms must be from 0 to {MAX_RETRY_DELAY_MS}, got {delay_ms}")
 
 
 def delivery_from(frame: dict[str, Any], queue: str, settle: Callable[..., Any]) -> Delivery:

@@ -204,7 +204,7 @@ def _numbers(frame: Mapping[str, Any]) -> Sequence[int]:
 class ClientSession:
     def __init__(
         self,
-        settle: Callable[[Delivery, bool, bool], Any],
+        settle: Callable[[Delivery, bool, bool, int | None], Any],
         *,
         max_unconfirmed: int = MAX_UNCONFIRMED,
         max_unconfirmed_bytes: int = MAX_UNCONFIRMED_BYTES,
@@ -424,7 +424,9 @@ class ClientSession:
         logger.warning("a consumer of %r ends: could not subscribe again: %s", queue, error)
         return f"could not subscribe again: {error}"
 
-    def settle_frame(self, delivery: Delivery, ack: bool, requeue: bool) -> dict[str, Any] | None:
+    def settle_frame(
+        self, delivery: Delivery, ack: bool, requeue: bool, delay_ms: int | None = None
+    ) -> dict[str, Any] | None:
         """The ack or nack to send; None for a delivery to an earlier subscription (it
         is redelivered anyway)."""
         if delivery.consumer not in self.consumers:
@@ -436,6 +438,8 @@ class ClientSession:
         }
         if not ack:
             frame["requeue"] = requeue
+            if delay_ms is not None:
+                frame["delay_ms"] = delay_ms
         return frame
 
     def unconfirmed(
@@ -556,6 +560,12 @@ class ClientSession:
         """Keys with a publish still live: unconfirmed, and resent until answered. Once a
         key has left, nothing more can land for it, and a read tells what did."""
         return {key for _, key in self._live}
+
+    def queue_deleted(self, queue: str) -> None:
+        """This client deleted `queue`: publishes to one declared again under the name go
+        under a new producer id, from seq 0 (the new queue refuses the deleted one's
+        producer ids as forgotten, and the next publish would fail)."""
+        self.producer.renew(queue)
 
     def resume(self, key: str) -> None:
         """Publishing `key` may go on. Refused (`KeyPausedError`) while the key has a

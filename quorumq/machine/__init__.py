@@ -10,6 +10,7 @@ from .commands import (
     Command,
     CommitOffset,
     Declare,
+    DeleteQueue,
     Down,
     Enqueue,
     EnqueueBatch,
@@ -18,13 +19,25 @@ from .commands import (
     Nack,
     NodeDown,
     NodeUp,
+    PurgeQueue,
     QueueOptions,
     Subscribe,
     Tick,
 )
-from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect
+from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect, Purged
 from .machine import Applied, Machine, Meta, UnknownQueueError
-from .replies import OK, Declared, Enqueued, Error, ErrorCode, Forgotten, Ok, Reply
+from .replies import (
+    OK,
+    Declared,
+    Enqueued,
+    Error,
+    ErrorCode,
+    Forgotten,
+    Ok,
+    QueueDeleted,
+    QueuePurged,
+    Reply,
+)
 from .views import QueueStats, StreamMessage, bucket_of
 
 __all__ = [
@@ -38,6 +51,7 @@ __all__ = [
     "DeadLettered",
     "Declare",
     "Declared",
+    "DeleteQueue",
     "Deliver",
     "Down",
     "Dropped",
@@ -56,7 +70,11 @@ __all__ = [
     "NodeDown",
     "NodeUp",
     "Ok",
+    "PurgeQueue",
+    "Purged",
+    "QueueDeleted",
     "QueueOptions",
+    "QueuePurged",
     "QueueStats",
     "Reply",
     "StreamMessage",

@@ -22,6 +22,9 @@ MAX_PREFETCH = 65_535
 the node's slow-consumer cut-off off."""
 DEFAULT_RETENTION_BYTES = 64 * 1024 * 1024
 """Stream-view retention by body bytes when a queue does not say (64 MiB)."""
+MAX_RETRY_DELAY_MS = 24 * 3600 * 1000
+"""The longest a returned message may be held back before it is ready again (a day): a
+nack's `delay_ms`, and the upper bound of a queue's `retry_backoff_ms`."""
 
 
 # Every field is checked to its exact type: a float or a bool where an int belongs, or a
@@ -89,6 +92,33 @@ def _headers(value: Mapping[str, str] | None) -> Mapping[str, str] | None:
     return dict(value)
 
 
+def _pair(value: Any) -> Any:
+    """A list or tuple as a tuple (msgpack and the snapshot give lists); anything else as
+    it is, for the validator to refuse."""
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
+def _backoff(_inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    """None, or (min, max) ints with 1 <= min <= max <= `MAX_RETRY_DELAY_MS`."""
+    if value is None:
+        return
+    if type(value) is not tuple or len(value) != 2 or any(type(v) is not int for v in value):
+        raise TypeError(f"{attr.name} must be a pair of ints (min, max), got {value!r}")
+    low, high = value
+    if not 1 <= low <= high <= MAX_RETRY_DELAY_MS:
+        raise ValueError(
+            f"{attr.name} must be (min, max) with 1 <= min <= max <= {MAX_RETRY_DELAY_MS} "
+            f"ms, got {value!r}"
+        )
+
+
+def retry_delay_ms(backoff: tuple[int, int], failures: int) -> int:
+    """How long a message returned for its `failures`-th time waits under a queue's
+    `retry_backoff_ms=(min, max)`: min, doubled with each failed delivery, at most max."""
+    low, high = backoff
+    return min(high, low << min(max(failures - 1, 0), 62))
+
+
 def _offsets(value: Iterable[int]) -> tuple[int, ...]:
     offsets = tuple(value)
     for o in offsets:
@@ -125,6 +155,12 @@ class QueueOptions:
     consumer_timeout_ms: int | None = attrs.field(default=None, validator=_non_negative)
     """A consumer holding a delivery longer than this is cancelled and its messages
     return (None: `DEFAULT_CONSUMER_TIMEOUT_MS`, unless the subscribe says otherwise)."""
+    retry_backoff_ms: tuple[int, int] | None = attrs.field(
+        default=None, converter=_pair, validator=_backoff
+    )
+    """(min, max): a message returned as failed (nack with requeue, its consumer down or
+    timed out) waits min ms before it is ready again, doubled with each failed delivery,
+    at most max (None: it is ready at once). It keeps its place meanwhile (`Nack`)."""
 
     @message_ttl_ms.validator
     def _check_ttl(self, _attr: object, value: int | None) -> None:
@@ -275,12 +311,27 @@ class Ack:
 
 @attrs.frozen(kw_only=True)
 class Nack:
-    """Return (`requeue=True`) or reject (dead-letter or drop) held messages."""
+    """Return (`requeue=True`) or reject (dead-letter or drop) held messages.
+
+    A returned message waits `delay_ms` (None: what the queue's `retry_backoff_ms`
+    says, or not at all) before it is ready again, and keeps its place meanwhile: it
+    is delivered before any later message once it is due, its ordering key waits
+    behind it (in order), and a single-active-consumer queue waits for it."""
 
     queue: str = attrs.field(validator=_str)
     consumer: str = attrs.field(validator=_str)
     offsets: tuple[int, ...] = attrs.field(converter=_offsets)
     requeue: bool = attrs.field(default=True, validator=_exact_bool)
+    delay_ms: int | None = attrs.field(default=None, validator=_non_negative)
+
+    @delay_ms.validator
+    def _check_delay(self, _attr: object, value: int | None) -> None:
+        if value is None:
+            return
+        if not self.requeue:
+            raise ValueError("delay_ms goes with requeue=True (a rejected message does not return)")
+        if value > MAX_RETRY_DELAY_MS:
+            raise ValueError(f"delay_ms must be at most {MAX_RETRY_DELAY_MS}, got {value}")
 
 
 @attrs.frozen(kw_only=True)
@@ -327,8 +378,36 @@ class ForgetProducers:
 
 
 @attrs.frozen(kw_only=True)
+class PurgeQueue:
+    """Remove every ready message of `queue` (those waiting for a retry delay too); they
+    are counted (`QueuePurged`, and a `Purged` effect lists them). Held messages stay
+    with their consumers: acked, or returned by a nack or a `Down` as ever. The stream
+    view keeps everything, as after an ack, until retention drops it."""
+
+    queue: str = attrs.field(validator=_str)
+
+
+@attrs.frozen(kw_only=True)
+class DeleteQueue:
+    """Delete `queue`: its messages, consumers, stream view, idempotent producers and
+    committed offsets. A queue in use (with consumers, cancelled ones still holding
+    messages included) is refused (`queue_in_use`) unless `force`: then each consumer
+    is cancelled (`ConsumerDown`, reason "queue_deleted") and what it held goes with
+    the queue. Every message the queue held, ready or delivered, is counted
+    (`QueueDeleted`, and a `Purged` effect lists them): none is dead-lettered. A queue
+    declared again under the name is a new, empty queue that carries on from the deleted
+    one's next offset (an offset a reader kept never names a message of the other queue)
+    and refuses the deleted one's producer ids (`producer_forgotten`: a resend of a
+    publish to the deleted queue does not land in the new one)."""
+
+    queue: str = attrs.field(validator=_str)
+    force: bool = attrs.field(default=False, validator=_exact_bool)
+
+
+@attrs.frozen(kw_only=True)
 class Tick:
-    """Moves time (message TTL, producer expiry) when nothing else does."""
+    """Moves time (message TTL, producer expiry, consumer timeouts, retry delays) when
+    nothing else does."""
 
 
 Command: TypeAlias = (
@@ -344,5 +423,7 @@ Command: TypeAlias = (
     | NodeUp
     | CommitOffset
     | ForgetProducers
+    | PurgeQueue
+    | DeleteQueue
     | Tick
 )

@@ -39,7 +39,8 @@ class Deliver(NamedTuple):
 
 @attrs.frozen(kw_only=True)
 class ConsumerDown:
-    """`consumer` was removed from `queue` (`reason`: "down" or "node_down")."""
+    """`consumer` was removed from `queue` (`reason`: "down", "node_down",
+    "consumer_timeout", or "queue_deleted")."""
 
     queue: str
     consumer: str
@@ -68,4 +69,15 @@ class DeadLettered:
     target_offset: int
 
 
-Effect: TypeAlias = Deliver | ConsumerDown | Dropped | DeadLettered
+@attrs.frozen(kw_only=True)
+class Purged:
+    """Messages `offsets` (ascending) left `queue` undelivered because it was purged
+    (`reason` "purged": its ready messages) or deleted ("queue_deleted": all of them,
+    held ones too). One effect per command, however many messages."""
+
+    queue: str
+    offsets: tuple[int, ...]
+    reason: str
+
+
+Effect: TypeAlias = Deliver | ConsumerDown | Dropped | DeadLettered | Purged

@@ -22,6 +22,7 @@ from .commands import (
     Command,
     CommitOffset,
     Declare,
+    DeleteQueue,
     Down,
     Enqueue,
     EnqueueBatch,
@@ -30,11 +31,12 @@ from .commands import (
     Nack,
     NodeDown,
     NodeUp,
+    PurgeQueue,
     QueueOptions,
     Subscribe,
     Tick,
 )
-from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect
+from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect, Purged
 from .queue import (
     ConsumerState,
     ProducerState,
@@ -43,7 +45,17 @@ from .queue import (
     message_cost,
     producer_generation,
 )
-from .replies import OK, Declared, Enqueued, Error, ErrorCode, Forgotten, Reply
+from .replies import (
+    OK,
+    Declared,
+    Enqueued,
+    Error,
+    ErrorCode,
+    Forgotten,
+    QueueDeleted,
+    QueuePurged,
+    Reply,
+)
 from .views import QueueStats, StreamMessage, bucket_of
 
 PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
@@ -57,6 +69,11 @@ the hour is never forgotten to make room (one forgotten seconds after its first 
 had that publish enqueued twice when its client resent it)."""
 EVICT_SILENT_MS = 3600 * 1000
 """How long a producer must be silent before it may be forgotten to make room."""
+MAX_DELETED_NAMES = 10_000
+"""Most names of deleted queues the machine remembers where their offsets ended (a queue
+declared again under one carries on from there). Past it the oldest is folded into one
+floor that every other new queue starts from, so memory stays bounded as queues come
+and go, and no name ever gives an offset or takes a producer id twice."""
 
 
 def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
@@ -72,12 +89,15 @@ def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
 
 
 _SNAPSHOT_FORMAT = "quorumq-machine"
-_SNAPSHOT_VERSION = 3
+_SNAPSHOT_VERSION = 4
 """2: retention counts keys, headers and an overhead per message (`message_cost`), and
 dead-lettered messages carry their death path. 3: each queue ends with the highest
-producer generation it forgot. Versions 1 and 2 are read too (the retained bytes are
-counted again on restore; no generation was forgotten)."""
-_READABLE_VERSIONS = (1, 2, 3)
+producer generation it forgot. 4: and then its messages waiting for a retry delay, its
+options end with `retry_backoff_ms`, and the machine ends with where deleted queues
+ended (`Machine._deleted`). Versions 1 to 3 are read too (the retained bytes are counted
+again on restore; no generation was forgotten; nothing waits, options missing at the
+end take their defaults, and no queue was deleted)."""
+_READABLE_VERSIONS = (1, 2, 3, 4)
 _OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
 
 
@@ -123,6 +143,15 @@ class Machine:
         self._down_nodes: set[str] = set()
         self._consumer_queues: dict[str, dict[str, None]] = {}
         """Consumer id -> the queues it is on (derived, for `Down`)."""
+        self._deleted: dict[str, tuple[int, int]] = {}
+        """Names of deleted queues not declared again, oldest first -> (the offset after
+        the last one the queue gave, the highest producer generation it knew or forgot):
+        a queue declared again under the name starts there, so an offset a reader kept
+        never names a message of the other queue, and a resend of a publish to the
+        deleted queue is refused (`producer_forgotten`), not enqueued in the new one."""
+        self._deleted_floor = (0, 0)
+        """The highest of each over the names `_deleted` let go (`MAX_DELETED_NAMES`):
+        where every other new queue starts."""
 
     @property
     def last_index(self) -> int:
@@ -250,7 +279,10 @@ class Machine:
             )
         if cmd.options.dead_letter_queue == cmd.queue:
             return _error(ErrorCode.INVALID, "a queue cannot be its own dead_letter_queue")
-        self._queues[cmd.queue] = QueueState(cmd.queue, cmd.options)
+        first_offset, generation = self._deleted.pop(cmd.queue, self._deleted_floor)
+        self._queues[cmd.queue] = QueueState(
+            cmd.queue, cmd.options, first_offset=first_offset, forgotten_generation=generation
+        )
         return Declared(created=True)
 
     def _check_producer(
@@ -432,8 +464,9 @@ class Machine:
         self._run([q], effects)
         return OK
 
-    def _forget_if_gone(self, q: QueueState, consumer: str) -> None:
-        if consumer not in q.consumers:
+    def _forget_if_gone(self, q: QueueState, consumer: str, *, deleted: bool = False) -> None:
+        """Drop `consumer` from the queues it is on if `q` no longer has it (or is gone)."""
+        if deleted or consumer not in q.consumers:
             queues = self._consumer_queues.get(consumer)
             if queues is not None:
                 queues.pop(q.name, None)
@@ -492,7 +525,7 @@ class Machine:
             return found
         q, c = found
         if cmd.requeue:
-            q.requeue(c, cmd.offsets)
+            q.requeue(c, cmd.offsets, cmd.delay_ms, self._now)
         else:
             q.reject(c, cmd.offsets)
         self._forget_if_gone(q, cmd.consumer)
@@ -500,7 +533,7 @@ class Machine:
         return OK
 
     def _remove(self, q: QueueState, c: ConsumerState, reason: str, effects: list[Any]) -> None:
-        q.remove_consumer(c)
+        q.remove_consumer(c, self._now)
         self._forget_if_gone(q, c.id)
         effects.append(ConsumerDown(queue=q.name, consumer=c.id, node=c.node, reason=reason))
 
@@ -551,14 +584,73 @@ class Machine:
             return _error(ErrorCode.INVALID, "an empty prefix would forget every producer")
         return Forgotten(count=q.forget_producers(cmd.prefix, self._now))
 
+    def _purge_queue(self, cmd: PurgeQueue, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        gone = q.purge()
+        if gone:
+            effects.append(Purged(queue=q.name, offsets=tuple(gone), reason="purged"))
+        return QueuePurged(messages=len(gone))
+
+    def _delete_queue(self, cmd: DeleteQueue, effects: list[Any]) -> Reply:
+        q = self._queue(cmd.queue)
+        if isinstance(q, Error):
+            return q
+        consumers = list(q.consumers.values())
+        if consumers and not cmd.force:
+            held = len(q.held)
+            return _error(
+                ErrorCode.QUEUE_IN_USE,
+                f"queue {q.name!r} is in use by {len(consumers)} consumer(s) holding {held} "
+                "message(s); cancel them, or delete with force (which cancels them, and "
+                "deletes what they hold)",
+            )
+        for c in consumers:  # subscription order
+            effects.append(
+                ConsumerDown(queue=q.name, consumer=c.id, node=c.node, reason="queue_deleted")
+            )
+        gone = sorted(q.msgs)
+        if gone:
+            effects.append(Purged(queue=q.name, offsets=tuple(gone), reason="queue_deleted"))
+        del self._queues[q.name]
+        for c in consumers:
+            self._forget_if_gone(q, c.id, deleted=True)
+        self._remember_deleted(q)
+        return QueueDeleted(messages=len(gone), consumers=len(consumers))
+
+    def _remember_deleted(self, q: QueueState) -> None:
+        """Keep where deleted `q` ended (`_deleted`): its next offset, and the highest
+        generation of its producers (each capped at the log time, as when a producer is
+        forgotten)."""
+        for producer in sorted(q.producers):
+            q.forget_producer(producer, self._now)
+        deleted = self._deleted
+        deleted[q.name] = (q.next_offset, q.forgotten_generation)
+        if len(deleted) > MAX_DELETED_NAMES:
+            offset, generation = deleted.pop(next(iter(deleted)))
+            floor = self._deleted_floor
+            self._deleted_floor = (max(floor[0], offset), max(floor[1], generation))
+
     def needs_tick(self) -> bool:
         """Whether time must move on even with no other command: a queue has a message
-        TTL, remembers producers that may expire, or has deliveries out (consumer
-        timeout). The leader proposes `Tick` then."""
+        TTL, remembers producers that may expire, has deliveries out (consumer
+        timeout), or messages waiting for a retry delay. The leader proposes `Tick`
+        then."""
         return any(
-            q.options.message_ttl_ms is not None or q.producers or q.held
+            q.options.message_ttl_ms is not None or q.producers or q.held or q.waiting
             for q in self._queues.values()
         )
+
+    def next_retry_ms(self) -> int | None:
+        """The log time when the next message waiting for a retry delay is due, of the
+        queues with a consumer that may receive it (None: none). The leader proposes a
+        `Tick` once its clock gets there, so a delay is not rounded up to the next
+        periodic tick. It may be early (a stale timer, which that `Tick` clears), never
+        late. A queue that nobody may receive from is woken by its next subscribe,
+        ack or nack, which runs it anyway."""
+        due = [t for q in self._queues.values() if q.sq and (t := q.next_due()) is not None]
+        return min(due) if due else None
 
     def _tick(self, cmd: Tick, effects: list[Any]) -> Reply:
         now = self._now
@@ -578,7 +670,14 @@ class Machine:
                     p for p, s in q.producers.items() if now - s.last_ts > PRODUCER_EXPIRY_MS
                 ):
                     q.forget_producer(producer, now)
-        self._run([q for q in self._queues.values() if q.outbox], effects)
+        self._run(
+            [
+                q
+                for q in self._queues.values()
+                if q.outbox or (q.sq and q.timers and q.timers[0][0] <= now)
+            ],
+            effects,
+        )  # what expired leaves; what waited for a retry delay and is due is delivered
         return OK
 
     # ---------------------------------------------------------------- queries
@@ -596,7 +695,8 @@ class Machine:
         return self._get(queue).options
 
     def ready(self, queue: str) -> tuple[int, ...]:
-        """Offsets of the ready messages, in the order they will be offered."""
+        """Offsets of the ready messages (those waiting for a retry delay too, see
+        `waiting`), ascending."""
         q = self._get(queue)
         return tuple(sorted(o for o in q.msgs if o not in q.held))
 
@@ -610,6 +710,11 @@ class Machine:
             if offset not in held:
                 return msg[4]
         return None
+
+    def waiting(self, queue: str) -> dict[int, int]:
+        """Returned messages of `queue` held back by a retry delay: offset -> the log time
+        they are due (they count as ready, and keep their place)."""
+        return dict(self._get(queue).waiting)
 
     def unacked(self, queue: str, consumer: str) -> tuple[int, ...]:
         """Offsets `consumer` holds on `queue` (empty if it holds none or is not there)."""
@@ -717,6 +822,10 @@ class Machine:
                 self._now,
                 sorted(self._down_nodes),
                 [_encode_queue(q) for q in self._queues.values()],
+                [
+                    list(self._deleted_floor),
+                    [[name, *ended] for name, ended in self._deleted.items()],  # oldest first
+                ],
             ]
         )
 
@@ -727,10 +836,12 @@ class Machine:
     @classmethod
     def restore(cls, data: bytes) -> Machine:
         value = encoding.decode(data)
-        if not (isinstance(value, list) and len(value) == 6 and value[0] == _SNAPSHOT_FORMAT):
+        if not (isinstance(value, list) and len(value) in (6, 7) and value[0] == _SNAPSHOT_FORMAT):
             raise encoding.DecodeError("not a quorumq machine snapshot")
         if value[1] not in _READABLE_VERSIONS:
             raise encoding.DecodeError(f"unsupported snapshot version {value[1]}")
+        if len(value) != (7 if value[1] >= 4 else 6):
+            raise encoding.DecodeError(f"a version {value[1]} snapshot of {len(value)} parts")
         m = cls()
         m._last_index, m._now = value[2], value[3]
         m._down_nodes = set(value[4])
@@ -739,6 +850,10 @@ class Machine:
             m._queues[q.name] = q
             for consumer in q.consumers:
                 m._consumer_queues.setdefault(consumer, {})[q.name] = None
+        if len(value) == 7:  # version 4: where deleted queues ended
+            floor, deleted = value[6]
+            m._deleted_floor = (floor[0], floor[1])
+            m._deleted = {name: (offset, generation) for name, offset, generation in deleted}
         return m
 
 
@@ -767,6 +882,7 @@ def _encode_queue(q: QueueState) -> list[Any]:
         sorted([g, o] for g, o in q.commits.items()),
         q.expiry_cursor,
         q.forgotten_generation,
+        sorted([o, due] for o, due in q.waiting.items()),
     ]
 
 
@@ -785,7 +901,7 @@ def _decode_queue(raw: list[Any], now: int) -> QueueState:
         producers,
         commits,
         expiry_cursor,
-        *forgotten,  # version 2 snapshots have no forgotten generation
+        *later,  # version 3: the forgotten generation; version 4: and what waits
     ) = raw
     if len(options) > len(_OPTION_FIELDS):
         raise encoding.DecodeError(f"queue {name!r} has {len(options)} options")
@@ -801,6 +917,7 @@ def _decode_queue(raw: list[Any], now: int) -> QueueState:
     )
     q.msgs = {o: by_offset[o] for o in in_queue}
     q.returns = {o: n for o, n in returns}
+    q.waiting = {o: due for o, due in later[1]} if len(later) > 1 else {}
     for cid, node, prefetch, cancelled, unacked, *rest in consumers:
         c = ConsumerState(cid, node, prefetch, rest[0] if rest else None)
         c.cancelled = cancelled
@@ -824,7 +941,7 @@ def _decode_queue(raw: list[Any], now: int) -> QueueState:
         q.producers[producer] = state
     q.commits = {g: o for g, o in commits}
     q.expiry_cursor = expiry_cursor
-    q.forgotten_generation = forgotten[0] if forgotten else 0
+    q.forgotten_generation = later[0] if later else 0
     return q
 
 
@@ -841,6 +958,8 @@ _HANDLERS: dict[type, Callable[[Machine, Any, list[Any]], Reply]] = {
     NodeUp: Machine._node_up,
     CommitOffset: Machine._commit_offset,
     ForgetProducers: Machine._forget_producers,
+    PurgeQueue: Machine._purge_queue,
+    DeleteQueue: Machine._delete_queue,
     Tick: Machine._tick,
 }
 

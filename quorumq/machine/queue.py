@@ -32,6 +32,16 @@ Removal is lazy: a ready message that expires or is dropped leaves `msgs` at onc
 is skipped when its offset surfaces in `fresh`, `returned` or the middle of a lane;
 a lane's head is always live (`_advance_lane` cleans behind it).
 
+Retry with backoff: a message returned with a delay (a nack's `delay_ms`, or the
+queue's `retry_backoff_ms`) is ready but waiting: `waiting` maps its offset to the log
+time it is due, and `timers` (a heap of (due, offset)) wakes it (`_wake`, first thing
+in `dispatch`, with the time of the command being applied). Meanwhile it keeps its
+place: an unkeyed one is kept out of `returned` (later messages go on; once due it
+goes back there, before any later message); a lane whose head waits has no heap entry
+(its key waits, in order, and its later messages wait behind it); and a
+single-active-consumer queue gives out nothing above the lowest waiting offset
+(`waiting_low`, a heap), so it stays strictly FIFO.
+
 The service queue `sq` holds the consumers that may receive now (active, with credit),
 in round-robin order. Every decision depends only on this state, and every iteration
 that decides something runs in offset order or subscription order, which a snapshot
@@ -50,7 +60,7 @@ from collections.abc import Iterable, Mapping
 from heapq import heappop, heappush
 from typing import TypeAlias
 
-from .commands import QueueOptions
+from .commands import QueueOptions, retry_delay_ms
 from .effects import Deliver
 
 Record: TypeAlias = tuple[int, str | None, bytes, Mapping[str, str] | None, int]
@@ -220,15 +230,27 @@ class QueueState:
         "stream_bytes",
         "stream_head",
         "stream_items",
+        "timers",
+        "waiting",
+        "waiting_low",
     )
 
-    def __init__(self, name: str, options: QueueOptions) -> None:
+    def __init__(
+        self,
+        name: str,
+        options: QueueOptions,
+        *,
+        first_offset: int = 0,
+        forgotten_generation: int = 0,
+    ) -> None:
+        """`first_offset`, `forgotten_generation`: where a queue declared under the name
+        of a deleted one starts (`Machine._declare`)."""
         self.name = name
         self.options = options
-        self.next_offset = 0
+        self.next_offset = first_offset
         # stream view: stream_items[i] has offset stream_base + i; retained from stream_head
         self.stream_items: list[Record | None] = []
-        self.stream_base = 0
+        self.stream_base = first_offset
         self.stream_head = 0
         self.stream_bytes = 0
         # queue view
@@ -244,11 +266,17 @@ class QueueState:
         self.consumers: dict[str, ConsumerState] = {}
         self.sq: deque[ConsumerState] = deque()
         self.producers: dict[str, ProducerState] = {}
-        self.forgotten_generation = 0
+        self.forgotten_generation = forgotten_generation
         """The highest generation of a producer id this queue forgot (`producer_generation`)."""
         self.commits: dict[str, int] = {}
-        self.expiry_cursor = 0
+        self.expiry_cursor = first_offset
         self.outbox: list[tuple[Record, str, bool]] = []
+        self.waiting: dict[int, int] = {}
+        """Returned messages held back by a retry delay: offset -> log time it is due."""
+        self.timers: list[tuple[int, int]] = []
+        """Heap of (due, offset) of `waiting` (entries not matching `waiting` are stale)."""
+        self.waiting_low: list[int] = []
+        """Heap of the offsets of `waiting` (entries no longer in it are stale)."""
 
     # ----------------------------------------------------------------- counts
 
@@ -384,11 +412,12 @@ class QueueState:
         self._delist(c)
         self._after_change(c)
 
-    def remove_consumer(self, c: ConsumerState) -> None:
-        """The consumer is down: return everything it holds and forget it."""
+    def remove_consumer(self, c: ConsumerState, now: int) -> None:
+        """The consumer is down: return everything it holds (each a failed delivery, so
+        the queue's retry backoff applies) and forget it."""
         self._delist(c)
         held = sorted(c.unacked)
-        self._give_back(c, held, failed=set(held))
+        self._give_back(c, held, set(held), None, now)
         del self.consumers[c.id]
         if self.options.single_active_consumer:
             active = self.active_consumer()
@@ -437,9 +466,12 @@ class QueueState:
             self.outbox.append((msg, "rejected", True))
         self._after_change(c)
 
-    def requeue(self, c: ConsumerState, offsets: Iterable[int]) -> None:
+    def requeue(
+        self, c: ConsumerState, offsets: Iterable[int], delay_ms: int | None, now: int
+    ) -> None:
         """Nack with requeue. A keyed message takes the key's later held messages with it,
-        so the key is redelivered in order; only the nacked ones count as failed."""
+        so the key is redelivered in order; only the nacked ones count as failed, and
+        wait `delay_ms` (None: the queue's backoff) before they are ready again."""
         failed = set(offsets)
         first_by_key: dict[str, int] = {}
         back: set[int] = set()
@@ -455,13 +487,22 @@ class QueueState:
                 key = msgs[off][1]
                 if key is not None and key in first_by_key and off >= first_by_key[key]:
                     back.add(off)
-        self._give_back(c, sorted(back), failed)
+        self._give_back(c, sorted(back), failed, delay_ms, now)
         self._after_change(c)
 
-    def _give_back(self, c: ConsumerState, offsets: list[int], failed: set[int]) -> None:
-        """Return held `offsets` (ascending) to ready, each at its original place."""
+    def _give_back(
+        self,
+        c: ConsumerState,
+        offsets: list[int],
+        failed: set[int],
+        delay_ms: int | None,
+        now: int,
+    ) -> None:
+        """Return held `offsets` (ascending) to ready, each at its original place. Each
+        failed one waits `delay_ms`, or what the queue's backoff gives for its count."""
         msgs = self.msgs
         limit = self.options.delivery_limit
+        backoff = self.options.retry_backoff_ms
         by_key: dict[str, list[int]] = {}
         released: dict[str, int] = {}
         for off in offsets:
@@ -478,8 +519,15 @@ class QueueState:
                 self.outbox.append((msg, "delivery_limit", True))
                 continue
             self.returns[off] = count
+            if off in failed:
+                delay = delay_ms
+                if delay is None:
+                    delay = 0 if backoff is None else retry_delay_ms(backoff, count)
+                if delay > 0:
+                    self._wait(off, now + delay)
             if key is None:
-                heappush(self.returned, off)
+                if off not in self.waiting:
+                    heappush(self.returned, off)
             else:
                 by_key.setdefault(key, []).append(off)
         for key, offs in by_key.items():
@@ -498,11 +546,17 @@ class QueueState:
     # ------------------------------------------------------------ ready index
 
     def restore_ready(self, offsets: list[int]) -> None:
-        """Rebuild the ready index from ascending ready offsets (after a restore)."""
+        """Rebuild the ready index from ascending ready offsets, and the timers from
+        `waiting` (after a restore)."""
+        waiting = self.waiting
+        for off, due in sorted(waiting.items()):
+            heappush(self.timers, (due, off))
+            heappush(self.waiting_low, off)
         for off in offsets:
             key = self.msgs[off][1]
             if key is None:
-                self.fresh.append(off)
+                if off not in waiting:
+                    self.fresh.append(off)
             elif key in self.lanes:
                 self.lanes[key].offsets.append(off)
             else:
@@ -511,8 +565,12 @@ class QueueState:
             self._schedule(key, lane)
 
     def _schedule(self, key: str, lane: _Lane) -> None:
-        """Make sure the lane has one live heap entry, in its owner's heap or the free one."""
+        """Make sure the lane has one live heap entry, in its owner's heap or the free one;
+        none while its head waits for a retry delay (`_wake` schedules it then)."""
         head = lane.offsets[0]
+        if head in self.waiting:
+            lane.entry = None  # an entry in a heap is stale from now on
+            return
         owner = self.key_owner.get(key)
         if lane.entry == head and lane.home is owner:
             return
@@ -568,9 +626,57 @@ class QueueState:
                 best = returned[0]
         return best
 
+    def _wait(self, off: int, due: int) -> None:
+        """Hold returned message `off` back until log time `due`. The heaps keep stale
+        entries (woken, or gone while waiting) until they surface: past twice what waits
+        they are built again from `waiting` (a sorted list is a heap), so they stay
+        bounded by it however many retries a queue sees."""
+        waiting = self.waiting
+        stale_at = 2 * len(waiting) + 32
+        if len(self.timers) > stale_at or len(self.waiting_low) > stale_at:
+            self.timers = [(d, o) for o, d in sorted(waiting.items(), key=lambda i: i[1])]
+            self.waiting_low = sorted(waiting)
+        waiting[off] = due
+        heappush(self.timers, (due, off))
+        heappush(self.waiting_low, off)
+
+    def _wake(self, now: int) -> None:
+        """Make the waiting messages due at `now` ready, each at its place."""
+        timers = self.timers
+        waiting = self.waiting
+        while timers and timers[0][0] <= now:
+            due, off = heappop(timers)
+            if waiting.get(off) != due:
+                continue  # stale: left the queue, or woken and returned again since
+            del waiting[off]
+            key = self.msgs[off][1]
+            if key is None:
+                heappush(self.returned, off)
+            else:
+                lane = self.lanes[key]
+                if lane.offsets[0] == off:
+                    self._schedule(key, lane)
+
+    def lowest_waiting(self) -> int:
+        """Lowest offset waiting for a retry delay, or -1."""
+        low = self.waiting_low
+        waiting = self.waiting
+        while low and low[0] not in waiting:
+            heappop(low)
+        return low[0] if low else -1
+
+    def next_due(self) -> int | None:
+        """When the next waiting message is due (log time), or None. May be early (a
+        stale timer): a `Tick` then wakes nothing, and asks again."""
+        return self.timers[0][0] if self.timers else None
+
     def oldest_ready(self) -> int:
-        """Lowest ready offset, or -1."""
+        """Lowest ready offset (waiting ones included), or -1."""
         best = self._peek_unkeyed()
+        if self.waiting:
+            low = self.lowest_waiting()
+            if low >= 0 and (best < 0 or low < best):
+                best = low
         if self.lanes:
             candidates = [self._peek(self.free_keys, None)[0]]
             candidates += [self._peek(c.owned, c)[0] for c in self.consumers.values() if c.owned]
@@ -583,6 +689,8 @@ class QueueState:
         """Take a ready message out of the queue view (expiry, max length)."""
         msg = self.msgs.pop(off)
         self.returns.pop(off, None)
+        if self.waiting:
+            self.waiting.pop(off, None)
         key = msg[1]
         if key is not None:
             lane = self.lanes[key]
@@ -607,6 +715,10 @@ class QueueState:
                         best, from_heap = top[0], c.owned
             if best < 0:
                 return -1
+            if self.waiting and self.options.single_active_consumer:
+                low = self.lowest_waiting()
+                if 0 <= low < best:
+                    return -1  # strict FIFO: the queue waits for its returned message
             if ttl is not None and msgs[best][4] + ttl <= now:
                 self.outbox.append((self.remove_ready(best), "expired", True))
                 continue
@@ -632,13 +744,20 @@ class QueueState:
 
     def dispatch(self, now: int, effects: list[object]) -> None:
         """Assign ready messages round-robin over the service queue."""
+        if self.timers:
+            self._wake(now)
         sq = self.sq
         msgs = self.msgs
         held = self.held
         returns = self.returns
         name = self.name
         # plain FIFO (no keyed, returned or expiring messages): every ready offset is in `fresh`
-        plain_fifo = not self.lanes and not self.returned and self.options.message_ttl_ms is None
+        plain_fifo = (
+            not self.lanes
+            and not self.returned
+            and not self.waiting
+            and self.options.message_ttl_ms is None
+        )
         fresh = self.fresh
         skipped: list[ConsumerState] = []
         add = effects.append
@@ -742,6 +861,25 @@ class QueueState:
         for off in sorted(o for o in self.returns if o not in held):
             if msgs[off][4] + ttl <= now:
                 self.outbox.append((self.remove_ready(off), "expired", True))
+
+    def purge(self) -> list[int]:
+        """Remove every ready message (waiting ones too); return their offsets, ascending.
+        Held messages, and the keys their holders own, stay as they are."""
+        held = self.held
+        msgs = self.msgs
+        gone = sorted(o for o in msgs if o not in held)
+        self.msgs = {o: msgs[o] for o in sorted(held)}
+        self.returns = {o: n for o, n in self.returns.items() if o in held}
+        self.fresh.clear()
+        self.returned.clear()
+        self.lanes.clear()
+        self.free_keys.clear()
+        for c in self.consumers.values():
+            c.owned.clear()
+        self.waiting.clear()
+        self.timers.clear()
+        self.waiting_low.clear()
+        return gone
 
     def take_outbox(self) -> list[tuple[Record, str, bool]]:
         out = self.outbox

@@ -30,6 +30,8 @@ class ErrorCode(enum.StrEnum):
     be recognised, so it is refused (start a new id, of a generation above `generation`)."""
     TOO_MANY_PRODUCERS = "too_many_producers"
     """The queue remembers as many producers as it may, each active within the hour."""
+    QUEUE_IN_USE = "queue_in_use"
+    """A delete of a queue with consumers, without `force`."""
 
 
 @attrs.frozen
@@ -66,6 +68,22 @@ class Forgotten:
 
 
 @attrs.frozen(kw_only=True)
+class QueuePurged:
+    """`messages` ready messages were removed."""
+
+    messages: int
+
+
+@attrs.frozen(kw_only=True)
+class QueueDeleted:
+    """The queue is gone, with `messages` messages (ready and held) and `consumers`
+    consumers (cancelled, reason "queue_deleted")."""
+
+    messages: int
+    consumers: int
+
+
+@attrs.frozen(kw_only=True)
 class Error:
     code: ErrorCode
     message: str
@@ -75,4 +93,4 @@ class Error:
     """With PRODUCER_FORGOTTEN: a new producer id's generation must be above this."""
 
 
-Reply: TypeAlias = Ok | Declared | Enqueued | Forgotten | Error
+Reply: TypeAlias = Ok | Declared | Enqueued | Forgotten | QueuePurged | QueueDeleted | Error

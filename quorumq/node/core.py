@@ -57,6 +57,7 @@ from ..machine import (
     CommitOffset,
     ConsumerDown,
     Declare,
+    DeleteQueue,
     Deliver,
     Down,
     Effect,
@@ -69,12 +70,16 @@ from ..machine import (
     Forgotten,
     Message,
     Nack,
+    PurgeQueue,
+    QueueDeleted,
     QueueOptions,
+    QueuePurged,
     Reply,
     Subscribe,
     Tick,
     UnknownQueueError,
 )
+from ..machine.commands import MAX_RETRY_DELAY_MS
 from ..machine.queue import may_start_generation_id
 from ..protocol import (
     PROTOCOL_VERSION,
@@ -126,6 +131,9 @@ MIN_FORGET_PREFIX = 12
 """The shortest producer prefix a client may forget without the admin credential."""
 
 ProposalCallback = Callable[[Reply | None, ProposalError | None], None]
+_SettleKey = tuple[str, bool, bool, int | None]
+"""Acks and nacks read together go in one command per (consumer, nack, requeue,
+delay_ms)."""
 
 
 class ReplicaHandle(Protocol):
@@ -431,7 +439,7 @@ class NodeCore:
         if conn.done:
             return
         publishes: list[Frame] = []
-        acks: dict[tuple[str, bool, bool], list[int]] = {}
+        acks: dict[_SettleKey, list[int]] = {}
         while not conn.done:
             try:
                 for frame in conn.decoder.frames():
@@ -726,7 +734,7 @@ class NodeCore:
         self._propose_for(conn, frame["id"], Cancel(queue=queue, consumer=consumer))
 
     def _gather_ack(
-        self, conn: ConnectionCore, acks: dict[tuple[str, bool, bool], list[int]], frame: Frame
+        self, conn: ConnectionCore, acks: dict[_SettleKey, list[int]], frame: Frame
     ) -> None:
         consumer = frame["consumer"]
         if consumer not in conn.consumers:
@@ -739,18 +747,32 @@ class NodeCore:
             self._error(conn, None, "invalid", "offsets must be non-negative integers")
             return
         nack = frame["t"] == "nack"
-        acks.setdefault((consumer, nack, bool(frame.get("requeue"))), []).extend(offsets)
+        requeue = bool(frame.get("requeue"))
+        delay_ms = frame.get("delay_ms") if nack else None
+        if delay_ms is not None and (not requeue or not 0 <= delay_ms <= MAX_RETRY_DELAY_MS):
+            self._error(
+                conn,
+                None,
+                "invalid",
+                f"delay_ms must be from 0 to {MAX_RETRY_DELAY_MS}, and goes with requeue=True",
+            )
+            return
+        acks.setdefault((consumer, nack, requeue, delay_ms), []).extend(offsets)
 
-    def _flush_acks(
-        self, conn: ConnectionCore, acks: dict[tuple[str, bool, bool], list[int]]
-    ) -> None:
-        for (consumer, nack, requeue), offsets in acks.items():
+    def _flush_acks(self, conn: ConnectionCore, acks: dict[_SettleKey, list[int]]) -> None:
+        for (consumer, nack, requeue, delay_ms), offsets in acks.items():
             queue = conn.consumers.get(consumer)
             if queue is None:
                 continue
             if nack:
                 self._release_acks(consumer)  # the consumer's acks before its nack
-                command = Nack(queue=queue, consumer=consumer, offsets=offsets, requeue=requeue)
+                command = Nack(
+                    queue=queue,
+                    consumer=consumer,
+                    offsets=offsets,
+                    requeue=requeue,
+                    delay_ms=delay_ms,
+                )
                 self.settle(command, conn)
             else:
                 self._ack(queue, consumer, offsets, conn)
@@ -876,7 +898,10 @@ class NodeCore:
         self._retrying.setdefault(consumer, []).append(timer)
 
     def _settle_held(self, command: Ack | Nack, conn: ConnectionCore, attempt: int) -> None:
-        held = set(self.replica.query(lambda m: m.unacked(command.queue, command.consumer)))
+        try:
+            held = set(self.replica.query(lambda m: m.unacked(command.queue, command.consumer)))
+        except UnknownQueueError:
+            return  # the queue was deleted, with what it held
         offsets = tuple(o for o in command.offsets if o in held)
         if offsets:
             self.settle(attrs.evolve(command, offsets=offsets), conn, attempt)
@@ -1025,6 +1050,16 @@ class NodeCore:
             )
             return
         command = ForgetProducers(queue=frame["queue"], prefix=prefix)
+        self._propose_for(conn, frame["id"], command)
+
+    def _purge_queue(self, conn: ConnectionCore, frame: Frame) -> None:
+        self._propose_for(conn, frame["id"], PurgeQueue(queue=frame["queue"]))
+
+    def _delete_queue(self, conn: ConnectionCore, frame: Frame) -> None:
+        """A queue verb, as `declare` is (the client token, not the admin one). The
+        consumers of the queue are told through their `cancelled` frames, on whichever
+        node serves them, once the delete is applied there."""
+        command = DeleteQueue(queue=frame["queue"], force=frame["force"] is True)
         self._propose_for(conn, frame["id"], command)
 
     def _admin_refused(self, conn: ConnectionCore, frame: Frame, verb: str | None = None) -> bool:
@@ -1227,17 +1262,22 @@ class NodeCore:
                     self._push(conn, {"t": "cancelled", "consumer": e.consumer, "reason": e.reason})
 
     def _prune_deliveries(self, conn: ConnectionCore, consumer: str) -> None:
-        """Keep, of what `consumer` was sent, what the machine says it still holds."""
+        """Keep, of what `consumer` was sent, what the machine says it still holds (the
+        replica may have applied more than these effects: nothing if its queue is gone)."""
         queue = conn.consumers[consumer]
-        held = self.replica.query(lambda m: m.unacked(queue, consumer))
+        try:
+            held = self.replica.query(lambda m: m.unacked(queue, consumer))
+        except UnknownQueueError:
+            held = ()
         conn.sent_to(consumer).keep(held)
 
     def state_replaced(self) -> None:
         """This node's replica jumped to the leader's snapshot: the log entries it skipped
         never ran their effects here (and entries it applies again must not run twice).
         Compare the machine with what each consumer here was sent: send the held
-        deliveries it was not sent, and cancel the consumers the machine removed (their
-        node was marked down meanwhile: the client subscribes again)."""
+        deliveries it was not sent, and cancel the consumers the machine removed: with
+        their queue (deleted meanwhile), or else as though their node was marked down
+        (the client subscribes again)."""
         for consumer in list(self._acking):  # the ack they wait for may never be answered
             self._propose_held_acks(consumer)
         served = [
@@ -1245,8 +1285,12 @@ class NodeCore:
             for c, conn in self.consumers.items()
             if not conn.done and c in conn.consumers
         ]
-        index, held = self.replica.query(
-            lambda m: (m.last_index, [m.held_deliveries(q, c) for c, _, q in served])
+        index, held, queues = self.replica.query(
+            lambda m: (
+                m.last_index,
+                [m.held_deliveries(q, c) for c, _, q in served],
+                set(m.queues()),
+            )
         )
         for (c, conn, queue), deliveries in zip(served, held, strict=True):
             if c in conn.awaiting_reply and deliveries is not None:
@@ -1256,9 +1300,8 @@ class NodeCore:
             if missing is None:
                 # not yet subscribed in the log, or cancelled by its client: nothing to say
                 if c not in conn.awaiting_reply and c not in conn.cancelling:
-                    down = ConsumerDown(
-                        queue=queue, consumer=c, node=self.node_id, reason="node_down"
-                    )
+                    reason = "node_down" if queue in queues else "queue_deleted"
+                    down = ConsumerDown(queue=queue, consumer=c, node=self.node_id, reason=reason)
                     self.effects_applied(None, (down,))
                 continue
             if missing:
@@ -1387,6 +1430,10 @@ def _reply_fields(reply: Reply | None) -> dict[str, Any]:
         return {"offset": reply.offset, "count": reply.count, "duplicate": reply.duplicate}
     if isinstance(reply, Forgotten):
         return {"forgotten": reply.count}
+    if isinstance(reply, QueuePurged):
+        return {"messages": reply.messages}
+    if isinstance(reply, QueueDeleted):
+        return {"messages": reply.messages, "consumers": reply.consumers}
     created = getattr(reply, "created", None)
     return {} if created is None else {"created": created}
 
@@ -1399,6 +1446,8 @@ _HANDLERS: dict[str, Callable[[NodeCore, ConnectionCore, Frame], None]] = {
     "read": NodeCore._read,
     "commit_offset": NodeCore._commit_offset,
     "forget_producers": NodeCore._forget_producers,
+    "purge_queue": NodeCore._purge_queue,
+    "delete_queue": NodeCore._delete_queue,
     "status": NodeCore._status,
     "add_member": NodeCore._add_member,
     "remove_member": NodeCore._remove_member,

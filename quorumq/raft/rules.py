@@ -213,6 +213,15 @@ class LeaderClock:
             self._last = base
             self._anchor = (term, base, self.monotonic())
 
+    def peek(self, term: int) -> int | None:
+        """What `now(term)` would stamp at this moment, recording nothing (None: not
+        anchored for `term`): the leader asks whether a retry delay has run out."""
+        anchor = self._anchor
+        if anchor is None or anchor[0] != term:
+            return None
+        _, base, since = anchor
+        return max(base + int((self.monotonic() - since) * 1000), self._last)
+
     def now(self, term: int) -> int | None:
         """The time to stamp on an entry taken in as leader of `term` (None: not anchored
         for that term yet; the entry stays unstamped)."""
