@@ -32,7 +32,7 @@ from .network import Network, name_at
 from .node import REAL, SimDisk, SimNode, SimSerializer, Variant
 from .world import WALL_EPOCH_MS, World, micros
 
-SNAPSHOT_WRITE_MS = (5, 500)
+SNAPSHOT_WRITE_MS = (5, 2000)
 """How long a node's snapshot write takes, drawn per write: the real node encodes and
 fsyncs it in a forked child while the node goes on (0.25-1.3 s at 15-30 MB)."""
 

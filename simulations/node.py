@@ -135,7 +135,7 @@ class SimSerializer:
 
     * `serialize` takes the snapshot of the state as it is (the real node forks), and
       the write ends later, after `write_ms` (a random span: encoding the real state
-      takes 0.25-1.3 s), while the node goes on. Only then is the snapshot on the disk
+      takes 0.25-1.9 s), while the node goes on. Only then is the snapshot on the disk
       and does PySyncObj learn it is done (`checkSerializing`) and compact the journal.
       A crash meanwhile loses the write; the previous snapshot stays.
     * the leader sends a follower behind its compacted log the snapshot it has on its

@@ -314,8 +314,9 @@ def _no_child_left() -> bool:
 
 
 def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
-    tmp_path: Any, caplog: Any
+    tmp_path: Any, caplog: Any, monkeypatch: Any
 ) -> None:
+    monkeypatch.setattr("quorumq.raft.member.SNAPSHOT_RETRY_S", (0.0, 0.0))
     member, _ = _member(tmp_path)
     try:
 
@@ -335,6 +336,120 @@ def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
         _compact(member)
         assert member.compaction_error is None
         assert member.journal[0][1] == 9  # compacted behind the snapshot (of entry 10)
+    finally:
+        member.stop()
+
+
+def test_a_failed_compaction_waits_longer_each_time_before_it_is_tried_again(
+    tmp_path: Any,
+) -> None:
+    """Each try forks and encodes the whole state: a compaction that keeps failing
+    re-encoded it at every tick, a core kept busy for as long as the failure lasted."""
+    import time
+
+    from quorumq.raft.member import SNAPSHOT_RETRY_S
+
+    member, _ = _member(tmp_path)
+    try:
+        member._snapshot = lambda: 1 / 0
+        _with_applied_entries(member)
+        _compact(member)
+        assert member.compaction_error == "ZeroDivisionError: division by zero"
+        writer = member.snapshot_writer
+        assert writer.retry_at - time.monotonic() > SNAPSHOT_RETRY_S[0] * 0.9
+        _compact(member)  # too soon: not tried again
+        assert writer.failures == 1 and not member.snapshot_writing()
+        writer.retry_at = 0.0
+        _compact(member)
+        assert writer.failures == 2
+        assert writer.retry_at - time.monotonic() > SNAPSHOT_RETRY_S[0] * 1.9
+    finally:
+        member.stop()
+
+
+def test_a_fork_that_fails_fails_the_compaction_and_the_node_goes_on(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """A failed fork (ENOMEM, a pids limit) raised out of the tick, at every tick: the
+    node read no more Raft messages, and a cluster whose nodes all compact at the same
+    index lost its leader for good."""
+    import errno
+    import os
+
+    member, _ = _member(tmp_path)
+    try:
+        _with_applied_entries(member)
+
+        def no_fork() -> int:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+        monkeypatch.setattr(os, "fork", no_fork)
+        _compact(member)  # raises nothing
+        assert member.compaction_error == (
+            "cannot start the snapshot writer: [Errno 12] Cannot allocate memory"
+        )
+        member.doTick(0)  # and neither does a tick
+        monkeypatch.undo()
+        member.snapshot_writer.retry_at = 0.0
+        _compact(member)
+        assert member.compaction_error is None and member.journal[0][1] == 9
+    finally:
+        member.stop()
+
+
+def test_a_snapshot_writer_reaped_by_someone_else_is_judged_by_its_file(tmp_path: Any) -> None:
+    """An application that ignores SIGCHLD, or waits for any child, reaps the writer
+    before the node does: the node asked for its status at every tick, failed, and its
+    stop raised before the journal was closed."""
+    import os
+
+    from quorumq.raft.rules import decode_snapshot
+
+    member, _ = _member(tmp_path)
+    try:
+        member._snapshot = lambda: b"state"
+        _with_applied_entries(member)
+        member._SyncObj__forceLogCompaction = True
+        member._SyncObj__tryLogCompaction()
+        os.waitpid(member.snapshot_writer.child.pid, 0)  # someone else reaps it
+        _compact(member)
+        assert member.compaction_error is None and member.journal[0][1] == 9
+        assert decode_snapshot((tmp_path / "snapshot").read_bytes(), "s").machine == b"state"
+        _commit(member, 15)
+        member._SyncObj__applyLogEntries()
+        member._SyncObj__forceLogCompaction = True
+        member._SyncObj__tryLogCompaction()
+        os.waitpid(member.snapshot_writer.child.pid, 0)
+    finally:
+        member.stop()  # raises nothing, with that child reaped by someone else too
+
+
+def test_a_snapshot_writer_past_its_deadline_is_killed_and_the_compaction_failed(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    import time
+
+    monkeypatch.setattr("quorumq.raft.member.SNAPSHOT_DEADLINE_S", 0.3)
+    member, _ = _member(tmp_path)
+    try:
+
+        def hangs() -> bytes:
+            time.sleep(60)  # (in the child)
+            return b""
+
+        member._snapshot = hangs
+        _with_applied_entries(member)
+        _compact(member, deadline_s=10)
+        assert member.compaction_error == (
+            "the snapshot writer ran for more than 0 s and was killed"
+        )
+        assert member.journal[0][1] == 1
+        wait = time.monotonic() + 5
+        while member.snapshot_writer.killed and time.monotonic() < wait:
+            member._SyncObj__tryLogCompaction()  # killed children are reaped at later ticks
+            time.sleep(0.01)
+        assert not member.snapshot_writer.killed and _no_child_left()
+        assert not list(tmp_path.glob("snapshot*"))
     finally:
         member.stop()
 

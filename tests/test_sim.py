@@ -366,7 +366,7 @@ _TRACE_SNIPPET = (
     "w = WorkloadConfig(rate=10);"
     "t = WorkloadConfig(rate=10, message_ttl_ms=4000);"
     "a = run(RunConfig(seed=11, steps=1200, fault_interval_s=0.6, workload=t));"
-    "b = run(RunConfig(seed=10, steps=1200, fault_interval_s=0.6, workload=w,"
+    "b = run(RunConfig(seed=22, steps=1200, fault_interval_s=0.6, workload=w,"
     " compaction_entries=30));"
     "print(a.trace_hash, a.ok, b.trace_hash, b.ok, b.snapshots['installed'])"
 )
@@ -374,7 +374,7 @@ _TRACE_SNIPPET = (
 
 @pytest.mark.slow
 def test_same_seed_same_trace_across_processes_and_hash_seeds() -> None:
-    """Seed 10 with compaction writes, sends, installs and refuses snapshots."""
+    """Seed 22 with compaction writes, sends, installs and refuses snapshots."""
     hashes = set()
     for hash_seed in ("0", "1", "4242"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
@@ -388,7 +388,7 @@ def test_same_seed_same_trace_across_processes_and_hash_seeds() -> None:
         )
         hashes.add(done.stdout.strip())
     a = run(ci_config(11, steps=1200, compaction_entries=None))
-    b = run(ci_config(10, steps=1200, compaction_entries=30))
+    b = run(ci_config(22, steps=1200, compaction_entries=30))
     assert b.snapshots["installed"] >= 2 and b.snapshots["refused"] >= 1
     expected = f"{a.trace_hash} {a.ok} {b.trace_hash} {b.ok} {b.snapshots['installed']}"
     assert hashes == {expected}
@@ -565,12 +565,13 @@ def test_a_node_that_installs_a_snapshot_must_send_what_it_skipped(
 ) -> None:
     """Without the resync after a snapshot install (`NodeCore.state_replaced`), a
     consumer on a follower that caught up from the leader's snapshot holds messages it
-    was never sent (seed 1, the first; it moves whenever Raft's timing does)."""
+    was never sent (seed 253, the only one of the first 500 since snapshot writes take
+    up to 2 s of simulated time; it moves whenever Raft's timing does)."""
     from quorumq.node.core import NodeCore
 
-    assert run(ci_config(1)).ok
+    assert run(ci_config(253)).ok
     monkeypatch.setattr(NodeCore, "state_replaced", lambda self: None)
-    assert _kinds(ci_config(1)) & {"lost", "liveness", "unsettled"}
+    assert _kinds(ci_config(253)) & {"lost", "liveness", "unsettled"}
 
 
 def test_a_proposal_pysyncobj_never_answers_must_time_out(

@@ -32,8 +32,9 @@
   refusal) sends its snapshot again; a follower that installed it applied the entries
   after it a second time. Whoever stores the incoming snapshot asks
   `accept_leader_snapshot` first; a stale one is answered as what it is.
-* compaction finishes in the tick that writes the snapshot (no tick without a snapshot
-  to send, in which PySyncObj spins sending empty snapshot messages).
+* a snapshot is written while the node goes on (`RaftMember`'s child process, the
+  simulator's delayed write); the journal is compacted only once it is stored, and a
+  follower behind the compacted log is sent the previous snapshot meanwhile.
 * the commit index moves with a snapshot only when it is installed: PySyncObj moves a
   follower's commit index to the leader's (within its own log) on every message of a
   snapshot transfer, though the message checks nothing of the log. A follower with an
