@@ -1,0 +1,240 @@
+"""`quorumq.Node`: a node inside the test's own process, its in-process clients, its
+optional client port, its stop (threads, files, leadership) and its restart."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import quorumq
+from quorumq.client import ServerError
+from quorumq.embedded import free_ports
+from quorumq.replica import ConfigError
+
+from .helpers import wait_for
+
+
+def _settings(root: Path, name: str = "A", **more: Any) -> dict[str, Any]:
+    (raft,) = free_ports(1)
+    return {
+        "id": name,
+        "data_dir": root / name,
+        "raft": f"127.0.0.1:{raft}",
+        "peers": {},
+        "secret": None,
+        "insecure": True,
+        "election_timeout_s": (0.1, 0.2),
+        **more,
+    }
+
+
+def _open_files() -> dict[str, str]:
+    files = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own, gone already
+            files[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    return files
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[quorumq.Node]:
+    with quorumq.Node(**_settings(tmp_path)) as node:
+        yield node
+
+
+def test_a_node_in_this_process_serves_its_clients_without_a_socket(node: quorumq.Node) -> None:
+    client = node.client()
+    client.declare("jobs")
+    consumer = client.subscribe("jobs", prefetch=10)
+    offsets = [client.publish("jobs", f"job {i}".encode(), key="k") for i in range(3)]
+    deliveries = [consumer.get(5) for _ in offsets]
+    assert [(d.offset, d.body, d.node) for d in deliveries if d] == [
+        (0, b"job 0", "A"),
+        (1, b"job 1", "A"),
+        (2, b"job 2", "A"),
+    ]
+    for d in deliveries:
+        assert d is not None
+        d.ack()
+    assert [m.body for m in client.read("jobs", 0, 3)] == [b"job 0", b"job 1", b"job 2"]
+    assert node.address is None  # no client port
+    assert [conn.local for conn in node.server.connections] == [True]
+
+
+def test_a_delivery_handed_over_in_process_is_the_clients_own_copy(node: quorumq.Node) -> None:
+    """Changing a delivery's headers in the program changes nothing in the replica."""
+    client = node.client()
+    client.declare("q")
+    consumer = client.subscribe("q", prefetch=1)
+    client.publish("q", b"m", headers={"trace": "t-1"})
+    delivery = consumer.get(5)
+    assert delivery is not None and delivery.headers == {"trace": "t-1"}
+    delivery.headers["trace"] = "changed"  # type: ignore[index]
+    (stored,) = client.read("q", 0, 1)
+    assert stored.headers == {"trace": "t-1"}
+
+
+def test_leaving_the_block_leaves_no_thread_and_no_open_file_behind(tmp_path: Path) -> None:
+    """The Raft thread, the node's trio thread, the start-up and stop threads and the
+    clients' threads have all ended; the journal, the Raft and client sockets, the lock
+    of the data directory and trio's own descriptors are all closed."""
+    threads = set(threading.enumerate())
+    tasks = set(os.listdir("/proc/self/task"))  # what the kernel runs, Python threads or not
+    files = _open_files()
+    settings = _settings(tmp_path, listen="127.0.0.1:0")
+    with quorumq.Node(**settings) as node:
+        client = node.client()
+        client.declare("q")
+        consumer = client.subscribe("q", prefetch=5)
+        client.publish("q", b"held")  # delivered, never acked
+        assert consumer.get(5) is not None
+        assert node.address is not None
+        with quorumq.connect(node.address) as remote:
+            remote.publish("q", b"from another program")
+        assert len(set(threading.enumerate()) - threads) >= 3
+    assert set(threading.enumerate()) - threads == set()
+    # (a joined thread's last instructions may still run: its kernel task ends a moment later)
+    wait_for(lambda: not set(os.listdir("/proc/self/task")) - tasks, "no task left", timeout=2)
+    assert {fd: path for fd, path in _open_files().items() if fd not in files} == {}
+
+
+def test_a_node_started_again_on_its_data_dir_recovers(tmp_path: Path) -> None:
+    """As a node process does: the messages are there, and one held unacked at the stop
+    is delivered again."""
+    settings = _settings(tmp_path)
+    with quorumq.Node(**settings) as node:
+        client = node.client()
+        client.declare("q")
+        consumer = client.subscribe("q", prefetch=1)
+        for body in (b"one", b"two"):
+            client.publish("q", body)
+        first = consumer.get(5)
+        assert first is not None and first.body == b"one"  # held at the stop
+    with quorumq.Node(**settings) as node:
+        client = node.client()
+        assert [m.body for m in client.read("q", 0, 2)] == [b"one", b"two"]
+        consumer = client.subscribe("q", prefetch=5)
+        again = [consumer.get(5) for _ in range(2)]
+        assert [(d.body, d.redelivered) for d in again if d] == [(b"one", True), (b"two", False)]
+
+
+def test_a_data_dir_serves_one_node_at_a_time(tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
+    with quorumq.Node(**settings):
+        other = {**settings, "raft": f"127.0.0.1:{free_ports(1)[0]}"}
+        with pytest.raises(ConfigError, match="in use by another quorumq node"):
+            quorumq.Node(**other).start()
+
+
+def test_the_client_port_asks_the_token_of_a_node_process(tmp_path: Path) -> None:
+    """Clients in the process are trusted; clients on `listen=` prove the token, and a
+    node cannot listen off loopback, or without a token, unless told it is insecure."""
+    with pytest.raises(ConfigError, match="client token is required"):
+        quorumq.Node(**_settings(tmp_path, listen="127.0.0.1:0", insecure=False, secret="s"))
+    settings = _settings(tmp_path, listen="127.0.0.1:0", token="t0ken", secret="s3cret")
+    settings["insecure"] = False
+    with quorumq.Node(**settings) as node:
+        node.client().declare("q")  # no token in the process
+        assert node.address is not None
+        with pytest.raises(ServerError, match="auth_failed"):
+            quorumq.connect(node.address, connect_timeout=2.0)
+        with pytest.raises(ServerError, match="auth_failed"):
+            quorumq.connect(node.address, "wrong", connect_timeout=2.0)
+        with quorumq.connect(node.address, "t0ken") as remote:
+            assert remote.publish("q", b"m") == 0
+
+
+def test_a_client_stuck_in_a_callback_is_cut_off_and_the_node_serves_on(tmp_path: Path) -> None:
+    """A program's callback that blocks holds up its own client's reader, never the
+    node: the deliveries it does not take fill its in-process connection, then its
+    outbox, and the node cuts it off as a slow consumer, as over TCP, while serving
+    the others as before. (A callback that raises is logged by `Future`: nothing more.)"""
+    settings = _settings(tmp_path, max_body=64 * 1024, outbound_bytes=4 * 832 * 1024)
+    release = threading.Event()
+    with quorumq.Node(**settings) as node:
+        stuck = node.client(timeout=60.0)
+        stuck.declare("q")
+        consumer = stuck.subscribe("q", prefetch=1000)
+
+        def raise_error(_: Any) -> None:
+            raise RuntimeError("a callback that fails")
+
+        stuck.publish_async("q", b"first").add_done_callback(raise_error)
+        assert consumer.get(5) is not None  # the client goes on after it
+        stuck.publish_async("q", b"second").add_done_callback(lambda _: release.wait(60))
+        other = node.client()
+        body = b"x" * 60_000
+        started = time.monotonic()
+        for _ in range(150):  # 9 MB of deliveries for the stuck consumer
+            other.publish("q", body)
+        assert time.monotonic() - started < 30
+        wait_for(lambda: len(node.server.connections) == 1, "the stuck client cut off")
+        slowest = max(_timed(lambda: other.publish("q", b"after")) for _ in range(20))
+        assert slowest < 1.0
+        assert node.server.replica.member._thread.is_alive()
+        release.set()
+
+
+def _timed(call: Any) -> float:
+    started = time.monotonic()
+    call()
+    return time.monotonic() - started
+
+
+def _leader(nodes: list[quorumq.Node]) -> str | None:
+    leaders = {n.server.status()["leader"] for n in nodes if n.running}
+    return leaders.pop() if len(leaders) == 1 else None
+
+
+def test_a_leader_leaving_the_block_hands_leadership_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leader that stops hands leadership over before it goes (the others need not
+    notice it gone, nor wait out an election), and its consumers' messages go to the
+    others' consumers at once (their `Down`s applied before the stop)."""
+    caplog.set_level(logging.INFO, logger="quorumq.server.node")
+    rafts = [f"127.0.0.1:{port}" for port in free_ports(3)]
+    names = ["A", "B", "C"]
+    peers = dict(zip(names, rafts, strict=True))
+    nodes = [
+        quorumq.Node(
+            id=name,
+            data_dir=tmp_path / name,
+            raft=peers[name],
+            peers=peers,
+            secret="s3cret",
+            election_timeout_s=(1.5, 2.0),
+        )
+        for name in names
+    ]
+    try:
+        for n in nodes:
+            n.start()
+        wait_for(lambda: _leader(nodes) is not None, "a leader", timeout=30)
+        leader = next(n for n in nodes if n.id == _leader(nodes))
+        rest = [n for n in nodes if n is not leader]
+        client = leader.client()
+        client.declare("q")
+        held = client.subscribe("q", prefetch=1)
+        client.publish("q", b"held by the leader's consumer")
+        assert held.get(5) is not None
+        other = rest[0].client().subscribe("q", prefetch=1)
+        stopping = time.monotonic()
+        leader.stop()
+        assert time.monotonic() - stopping < 2.0
+        handed = [r for r in caplog.records if r.getMessage().startswith("handed leadership over")]
+        assert len(handed) == 1 and handed[0].threadName == f"quorumq-node-{leader.id}"
+        wait_for(lambda: _leader(rest) not in (None, leader.id), "a new leader", timeout=10)
+        delivery = other.get(1)  # at once: no grace period for the stopped node
+        assert delivery is not None and delivery.redelivered
+    finally:
+        for n in nodes:
+            n.stop()
