@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 import quorumq
+import quorumq.aio
 from quorumq.client import ServerError
 from quorumq.embedded import free_ports
 from quorumq.replica import ConfigError
@@ -287,3 +289,33 @@ def test_the_in_process_and_the_tcp_path_deliver_the_same_sequence(tmp_path: Pat
             rows_local = local.read("local", 0, len(messages)).rows
             rows_tcp = remote.read("local", 0, len(messages)).rows
             assert rows_local == rows_tcp and len(rows_local) == len(messages)
+
+
+def test_a_node_in_a_trio_program_serves_in_the_programs_own_loop(tmp_path: Path) -> None:
+    """`quorumq.aio.Node`: the server's tasks run in the caller's trio loop (the only
+    thread it adds is the Raft member's), its trio clients talk to it in-process, and
+    it leaves nothing behind either."""
+    threads = set(threading.enumerate())
+    files = _open_files()
+
+    async def main() -> None:
+        async with quorumq.aio.Node(**_settings(tmp_path, listen="127.0.0.1:0")) as node:
+            added = set(threading.enumerate()) - threads
+            assert [t.name.split("-")[0] for t in added] == ["raft"]
+            async with node.client() as client:
+                await client.declare("q")
+                consumer = await client.subscribe("q", prefetch=5)
+                assert await client.publish("q", b"m", key="k", headers={"h": "v"}) == 0
+                with trio.fail_after(5):
+                    delivery = await consumer.get()
+                assert delivery is not None
+                assert (delivery.body, delivery.key, delivery.node) == (b"m", "k", "A")
+                await delivery.ack()
+                assert [conn.local for conn in node.server.connections] == [True]
+            assert node.address is not None
+            async with quorumq.aio.connect(node.address) as remote:
+                assert (await remote.read("q", 0, 1)).rows[0][2] == b"m"
+
+    trio.run(main)
+    assert set(threading.enumerate()) - threads == set()
+    assert {fd: path for fd, path in _open_files().items() if fd not in files} == {}
