@@ -61,18 +61,7 @@ class FrameChannel(Generic[T]):
     def put(self, items: list[T], cost: int) -> bool | None:
         """Queue `items` (which count for `cost`): True; False if the channel is full
         (wait for `on_room`, or use `put_by`); None once it is closed."""
-        with self._changed:
-            if self.closed:
-                return None
-            if self.waiting >= self.capacity:
-                return False
-            was_empty = not self._items
-            self._items.extend(items)
-            self.waiting += cost
-            self._changed.notify_all()
-        if was_empty:
-            self.on_data()
-        return True
+        return self.put_by(items, cost, 0.0)
 
     def put_by(self, items: list[T], cost: int, deadline: float) -> bool | None:
         """`put`, waiting for room until `deadline` (monotonic): True; False if it
@@ -83,7 +72,15 @@ class FrameChannel(Generic[T]):
                 if left <= 0:
                     return False
                 self._changed.wait(left)
-        return self.put(items, cost)
+            if self.closed:
+                return None
+            was_empty = not self._items
+            self._items.extend(items)
+            self.waiting += cost
+            self._changed.notify_all()
+        if was_empty:
+            self.on_data()
+        return True
 
     def take(self) -> list[T] | None:
         """Everything waiting (an empty list if nothing is); None once the channel is

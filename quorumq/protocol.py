@@ -267,22 +267,34 @@ def copy_frame(value: Any) -> tuple[Any, int]:
     other (a delivery's headers are the replica's own map). `TypeError` for a value
     msgpack cannot encode either, as `encode_frame` would raise."""
     kind = type(value)
-    if kind is str:
-        return value, (len(value) if value.isascii() else len(value.encode())) + 5
+    if kind is dict:
+        copy: dict[Any, Any] = {}
+        size = 5
+        for key, item in value.items():
+            plain_key, key_size = (
+                (key, len(key) + 5) if type(key) is str and key.isascii() else copy_frame(key)
+            )
+            # the plain values of a frame inline: a call for each costs a third of the time
+            item_kind = type(item)
+            if item_kind is bytes or (item_kind is str and item.isascii()):
+                copy[plain_key] = item
+                size += key_size + len(item) + 5
+            elif item is None or item_kind is int or item_kind is bool or item_kind is float:
+                copy[plain_key] = item
+                size += key_size + 9
+            else:
+                copy[plain_key], item_size = copy_frame(item)
+                size += key_size + item_size
+        return copy, size
     if kind is bytes:
         return value, len(value) + 5
-    if kind is int or kind is float or kind is bool or value is None:
+    if kind is str:
+        return value, (len(value) if value.isascii() else len(value.encode())) + 5
+    if value is None or kind is int or kind is float or kind is bool:
         return value, 9
-    if kind is dict:
-        copy, size = {}, 5
-        for key, item in value.items():
-            key_copy, key_size = copy_frame(key)
-            item_copy, item_size = copy_frame(item)
-            copy[key_copy] = item_copy
-            size += key_size + item_size
-        return copy, size
     if kind is list or kind is tuple:
-        items, size = [], 5
+        items = []
+        size = 5
         for item in value:
             item_copy, item_size = copy_frame(item)
             items.append(item_copy)

@@ -192,7 +192,7 @@ def _timed(call: Any) -> float:
 
 
 def _leader(nodes: list[quorumq.Node]) -> str | None:
-    leaders = {n.server.status()["leader"] for n in nodes if n.running}
+    leaders = {n.status()["leader"] for n in nodes if n.running}
     return leaders.pop() if len(leaders) == 1 else None
 
 

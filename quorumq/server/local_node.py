@@ -280,6 +280,17 @@ class Node:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def status(self) -> dict[str, Any]:
+        """The node's status, as `client.status()` gives it (taken on the node's loop:
+        its state is that thread's alone). `RuntimeError` if it is not running."""
+        token = self._token
+        if token is None:
+            raise RuntimeError(f"node {self.id} is not running")
+        status: dict[str, Any] = trio.from_thread.run_sync(
+            self.server.status, trio_token=token
+        )
+        return status
+
     def start(self) -> Node:
         """Start the node; return once it serves. Errors of the start-up are raised here
         (`ConfigError` for a data directory another node has, `OSError` for a Raft port
