@@ -203,6 +203,16 @@ class _HeldAcks:
     timer: _Timer | None = None
 
 
+@attrs.define
+class _Gathered:
+    """Consecutive publishes read together, to be proposed as one entry, and the bytes
+    of their bodies (summed as they come: summing them again for each publish made a
+    read of a few thousand small publishes quadratic)."""
+
+    frames: list[Frame] = attrs.Factory(list)
+    body_bytes: int = 0
+
+
 class _Timer:
     __slots__ = ("args", "call", "cancelled", "when")
 
@@ -457,7 +467,7 @@ class NodeCore:
         (the frames left wait in the decoder until there is room)."""
         if conn.done:
             return
-        publishes: list[Frame] = []
+        publishes = _Gathered()
         acks: dict[_SettleKey, list[int]] = {}
         while not conn.done:
             try:
@@ -615,16 +625,15 @@ class NodeCore:
             return False
         return True
 
-    def _gather_publish(self, conn: ConnectionCore, publishes: list[Frame], frame: Frame) -> None:
+    def _gather_publish(self, conn: ConnectionCore, publishes: _Gathered, frame: Frame) -> None:
         if pathtiming.ENABLED:
             pathtiming.mark("node.read", ("p", frame["producer"], frame["seq"]))
         if not self._check_body(conn, frame, frame["body"]):
             return
-        if publishes:
-            last = publishes[-1]
-            gathered = sum(len(f["body"]) for f in publishes)
+        if publishes.frames:
+            last = publishes.frames[-1]
             joinable = (
-                gathered + len(frame["body"]) <= GATHER_BYTES  # one log entry holds them
+                publishes.body_bytes + len(frame["body"]) <= GATHER_BYTES  # one entry holds them
                 and not frame.get("retry")
                 and last["queue"] == frame["queue"]
                 and last["producer"] == frame["producer"]
@@ -634,15 +643,16 @@ class NodeCore:
             )
             if not joinable:
                 self._flush_publishes(conn, publishes)
-        publishes.append(frame)
+        publishes.frames.append(frame)
+        publishes.body_bytes += len(frame["body"])
         if frame.get("retry"):
             self._flush_publishes(conn, publishes)
 
-    def _flush_publishes(self, conn: ConnectionCore, publishes: list[Frame]) -> None:
-        if not publishes:
+    def _flush_publishes(self, conn: ConnectionCore, publishes: _Gathered) -> None:
+        if not publishes.frames:
             return
-        frames = list(publishes)
-        publishes.clear()
+        frames = publishes.frames
+        publishes.frames, publishes.body_bytes = [], 0
         first = frames[0]
         try:
             if len(frames) == 1:
