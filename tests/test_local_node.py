@@ -319,3 +319,39 @@ def test_a_node_in_a_trio_program_serves_in_the_programs_own_loop(tmp_path: Path
     trio.run(main)
     assert set(threading.enumerate()) - threads == set()
     assert {fd: path for fd, path in _open_files().items() if fd not in files} == {}
+
+
+def test_a_program_that_reaps_every_child_process_does_not_stop_its_node(tmp_path: Path) -> None:
+    """The node writes snapshots in a forked child of the program's process; a program
+    that reaps any child (`os.wait()`, a SIGCHLD handler) takes it first. The node
+    serves on, and compacts its log all the same (once, a child reaped there failed
+    every Raft tick, and the node stopped talking to anyone)."""
+    reaped: list[int] = []
+    reaping = threading.Event()
+    reaping.set()
+
+    def reap() -> None:
+        while reaping.is_set():
+            with contextlib.suppress(ChildProcessError):
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+                if pid:
+                    reaped.append(pid)
+            time.sleep(0.001)
+
+    with quorumq.Node(**_settings(tmp_path, compaction_entries=30, fsync="never")) as node:
+        client = node.client(timeout=5.0)
+        client.declare("q")
+        reaper = threading.Thread(target=reap)
+        reaper.start()
+        try:
+            for i in range(300):
+                client.publish("q", f"m{i}".encode())
+                if len(reaped) >= 2:
+                    break
+            assert len(reaped) >= 2, "no snapshot child to reap"
+            assert client.publish("q", b"after") >= 0  # served on
+            wait_for(lambda: node.status()["compaction_error"] is None, "a compaction")
+        finally:
+            reaping.clear()
+            reaper.join()
+        assert len(client.read("q", 0, 400)) >= 31
