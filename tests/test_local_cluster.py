@@ -4,8 +4,9 @@ a SIGKILL of the leader's program."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -17,42 +18,12 @@ import pytest
 import quorumq
 from quorumq.embedded import free_ports
 
+from .embedded_program import TOKEN
 from .helpers import wait_for
 
 NAMES = ("A", "B", "C")
-TOKEN = "t0ken-for-the-test"
-SECRET = "s3cret-for-the-test"
 KEYS = 6
-
-
-def _program(name: str, peers: dict[str, str], client_port: int, root: str, stop: Any) -> None:
-    """One program (a child process): a node inside, and a consumer of its own node that
-    writes each delivery to its file (an append, before the ack), taking 10 ms a message."""
-    settings: dict[str, Any] = {
-        "id": name,
-        "data_dir": os.path.join(root, name),
-        "raft": peers[name],
-        "peers": peers,
-        "secret": SECRET,
-        "listen": f"127.0.0.1:{client_port}",
-        "token": TOKEN,
-        "node_down_grace_s": 1.0,
-    }
-    out = os.open(os.path.join(root, f"{name}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    with quorumq.Node(**settings) as node:
-        client = node.client()
-        client.declare("jobs")
-        consumer = client.subscribe("jobs", prefetch=20)
-        Path(root, f"{name}.ready").touch()
-        while not stop.is_set():
-            delivery = consumer.get(0.1)
-            if delivery is None:
-                continue
-            record = [delivery.offset, delivery.key, delivery.node, delivery.redelivered]
-            os.write(out, (json.dumps(record) + "\n").encode())
-            time.sleep(0.01)
-            delivery.ack()
-    os.close(out)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _records(root: Path, name: str) -> list[list[Any]]:
@@ -72,18 +43,15 @@ def test_three_programs_deliver_locally_in_order_through_a_sigkill_of_the_leader
     raft_ports = free_ports(3)
     client_ports = free_ports(3)
     peers = {n: f"127.0.0.1:{p}" for n, p in zip(NAMES, raft_ports, strict=True)}
-    context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-    stop = context.Event()
-    programs = {
-        name: context.Process(
-            target=_program, args=(name, peers, port, str(tmp_path), stop), daemon=True
-        )
-        for name, port in zip(NAMES, client_ports, strict=True)
-    }
+    # three Python processes, each a program with a node inside (`embedded_program`)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    programs: dict[str, subprocess.Popen[bytes]] = {}
     endpoints = [f"127.0.0.1:{p}" for p in client_ports]
     try:
-        for program in programs.values():
-            program.start()
+        for name, port in zip(NAMES, client_ports, strict=True):
+            command = [sys.executable, "-m", "tests.embedded_program", name, str(tmp_path)]
+            command += [str(port), json.dumps(peers)]
+            programs[name] = subprocess.Popen(command, cwd=ROOT, env=env)
         wait_for(
             lambda: all((tmp_path / f"{n}.ready").exists() for n in NAMES), "ready", timeout=60
         )
@@ -126,9 +94,17 @@ def test_three_programs_deliver_locally_in_order_through_a_sigkill_of_the_leader
         assert taken_over, "the killed program held no message the others took over"
         assert len(records[leader]) >= 40
     finally:
-        stop.set()
         for program in programs.values():
-            program.join(timeout=20)
-            if program.is_alive():
+            if program.poll() is None:
+                program.terminate()  # a clean stop: the node leaves its block
+        for program in programs.values():
+            try:
+                program.wait(timeout=20)
+            except subprocess.TimeoutExpired:
                 program.kill()
-                program.join(timeout=10)
+                program.wait(timeout=10)
+    # the killed program by SIGKILL; the others stopped cleanly on SIGTERM (their nodes
+    # left the block: Downs applied, leadership handed over, journal closed)
+    assert {n: p.returncode for n, p in programs.items()} == {
+        n: -9 if n == leader else 0 for n in NAMES
+    }
