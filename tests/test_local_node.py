@@ -355,3 +355,41 @@ def test_a_program_that_reaps_every_child_process_does_not_stop_its_node(tmp_pat
             reaping.clear()
             reaper.join()
         assert len(client.read("q", 0, 400)) >= 31
+
+
+def test_a_program_that_exits_without_stopping_its_node_stops_it_at_exit(tmp_path: Path) -> None:
+    """No `with`, no `stop()`: the program's exit stops the node as leaving the block
+    would (it neither waits for the node's threads for ever nor cuts them off): its
+    consumer's `Down` is applied before the exit, so a node started again on its data
+    finds no consumer holding the message (cut off, the consumer would hold it until
+    the restarted node's sweep of lost consumers)."""
+    import subprocess
+    import sys
+
+    settings = _settings(tmp_path)
+    program = f"""
+import quorumq
+node = quorumq.Node(id="A", data_dir={str(settings["data_dir"])!r}, raft={settings["raft"]!r},
+                    peers={{}}, secret=None, insecure=True)
+client = node.start().client()
+client.declare("kept")
+consumer = client.subscribe("kept", prefetch=1)
+client.publish("kept", b"held")
+assert consumer.get(5) is not None
+print("exiting", flush=True)
+"""
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert result.returncode == 0 and result.stdout == "exiting\n", result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    with quorumq.Node(**settings) as node:
+        wait_for(lambda: "kept" in node.status()["queues"], "the log applied again")
+        stats = node.status()["queues"]["kept"]  # (the sweep of lost consumers takes 1-2 s)
+        assert (stats["consumers"], stats["unacked"], stats["ready"]) == (0, 0, 1)

@@ -25,6 +25,7 @@ recovers, as a node process does.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -242,7 +243,8 @@ class Node:
 
     It serves on a thread of its own (a trio loop), beside its Raft thread; `start` (or
     entering the block) returns once it serves, `stop` (or leaving it) once every one
-    of its threads has ended."""
+    of its threads has ended. A program that exits without stopping it stops it then
+    (`atexit`), rather than wait for its threads for ever or cut them off."""
 
     def __init__(self, **settings: Unpack[NodeSettings]) -> None:
         """See `NodeSettings` (`ConfigError` for settings a node cannot serve)."""
@@ -286,9 +288,7 @@ class Node:
         token = self._token
         if token is None:
             raise RuntimeError(f"node {self.id} is not running")
-        status: dict[str, Any] = trio.from_thread.run_sync(
-            self.server.status, trio_token=token
-        )
+        status: dict[str, Any] = trio.from_thread.run_sync(self.server.status, trio_token=token)
         return status
 
     def start(self) -> Node:
@@ -300,13 +300,14 @@ class Node:
         started = threading.Event()
         failure: list[BaseException] = []
         self._thread = threading.Thread(
-            target=self._run, args=(started, failure), name=f"quorumq-node-{self.id}"
+            target=self._run, args=(started, failure), name=f"quorumq-node-{self.id}", daemon=True
         )
         self._thread.start()
         started.wait()
         if failure:
             self._thread.join()
             raise failure[0]
+        atexit.register(self.stop)
         return self
 
     def _run(self, started: threading.Event, failure: list[BaseException]) -> None:
@@ -340,6 +341,7 @@ class Node:
     def stop(self) -> None:
         """Close the node's clients, stop the node (see the module's docstring); return
         once its threads have ended. Idempotent."""
+        atexit.unregister(self.stop)
         with self._lock:
             clients, self._clients = self._clients, []
         for client in clients:
