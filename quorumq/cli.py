@@ -113,90 +113,50 @@ def _secret(file: str | None, env: str, what: str) -> str | None:
     return os.environ.get(env) or None
 
 
-_held_locks: list[int] = []
-"""Descriptors of the data directory locks this process holds (until it exits)."""
-
-
-def _lock_data_dir(path: Path) -> None:
-    """Take the data directory for this process, or say which process has it: two nodes
-    writing one journal damage it (found by hand: a second `quorumq node` on a running
-    node's directory started, and the first one's journal was refused at its restart)."""
-    import fcntl  # noqa: PLC0415
-
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise UsageError(f"cannot use the data directory {path}: {e}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise UsageError(
-            f"the data directory {path} is in use by another quorumq node (pid {holder})"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    _held_locks.append(fd)
-
-
 def _node(args: argparse.Namespace) -> int:
     import trio  # noqa: PLC0415 - only the node needs the server stack
 
-    from .replica import ConfigError, ReplicaConfig  # noqa: PLC0415
-    from .server import NodeConfig, NodeServer  # noqa: PLC0415
-    from .server.node import check_node_config, tls_context  # noqa: PLC0415
+    from .replica import ConfigError  # noqa: PLC0415
+    from .server.local_node import AsyncNode, node_config  # noqa: PLC0415
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         format=f"%(asctime)s {args.id} %(levelname)s %(name)s: %(message)s",
     )
-    peers = dict(args.peer)
-    peers[args.id] = f"{args.raft[0]}:{args.raft[1]}"
+    raft = f"{args.raft[0]}:{args.raft[1]}"
     try:
-        replica = ReplicaConfig(
-            node_id=args.id,
-            peers=peers,
+        config = node_config(
+            id=args.id,
             data_dir=args.data_dir,
+            raft=raft,
+            peers=dict(args.peer),
             secret=_secret(args.secret_file, "QUORUMQ_SECRET", "cluster secret"),
+            listen=f"{args.listen[0]}:{args.listen[1]}",
+            token=_secret(args.token_file, "QUORUMQ_TOKEN", "client token"),
+            admin_token=_secret(args.admin_token_file, "QUORUMQ_ADMIN_TOKEN", "admin token"),
             insecure=args.insecure,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
             fsync=args.fsync,
             node_down_grace_s=args.node_down_grace,
+            election_timeout_s=args.election_timeout,
             compaction_entries=args.compaction_entries,
-            raft_timeouts=args.election_timeout,
+            max_body=args.max_body,
+            outbound_frames=args.outbound_frames,
         )
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    config = NodeConfig(
-        replica=replica,
-        listen_host=args.listen[0],
-        listen_port=args.listen[1],
-        token=_secret(args.token_file, "QUORUMQ_TOKEN", "client token"),
-        admin_token=_secret(args.admin_token_file, "QUORUMQ_ADMIN_TOKEN", "admin token"),
-        insecure=args.insecure,
-        max_body=args.max_body,
-        outbound_frames=args.outbound_frames,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-    )
-    try:
-        check_node_config(config)
-        tls_context(config)  # the certificate and its key load, or one line says why
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
-    _lock_data_dir(Path(args.data_dir))
 
     async def run() -> None:
-        server = NodeServer(config, metrics=args.metrics)
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(server.serve)
-            host, port = listeners[0].socket.getsockname()[:2]
+        # the start-up and the stop of `quorumq.Node`: the data directory taken, the
+        # replica started, served until SIGTERM or SIGINT, then leadership handed over
+        async with AsyncNode.from_config(config, metrics=args.metrics, own_process=True) as node:
+            server = node.server
             metrics = server.metrics.address if server.metrics is not None else None
             print(
-                f"quorumq node {args.id} ready: clients on {host}:{port}"
+                f"quorumq node {args.id} ready: clients on {node.address}"
                 + (" (TLS)" if server.tls is not None else "")
-                + f", raft on {peers[args.id]}, fsync={args.fsync}"
+                + f", raft on {raft}, fsync={args.fsync}"
                 + (f", metrics on http://{metrics[0]}:{metrics[1]}/metrics" if metrics else ""),
                 flush=True,
             )
@@ -204,14 +164,13 @@ def _node(args: argparse.Namespace) -> int:
 
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
-                    nursery.cancel_scope.cancel()
                     break
 
     from .raft.journal import JournalDamagedError, JournalFailedError  # noqa: PLC0415
 
     try:
         trio.run(run)
-    except (JournalDamagedError, JournalFailedError) as e:  # raised before serving
+    except (JournalDamagedError, JournalFailedError, ConfigError, OSError) as e:  # start-up
         raise UsageError(str(e)) from None
     except BaseExceptionGroup as group:  # trio wraps what the node's tasks raised
         found = group.subgroup((OSError, JournalDamagedError, JournalFailedError))

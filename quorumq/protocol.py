@@ -15,6 +15,11 @@ connection goes on. The server answers every `ProtocolError` with an `error` fra
 and closes the connection when it is fatal, or when the peer has not said `hello` yet
 (an unauthenticated peer gets one error frame, not one per garbage frame). Nothing here
 imports sockets.
+
+A client in the node's own process (`quorumq.Node`) skips the bytes: its frames travel
+as copies made by `copy_frame` (what decoding would give, sharing nothing with the
+sender, with an estimated size no smaller than the encoding's), and `FrameQueue` checks
+them as `FrameDecoder` checks what it decodes, against the same limits.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import hashlib
 import hmac
 import socket
 import struct
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, Protocol
 
@@ -241,6 +247,101 @@ def check_columns(columns: object) -> dict[str, Any]:
     if sum(lengths) != len(bodies):
         raise ProtocolError("bad_frame", "read columns: body lengths do not add up to bodies")
     return fields
+
+
+_BASE_TYPES: tuple[type, ...] = (str, bytes, bool, int, float, dict, list, tuple)
+_BYTES_LIKE = (bytearray, memoryview)
+"""Sent as `bin` by msgpack: they come out as bytes."""
+
+
+def copy_frame(value: Any) -> tuple[Any, int]:
+    """`value` (a frame, or a field of one) as encoding and decoding would give it back,
+    without the bytes, and about how many bytes it takes encoded: maps and lists are
+    new (a tuple becomes a list, a subclass its base type), text, bytes and numbers
+    are shared (immutable). The size counts its text and bytes, plus 5 for each map,
+    list, text or bytes and 9 for each other value: at least msgpack's own overhead,
+    so a bound counted in it is no looser than one counted in encoded bytes.
+
+    What an in-process connection carries (`FrameQueue`, `ConnectionCore`): nothing the
+    sender keeps is reachable from the copy, so neither side's later changes reach the
+    other (a delivery's headers are the replica's own map). `TypeError` for a value
+    msgpack cannot encode either, as `encode_frame` would raise."""
+    kind = type(value)
+    if kind is dict:
+        copy: dict[Any, Any] = {}
+        size = 5
+        for key, item in value.items():
+            plain_key, key_size = (
+                (key, len(key) + 5) if type(key) is str and key.isascii() else copy_frame(key)
+            )
+            # the plain values of a frame inline: a call for each costs a third of the time
+            item_kind = type(item)
+            if item_kind is bytes or (item_kind is str and item.isascii()):
+                copy[plain_key] = item
+                size += key_size + len(item) + 5
+            elif item is None or item_kind is int or item_kind is bool or item_kind is float:
+                copy[plain_key] = item
+                size += key_size + 9
+            else:
+                copy[plain_key], item_size = copy_frame(item)
+                size += key_size + item_size
+        return copy, size
+    if kind is bytes:
+        return value, len(value) + 5
+    if kind is str:
+        return value, (len(value) if value.isascii() else len(value.encode())) + 5
+    if value is None or kind is int or kind is float or kind is bool:
+        return value, 9
+    if kind is list or kind is tuple:
+        items = []
+        size = 5
+        for item in value:
+            item_copy, item_size = copy_frame(item)
+            items.append(item_copy)
+            size += item_size
+        return items, size
+    base: Callable[[Any], Any]
+    for base in _BASE_TYPES:
+        if isinstance(value, base):  # a subclass: sent as its base type
+            return copy_frame(base(value))
+    if isinstance(value, _BYTES_LIKE):
+        return copy_frame(bytes(value))
+    raise TypeError(f"can not serialize {kind.__name__!r} object")
+
+
+SizedFrame = tuple[Any, int]
+"""A frame handed over in-process, and what it counts for (`copy_frame`)."""
+
+
+class FrameQueue:
+    """The in-process counterpart of `FrameDecoder`: frames handed over by a client in
+    the node's own process (`copy_frame`'s copies, with their sizes), no bytes between.
+    Checked as the decoder checks what it decodes, against the same `max_frame`, so
+    nothing reaches the node core that the wire would have refused."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_BODY + FRAME_OVERHEAD) -> None:
+        self.max_frame = max_frame
+        self._queue: deque[SizedFrame] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def feed(self, frames: Iterable[SizedFrame]) -> None:
+        self._queue.extend(frames)
+
+    def frames(self) -> Iterator[Frame]:
+        """Yield every queued frame, checked; raise `ProtocolError` for a bad one (after
+        removing it, so calling again goes on with the next frame)."""
+        queue = self._queue
+        while queue:
+            frame, size = queue.popleft()
+            if size > self.max_frame:
+                raise ProtocolError(
+                    "frame_too_large",
+                    f"frame of about {size} bytes exceeds the limit of {self.max_frame}",
+                    fatal=True,
+                )
+            yield check_frame(frame)
 
 
 def auth_proof(token: str, nonce: bytes) -> bytes:

@@ -110,11 +110,15 @@ def test_an_ack_cancelled_while_it_waits_to_be_written_is_written_all_the_same()
     """Delivery.ack() marks the delivery settled before the frame is written: an ack
     cancelled while it waited for the send lock was lost, and could not be sent again
     ("already acked"). No node here: a stream that records what is written."""
-    written = FrameDecoder()
+    written: list[dict[str, object]] = []
 
     class Recording:
-        async def send_all(self, data: bytes) -> None:
-            written.feed(data)
+        async def receive_frame(self) -> None:
+            await trio.sleep_forever()
+
+        async def send_frame(self, frame: dict[str, object]) -> None:
+            await trio.lowlevel.checkpoint()
+            written.append(frame)
 
         async def aclose(self) -> None:
             pass
@@ -123,7 +127,7 @@ def test_an_ack_cancelled_while_it_waits_to_be_written_is_written_all_the_same()
         async with trio.open_nursery() as nursery:
             client = AsyncClient("127.0.0.1:1", None, nursery)
             client._session.connection_made()
-            client._stream = Recording()  # type: ignore[assignment]
+            client._link = Recording()
             consumer = AsyncConsumer(client, "q", 10)
             consumer.id = "n.1"
             client._session.consumers["n.1"] = consumer
@@ -139,7 +143,7 @@ def test_an_ack_cancelled_while_it_waits_to_be_written_is_written_all_the_same()
                 nursery.start_soon(ack_within_a_second)
                 await trio.sleep(5)  # the ack's caller gives up meanwhile
             await wait_all_tasks_blocked()
-            assert list(written.frames()) == [{"t": "ack", "consumer": "n.1", "offsets": [7]}]
+            assert written == [{"t": "ack", "consumer": "n.1", "offsets": [7]}]
             with pytest.raises(QuorumqError, match="already acked"):
                 await delivery.ack()
 

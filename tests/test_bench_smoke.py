@@ -97,3 +97,18 @@ def test_the_path_breakdown_joins_the_marks_of_every_process() -> None:
         found = re.search(rf"{path} path \((\d+) messages", out)
         assert found and int(found.group(1)) >= 150, out
     assert "| follower's fdatasync done | follower |" in out, out
+
+
+def test_the_embedded_benchmark_measures_both_paths_side_by_side() -> None:
+    """`benchmarks/bench_embedded.py`, small: node A in the benchmark's process (and
+    leading), B and C node processes; both paths measured, the ratios printed."""
+    command = [sys.executable, "-m", "benchmarks.bench_embedded", "--seconds", "1"]
+    command += ["--messages", "500", "--rounds", "1", "--rate", "300", "--fsync", "never"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "| in-process | 1 |" in out and "| tcp | 1 |" in out, out
+    assert "in-process / tcp (medians of the rounds): p50 " in out, out

@@ -25,6 +25,7 @@ from quorumq.client import (
     OutcomeUnknownError,
     ServerError,
 )
+from quorumq.client.wire import Wire
 from quorumq.embedded import Cluster
 
 from .helpers import wait_for
@@ -299,8 +300,8 @@ def test_a_consumer_cancelled_while_it_subscribes_again_stays_cancelled(cluster:
                 cancelled = await client.subscribe("recancel", prefetch=10)
                 kept = await client.subscribe("recancel", prefetch=10)
                 before = {cancelled.id, kept.id}  # downed with the first connection
-                assert client._stream is not None
-                await client._stream.aclose()  # the connection breaks
+                assert client._link is not None
+                await client._link.aclose()  # the connection breaks
                 with trio.fail_after(5):
                     await _until(lambda: not client._session.connected)
                 await cancelled.cancel()  # while the client reconnects
@@ -435,12 +436,12 @@ def test_closing_a_blocking_client_while_it_reconnects_leaves_no_connection(
     client._install = installing  # type: ignore[method-assign]
     client._on_lost = lost  # type: ignore[method-assign]
     try:
-        assert client._wire is not None
-        client._wire.sock.shutdown(socket.SHUT_RDWR)  # the connection breaks
+        assert isinstance(client._link, Wire)
+        client._link.sock.shutdown(socket.SHUT_RDWR)  # the connection breaks
         assert accepted.wait(10)  # reconnecting: the next endpoint answers nothing
         client.close()
         assert reconnected.wait(10)
-        assert client._wire is None
+        assert client._link is None
         assert all(s.fileno() == -1 for s in installed), "a connection was put in place"
     finally:
         client.close()

@@ -19,6 +19,7 @@ from quorumq.machine import (
     ConsumerDown,
     Declare,
     DeleteQueue,
+    Deliver,
     Down,
     EnqueueBatch,
     Machine,
@@ -29,7 +30,7 @@ from quorumq.machine import (
     Subscribe,
 )
 from quorumq.node import ConnectionCore, NodeConfig, NodeCore
-from quorumq.protocol import PROTOCOL_VERSION, encode_frame
+from quorumq.protocol import PROTOCOL_VERSION, copy_frame, encode_frame
 from quorumq.replica import ReplicaConfig
 
 
@@ -310,3 +311,129 @@ def test_an_ack_whose_outcome_is_unknown_is_not_settled_again_once_its_queue_is_
     replica.apply(DeleteQueue(queue="q", force=True))
     callback(None, OutcomeUnknownError("lost with the leader"))
     assert replica.proposed[-1][0] is ack  # nothing proposed again
+
+
+# ------------------------------------------------------------ in-process clients
+
+
+def _local_node(**config: Any) -> tuple[NodeCore, _Replica]:
+    replica = _Replica()
+    settings: dict[str, Any] = {"insecure": True, **config}
+    node_config = NodeConfig(
+        replica=ReplicaConfig(
+            node_id="A", peers={"A": "127.0.0.1:1"}, data_dir="/nonexistent", secret="s"
+        ),
+        **settings,
+    )
+    rng = random.Random(1)
+    node = NodeCore(node_config, replica, _Shell(), lambda: 0.0, random_bytes=rng.randbytes)  # type: ignore[arg-type]
+    return node, replica
+
+
+def _taken(conn: ConnectionCore) -> list[dict[str, Any]]:
+    """What the shell would hand a local client: everything queued, marked sent."""
+    frames, count, cost = conn.take_output(1 << 30)
+    assert isinstance(frames, list)
+    conn.sent(count, cost)
+    return frames
+
+
+def _local_subscribed(node: NodeCore, replica: _Replica) -> tuple[ConnectionCore, str]:
+    conn = node.connection_made(local=True)
+    node.frames_received(conn, [copy_frame({"t": "hello", "v": PROTOCOL_VERSION, "client": "t"})])
+    node.frames_received(
+        conn, [copy_frame({"t": "subscribe", "id": 1, "queue": "q", "prefetch": 9})]
+    )
+    replica.answer(len(replica.proposed) - 1)
+    (subscribe,) = replica.commands(Subscribe)
+    _taken(conn)  # welcome, hello's reply, subscribe's reply
+    return conn, subscribe.consumer
+
+
+def _deliver(consumer: str, offset: int, body: bytes, headers: dict[str, str] | None) -> Deliver:
+    return Deliver("q", consumer, "A", offset, None, body, headers, False, 0)
+
+
+def test_a_local_client_is_handed_copies_that_share_nothing_with_the_replica() -> None:
+    """A delivery's headers are the machine's own map: a local client changing what it
+    was handed must not change the replica."""
+    node, replica = _local_node()
+    conn, consumer = _local_subscribed(node, replica)
+    headers = {"trace": "t-1"}
+    node.effects_applied(5, [_deliver(consumer, 0, b"m", headers)])
+    (frame,) = _taken(conn)
+    assert frame["t"] == "deliver" and frame["headers"] == headers
+    frame["headers"]["trace"] = "changed by the client"
+    assert headers == {"trace": "t-1"}
+
+
+def test_a_local_client_needs_no_token_and_may_use_administrative_verbs() -> None:
+    """In-process clients are trusted (the code that made them could read the node's
+    data); a client over TCP still proves the token."""
+    node, _ = _local_node(token="secret-token", insecure=False)
+    local = node.connection_made(local=True)
+    (welcome,) = _taken(local)
+    assert welcome["auth"] is False
+    node.frames_received(local, [copy_frame({"t": "hello", "v": PROTOCOL_VERSION, "client": "t"})])
+    assert local.greeted and local.admin and not local.done
+    remote = node.connection_made()
+    node.data_received(remote, encode_frame({"t": "hello", "v": PROTOCOL_VERSION, "client": "t"}))
+    assert not remote.greeted and remote.done and remote.close_reason == "authentication failed"
+
+
+def test_a_local_client_that_takes_nothing_is_cut_off_as_a_slow_consumer_as_over_tcp() -> None:
+    """The outbox bounds hold for a local client as for one over TCP (counted in sizes
+    no smaller than the encoding's): a client that stops taking its deliveries is cut
+    off, no later than one over TCP, and memory stays bounded."""
+    node, replica = _local_node(outbound_bytes=5 * 1024 * 1024, max_body=256 * 1024)
+    local, local_consumer = _local_subscribed(node, replica)
+    remote = node.connection_made()
+    _send(node, remote, {"t": "hello", "v": PROTOCOL_VERSION, "client": "t"})
+    _send(node, remote, {"t": "subscribe", "id": 1, "queue": "q", "prefetch": 9})
+    replica.answer(len(replica.proposed) - 1)
+    remote_consumer = replica.commands(Subscribe)[-1].consumer
+    body = b"x" * 100_000
+    pushed = {}
+    for conn, consumer in ((local, local_consumer), (remote, remote_consumer)):
+        for offset in range(1000):
+            node.effects_applied(offset + 10, [_deliver(consumer, offset, body, {"k": "v"})])
+            if conn.done:
+                break
+        pushed[conn.local] = offset
+        assert conn.closing and conn.close_reason.startswith("slow consumer")
+        assert conn.queued_bytes <= 5 * 1024 * 1024
+    assert pushed[True] <= pushed[False] <= pushed[True] + 1
+
+
+def test_a_full_local_connection_handles_no_more_requests_until_there_is_room() -> None:
+    """Back-pressure as over TCP: past a quarter of the outbound bound, the frames a
+    local client handed over wait in its queue (and the shell hands no more)."""
+    node, replica = _local_node(outbound_bytes=5 * 1024 * 1024, max_body=256 * 1024)
+    conn, consumer = _local_subscribed(node, replica)
+    for offset in range(14):  # 1.4 MB waits: more than a quarter of 5 MiB
+        node.effects_applied(offset + 10, [_deliver(consumer, offset, b"x" * 100_000, None)])
+    assert conn.full and not conn.wants_data
+    declares = [
+        copy_frame({"t": "declare", "id": 9 + i, "queue": "d", "options": {}}) for i in range(3)
+    ]
+    node.frames_received(conn, declares)  # (the shell hands none while it is full)
+    assert len(conn.decoder) == 2 and len(replica.commands(Declare)) == 1  # as bytes read
+    _, count, cost = conn.take_output(1 << 30)
+    node.sent(conn, count, cost)  # the client took them: room again
+    assert len(conn.decoder) == 0 and len(replica.commands(Declare)) == 3
+
+
+def test_frames_from_a_local_client_are_checked_as_decoded_ones() -> None:
+    """Nothing reaches the core from a local client that the wire would have refused: a
+    frame with a mistyped field is answered with an error, and one larger than the frame
+    limit (before hello, 4 KiB) ends the connection."""
+    node, _ = _local_node()
+    conn = node.connection_made(local=True)
+    node.frames_received(conn, [copy_frame({"t": "hello", "v": PROTOCOL_VERSION, "client": "t"})])
+    node.frames_received(conn, [copy_frame({"t": "declare", "id": 3, "queue": 7, "options": {}})])
+    *_, error = _taken(conn)
+    assert (error["t"], error["id"], error["code"]) == ("error", 3, "bad_frame")
+    assert not conn.done
+    early = node.connection_made(local=True)
+    node.frames_received(early, [copy_frame({"t": "hello", "v": 1, "client": "x" * 5000})])
+    assert early.closing and "exceeds the limit" in early.close_reason

@@ -26,7 +26,7 @@ def test_a_batch_publish_with_path_timing_on_is_sent(monkeypatch: pytest.MonkeyP
     client._deadlines = {}
     client._watching_until = 0.0
     client._deadline_changed = threading.Condition(client._lock)
-    client._wire = None
+    client._link = None
     client.timeout = 5.0
     written: list[dict[str, Any]] = []
     client._write = lambda sock, frame: written.append(frame)  # type: ignore[method-assign]

@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 
 from quorumq.protocol import (
     FrameDecoder,
+    FrameQueue,
     ProtocolError,
     auth_proof,
+    copy_frame,
     encode_frame,
     proof_matches,
 )
@@ -164,3 +166,76 @@ def test_read_columns_that_do_not_add_up_are_a_bad_frame(
     )
     with pytest.raises(ProtocolError, match=message):
         check_columns({**page, **change})
+
+
+# ------------------------------------------------------------ in-process frames
+
+_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=40)
+    | st.binary(max_size=300),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=10), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+@given(_VALUES)
+def test_a_copied_value_is_what_decoding_gives_and_counts_for_at_least_its_encoding(
+    value: object,
+) -> None:
+    """An in-process connection's bounds are counted in `copy_frame`'s sizes: no smaller
+    than the bytes msgpack makes (each value, not just a whole frame), so they are no
+    looser than over TCP."""
+    copy, size = copy_frame(value)
+    encoded = msgpack.packb(value, use_bin_type=True)
+    assert copy == msgpack.unpackb(encoded, raw=False, strict_map_key=False)
+    assert size >= len(encoded)
+
+
+def test_a_copied_frame_shares_no_map_or_list_with_the_original() -> None:
+    """What a node hands a client in its own process must not alias the replica's state:
+    a delivery's headers are the machine's own map."""
+    headers = {"trace": "a"}
+    rows = [(0, None, b"m", headers, 5)]
+    frame = {"t": "reply", "id": 1, "headers": headers, "messages": rows}
+    copy, _ = copy_frame(frame)
+    copy["headers"]["trace"] = "changed"
+    copy["messages"][0][3]["trace"] = "changed"
+    copy["messages"].append("more")
+    assert headers == {"trace": "a"} and rows == [(0, None, b"m", headers, 5)]
+    assert copy["messages"][0] == [0, None, b"m", {"trace": "changed"}, 5]  # a list, as decoded
+
+
+def test_a_copied_frame_holds_only_plain_values_as_msgpack_would() -> None:
+    class Text(str):
+        pass
+
+    copy, _ = copy_frame({"k": Text("v"), "b": bytearray(b"xy"), "m": memoryview(b"z")})
+    assert copy == {"k": "v", "b": b"xy", "m": b"z"}
+    assert [type(v) for v in copy.values()] == [str, bytes, bytes]
+    with pytest.raises(TypeError, match="serialize"):
+        copy_frame({"t": "declare", "options": {"x": object()}})  # encode_frame refuses it too
+    with pytest.raises(TypeError):
+        encode_frame({"t": "declare", "options": {"x": object()}})
+
+
+def test_a_frame_queue_checks_frames_as_the_decoder_does() -> None:
+    """A bad frame is skipped with a typed error; one over the limit is fatal."""
+    queue = FrameQueue(max_frame=100)
+    queue.feed([copy_frame({"t": "status"}), copy_frame({"t": "status", "id": 2})])
+    frames = queue.frames()
+    with pytest.raises(ProtocolError) as bad:
+        next(frames)
+    assert bad.value.code == "bad_frame" and not bad.value.fatal
+    assert list(queue.frames()) == [{"t": "status", "id": 2}]
+    queue.feed([copy_frame({**PUBLISH, "body": b"x" * 100})])
+    with pytest.raises(ProtocolError) as large:
+        list(queue.frames())
+    assert large.value.code == "frame_too_large" and large.value.fatal

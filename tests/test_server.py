@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 import quorumq.aio
 from quorumq.client import Client, QuorumqError, ServerError
+from quorumq.client.aio import StreamLink
+from quorumq.client.wire import Wire
 from quorumq.embedded import free_ports
 from quorumq.protocol import KEEPALIVE_IDLE_S
 from quorumq.replica import ReplicaConfig
@@ -218,9 +220,10 @@ def test_both_ends_of_a_client_connection_probe_a_silent_peer(tmp_path: Path) ->
                 blocking = await trio.to_thread.run_sync(Client, [endpoint])
                 try:
                     await trio.to_thread.run_sync(blocking.status)
-                    assert client._stream is not None and blocking._wire is not None
-                    assert probing(client._stream.socket) == (1, KEEPALIVE_IDLE_S)
-                    assert probing(blocking._wire.sock) == (1, KEEPALIVE_IDLE_S)
+                    assert isinstance(client._link, StreamLink)
+                    assert isinstance(blocking._link, Wire)
+                    assert probing(client._link.stream.socket) == (1, KEEPALIVE_IDLE_S)
+                    assert probing(blocking._link.sock) == (1, KEEPALIVE_IDLE_S)
                     served = [conn.transport.socket for conn in server.connections]  # type: ignore[attr-defined]
                     assert len(served) == 2
                     assert all(probing(s) == (1, KEEPALIVE_IDLE_S) for s in served)

@@ -6,6 +6,8 @@
             await delivery.ack()
 
 The client runs a reader task in its own nursery for as long as the `async with` lasts.
+Its connection is a `Link`: a socket's (TCP or TLS), or, for `quorumq.aio.Node.client`,
+one to the node in the same trio loop (`quorumq.inprocess.TrioEnd`).
 Sends go through one lock held from the moment a sequence number is taken until the
 frame is written, so send order is sequence order. When the connection breaks, the
 reader connects to the next endpoint, resends every unconfirmed publish in order and
@@ -19,7 +21,7 @@ import math
 import ssl
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -60,6 +62,83 @@ logger = logging.getLogger(__name__)
 
 Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
 """A connection to a node: plain, or TLS."""
+RECEIVE_BYTES = 262144
+
+
+class Link(Protocol):
+    """A connection to a node, as the trio client uses it."""
+
+    async def receive_frame(self) -> dict[str, Any] | None:
+        """The node's next frame, checked; None once the connection is closed.
+        `ProtocolError` for a bad one."""
+        ...
+
+    async def send_frame(self, frame: dict[str, Any]) -> None:
+        """Send `frame` whole (`trio.BrokenResourceError` once the connection is gone)."""
+
+    async def aclose(self) -> None: ...
+
+
+class Dialer(Protocol):
+    """How the trio client reaches nodes: `targets` names each (for errors), `dial`
+    connects to one (the caller bounds it with a cancel scope)."""
+
+    @property
+    def targets(self) -> Sequence[str]: ...
+
+    async def dial(self, target: int) -> Link: ...
+
+
+class StreamLink:
+    """A connection over a socket's stream: frames encoded, and decoded."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self._decoder = FrameDecoder()
+
+    async def receive_frame(self) -> dict[str, Any] | None:
+        while True:
+            for frame in self._decoder.frames():
+                return frame
+            data = await self.stream.receive_some(RECEIVE_BYTES)
+            if not data:
+                return None
+            self._decoder.feed(data)
+
+    async def send_frame(self, frame: dict[str, Any]) -> None:
+        await self.stream.send_all(encode_frame(frame))
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class TcpDialer:
+    """Nodes at "host:port" endpoints, over TCP (TLS with a `context`)."""
+
+    def __init__(self, endpoints: list[tuple[str, int]], context: ssl.SSLContext | None) -> None:
+        self.endpoints = endpoints
+        self.targets = [f"{host}:{port}" for host, port in endpoints]
+        self.context = context
+
+    async def dial(self, target: int) -> StreamLink:
+        host, port = self.endpoints[target]
+        tcp = await trio.open_tcp_stream(host, port)
+        keep_alive(tcp.socket)
+        if self.context is None:
+            return StreamLink(tcp)
+        # https_compatible: as the node, no close_notify (frames carry their length)
+        stream = trio.SSLStream(tcp, self.context, server_hostname=host, https_compatible=True)
+        try:
+            await stream.do_handshake()
+        except trio.BrokenResourceError as e:
+            await stream.aclose()
+            if isinstance(e.__cause__, ssl.SSLError):
+                raise handshake_failed(e.__cause__) from None
+            raise
+        except BaseException:
+            await stream.aclose()
+            raise
+        return StreamLink(stream)
 
 
 class _Answer:
@@ -126,7 +205,7 @@ class AsyncConsumer:
 class AsyncClient:
     def __init__(
         self,
-        endpoints: str | list[str],
+        endpoints: str | list[str] | Dialer,
         token: str | None,
         nursery: trio.Nursery | None,
         *,
@@ -137,10 +216,14 @@ class AsyncClient:
         max_unconfirmed_bytes: int = MAX_UNCONFIRMED_BYTES,
         tls: TlsOption = None,
     ) -> None:
-        """As the blocking client's options (`tls`: over TLS, every connection). The
-        client's tasks run in `nursery` (`connect` gives it one once connected)."""
-        self._tls = client_context(tls)
-        self._endpoints = parse_endpoints(endpoints)
+        """As the blocking client's options (`tls`: over TLS, every connection;
+        `endpoints` may be a `Dialer`, as `quorumq.aio.Node.client`'s). The client's tasks
+        run in `nursery` (`connect` gives it one once connected)."""
+        self._dialer: Dialer = (
+            TcpDialer(parse_endpoints(endpoints), client_context(tls))
+            if isinstance(endpoints, str | list)
+            else endpoints
+        )
         self._token = token
         self._admin_token = admin_token
         self._nursery = nursery
@@ -154,7 +237,7 @@ class AsyncClient:
         self.producer = self._session.producer
         self._answers: dict[int, _Answer] = {}
         self._send_lock = trio.Lock()
-        self._stream: Stream | None = None
+        self._link: Link | None = None
         self._resubscribing: list[Any] = []
         """Consumers of a lost connection waiting to be subscribed again on the next."""
         self._welcome: dict[str, Any] | None = None
@@ -163,18 +246,19 @@ class AsyncClient:
 
     # -------------------------------------------------------------- connecting
 
-    async def _connect(self, within: float) -> tuple[Stream, FrameDecoder]:
+    async def _connect(self, within: float) -> Link:
         """A handshaken connection to the next endpoint that answers, trying them in turn
         for up to `within` seconds."""
-        failures = ConnectFailures(len(self._endpoints))
+        targets = self._dialer.targets
+        failures = ConnectFailures(len(targets))
         with trio.move_on_after(within):
             while True:
-                for _ in range(len(self._endpoints)):
-                    host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
+                for _ in range(len(targets)):
+                    target = self._endpoint_index % len(targets)
                     self._endpoint_index += 1
                     try:
                         with trio.fail_after(self._connect_timeout):
-                            return await self._handshake(host, port)
+                            return await self._handshake(target)
                     except (
                         OSError,
                         trio.TooSlowError,
@@ -182,82 +266,60 @@ class AsyncClient:
                         ProtocolError,
                         QuorumqError,
                     ) as e:
-                        failures.add(host, port, e)
+                        failures.add(targets[target], e)
                 await trio.sleep(0.1)
         raise failures.give_up()
 
-    async def _handshake(self, host: str, port: int) -> tuple[Stream, FrameDecoder]:
-        tcp = await trio.open_tcp_stream(host, port)
-        keep_alive(tcp.socket)
-        stream: Stream = tcp
-        decoder = FrameDecoder()
+    async def _handshake(self, target: int) -> Link:
+        link = await self._dialer.dial(target)
         try:
-            if self._tls is not None:
-                # https_compatible: as the node, no close_notify (frames carry their length)
-                stream = trio.SSLStream(tcp, self._tls, server_hostname=host, https_compatible=True)
-                try:
-                    await stream.do_handshake()
-                except trio.BrokenResourceError as e:
-                    if isinstance(e.__cause__, ssl.SSLError):
-                        raise handshake_failed(e.__cause__) from None
-                    raise
 
             async def receive() -> dict[str, Any]:
-                while True:
-                    for frame in decoder.frames():
-                        return frame
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        raise ConnectionLostError("the node closed the connection")
-                    decoder.feed(data)
+                frame = await link.receive_frame()
+                if frame is None:
+                    raise ConnectionLostError("the node closed the connection")
+                return frame
 
             welcome = await receive()
-            await stream.send_all(
-                encode_frame(hello_frame(welcome, self._token, self._admin_token))
-            )
+            await link.send_frame(hello_frame(welcome, self._token, self._admin_token))
             check_hello_answer(await receive())
         except BaseException:
-            await stream.aclose()
+            await link.aclose()
             raise
         self.node = str(welcome["node"])
         self._welcome = welcome
-        return stream, decoder
+        return link
 
-    async def _install(self, stream: Stream) -> bool:
-        """Make `stream` the connection and resend what is unconfirmed; False (and the
-        stream closed) if the client was closed meanwhile."""
+    async def _install(self, link: Link) -> bool:
+        """Make `link` the connection and resend what is unconfirmed; False (and the
+        connection closed) if the client was closed meanwhile."""
         async with self._send_lock:
             if self._session.closed:
-                await stream.aclose()
+                await link.aclose()
                 return False
-            self._stream = stream
+            self._link = link
             self._session.connection_made(self._welcome)
             for frame in self._session.unconfirmed():
                 await self._write(frame)
         return True
 
-    async def _run(self, stream: Stream, decoder: FrameDecoder) -> None:
+    async def _run(self, link: Link) -> None:
         """The reader task: frames in, events out; reconnects when the connection breaks."""
         while True:
             try:
-                while True:
-                    for frame in decoder.frames():
-                        if frame["t"] == "error" and not isinstance(frame.get("id"), int):
-                            report_node_error(frame)
-                            continue
-                        self._handle(self._session.receive(frame))
-                    data = await stream.receive_some(262144)
-                    if not data:
-                        break
-                    decoder.feed(data)
+                while (frame := await link.receive_frame()) is not None:
+                    if frame["t"] == "error" and not isinstance(frame.get("id"), int):
+                        report_node_error(frame)
+                        continue
+                    self._handle(self._session.receive(frame))
             except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
                 pass
             except Exception:  # a bug of ours: lose this connection, not the client
                 logger.exception("the client failed on a frame from the node; reconnecting")
             if self._session.closed:
                 return
-            self._stream = None
-            await stream.aclose()
+            self._link = None
+            await link.aclose()
             lost = self._session.connection_lost()
             self._handle([e for e in lost if not isinstance(e, Resubscribe)])
             # the session no longer holds these consumers until they are subscribed
@@ -265,7 +327,7 @@ class AsyncClient:
             # `aclose` ends them, or their callers would wait for a delivery for good
             self._resubscribing = [r.consumer for r in lost if isinstance(r, Resubscribe)]
             try:
-                stream, decoder = await self._connect(self.timeout)
+                link = await self._connect(self.timeout)
             except QuorumqError as e:
                 ended: list[Event] = [
                     ConsumerEnded(c, f"connection lost: {e}") for c in self._resubscribing
@@ -273,7 +335,7 @@ class AsyncClient:
                 self._resubscribing = []
                 self._handle(self._session.give_up(ConnectionLostError(str(e))) + ended)
                 return
-            if not await self._install(stream):  # closed while it reconnected
+            if not await self._install(link):  # closed while it reconnected
                 return  # (`aclose` ended the consumers)
             consumers, self._resubscribing = self._resubscribing, []
             self._handle([Resubscribe(c) for c in consumers])
@@ -344,19 +406,18 @@ class AsyncClient:
         `timeout` (the node stopped reading) drops the connection instead; the reader
         reconnects and the unconfirmed publishes are sent again. A broken stream is left
         to the reader to replace."""
-        stream = self._stream
-        if stream is None:
+        link = self._link
+        if link is None:
             return  # publishes are sent again after the reconnect
-        data = encode_frame(frame)
         with trio.CancelScope(shield=True):
             with trio.move_on_after(self.timeout) as writing:
                 with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await stream.send_all(data)
+                    await link.send_frame(frame)
             if writing.cancelled_caught:
                 logger.warning("a frame could not be written in %s s: reconnecting", self.timeout)
-                if self._stream is stream:
-                    self._stream = None
-                await stream.aclose()
+                if self._link is link:
+                    self._link = None
+                await link.aclose()
 
     async def _issue(self, make: Any, *args: Any) -> _Answer:
         """Take a request id (and sequence) and send, in one step under the send lock."""
@@ -560,25 +621,25 @@ class AsyncClient:
         ended: list[Event] = [ConsumerEnded(c, "client closed") for c in self._resubscribing]
         self._resubscribing = []
         self._handle(self._session.close() + ended)
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await stream.aclose()
+        if self._link is not None:
+            link, self._link = self._link, None
+            await link.aclose()
 
 
 @asynccontextmanager
 async def connect(
-    endpoints: str | list[str], token: str | None = None, **options: Any
+    endpoints: str | list[str] | Dialer, token: str | None = None, **options: Any
 ) -> AsyncIterator[AsyncClient]:
     """A trio client connected to one of `endpoints`, for the `async with` block. It
     connects before its nursery opens, so that a failure to connect (`TlsError`, a wrong
     token's `ServerError`, `ConnectionLostError`) is raised as itself, not in an
     exception group."""
     client = AsyncClient(endpoints, token, None, **options)
-    stream, decoder = await client._connect(client._connect_timeout)
+    link = await client._connect(client._connect_timeout)
     async with trio.open_nursery() as nursery:
         client._nursery = nursery
-        await client._install(stream)
-        nursery.start_soon(client._run, stream, decoder)
+        await client._install(link)
+        nursery.start_soon(client._run, link)
         try:
             yield client
         finally:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import queue as queue_module
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -28,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from .. import pathtiming
-from ..protocol import FrameDecoder, ProtocolError, encode_frame, keep_alive
+from ..protocol import ProtocolError
 from .core import (
     ConnectFailures,
     ConnectionLostError,
@@ -58,7 +57,7 @@ from .session import (
     Send,
 )
 from .tls import TlsOption, client_context
-from .wire import Wire
+from .wire import Dialer, Link, TcpDialer
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +68,9 @@ MessageLike = (
     | Mapping[str, Any]
 )
 _ROW_FIELDS = frozenset({"body", "key", "headers"})
+CLOSE_JOIN_S = 5.0
+"""How long `close` waits for each of the client's threads to end (they end at once:
+their connection is gone, and the session closed)."""
 
 
 def landed_offsets(answer: Mapping[str, Any], count: int) -> list[int]:
@@ -108,26 +110,24 @@ def batch_rows(messages: Iterable[MessageLike]) -> list[list[Any]]:
 
 
 def handshake(
-    wire: Wire, token: str | None, admin_token: str | None = None, *, timeout: float = 5.0
-) -> tuple[FrameDecoder, dict[str, Any]]:
-    """Welcome, hello (with proof), reply: on a connection in timeout mode."""
-    decoder = FrameDecoder()
+    link: Link, token: str | None, admin_token: str | None = None, *, timeout: float = 5.0
+) -> dict[str, Any]:
+    """Welcome, hello (with proof), reply, on a new connection (whose reads still time
+    out); the welcome."""
+    frames = link.frames()
 
     def receive() -> dict[str, Any]:
-        while True:
-            for frame in decoder.frames():
-                return frame
-            data = wire.recv(65536)
-            if not data:
-                raise ConnectionLostError("the node closed the connection")
-            decoder.feed(data)
+        frame = next(frames, None)
+        if frame is None:
+            raise ConnectionLostError("the node closed the connection")
+        return frame
 
     welcome = receive()
-    hello = encode_frame(hello_frame(welcome, token, admin_token))
-    if wire.send_by(hello, time.monotonic() + timeout) is not None:
+    hello = hello_frame(welcome, token, admin_token)
+    if link.send_frame_by(hello, time.monotonic() + timeout) is not None:
         raise ConnectionLostError("the node did not take the hello")
     check_hello_answer(receive())
-    return decoder, welcome
+    return welcome
 
 
 class Consumer:
@@ -189,7 +189,7 @@ class Client:
 
     def __init__(
         self,
-        endpoints: str | list[str],
+        endpoints: str | list[str] | Dialer,
         token: str | None = None,
         *,
         timeout: float = 30.0,
@@ -206,9 +206,15 @@ class Client:
         `tls`: connect over TLS (every connection, reconnects too): True verifies the
         nodes' certificates against the system's CAs, a path against the CA certificates
         in that PEM file; an `ssl.SSLContext` is used as it is. A node whose certificate
-        does not verify is not used; if none can be, `TlsError`."""
-        self._tls = client_context(tls)
-        self._endpoints = parse_endpoints(endpoints)
+        does not verify is not used; if none can be, `TlsError`.
+
+        `endpoints` may also be a `Dialer`: how `quorumq.Node.client` reaches the node in
+        its own process (`tls` does not apply then)."""
+        self._dialer: Dialer = (
+            TcpDialer(parse_endpoints(endpoints), client_context(tls))
+            if isinstance(endpoints, str | list)
+            else endpoints
+        )
         self._token = token
         self._admin_token = admin_token
         self.timeout = timeout
@@ -219,7 +225,7 @@ class Client:
         self._send_lock = threading.Lock()
         """Serialises writes, so that send order is sequence order. Taken before `_lock`
         (never while holding it); held while writing, which ends by the `timeout`."""
-        self._wire: Wire | None = None
+        self._link: Link | None = None
         self._generation = 0
         self._endpoint_index = 0
         self._session = ClientSession(
@@ -236,70 +242,72 @@ class Client:
         futures fail with outcome unknown then (`_watch_deadlines`)."""
         self._deadline_changed = threading.Condition(self._lock)
         self._watching_until = math.inf
+        self._reader: threading.Thread | None = None
         self._connect(deadline=time.monotonic() + connect_timeout)
-        threading.Thread(
+        self._watcher = threading.Thread(
             target=self._watch_deadlines, daemon=True, name="quorumq-client-deadlines"
-        ).start()
+        )
+        self._watcher.start()
 
     # -------------------------------------------------------------- connecting
 
     def _connect(self, deadline: float) -> None:
-        failures = ConnectFailures(len(self._endpoints))
+        targets = self._dialer.targets
+        failures = ConnectFailures(len(targets))
         while True:
-            for _ in range(len(self._endpoints)):
+            for _ in range(len(targets)):
                 if self._session.closed:
                     raise QuorumqError("the client is closed")
-                host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
+                target = self._endpoint_index % len(targets)
                 self._endpoint_index += 1
                 try:
-                    wire = Wire.open(host, port, timeout=self._connect_timeout, context=self._tls)
+                    link = self._dialer.dial(target, self._connect_timeout)
                     try:
-                        decoder, welcome = handshake(
-                            wire, self._token, self._admin_token, timeout=self._connect_timeout
+                        welcome = handshake(
+                            link, self._token, self._admin_token, timeout=self._connect_timeout
                         )
                     except BaseException:
-                        wire.hang_up()
+                        link.hang_up()
                         raise
-                    self._install(wire, decoder, welcome)
+                    self._install(link, welcome)
                     return
                 except (OSError, ProtocolError, QuorumqError) as e:
-                    failures.add(host, port, e)
+                    failures.add(targets[target], e)
             if time.monotonic() > deadline:
                 raise failures.give_up()
             time.sleep(0.1)
 
-    def _install(self, wire: Wire, decoder: FrameDecoder, welcome: dict[str, Any]) -> None:
+    def _install(self, link: Link, welcome: dict[str, Any]) -> None:
         """Use the new connection (unless the client was closed meanwhile); first resend
         every unconfirmed publish, in order, under the send lock, so no new publish
         overtakes them."""
-        wire.settimeout(None)
-        wire.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        keep_alive(wire.sock)
+        link.serve()
         with self._send_lock:
             with self._lock:
                 if self._session.closed:
-                    wire.hang_up()
+                    link.hang_up()
                     raise QuorumqError("the client is closed")
-                self._wire = wire
+                self._link = link
                 self._session.connection_made(welcome)
                 self._generation += 1
                 self.node = str(welcome["node"])
                 generation = self._generation
                 resends = self._session.unconfirmed()
             for frame in resends:
-                self._write(wire, frame)
-        threading.Thread(
+                self._write(link, frame)
+        self._reader = threading.Thread(
             target=self._read_loop,
-            args=(wire, decoder, generation),
+            args=(link, generation),
             daemon=True,
             name="quorumq-client",
-        ).start()
+        )
+        self._reader.start()
 
-    def _read_loop(self, wire: Wire, decoder: FrameDecoder, generation: int) -> None:
+    def _read_loop(self, link: Link, generation: int) -> None:
         try:
             while True:
                 try:
-                    for frame in decoder.frames():
+                    for frame in link.frames():
                         if pathtiming.ENABLED:
                             _mark_read(frame)
                         if frame["t"] == "error" and not isinstance(frame.get("id"), int):
@@ -308,27 +316,23 @@ class Client:
                         with self._lock:
                             events = self._session.receive(frame)
                         self._handle(events)
+                    break  # the connection is closed
                 except ProtocolError as e:
                     logger.warning("bad frame from the node: %s", e)
                     if e.fatal:
                         break
-                    continue
-                data = wire.recv(262144)
-                if not data:
-                    break
-                decoder.feed(data)
         except OSError:  # ssl.SSLError too: a TLS record that does not check
             pass
         except Exception:  # a bug of ours: lose this connection, not the client
             logger.exception("the client failed on a frame from the node; reconnecting")
-        wire.hang_up()
+        link.hang_up()
         self._on_lost(generation)
 
     def _on_lost(self, generation: int) -> None:
         with self._lock:
             if self._session.closed or generation != self._generation:
                 return
-            self._wire = None
+            self._link = None
             events = self._session.connection_lost()
         self._handle([e for e in events if not isinstance(e, Resubscribe)])
         try:
@@ -379,9 +383,9 @@ class Client:
     def _rewind(self, queue: str) -> None:
         with self._send_lock:
             with self._lock:
-                frames, wire = self._session.rewind(queue), self._wire
+                frames, link = self._session.rewind(queue), self._link
             for frame in frames:
-                self._write(wire, frame)
+                self._write(link, frame)
 
     def _resubscribe(self, consumer: Consumer) -> None:
         try:
@@ -392,27 +396,27 @@ class Client:
 
     # ---------------------------------------------------------------- sending
 
-    def _write(self, wire: Wire | None, frame: dict[str, Any]) -> None:
+    def _write(self, link: Link | None, frame: dict[str, Any]) -> None:
         """Write `frame` whole on `wire`, under the send lock, by the client's `timeout`
         from now: a node that stopped reading (stopped, its buffers full) would otherwise
         block the writer for ever. Past the deadline, or on an error, the connection is
         dropped (part of the frame may be out); the reader reconnects and the
         unconfirmed publishes are sent again. No connection (None): a publish goes with
         the resends after the reconnect."""
-        if wire is None:
+        if link is None:
             return
-        failed = wire.send_by(encode_frame(frame), time.monotonic() + self.timeout)
+        failed = link.send_frame_by(frame, time.monotonic() + self.timeout)
         if failed is not None:
             if failed is TimeoutError:
                 logger.warning("a frame could not be written in %s s: reconnecting", self.timeout)
-            wire.hang_up()  # the reader notices and reconnects
+            link.hang_up()  # the reader notices and reconnects
 
     def _send_frames(self, frames: list[dict[str, Any]]) -> None:
         with self._send_lock:
             with self._lock:
-                wire = self._wire
+                link = self._link
             for frame in frames:
-                self._write(wire, frame)
+                self._write(link, frame)
 
     def _issue(
         self,
@@ -428,7 +432,7 @@ class Client:
             with self._lock:
                 request_id, frame = make(*args)
                 future = self._futures[request_id] = Future()
-                wire = self._wire
+                link = self._link
                 if publish:
                     deadline = time.monotonic() + self.timeout
                     self._deadlines[request_id] = (deadline, self.timeout)
@@ -437,7 +441,7 @@ class Client:
             timed = pathtiming.ENABLED and publish and frame.get("seq") is not None
             if timed:
                 pathtiming.mark("client.publish", ("p", frame["producer"], frame["seq"]))
-            self._write(wire, frame)
+            self._write(link, frame)
             if timed:
                 pathtiming.mark("client.sent", ("p", frame["producer"], frame["seq"]))
         return request_id, future
@@ -739,16 +743,20 @@ class Client:
         return status
 
     def close(self) -> None:
-        """Fail what is pending, end the consumers, drop the connection. Never waits for
-        a write: one in progress fails at once, its connection gone."""
+        """Fail what is pending, end the consumers, drop the connection; return once the
+        client's reader and deadline threads have ended (they end at once). Never waits
+        for a write: one in progress fails at once, its connection gone."""
         with self._lock:
             events = self._session.close()
-            wire, self._wire = self._wire, None
+            link, self._link = self._link, None
             self._deadlines.clear()
             self._deadline_changed.notify()  # the deadline watcher ends
-        if wire is not None:
-            wire.hang_up()
+        if link is not None:
+            link.hang_up()
         self._handle(events)
+        for thread in (self._reader, getattr(self, "_watcher", None)):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=CLOSE_JOIN_S)
 
     def __enter__(self) -> Client:
         return self

@@ -416,17 +416,17 @@ class ConnectFailures:
         that failed, by what went wrong."""
         self._tls_count = 0
 
-    def add(self, host: str, port: int, error: Exception) -> None:
-        """Note that `host:port` failed with `error`; raise it (a wrong token), or a
-        `TlsError` once every endpoint in a row failed TLS."""
+    def add(self, where: str, error: Exception) -> None:
+        """Note that the endpoint `where` ("host:port") failed with `error`; raise it (a
+        wrong token), or a `TlsError` once every endpoint in a row failed TLS."""
         if isinstance(error, ServerError) and error.code == "auth_failed":
             raise error
-        self._errors.append(f"{host}:{port}: {error}")
+        self._errors.append(f"{where}: {error}")
         if not isinstance(error, TlsError):
             self._tls.clear()
             self._tls_count = 0
             return
-        self._tls.setdefault(str(error), []).append(f"{host}:{port}")
+        self._tls.setdefault(str(error), []).append(where)
         self._tls_count += 1
         if self._tls_count >= self._endpoints:
             raise TlsError(

@@ -1,4 +1,5 @@
-"""The blocking client's connection to a node: a socket, plain or TLS.
+"""The blocking client's connection to a node: a socket, plain or TLS (`Wire`), or an
+in-process one (`Link`, `Dialer`: what the client needs of either).
 
 TLS runs over memory BIOs (`ssl.SSLObject`), not an `ssl.SSLSocket`: the client's
 reader thread waits in `recv` while other threads write, and OpenSSL does not allow one
@@ -17,7 +18,10 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
+from ..protocol import FrameDecoder, encode_frame, keep_alive
 from .core import ConnectionLostError
 from .tls import handshake_failed
 
@@ -26,6 +30,53 @@ SendFailure = type[TimeoutError] | type[OSError] | None
 ANSWER_TIMEOUT_S = 30.0
 """How long the reader may take to send what TLS answers a post-handshake message with;
 past it the connection is dropped (the node has stopped reading)."""
+RECEIVE_BYTES = 262144
+
+
+class Link(Protocol):
+    """A connection to a node, as the blocking client uses it: a socket's (`Wire`), or
+    one to a node in the same process (`quorumq.inprocess.ThreadEnd`)."""
+
+    def frames(self) -> Iterator[dict[str, Any]]:
+        """The node's frames, checked, as they come (it blocks); ends once the
+        connection is closed. `ProtocolError` for a bad one: iterate again to go on."""
+        ...
+
+    def send_frame_by(self, frame: dict[str, Any], deadline: float) -> SendFailure:
+        """Send `frame` whole by `deadline` (monotonic): None once sent, else why not
+        (the connection must go then)."""
+        ...
+
+    def serve(self) -> None:
+        """The handshake is over: reads wait as long as it takes from now on."""
+
+    def hang_up(self) -> None:
+        """End the connection now, waking a reader of `frames`."""
+
+
+class Dialer(Protocol):
+    """How a client reaches nodes: `targets` names each (for errors), `dial` connects to
+    one, within `timeout` seconds for each step."""
+
+    @property
+    def targets(self) -> Sequence[str]: ...
+
+    def dial(self, target: int, timeout: float) -> Link: ...
+
+
+class TcpDialer:
+    """Nodes at "host:port" endpoints, over TCP (TLS with a `context`)."""
+
+    def __init__(
+        self, endpoints: list[tuple[str, int]], context: ssl.SSLContext | None
+    ) -> None:
+        self.endpoints = endpoints
+        self.targets = [f"{host}:{port}" for host, port in endpoints]
+        self.context = context
+
+    def dial(self, target: int, timeout: float) -> Wire:
+        host, port = self.endpoints[target]
+        return Wire.open(host, port, timeout=timeout, context=self.context)
 
 
 class Wire:
@@ -41,6 +92,7 @@ class Wire:
         self._send_lock = threading.Lock()
         """Held from taking encrypted bytes out of the BIO until they are on the socket,
         so they go out in the order the SSL object made them."""
+        self._decoder = FrameDecoder()
 
     @classmethod
     def open(cls, host: str, port: int, *, timeout: float, context: ssl.SSLContext | None) -> Wire:
@@ -94,6 +146,27 @@ class Wire:
 
     def settimeout(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
+
+    def frames(self) -> Iterator[dict[str, Any]]:
+        """As `Link.frames`: decoded from what `recv` reads."""
+        decoder = self._decoder
+        while True:
+            yield from decoder.frames()
+            data = self.recv(RECEIVE_BYTES)
+            if not data:
+                return
+            decoder.feed(data)
+
+    def send_frame_by(self, frame: dict[str, Any], deadline: float) -> SendFailure:
+        """`send_by` of the frame's bytes."""
+        return self.send_by(encode_frame(frame), deadline)
+
+    def serve(self) -> None:
+        """Blocking from now on, no Nagle delay, and TCP keepalive (a node whose host
+        vanished is given up)."""
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(self.sock)
 
     def recv(self, size: int) -> bytes:
         """Up to `size` bytes from the node (blocking); b"" once it closed the connection.

@@ -19,10 +19,12 @@ goes alone), so it stays within the clients' frame limit; the client asks again.
 class NodeConfig:
     replica: ReplicaConfig
     listen_host: str = "127.0.0.1"
-    listen_port: int = 0
+    listen_port: int | None = 0
+    """The client port (0: any free one). None: no client port, only clients in the
+    node's own process (`quorumq.Node`), which need no token."""
     token: str | None = None
     """Clients prove they know it (HMAC of a nonce); None: no client authentication, only
-    with `insecure` on a loopback listen address."""
+    with `insecure` on a loopback listen address, or with no client port."""
     admin_token: str | None = None
     """Administrative verbs (membership) need a proof of it too. None: refused, unless
     the node runs insecure on loopback (a local dev cluster)."""
@@ -70,7 +72,7 @@ class NodeConfig:
 
 def check_node_config(config: NodeConfig) -> None:
     """`ConfigError` for a configuration the node cannot serve."""
-    if not config.token:
+    if not config.token and config.listen_port is not None:
         if not config.insecure:
             raise ConfigError(
                 "a client token is required (QUORUMQ_TOKEN or --token-file): without one "

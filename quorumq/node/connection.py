@@ -10,6 +10,13 @@ no more of its requests and reads nothing more from it (`wants_data`), so reques
 in the client's socket, not in the node. A client with more than `outbound_bytes`
 waiting (or more frames than `outbound_frames` plus its consumers' prefetch) does not
 read: it is cut off as a slow consumer.
+
+An in-process connection (`local`: a client in the node's own process, `quorumq.Node`)
+carries frames, not bytes, both ways, under every rule and bound above. Its frames in
+come as copies with their sizes (`protocol.copy_frame`), checked as decoded frames are
+(`FrameQueue`); its frames out are copied as they are queued, so the client's frames
+share nothing with the replica's state, and each counts for its estimated encoded size
+(at least msgpack's) plus `FRAME_COST`. Such a client is trusted: it needs no token.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import os
 
 from .. import pathtiming
 from ..deliveries import SentDeliveries
-from ..protocol import Frame, FrameDecoder, encode_frame
+from ..protocol import Frame, FrameDecoder, FrameQueue, copy_frame, encode_frame
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +60,28 @@ class ConnectionCore:
     """A client connection, as the node core sees it."""
 
     def __init__(
-        self, number: int, *, max_frame: int, outbound_bytes: int, outbound_frames: int
+        self,
+        number: int,
+        *,
+        max_frame: int,
+        outbound_bytes: int,
+        outbound_frames: int,
+        local: bool = False,
     ) -> None:
+        """`local`: a client in the node's own process, whose frames travel as they are
+        (see the module's docstring)."""
         self.number = number
+        self.local = local
         self.frame_limit = max_frame
         """The largest frame the peer may send once it has said `hello`."""
-        self.decoder = FrameDecoder(HELLO_FRAME_LIMIT)
+        self.decoder: FrameDecoder | FrameQueue = (
+            FrameQueue(HELLO_FRAME_LIMIT) if local else FrameDecoder(HELLO_FRAME_LIMIT)
+        )
         """Before `hello` a peer may send only small frames; the full limit after it."""
-        self.outbox: collections.deque[bytes] = collections.deque()
-        """Encoded frames waiting to be taken by the shell."""
+        self.outbox: collections.deque[bytes] | collections.deque[Frame] = collections.deque()
+        """Frames waiting to be taken by the shell: encoded, or (`local`) copies."""
+        self._sizes: collections.deque[int] = collections.deque()
+        """`local` only: what each outbox frame counts for, encoded."""
         self._timed: collections.deque[tuple[str, int] | None] = collections.deque()
         """Path timing only: the confirm or delivery each outbox frame is (or None)."""
         self._taken_timed: list[tuple[str, int] | None] = []
@@ -120,8 +140,12 @@ class ConnectionCore:
         frame made it a slow consumer: it is then closing)."""
         if self.done:
             return False
-        data = encode_frame(frame)
-        cost = len(data) + FRAME_COST
+        if self.local:
+            item, size = copy_frame(frame)
+        else:
+            item = encode_frame(frame)
+            size = len(item)
+        cost = size + FRAME_COST
         limit = self.outbound_frames + self.prefetch_allowance
         if self.queued >= limit or self.queued_bytes + cost > self.outbound_bytes:
             self.close(
@@ -130,17 +154,22 @@ class ConnectionCore:
             return False
         self.queued += 1
         self.queued_bytes += cost
-        self.outbox.append(data)
+        self.outbox.append(item)  # (bytes, or frames if local)
+        if self.local:
+            self._sizes.append(size)
         if pathtiming.ENABLED:
             self._timed.append(_timed_step(frame))
         return True
 
-    def take_output(self, most: int) -> tuple[bytes, int, int]:
-        """(bytes to write, frames, what they cost): queued frames joined, about `most`
-        bytes (at least one frame). Give `sent(frames, cost)` back once written."""
+    def take_output(self, most: int) -> tuple[bytes | list[Frame], int, int]:
+        """(what to write, frames, what they cost): queued frames, about `most` bytes
+        (at least one frame), joined into bytes, or (`local`) a list of them. Give
+        `sent(frames, cost)` back once written."""
+        if self.local:
+            return self._take_frames(most)
         chunks: list[bytes] = []
         size = 0
-        outbox = self.outbox
+        outbox: collections.deque[bytes] = self.outbox  # type: ignore[assignment]
         while outbox and (not chunks or size + len(outbox[0]) <= most):
             chunk = outbox.popleft()
             chunks.append(chunk)
@@ -148,6 +177,23 @@ class ConnectionCore:
         if pathtiming.ENABLED:
             self._taken_timed += [self._timed.popleft() for _ in chunks]
         return b"".join(chunks), len(chunks), size + FRAME_COST * len(chunks)
+
+    def _take_frames(self, most: int) -> tuple[list[Frame], int, int]:
+        frames: list[Frame] = []
+        size = 0
+        outbox: collections.deque[Frame] = self.outbox  # type: ignore[assignment]
+        sizes = self._sizes
+        while outbox and (not frames or size + sizes[0] <= most):
+            frames.append(outbox.popleft())
+            size += sizes.popleft()
+        if pathtiming.ENABLED:
+            self._taken_timed += [self._timed.popleft() for _ in frames]
+        return frames, len(frames), size + FRAME_COST * len(frames)
+
+    def drop_outbox(self) -> None:
+        """Forget what waits to be taken: the connection ends without sending it."""
+        self.outbox.clear()
+        self._sizes.clear()
 
     def sent(self, frames: int, cost: int) -> None:
         """The shell wrote `frames` frames taken together, which cost `cost`."""
@@ -180,7 +226,7 @@ class ConnectionCore:
         """Close at once, without sending what is queued."""
         self.close(reason)
         self.aborted = True
-        self.outbox.clear()
+        self.drop_outbox()
 
     # -------------------------------------------------------------- consumers
 

@@ -84,7 +84,10 @@ from ..machine.queue import may_start_generation_id
 from ..protocol import (
     PROTOCOL_VERSION,
     Frame,
+    FrameDecoder,
+    FrameQueue,
     ProtocolError,
+    SizedFrame,
     encode_columns,
     encode_frame,
     proof_matches,
@@ -200,6 +203,16 @@ class _HeldAcks:
     timer: _Timer | None = None
 
 
+@attrs.define
+class _Gathered:
+    """Consecutive publishes read together, to be proposed as one entry, and the bytes
+    of their bodies (summed as they come: summing them again for each publish made a
+    read of a few thousand small publishes quadratic)."""
+
+    frames: list[Frame] = attrs.Factory(list)
+    body_bytes: int = 0
+
+
 class _Timer:
     __slots__ = ("args", "call", "cancelled", "when")
 
@@ -292,9 +305,13 @@ class NodeCore:
 
     # ------------------------------------------------------------ connections
 
-    def connection_made(self) -> ConnectionCore:
+    def connection_made(self, *, local: bool = False) -> ConnectionCore:
         """A client connected: its core, with the node's `welcome` queued (or, past the
-        connection cap, closing with a refusal)."""
+        connection cap, closing with a refusal). `local`: a client in the node's own
+        process (`quorumq.Node`), whose frames are handed over as they are
+        (`frames_received`), under every rule and bound of a connection over TCP; it is
+        trusted, as the code that made it could read the node's data anyway: its `hello`
+        needs no token, and it may use administrative verbs."""
         config = self.config
         if len(self.unauthenticated) >= config.max_unauthenticated:
             self._evict_oldest_unauthenticated()
@@ -306,6 +323,7 @@ class NodeCore:
             max_frame=config.max_body + 64 * 1024,
             outbound_bytes=config.outbound_bytes,
             outbound_frames=config.outbound_frames,
+            local=local,
         )
         conn.nonce = self.random_bytes(16)
         if len(self.connections) >= config.max_connections:
@@ -329,7 +347,7 @@ class NodeCore:
                 "v": PROTOCOL_VERSION,
                 "node": self.node_id,
                 "nonce": conn.nonce,
-                "auth": config.token is not None,
+                "auth": config.token is not None and not local,
                 "max_body": config.max_body,
                 "max_frame": conn.frame_limit,
             }
@@ -360,7 +378,7 @@ class NodeCore:
     def connection_lost(self, conn: ConnectionCore) -> None:
         """The connection is gone: its consumers are down."""
         conn.closed = True
-        conn.outbox.clear()
+        conn.drop_outbox()
         timer = self._hello_deadlines.pop(conn, None)
         if timer is not None:
             timer.cancel()
@@ -430,7 +448,18 @@ class NodeCore:
         """Bytes from the client. The shell reads more only while `conn.wants_data`."""
         if conn.done:
             return
+        assert isinstance(conn.decoder, FrameDecoder), "bytes go to a connection over TCP"
         conn.decoder.feed(data)
+        self.handle_buffered(conn)
+
+    def frames_received(self, conn: ConnectionCore, frames: Iterable[SizedFrame]) -> None:
+        """Frames from an in-process client (`connection_made(local=True)`), copied and
+        sized by `protocol.copy_frame`: as `data_received`, without the bytes. Each is
+        checked as a decoded frame is. The shell hands more only while `conn.wants_data`."""
+        if conn.done:
+            return
+        assert isinstance(conn.decoder, FrameQueue), "frames go to a local connection"
+        conn.decoder.feed(frames)
         self.handle_buffered(conn)
 
     def handle_buffered(self, conn: ConnectionCore) -> None:
@@ -438,7 +467,7 @@ class NodeCore:
         (the frames left wait in the decoder until there is room)."""
         if conn.done:
             return
-        publishes: list[Frame] = []
+        publishes = _Gathered()
         acks: dict[_SettleKey, list[int]] = {}
         while not conn.done:
             try:
@@ -481,17 +510,26 @@ class NodeCore:
             self._close(conn, "protocol version mismatch")
             return
         token = config.token
-        if token is not None and not proof_matches(token, conn.nonce, frame["proof"]):
+        trusted = conn.local  # in the node's own process (see `connection_made`)
+        if (
+            token is not None
+            and not trusted
+            and not proof_matches(token, conn.nonce, frame["proof"])
+        ):
             logger.warning("client connection %d refused: wrong token", conn.number)
             self._error(conn, None, "auth_failed", "wrong token")
             self._close(conn, "authentication failed")
             return
         admin_token = config.admin_token
         admin_proof = frame.get("admin_proof")
-        conn.admin = config.open_admin or (
-            admin_token is not None
-            and isinstance(admin_proof, bytes)
-            and proof_matches(admin_token, conn.nonce, admin_proof)
+        conn.admin = (
+            trusted
+            or config.open_admin
+            or (
+                admin_token is not None
+                and isinstance(admin_proof, bytes)
+                and proof_matches(admin_token, conn.nonce, admin_proof)
+            )
         )
         if admin_proof is not None and not conn.admin:
             logger.warning("client connection %d: wrong admin token", conn.number)
@@ -587,16 +625,15 @@ class NodeCore:
             return False
         return True
 
-    def _gather_publish(self, conn: ConnectionCore, publishes: list[Frame], frame: Frame) -> None:
+    def _gather_publish(self, conn: ConnectionCore, publishes: _Gathered, frame: Frame) -> None:
         if pathtiming.ENABLED:
             pathtiming.mark("node.read", ("p", frame["producer"], frame["seq"]))
         if not self._check_body(conn, frame, frame["body"]):
             return
-        if publishes:
-            last = publishes[-1]
-            gathered = sum(len(f["body"]) for f in publishes)
+        if publishes.frames:
+            last = publishes.frames[-1]
             joinable = (
-                gathered + len(frame["body"]) <= GATHER_BYTES  # one log entry holds them
+                publishes.body_bytes + len(frame["body"]) <= GATHER_BYTES  # one entry holds them
                 and not frame.get("retry")
                 and last["queue"] == frame["queue"]
                 and last["producer"] == frame["producer"]
@@ -606,15 +643,16 @@ class NodeCore:
             )
             if not joinable:
                 self._flush_publishes(conn, publishes)
-        publishes.append(frame)
+        publishes.frames.append(frame)
+        publishes.body_bytes += len(frame["body"])
         if frame.get("retry"):
             self._flush_publishes(conn, publishes)
 
-    def _flush_publishes(self, conn: ConnectionCore, publishes: list[Frame]) -> None:
-        if not publishes:
+    def _flush_publishes(self, conn: ConnectionCore, publishes: _Gathered) -> None:
+        if not publishes.frames:
             return
-        frames = list(publishes)
-        publishes.clear()
+        frames = publishes.frames
+        publishes.frames, publishes.body_bytes = [], 0
         first = frames[0]
         try:
             if len(frames) == 1:

@@ -7,6 +7,16 @@ to the socket). A task runs the core's timers. The replica's Raft thread hands e
 and proposal outcomes to trio only through the trio token (`run_sync_soon`, which never
 blocks it); the core only ever runs on the trio thread.
 
+Clients in the node's own process (`quorumq.Node`) connect with `open_local_connection`:
+the same reader and writer, over an in-process connection of frames
+(`quorumq.inprocess`) in place of a socket, under the same bounds.
+
+Stopping (cancelling `serve`) ends every connection (their consumers' `Down` proposed),
+waits for those to commit, hands leadership over if this node leads
+(`Replica.ask_leader_to_step_down`, Raft's TimeoutNow), then stops the replica: the
+journal closed, the Raft thread joined. Blocking work runs in threads of its own,
+joined before `serve` returns, so a node leaves no thread behind in its process.
+
 With a certificate (`NodeConfig.tls_cert`) the client port speaks TLS only
 (`trio.SSLStream` over the standard library's `ssl`): each connection's handshake runs
 before its reader and writer start, within the core's handshake deadline, and a failed
@@ -16,24 +26,29 @@ one ends that connection alone, with a log line.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import logging
 import math
+import os
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import trio
 
 from .. import pathtiming
 from ..counters import QueueCounters
+from ..inprocess import FrameChannel, open_connection
 from ..machine import Command, Effect, Machine, Reply
 from ..metrics import NodeMetrics
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.core import ProposalCallback
-from ..protocol import encode_frame, keep_alive
+from ..protocol import Frame, SizedFrame, encode_frame, keep_alive
 from ..replica import ConfigError, ProposalError, Replica
 
 logger = logging.getLogger(__name__)
@@ -45,13 +60,73 @@ WRITE_BYTES = 1024 * 1024
 """The writer joins queued frames into one write of about this many bytes at most."""
 CLOSE_FLUSH_SECONDS = 5.0
 """How long a closing connection may take to send what it has queued."""
+SETTLE_AT_STOP_S = 2.0
+"""At a stop, how long the node waits for its consumers' `Down`s (proposed as their
+connections ended) to be applied."""
+HANDOVER_S = 3.0
+"""At a stop, how long a leader tries to hand leadership over before it stops anyway
+(then the others elect one after their election timeout)."""
 
 TLS_HANDSHAKE_RECORD = 0x16
 """The first byte a TLS client sends (a handshake record): any other is not TLS."""
 
 ClientStream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
 
-__all__ = ["NodeConfig", "NodeServer", "check_node_config", "tls_context"]
+__all__ = ["NodeConfig", "NodeServer", "check_node_config", "lock_data_dir", "tls_context"]
+
+
+def lock_data_dir(path: str) -> int:
+    """Take the data directory for this process (a lock file in it, with this process's
+    id), or `ConfigError` saying which process has it: two nodes writing one journal
+    damage it (found by hand: a second `quorumq node` on a running node's directory
+    started, and the first one's journal was refused at its restart). Returns the lock's
+    descriptor: closing it lets the directory go."""
+    directory = Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise ConfigError(f"cannot use the data directory {path}: {e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            f"the data directory {path} is in use by another quorumq node (pid {holder})"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+async def in_own_thread(work: Callable[[], T], *, name: str) -> T:
+    """`work()` in a thread of its own, joined before this returns (the caller's
+    cancellation waits for it, as `trio.to_thread.run_sync`'s does). Not trio's worker
+    threads: they outlive their call, idle, for 10 s, and a node embedded in a program
+    leaves no thread behind when it stops."""
+    token = trio.lowlevel.current_trio_token()
+    finished = trio.Event()
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as e:
+            error.append(e)
+        finally:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(finished.set)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    with trio.CancelScope(shield=True):
+        await finished.wait()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def tls_context(config: NodeConfig) -> ssl.SSLContext | None:
@@ -144,11 +219,39 @@ class _LoopReplica:
         return self._replica.membership_settled()
 
 
-class _Link:
-    """One connection's trio side: its stream, and what wakes its reader and writer."""
+class _Transport(Protocol):
+    """What a connection's reader and writer use: a socket's stream, or the node's end
+    of an in-process connection (`inprocess.TrioEnd`)."""
 
+    async def receive(self) -> bytes | bytearray | list[SizedFrame]:
+        """What came (empty once the peer is gone)."""
+        ...
+
+    async def send(self, data: Any, cost: int) -> None:
+        """Write `data` (what `ConnectionCore.take_output` gave), which counts for `cost`."""
+
+    async def aclose(self) -> None: ...
+
+
+class _StreamTransport:
     def __init__(self, stream: ClientStream) -> None:
         self.stream = stream
+
+    async def receive(self) -> bytes | bytearray:
+        return await self.stream.receive_some(RECEIVE_CHUNK)
+
+    async def send(self, data: Any, cost: int) -> None:
+        await self.stream.send_all(data)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class _Link:
+    """One connection's trio side: its transport, and what wakes its reader and writer."""
+
+    def __init__(self, transport: _Transport) -> None:
+        self.transport = transport
         self.reader_event = trio.Event()
         self.writer_event = trio.Event()
         self.handshaking = trio.CancelScope()
@@ -173,8 +276,17 @@ class _Link:
 class NodeServer:
     """A node's trio shell: `await serve()` runs it until cancelled."""
 
-    def __init__(self, config: NodeConfig, *, metrics: tuple[str, int] | None = None) -> None:
-        """`metrics`: serve Prometheus metrics over HTTP on this (host, port)."""
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        metrics: tuple[str, int] | None = None,
+        freeze_startup: bool = True,
+    ) -> None:
+        """`metrics`: serve Prometheus metrics over HTTP on this (host, port).
+        `freeze_startup`: move what exists once the replica has started out of the
+        garbage collector's sight (`gc.freeze`): right for a node process, not for a node
+        in a program's own process, whose objects it would freeze too."""
         check_node_config(config)
         self.config = config
         self.tls = tls_context(config)
@@ -191,6 +303,9 @@ class NodeServer:
         self.listeners: list[trio.SocketListener] = []
         self.counters = QueueCounters()
         """What the replica applied, per queue (status and metrics)."""
+        self.freeze_startup = freeze_startup
+        self._workers: set[threading.Thread] = set()
+        """Threads of `run_in_worker` (audits) that may still run: joined at the stop."""
 
     @property
     def replica(self) -> Replica:
@@ -221,22 +336,45 @@ class NodeServer:
     # ------------------------------------------------------------------ serve
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the replica, listen for clients; `task_status.started(listeners)`."""
+        """Start the replica, listen for clients; `task_status.started(listeners)`; serve
+        until cancelled, then stop (see the module's docstring)."""
+        await self.start()
+        await self.run(task_status=task_status)
+
+    async def start(self) -> None:
+        """Start the replica (recovering what `data_dir` holds) and open the client port,
+        if any. Errors are raised as they are (a Raft port in use, a damaged journal);
+        then `run` serves."""
         self._token = trio.lowlevel.current_trio_token()
         if pathtiming.ENABLED:
             pathtiming.name_process(self.node_id)
-        self._replica = await trio.to_thread.run_sync(
+        replica = self._replica = await in_own_thread(
             lambda: Replica(
                 self.config.replica,
                 self._on_effects,
                 self._on_state_replaced,
                 observer=self.counters,
-            )
+            ),
+            name=f"quorumq-start-{self.node_id}",
         )
-        # What start-up made (modules, the state loaded from disk) lives as long as the
-        # node: out of the collector's sight, its full passes scan only what came since
-        # (a full pass over it took 10-20 ms, a stall of every message in flight).
-        gc.freeze()
+        try:
+            if self.config.listen_port is not None:
+                self.listeners = await trio.open_tcp_listeners(
+                    self.config.listen_port, host=self.config.listen_host
+                )
+        except BaseException:
+            await in_own_thread(replica.stop, name=f"quorumq-stop-{self.node_id}")
+            raise
+        if self.freeze_startup:
+            # What start-up made (modules, the state loaded from disk) lives as long as
+            # the node: out of the collector's sight, its full passes scan only what came
+            # since (a full pass over it took 10-20 ms, a stall of every message in flight).
+            gc.freeze()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve clients, after `start`, until cancelled (`task_status.started(listeners)`
+        once serving); then stop: end the connections, let their consumers' `Down`s
+        land, hand leadership over if this node leads, stop the replica."""
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -252,13 +390,12 @@ class NodeServer:
                     core = self._core
                     self.metrics.attach(self.replica, self.counters, lambda: len(core.connections))
                     self.metrics.serve(*self._metrics_address)
-                self.listeners = await trio.open_tcp_listeners(
-                    self.config.listen_port, host=self.config.listen_host
-                )
                 task_status.started(self.listeners)
                 nursery.start_soon(self._run_timers)
                 nursery.start_soon(self._stop_if_raft_stopped)
-                if self.tls is None:
+                if not self.listeners:
+                    await trio.sleep_forever()  # clients in this process only
+                elif self.tls is None:
                     await trio.serve_listeners(self._serve_client, self.listeners)
                 else:  # as trio.open_ssl_over_tcp_listeners, on the listeners opened above
                     # https_compatible: closing sends no close_notify, so a client that
@@ -270,10 +407,43 @@ class NodeServer:
                     ]
                     await trio.serve_listeners(self._serve_client, secure)
         finally:
+            self._nursery = None
             with trio.CancelScope(shield=True):
+                if self._core is not None:
+                    await self._settle_and_hand_over()
+                for listener in self.listeners:
+                    await listener.aclose()
                 if self.metrics is not None:
-                    await trio.to_thread.run_sync(self.metrics.stop)
-                await trio.to_thread.run_sync(self.replica.stop)
+                    await in_own_thread(self.metrics.stop, name=f"quorumq-stop-{self.node_id}")
+                await in_own_thread(self.replica.stop, name=f"quorumq-stop-{self.node_id}")
+                for worker in list(self._workers):
+                    await in_own_thread(worker.join, name=f"quorumq-stop-{self.node_id}")
+
+    async def _settle_and_hand_over(self) -> None:
+        """At a stop, once the connections ended: wait (up to `SETTLE_AT_STOP_S`) until
+        the replica holds no consumer of this node, their `Down`s committed and applied
+        (their messages go to other consumers now, not after the grace period that
+        marks this node down); then, if this node leads and a peer is connected, ask it
+        to hand leadership over, again until it no longer leads (up to `HANDOVER_S`):
+        the others need not wait out an election timeout."""
+        replica, member, node = self.replica, self.replica.member, self.node_id
+        if member.fatal_error is not None:
+            return
+        with trio.move_on_after(SETTLE_AT_STOP_S):
+            while replica.query(lambda m: m.consumers_on(node)):  # noqa: ASYNC110 - no event to wait on: polls the replica
+                await trio.sleep(0.02)
+        if not (member.is_leader() and any(member.connected().values())):
+            return
+        with trio.move_on_after(HANDOVER_S):
+            while member.is_leader() and any(member.connected().values()):
+                replica.ask_leader_to_step_down()
+                await trio.sleep(0.05)
+        if member.is_leader():
+            logger.warning("stopping as leader: no handover within %s s", HANDOVER_S)
+        else:
+            logger.info(
+                "handed leadership over, stopping (leader now: %s)", replica.status()["leader"]
+            )
 
     async def _stop_if_raft_stopped(self) -> None:
         """A member whose journal failed has stopped acknowledging: the node stops too
@@ -294,17 +464,37 @@ class NodeServer:
             core.run_timers()
 
     async def _serve_client(self, stream: ClientStream) -> None:
-        core = self.core
         raw = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
         keep_alive(raw.socket)  # a client whose host vanished gives its consumers up
-        conn = core.connection_made()
+        conn = self.core.connection_made()
         conn.transport = stream
-        link = self._links[conn] = _Link(stream)
+        tls = stream if isinstance(stream, trio.SSLStream) else None
+        await self._serve_connection(conn, _Link(_StreamTransport(stream)), tls)
+
+    def open_local_connection(self) -> tuple[FrameChannel[Frame], FrameChannel[SizedFrame]]:
+        """A connection for a client in this process (call on the node's trio loop): the
+        channels of the client's end, frames to it and frames to the node
+        (`quorumq.inprocess`). `ConfigError` if the node is not serving."""
+        if self._nursery is None or self._token is None:
+            raise ConfigError(f"node {self.node_id} is not serving")
+        end, to_client, to_node = open_connection(self._token)
+        conn = self.core.connection_made(local=True)
+        self._nursery.start_soon(self._serve_connection, conn, _Link(end), None)
+        return to_client, to_node
+
+    async def _serve_connection(
+        self,
+        conn: ConnectionCore,
+        link: _Link,
+        tls: trio.SSLStream[trio.SocketStream] | None,
+    ) -> None:
+        """Run `conn`'s reader and writer until it ends (after the TLS handshake, if
+        `tls`); then tell the core it is gone."""
+        core = self.core
+        self._links[conn] = link
         try:
             with link.scope:
-                if isinstance(stream, trio.SSLStream) and not await self._start_tls(
-                    conn, link, stream
-                ):
+                if tls is not None and not await self._start_tls(conn, link, tls):
                     return
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write, conn, link)
@@ -321,7 +511,7 @@ class NodeServer:
             del self._links[conn]
             core.connection_lost(conn)
             with trio.CancelScope(shield=True):
-                await stream.aclose()
+                await link.transport.aclose()
 
     async def _start_tls(
         self, conn: ConnectionCore, link: _Link, stream: trio.SSLStream[trio.SocketStream]
@@ -376,17 +566,20 @@ class NodeServer:
         """Bytes to the core while it wants them (a client whose replies wait unread, or
         whose commands wait to commit, is not read: back-pressure)."""
         core = self.core
+        feed: Callable[[ConnectionCore, Any], None] = (
+            core.frames_received if conn.local else core.data_received
+        )
         while not conn.done:
             if not conn.wants_data:
                 await link.reader_waits()
                 continue
             try:
-                data = await link.stream.receive_some(RECEIVE_CHUNK)
+                data = await link.transport.receive()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             if not data:
                 return
-            core.data_received(conn, data)
+            feed(conn, data)
 
     async def _write(self, conn: ConnectionCore, link: _Link) -> None:
         core = self.core
@@ -394,7 +587,7 @@ class NodeServer:
             if conn.outbox:
                 data, frames, cost = conn.take_output(WRITE_BYTES)
                 try:
-                    await link.stream.send_all(data)
+                    await link.transport.send(data, cost)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     link.scope.cancel()
                     return
@@ -425,16 +618,20 @@ class NodeServer:
     def run_in_worker(
         self, work: Callable[[], Any], done: Callable[[Any, BaseException | None], None]
     ) -> None:
-        async def run() -> None:
+        def run() -> None:
             try:
-                result = await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+                result = work()
             except Exception as e:
-                done(None, e)
+                self._soon(done, None, e)
             else:
-                done(result, None)
+                self._soon(done, result, None)
+            finally:
+                self._workers.discard(thread)
 
-        assert self._nursery is not None
-        self._nursery.start_soon(run)
+        # a thread of its own (joined at the stop), not trio's: see `in_own_thread`
+        thread = threading.Thread(target=run, name=f"quorumq-worker-{self.node_id}", daemon=True)
+        self._workers.add(thread)
+        thread.start()
 
     # ------------------------------------------------ from the Raft thread
 
