@@ -683,8 +683,18 @@ class Replica:
                 if not finished:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                _, wait_status = os.waitpid(pid, 0)
-                self._audit_child = None
+                wait_status: int | None
+                try:
+                    _, wait_status = os.waitpid(pid, 0)
+                except ChildProcessError:  # the program reaped it (SIGCHLD ignored, a wait())
+                    wait_status = None
+                finally:
+                    self._audit_child = None
+            if wait_status is None:
+                raise AuditFailedError(
+                    "the audit's child process was reaped by another part of the program, so "
+                    "whether it wrote the whole state is unknown; try again"
+                )
             code = os.waitstatus_to_exitcode(wait_status)
             if code != 0:
                 raise AuditFailedError(f"the audit's child process ended with {code}")

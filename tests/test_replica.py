@@ -30,6 +30,7 @@ from quorumq.machine import (
     Subscribe,
 )
 from quorumq.replica import (
+    AuditFailedError,
     ConfigError,
     NotAppliedError,
     OutcomeUnknownError,
@@ -322,6 +323,28 @@ def test_snapshots_are_written_while_another_thread_holds_the_replica_lock(
     finally:
         stop.set()
         reader.join()
+        cluster.close()
+
+
+def test_an_audit_whose_child_the_program_reaped_fails_clearly_and_the_next_works(
+    tmp_path: Path,
+) -> None:
+    """A program ignoring SIGCHLD (its children reaped by the kernel) made the audit
+    raise a bare ChildProcessError and left it marked as running."""
+    import signal
+
+    cluster = Cluster(tmp_path)
+    try:
+        replica = cluster.replicas["A"]
+        before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        try:
+            with pytest.raises(AuditFailedError, match="reaped by another part of the program"):
+                replica.audit()
+        finally:
+            signal.signal(signal.SIGCHLD, before)
+        assert replica._audit_child is None
+        assert len(replica.audit()[1]) == 64
+    finally:
         cluster.close()
 
 
