@@ -313,6 +313,29 @@ def _no_child_left() -> bool:
     return False
 
 
+def test_a_lone_member_ticks_again_at_once_to_commit_what_it_appended(tmp_path: Any) -> None:
+    """A one-node cluster commits its own entries at the tick after it appends and syncs
+    them, and no follower's answer wakes it: every publish and ack waited a whole tick
+    period (50 ms). It now wakes its own tick loop."""
+    import time
+
+    member, _ = _member(tmp_path, size=1)
+    try:
+        until = time.monotonic() + 10
+        while not member._isLeader():
+            assert time.monotonic() < until, "a lone member did not lead"
+            member.doTick(0.01)
+        member.propose(b"\x04x", None)
+        member._drain_wake(member._wake_r, 0)  # (proposing wakes it too)
+        started = time.monotonic()
+        member.doTick(2.0)  # appends and syncs the entry, then waits for the next event
+        assert time.monotonic() - started < 1.0, "it waited for a tick period"
+        member.doTick(0)
+        assert member.raftCommitIndex == member.journal[-1][1]
+    finally:
+        member.stop()
+
+
 def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
     tmp_path: Any, caplog: Any, monkeypatch: Any
 ) -> None:

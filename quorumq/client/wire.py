@@ -67,9 +67,7 @@ class Dialer(Protocol):
 class TcpDialer:
     """Nodes at "host:port" endpoints, over TCP (TLS with a `context`)."""
 
-    def __init__(
-        self, endpoints: list[tuple[str, int]], context: ssl.SSLContext | None
-    ) -> None:
+    def __init__(self, endpoints: list[tuple[str, int]], context: ssl.SSLContext | None) -> None:
         self.endpoints = endpoints
         self.targets = [f"{host}:{port}" for host, port in endpoints]
         self.context = context

@@ -439,6 +439,9 @@ class RaftMember(RaftRules):
         if self.fsync == "always":
             self.journal.sync()
 
+    def tick_soon(self) -> None:
+        self._wake()
+
     def _applyCommand(self, command: bytes, callback: Any, commandType: int | None = None) -> None:
         super()._applyCommand(command, callback, commandType)
         self._wake()
