@@ -210,7 +210,12 @@ class Machine:
             if q.sq:
                 q.dispatch(now, effects)
             if q.options.max_length is not None:
+                before = len(q.msgs)
                 q.enforce_max_length()
+                if q.sq and q.waiting is not None and len(q.msgs) != before:
+                    q.dispatch(
+                        now, effects
+                    )  # a dropped waiting message may unblock a key or the queue
             if not q.outbox:
                 continue
             for msg, reason, dead_letter in q.take_outbox():
@@ -674,7 +679,7 @@ class Machine:
             [
                 q
                 for q in self._queues.values()
-                if q.outbox or (q.sq and q.timers and q.timers[0][0] <= now)
+                if q.outbox or (q.sq and q.waiting and min(q.waiting.values()) <= now)
             ],
             effects,
         )  # what expired leaves; what waited for a retry delay and is due is delivered
