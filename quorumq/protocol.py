@@ -254,6 +254,15 @@ _BYTES_LIKE = (bytearray, memoryview)
 """Sent as `bin` by msgpack: they come out as bytes."""
 
 
+def _in_range(value: int) -> int:
+    """`value`, if a frame can carry it: as over TCP, where encoding it fails in the
+    caller (an in-process copy let it through, and the node's log encoding then failed
+    in the connection's task and dropped the whole connection)."""
+    if not -(2**63) <= value < 2**64:
+        raise OverflowError(f"integer {value} is out of the range a frame carries")
+    return value
+
+
 def copy_frame(value: Any) -> tuple[Any, int]:
     """`value` (a frame, or a field of one) as encoding and decoding would give it back,
     without the bytes, and about how many bytes it takes encoded: maps and lists are
@@ -279,8 +288,11 @@ def copy_frame(value: Any) -> tuple[Any, int]:
             if item_kind is bytes or (item_kind is str and item.isascii()):
                 copy[plain_key] = item
                 size += key_size + len(item) + 5
-            elif item is None or item_kind is int or item_kind is bool or item_kind is float:
+            elif item is None or item_kind is bool or item_kind is float:
                 copy[plain_key] = item
+                size += key_size + 9
+            elif item_kind is int:
+                copy[plain_key] = _in_range(item)
                 size += key_size + 9
             else:
                 copy[plain_key], item_size = copy_frame(item)
@@ -290,8 +302,10 @@ def copy_frame(value: Any) -> tuple[Any, int]:
         return value, len(value) + 5
     if kind is str:
         return value, (len(value) if value.isascii() else len(value.encode())) + 5
-    if value is None or kind is int or kind is float or kind is bool:
+    if value is None or kind is float or kind is bool:
         return value, 9
+    if kind is int:
+        return _in_range(value), 9
     if kind is list or kind is tuple:
         items = []
         size = 5

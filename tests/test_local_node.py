@@ -394,3 +394,52 @@ print("exiting", flush=True)
         wait_for(lambda: "kept" in node.status()["queues"], "the log applied again")
         stats = node.status()["queues"]["kept"]  # (the sweep of lost consumers takes 1-2 s)
         assert (stats["consumers"], stats["unacked"], stats["ready"]) == (0, 0, 1)
+
+
+def test_a_stop_while_the_node_starts_stops_it_once_started(tmp_path: Path) -> None:
+    """stop() from a signal handler or another thread during start() joined a thread
+    that then waited for ever (it had not yet set what stop() wakes)."""
+
+    def start(node: quorumq.Node) -> None:
+        with contextlib.suppress(RuntimeError):  # (stopped before it started: refused)
+            node.start()
+
+    for delay in [i * 0.0005 for i in range(16)]:  # (a start here takes about 5 ms)
+        node = quorumq.Node(**_settings(tmp_path / f"d{delay}"))
+        stopper = threading.Timer(delay, node.stop)
+        stopper.daemon = True  # (red: these hang; the run must still end)
+        stopper.start()
+        starting = threading.Thread(target=start, args=(node,), daemon=True)
+        starting.start()
+        starting.join(10)
+        stopper.join(10)
+        assert not starting.is_alive() and not stopper.is_alive(), f"hung (stop after {delay} s)"
+        node.stop()
+        assert not node.running
+
+
+def test_an_integer_a_frame_cannot_carry_fails_in_the_caller_as_over_tcp(
+    node: quorumq.Node,
+) -> None:
+    """An in-process copy let 2**70 through; the node's log encoding then failed in the
+    connection's task and dropped the whole connection, and its consumers' messages."""
+    client = node.client()
+    client.declare("big")
+    consumer = client.subscribe("big", prefetch=1)
+    client.publish("big", b"held")
+    held = consumer.get(timeout=5)
+    with pytest.raises(OverflowError):
+        client.commit_offset("big", "g", 2**70)
+    client.publish("big", b"served on")  # the connection is still there
+    held.ack()
+    assert consumer.get(timeout=5).body == b"served on"
+
+
+def test_clients_a_program_let_go_of_do_not_pile_up_in_the_node(node: quorumq.Node) -> None:
+    import gc
+
+    for _ in range(50):
+        with node.client() as client:
+            client.status()
+    gc.collect()
+    assert len(node._clients) <= 1

@@ -66,7 +66,11 @@ def test_closing_fails_every_pending_request_and_ends_every_consumer() -> None:
 
     failed = [e for e in events if isinstance(e, Failed)]
     assert [e.request_id for e in failed] == [published, waiting]
-    assert all(str(e.error) == "the client is closed" for e in failed)
+    # a publish sent and unconfirmed may have landed: not "not published" (a duplicate
+    # when the caller retries it; found by a helper's review of the embedded node)
+    assert isinstance(failed[0].error, OutcomeUnknownError)
+    assert "may have landed" in str(failed[0].error)
+    assert str(failed[1].error) == "the client is closed"
     assert [e for e in events if isinstance(e, ConsumerEnded)] == [
         ConsumerEnded(consumer, "client closed")
     ]

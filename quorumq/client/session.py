@@ -711,11 +711,18 @@ class ClientSession:
         return events
 
     def close(self) -> list[Event]:
-        """Everything pending fails (no answer will be read any more), every consumer ends."""
+        """Everything pending fails (no answer will be read any more), every consumer ends.
+        A publish sent and not confirmed fails as outcome unknown: it may have landed (a
+        plain error says it was not published, and a retry would publish it twice)."""
         self.closed = True
         self.connected = False
+        unknown = OutcomeUnknownError(
+            "the client was closed before this publish was confirmed: it may have landed; "
+            "read the queue to see whether it did before publishing it again"
+        )
         events: list[Event] = [
-            Failed(r, QuorumqError("the client is closed")) for r in sorted(self._pending)
+            Failed(r, unknown if r in self._unconfirmed else QuorumqError("the client is closed"))
+            for r in sorted(self._pending)
         ]
         self._pending.clear()
         self._unconfirmed.clear()

@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Required, TypedDict, Unpack
 
@@ -264,7 +265,11 @@ class Node:
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stopping: trio.Event | None = None
-        self._clients: list[Client] = []
+        self._stop_asked = threading.Event()
+        """`stop` was called (perhaps while `start` was still starting the node)."""
+        self._clients: weakref.WeakSet[Client] = weakref.WeakSet()
+        """Open or not, while the program holds them (a client per request must not pile
+        up here)."""
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         """Why the node stopped by itself (its journal failed, say), if it did."""
@@ -316,7 +321,8 @@ class Node:
                 self._stopping = trio.Event()
                 self._token = trio.lowlevel.current_trio_token()
                 started.set()
-                await self._stopping.wait()
+                if not self._stop_asked.is_set():  # (a stop while it started: it saw no token)
+                    await self._stopping.wait()
 
         try:
             trio.run(serve)
@@ -335,15 +341,16 @@ class Node:
         options of `quorumq.connect` (no token or TLS). Closed when the node stops."""
         with self._lock:
             client = Client(_ThreadDialer(self), **options)
-            self._clients.append(client)
+            self._clients.add(client)
         return client
 
     def stop(self) -> None:
         """Close the node's clients, stop the node (see the module's docstring); return
         once its threads have ended. Idempotent."""
         atexit.unregister(self.stop)
+        self._stop_asked.set()
         with self._lock:
-            clients, self._clients = self._clients, []
+            clients, self._clients = list(self._clients), weakref.WeakSet()
         for client in clients:
             client.close()
         token, stopping = self._token, self._stopping
