@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from quorumq.machine import (
@@ -1464,8 +1466,6 @@ def test_a_waiting_message_dropped_by_max_length_unblocks_at_once_on_every_repli
     consumer, and a later Tick delivered it only on a replica whose timer heap still held
     m0's stale timer: one restored from a snapshot delivered nothing (found by a helper's
     review, with the property test at 3,000 examples)."""
-    from typing import Any
-
     from quorumq.machine import Deliver, Meta, Nack, Tick
 
     machine = Machine()
@@ -1488,3 +1488,28 @@ def test_a_waiting_message_dropped_by_max_length_unblocks_at_once_on_every_repli
     tick = Meta(log_index + 1, 2500)  # past m0's old due time
     assert machine.apply(tick, Tick()).effects == restored.apply(tick, Tick()).effects
     assert machine.digest() == restored.digest()
+
+
+def test_a_timer_left_by_a_message_that_no_longer_waits_asks_for_no_tick() -> None:
+    """m0 waits out a retry delay and expires meanwhile (TTL): its timer stays in the
+    heap. The leader asks `next_retry_ms` every 10 ms whether to propose a Tick; answered
+    from the stale timer, with a Tick that runs a queue only for what waits, that was a
+    Tick every 10 ms from m0's old due time on, for as long as the queue stayed so."""
+    from quorumq.machine import Meta, Nack, Tick
+
+    machine = Machine()
+    index = 0
+
+    def apply(command: Any, ts: int) -> Any:
+        nonlocal index
+        index += 1
+        return machine.apply(Meta(index, ts), command)
+
+    apply(Declare(queue="q", options=QueueOptions(message_ttl_ms=500)), 1000)
+    apply(Subscribe(queue="q", consumer="c", node="A", prefetch=1), 1000)
+    apply(Enqueue(queue="q", body=b"m0"), 1000)
+    apply(Nack(queue="q", consumer="c", offsets=(0,), delay_ms=5000), 1001)
+    assert machine.next_retry_ms() == 6001
+    apply(Tick(), 1600)  # m0 expires while it waits
+    assert not machine.waiting("q")
+    assert machine.next_retry_ms() is None

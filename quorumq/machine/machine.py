@@ -651,8 +651,7 @@ class Machine:
         """The log time when the next message waiting for a retry delay is due, of the
         queues with a consumer that may receive it (None: none). The leader proposes a
         `Tick` once its clock gets there, so a delay is not rounded up to the next
-        periodic tick. It may be early (a stale timer, which that `Tick` clears), never
-        late. A queue that nobody may receive from is woken by its next subscribe,
+        periodic tick. A queue that nobody may receive from is woken by its next subscribe,
         ack or nack, which runs it anyway."""
         due = [t for q in self._queues.values() if q.sq and (t := q.next_due()) is not None]
         return min(due) if due else None
@@ -679,7 +678,7 @@ class Machine:
             [
                 q
                 for q in self._queues.values()
-                if q.outbox or (q.sq and q.waiting and min(q.waiting.values()) <= now)
+                if q.outbox or (q.sq and (due := q.next_due()) is not None and due <= now)
             ],
             effects,
         )  # what expired leaves; what waited for a retry delay and is due is delivered

@@ -634,7 +634,7 @@ class QueueState:
         waiting = self.waiting
         stale_at = 2 * len(waiting) + 32
         if len(self.timers) > stale_at or len(self.waiting_low) > stale_at:
-            self.timers = [(d, o) for o, d in sorted(waiting.items(), key=lambda i: i[1])]
+            self.timers = sorted((d, o) for o, d in waiting.items())
             self.waiting_low = sorted(waiting)
         waiting[off] = due
         heappush(self.timers, (due, off))
@@ -666,9 +666,15 @@ class QueueState:
         return low[0] if low else -1
 
     def next_due(self) -> int | None:
-        """When the next waiting message is due (log time), or None. May be early (a
-        stale timer): a `Tick` then wakes nothing, and asks again."""
-        return self.timers[0][0] if self.timers else None
+        """When the next waiting message is due (log time), or None: from `waiting` alone,
+        as every replica has it (stale timers on top are dropped first). A stale one
+        answered once made a `Tick` run the queue only on the replicas that still held
+        it, not on one restored from a snapshot; and, left in place with nothing due, it
+        had the leader propose a `Tick` every 10 ms."""
+        timers, waiting = self.timers, self.waiting
+        while timers and waiting.get(timers[0][1]) != timers[0][0]:
+            heappop(timers)
+        return timers[0][0] if timers else None
 
     def oldest_ready(self) -> int:
         """Lowest ready offset (waiting ones included), or -1."""
