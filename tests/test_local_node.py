@@ -443,3 +443,13 @@ def test_clients_a_program_let_go_of_do_not_pile_up_in_the_node(node: quorumq.No
             client.status()
     gc.collect()
     assert len(node._clients) <= 1
+
+
+def test_a_node_stopped_before_it_started_refuses_to_start(tmp_path: Path) -> None:
+    """stop() first marked the node as stopping; a later start() then returned a node
+    that stopped at once."""
+    node = quorumq.Node(**_settings(tmp_path))
+    node.stop()
+    with pytest.raises(RuntimeError, match="make a new one"):
+        node.start()
+    assert not node.running

@@ -69,6 +69,11 @@ def test_closing_fails_every_pending_request_and_ends_every_consumer() -> None:
     # a publish sent and unconfirmed may have landed: not "not published" (a duplicate
     # when the caller retries it; found by a helper's review of the embedded node)
     assert isinstance(failed[0].error, OutcomeUnknownError)
+    again = _session()
+    again.publish("q", b"a", None, None)
+    again.publish("q", b"b", None, None)
+    errors = [e.error for e in again.close() if isinstance(e, Failed)]
+    assert len(errors) == 2 and errors[0] is not errors[1]  # one each: raised apart
     assert "may have landed" in str(failed[0].error)
     assert str(failed[1].error) == "the client is closed"
     assert [e for e in events if isinstance(e, ConsumerEnded)] == [

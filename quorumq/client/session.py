@@ -716,12 +716,16 @@ class ClientSession:
         plain error says it was not published, and a retry would publish it twice)."""
         self.closed = True
         self.connected = False
-        unknown = OutcomeUnknownError(
-            "the client was closed before this publish was confirmed: it may have landed; "
-            "read the queue to see whether it did before publishing it again"
-        )
         events: list[Event] = [
-            Failed(r, unknown if r in self._unconfirmed else QuorumqError("the client is closed"))
+            Failed(
+                r,
+                OutcomeUnknownError(
+                    "the client was closed before this publish was confirmed: it may have "
+                    "landed; read the queue to see whether it did before publishing it again"
+                )
+                if r in self._unconfirmed
+                else QuorumqError("the client is closed"),
+            )
             for r in sorted(self._pending)
         ]
         self._pending.clear()

@@ -210,9 +210,9 @@ class Machine:
             if q.sq:
                 q.dispatch(now, effects)
             if q.options.max_length is not None:
-                before = len(q.msgs)
+                before, had_waiting = len(q.msgs), bool(q.waiting)
                 q.enforce_max_length()
-                if q.sq and q.waiting is not None and len(q.msgs) != before:
+                if q.sq and had_waiting and len(q.msgs) != before:
                     q.dispatch(
                         now, effects
                     )  # a dropped waiting message may unblock a key or the queue

@@ -300,19 +300,22 @@ class Node:
         """Start the node; return once it serves. Errors of the start-up are raised here
         (`ConfigError` for a data directory another node has, `OSError` for a Raft port
         in use, ...)."""
-        if self._thread is not None:
-            raise RuntimeError(f"node {self.id} was started already")
+        if self._thread is not None or self._stop_asked.is_set():
+            raise RuntimeError(f"node {self.id} was started or stopped already: make a new one")
         started = threading.Event()
         failure: list[BaseException] = []
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._run, args=(started, failure), name=f"quorumq-node-{self.id}", daemon=True
         )
-        self._thread.start()
+        thread.start()
+        with self._lock:  # (a stop from now on joins it; one before saw none, and asked)
+            self._thread = thread
+        atexit.register(self.stop)
         started.wait()
         if failure:
-            self._thread.join()
+            thread.join()
+            atexit.unregister(self.stop)
             raise failure[0]
-        atexit.register(self.stop)
         return self
 
     def _run(self, started: threading.Event, failure: list[BaseException]) -> None:
@@ -357,8 +360,10 @@ class Node:
         if token is not None and stopping is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(stopping.set)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     def __enter__(self) -> Node:
         return self.start()
