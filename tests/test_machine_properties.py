@@ -283,8 +283,14 @@ class QueueMachineRules(RuleBasedStateMachine):
 
     def take_effects(self, applied: Applied) -> None:
         self.leaving = {
-            (e.queue, e.offset) for e in applied.effects if isinstance(e, Dropped | DeadLettered)
-        }  # a return dropped in the same step does not come first: it is gone
+            (e.queue, e.offset)
+            for e in applied.effects
+            if isinstance(e, Dropped | DeadLettered)
+            and not (e.reason == "max_length" and self.due.get((e.queue, e.offset), 0) > self.now)
+        }  # a return dropped in the same step does not come first: it is gone. One that
+        # waits out a retry delay and is dropped by max_length goes after the step's first
+        # deliveries (max_length is enforced after dispatch, not to drop what a consumer
+        # takes at once), so for them it still holds its key, or the queue, back
         for e in applied.effects:
             if isinstance(e, ConsumerDown):
                 mc = self.consumers[e.queue].pop(e.consumer)

@@ -213,15 +213,21 @@ class Machine:
                 before, had_waiting = len(q.msgs), bool(q.waiting)
                 q.enforce_max_length()
                 if q.sq and had_waiting and len(q.msgs) != before:
-                    q.dispatch(
-                        now, effects
-                    )  # a dropped waiting message may unblock a key or the queue
-            if not q.outbox:
-                continue
-            for msg, reason, dead_letter in q.take_outbox():
-                target = self._dead_letter(q, msg, reason, dead_letter, effects)
-                if target is not None and target not in work:
-                    work.append(target)
+                    # a dropped waiting message may unblock its key or the queue: what it
+                    # frees is delivered after its drop (the effects say so in order)
+                    self._empty_outbox(q, work, effects)
+                    q.dispatch(now, effects)
+            self._empty_outbox(q, work, effects)
+
+    def _empty_outbox(self, q: QueueState, work: list[QueueState], effects: list[Any]) -> None:
+        """Dead-letter or drop what left `q` undelivered; a dead-letter queue that got
+        something joins `work`."""
+        if not q.outbox:
+            return
+        for msg, reason, dead_letter in q.take_outbox():
+            target = self._dead_letter(q, msg, reason, dead_letter, effects)
+            if target is not None and target not in work:
+                work.append(target)
 
     def _dead_letter(
         self, q: QueueState, msg: Record, reason: str, dead_letter: bool, effects: list[Any]
