@@ -336,6 +336,21 @@ def test_a_lone_member_ticks_again_at_once_to_commit_what_it_appended(tmp_path: 
         member.stop()
 
 
+def _start_slow_write(member: Any, seconds: float, state: bytes) -> None:
+    """Start a compaction whose child takes `seconds` to encode `state`."""
+    import time
+
+    def slow() -> bytes:
+        time.sleep(seconds)  # (in the child)
+        return state
+
+    member._snapshot = slow
+    _with_applied_entries(member)
+    member._SyncObj__forceLogCompaction = True
+    member._SyncObj__tryLogCompaction()
+    assert member.snapshot_writing()
+
+
 def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
     tmp_path: Any, caplog: Any, monkeypatch: Any
 ) -> None:
@@ -525,16 +540,7 @@ def test_a_leader_snapshot_installed_during_a_write_is_not_overwritten_by_it(
 
     member, members = _member(tmp_path)
     try:
-
-        def slow() -> bytes:
-            time.sleep(0.5)  # (in the child)
-            return b"own, at 10"
-
-        member._snapshot = slow
-        _with_applied_entries(member)
-        member._SyncObj__forceLogCompaction = True
-        member._SyncObj__tryLogCompaction()
-        assert member.snapshot_writing()
+        _start_slow_write(member, 0.5, b"own, at 10")
         member._SyncObj__setCurrentTerm(2, None)
         blob = encode_snapshot(
             (b"\x04x", 30, 2), (b"\x04x", 29, 2), [(a, n) for n, a in members.items()], b"leader's"
@@ -547,8 +553,10 @@ def test_a_leader_snapshot_installed_during_a_write_is_not_overwritten_by_it(
         }
         member._SyncObj__onMessageReceived(next(iter(member.otherNodes)), message)
         assert not member.snapshot_writing()
-        time.sleep(0.7)  # the child would have finished by now
-        for _ in range(3):
+        until = time.monotonic() + 10
+        while member.snapshot_writer.killed:  # reaped: it can land nothing any more
+            assert time.monotonic() < until, "the killed child was not reaped"
+            time.sleep(0.005)
             member._SyncObj__tryLogCompaction()
         stored = decode_snapshot((tmp_path / "snapshot").read_bytes(), "snapshot")
         assert stored.last[1] == 30 and stored.machine == b"leader's"
@@ -565,16 +573,7 @@ def test_a_node_stopping_during_a_snapshot_write_leaves_no_child_and_no_file(
 
     member, _ = _member(tmp_path)
     try:
-
-        def slow() -> bytes:
-            time.sleep(30)  # (in the child)
-            return b""
-
-        member._snapshot = slow
-        _with_applied_entries(member)
-        member._SyncObj__forceLogCompaction = True
-        member._SyncObj__tryLogCompaction()
-        assert member.snapshot_writing()
+        _start_slow_write(member, 30, b"")
     finally:
         started = time.monotonic()
         member.stop()
