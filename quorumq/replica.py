@@ -435,8 +435,12 @@ class Replica:
         self,
         command: Command,
         callback: Callable[[Reply | None, ProposalError | None], None] | None = None,
+        *,
+        leader_only: bool = False,
     ) -> None:
-        """Submit from any thread; `callback(reply, error)` runs on the Raft thread."""
+        """Submit from any thread; `callback(reply, error)` runs on the Raft thread.
+        `leader_only`: a leader's duty, appended only while this node leads the term it
+        leads now (`RaftRules.propose`)."""
         payload = encode_entry(UNSTAMPED, command)  # the leader stamps the time
         if len(payload) > MAX_COMMAND_BYTES:  # never a log entry: refused, not raised
             message = f"a command of {len(payload)} bytes exceeds {MAX_COMMAND_BYTES}"
@@ -445,7 +449,7 @@ class Replica:
                 callback(Error(code=ErrorCode.TOO_LARGE, message=message), None)
             return
         if callback is None:
-            self.member.propose(payload, None)
+            self.member.propose(payload, None, leader_only=leader_only)
             return
 
         once = self._in_flight.track(callback, self._monotonic())
@@ -458,7 +462,7 @@ class Replica:
             else:
                 once(None, OutcomeUnknownError(f"the leader changed before a reply ({reason})"))
 
-        self.member.propose(payload, done)
+        self.member.propose(payload, done, leader_only=leader_only)
 
     def submit(self, command: Command, timeout: float = 10.0) -> Reply:
         """Propose and wait for the reply (from a thread that is not the Raft thread)."""
@@ -598,7 +602,7 @@ class Replica:
         logger.info("proposing %s", command)
         if self._observer is not None:
             self._observer.proposed_duty(self, command)
-        self.propose(command, lambda _reply, _error: self._pending.discard(key))
+        self.propose(command, lambda _reply, _error: self._pending.discard(key), leader_only=True)
 
     # ------------------------------------------------------------- membership
 

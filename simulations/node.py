@@ -310,7 +310,7 @@ class SimMember(RaftRules):
             raftMinTimeout=raft_timeouts[0],
             raftMaxTimeout=raft_timeouts[1],
             appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
-            leaderFallbackTimeout=max(2.0, raft_timeouts[1] * 2),
+            leaderFallbackTimeout=raft_timeouts[1],  # check-quorum: see RaftRules
             appendEntriesBatchSizeBytes=4 * 1024 * 1024,
             commandsWaitLeader=True,
             dynamicMembershipChange=True,

@@ -50,7 +50,7 @@ from pysyncobj import FAIL_REASON, SyncObjConf, SyncObjException
 from pysyncobj.config import SERIALIZER_STATE
 from pysyncobj.node import TCPNode
 from pysyncobj.poller import POLL_EVENT_TYPE
-from pysyncobj.tcp_connection import TcpConnection
+from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
 from pysyncobj.transport import TCPTransport
 
 from ..codec import UnreadableEntryError
@@ -174,6 +174,25 @@ class _Transport(TCPTransport):  # type: ignore[misc]
             self._handshaking.discard(id(conn))
             self._hang_ups.pop(self._connToNode(conn), None)
         super()._onOutgoingMessageReceived(conn, message)
+
+    def addNode(self, node: Any) -> None:
+        """Once per node: a leader reached outside the configuration
+        (`RaftRules._reach_leader`) is added again when its entry is applied, and
+        PySyncObj's second connection object would orphan the first."""
+        if node in self._nodes:
+            return
+        super().addNode(node)
+
+    def dropNode(self, node: Any) -> None:
+        """PySyncObj's, telling the member the connection is gone: it forgot the
+        connection before closing it, so the member took the node as connected for
+        good (and forwarded proposals to a leader it no longer had a connection to)."""
+        connected = node in self._connections and self._connections[node].state == (
+            CONNECTION_STATE.CONNECTED
+        )
+        super().dropNode(node)
+        if connected:
+            self._onNodeDisconnected(node)
 
     def _onDisconnected(self, conn: Any) -> None:
         self._arrived.pop(conn, None)
@@ -313,7 +332,7 @@ class RaftMember(RaftRules):
             raftMinTimeout=raft_timeouts[0],
             raftMaxTimeout=raft_timeouts[1],
             appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
-            leaderFallbackTimeout=max(2.0, raft_timeouts[1] * 2),
+            leaderFallbackTimeout=raft_timeouts[1],  # check-quorum: see RaftRules
             connectionRetryTime=0.5,
             connectionTimeout=2.0,
             commandsWaitLeader=True,
