@@ -50,11 +50,28 @@ def test_a_dropped_owners_reads_leave_every_index() -> None:
         reads.add("gone", _read("q", end), "q", end, deadline=1.0 + end)
         reads.add("gone", _read("p", end), "p", end, deadline=1.0 + end)
     reads.add("stays", _read("p", 3), "p", 3, deadline=5.0)
+    (full,) = reads.ready("q", 0)
+    reads.hold(full)  # came out while its connection had no room: still counts
+    assert reads.waiting("gone") == 128 and len(reads) == 129
     assert reads.drop("gone") == 128
     assert reads.waiting("gone") == 0 and len(reads) == 1 and reads.queues() == {"p"}
+    assert reads.next_due("gone") is None
     assert reads.held() <= 3  # the one that stays, in its queue's, the deadlines', its owner's
     assert reads.expired(100.0)[0].owner == "stays"
     assert reads.held() == 0 and reads.drop("stays") == 0
+
+
+def test_a_read_held_for_room_comes_out_once_its_owner_asks() -> None:
+    reads: WaitingReads[str] = WaitingReads()
+    for end in (1, 2):
+        reads.add("c", _read("q", end), "q", end, deadline=1.0)
+    for read in reads.ready("q", 2):
+        reads.hold(read)
+    assert len(reads) == 2 and reads.waiting("c") == 2 and reads.queues() == set()
+    assert reads.expired(5.0) == []  # out of the deadlines' heap: it has its answer
+    first, second = reads.next_due("c"), reads.next_due("c")
+    assert first is not None and second is not None and (first.end, second.end) == (1, 2)
+    assert reads.next_due("c") is None and len(reads) == 0 and reads.held() == 0
 
 
 def _work_to_answer_one(unrelated: int) -> tuple[int, int]:

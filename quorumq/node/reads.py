@@ -8,7 +8,9 @@ or another. `expired(now)` takes the reads whose deadline passed off the top of 
 deadline heap the same way, and `next_deadline` is its top. A read taken out through one
 heap stays in the other as a dead entry, skipped when it comes to the top; a heap whose
 dead entries outnumber its live ones is rebuilt without them, so what is held stays
-within about twice the reads that wait. A connection's reads go when it closes (`drop`).
+within about twice the reads that wait. A read that came out while its connection had no
+room for the answer is held (`hold`) until it has (`next_due`), and still counts. A
+connection's reads go when it closes (`drop`).
 
 No I/O, no clock, no replica: the node core (`NodeCore`) says when a queue's end moved
 and what time it is, and answers the reads that come out. `steps` counts the heap
@@ -17,6 +19,7 @@ entries looked at or moved, the work tests count (the suite times nothing).
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from collections.abc import Hashable, Iterator
@@ -102,17 +105,20 @@ class WaitingReads(Generic[Owner]):
         self._by_queue: dict[str, _Heap[int, Owner]] = {}
         self._deadlines: _Heap[float, Owner] = _Heap()
         self._by_owner: dict[Owner, set[WaitingRead[Owner]]] = {}
+        self._due: dict[Owner, collections.deque[WaitingRead[Owner]]] = {}
+        self._due_count = 0
         self._order = itertools.count()
         self._count = 0
         self.steps = 0
         """Heap entries looked at or moved so far."""
 
     def __len__(self) -> int:
-        return self._count
+        """The reads that wait, or are held for room."""
+        return self._count + self._due_count
 
     def waiting(self, owner: Owner) -> int:
-        """How many of `owner`'s reads wait."""
-        return len(self._by_owner.get(owner, ()))
+        """How many of `owner`'s reads wait, or are held for room."""
+        return len(self._by_owner.get(owner, ())) + len(self._due.get(owner, ()))
 
     def queues(self) -> set[str]:
         """The queues some read waits on."""
@@ -124,6 +130,7 @@ class WaitingReads(Generic[Owner]):
             sum(len(h.entries) for h in self._by_queue.values())
             + len(self._deadlines.entries)
             + sum(len(reads) for reads in self._by_owner.values())
+            + self._due_count
         )
 
     def add(self, owner: Owner, frame: Frame, queue: str, end: int, deadline: float) -> None:
@@ -172,6 +179,22 @@ class WaitingReads(Generic[Owner]):
         self.steps += dropped
         return deadline
 
+    def hold(self, read: WaitingRead[Owner]) -> None:
+        """Hold a read that came out until its owner has room for the answer."""
+        self._due.setdefault(read.owner, collections.deque()).append(read)
+        self._due_count += 1
+
+    def next_due(self, owner: Owner) -> WaitingRead[Owner] | None:
+        """The oldest of `owner`'s reads held for room, taken out; or None."""
+        due = self._due.get(owner)
+        if due is None:
+            return None
+        read = due.popleft()
+        self._due_count -= 1
+        if not due:
+            del self._due[owner]
+        return read
+
     def drop(self, owner: Owner) -> int:
         """Forget `owner`'s reads (its connection closed); how many there were."""
         reads = self._by_owner.pop(owner, set())
@@ -180,7 +203,9 @@ class WaitingReads(Generic[Owner]):
             self._count -= 1
             self._left_queue(read.queue)
             self.steps += self._deadlines.left()
-        return len(reads)
+        due = len(self._due.pop(owner, ()))
+        self._due_count -= due
+        return len(reads) + due
 
     def _taken(self, read: WaitingRead[Owner]) -> None:
         read.waiting = False
