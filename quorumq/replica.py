@@ -17,8 +17,13 @@ that are still the ones on disk at start-up count as replayed: a node that led b
 its restart may hold an uncommitted tail that the new leader's log replaces, and the
 entries that replace it (say, a delivery to a consumer that just connected here) are new.
 
-`on_effects` runs on the Raft thread: hand the work over (trio token, bounded queue),
-never block there. The machine is only mutated on that thread, under `lock`; other
+The node says which queues its reads wait on (`watch_ends`); when an applied entry
+moves the end of one of them (`machine.ends_moved`), `on_ends_moved` is called, once
+until the node takes the queues it names (`take_ends_moved`): a batch of entries applied
+in a row costs the node one wake-up, and a queue no read waits on costs it nothing.
+
+`on_effects` and `on_ends_moved` run on the Raft thread: hand the work over (trio token,
+bounded queue), never block there. The machine is only mutated on that thread, under `lock`; other
 threads read it with `query`.
 
 As leader, the replica turns time and failure into log commands: `NodeDown(node)` when
@@ -66,6 +71,7 @@ from .machine import (
     NodeUp,
     Reply,
     Tick,
+    ends_moved,
 )
 from .raft.member import MAX_COMMAND_BYTES, NOT_APPLIED, Fsync, RaftMember
 from .raft.rules import LeaderClock, RaftRules, wall_clock_ms
@@ -377,9 +383,11 @@ class Replica:
         observer: ReplicaObserver | None = None,
         machine_factory: Callable[[], Machine] = Machine,
         effect_filter: EffectFilter = local_effects,
+        on_ends_moved: Callable[[], None] | None = None,
     ) -> None:
-        """`wall_clock`, `monotonic`: this node's clocks (tests give a wrong wall clock, the
-        simulator its own clocks). `member_factory`: the Raft member (by default a
+        """`on_ends_moved`: see the module's docstring. `wall_clock`, `monotonic`: this
+        node's clocks (tests give a wrong wall clock, the simulator its own clocks).
+        `member_factory`: the Raft member (by default a
         `RaftMember` on real files and sockets; the simulator's on its disk and network).
         `observer`: told of every entry applied and snapshot loaded (the simulator's
         checker). `machine_factory` and `effect_filter`: test-only switches of the
@@ -394,6 +402,10 @@ class Replica:
         self.machine = machine_factory()
         self._on_effects = on_effects
         self._on_state_replaced = on_state_replaced
+        self._on_ends_moved = on_ends_moved
+        self._watched: frozenset[str] = frozenset()
+        self._ends_moved: set[str] = set()
+        """Queues of `_watched` whose end moved since the node last took them (under `lock`)."""
         self._effects_through = 0
         """The highest log index applied by this process: a snapshot install can take the
         machine back below it, and entries applied again must not run their effects again."""
@@ -500,6 +512,9 @@ class Replica:
             ) from None
         with self.lock:
             applied = self.machine.apply(Meta(index, ts_ms), command)
+            tell = bool(self._watched) and self._note_ends_moved(command, applied)
+        if tell and self._on_ends_moved is not None:
+            self._on_ends_moved()
         if pathtiming.ENABLED:
             _mark_applied(index, command, applied.reply)
         if self._observer is not None:
@@ -511,6 +526,29 @@ class Replica:
                 if mine:
                     self._on_effects(index, mine)
         return applied.reply
+
+    def _note_ends_moved(self, command: Command, applied: Applied) -> bool:
+        """Note the watched queues whose end `command` moved (under `lock`); whether the
+        node is to be told (it has taken all it was told of before)."""
+        moved = ends_moved(command, applied).intersection(self._watched)
+        if not moved:
+            return False
+        told = bool(self._ends_moved)
+        self._ends_moved |= moved
+        return not told
+
+    def watch_ends(self, queues: frozenset[str]) -> None:
+        """Tell the node (`on_ends_moved`) of the entries applied from now on that move the
+        end of one of `queues`, the queues its reads wait on. Call it before reading the
+        ends it waits for: an entry applied in between is then seen by one or the other
+        (the read takes `lock`, and an entry is noted under it)."""
+        self._watched = queues
+
+    def take_ends_moved(self) -> set[str]:
+        """The watched queues whose end moved since the last call."""
+        with self.lock:
+            moved, self._ends_moved = self._ends_moved, set()
+        return moved
 
     def _mine(self, effects: tuple[Effect, ...]) -> tuple[Effect, ...]:
         return self._effect_filter(

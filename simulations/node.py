@@ -476,6 +476,12 @@ class _SimReplicaHandle:
     def membership_settled(self) -> bool:
         return self._node.replica.membership_settled()
 
+    def watch_ends(self, queues: frozenset[str]) -> None:
+        self._node.replica.watch_ends(queues)
+
+    def take_ends_moved(self) -> set[str]:
+        return self._node.replica.take_ends_moved()
+
 
 class _SimShell:
     """What the core asks of its shell, done by the simulated node."""
@@ -554,6 +560,7 @@ class SimNode:
             observer=self,
             machine_factory=variant.machine,
             effect_filter=variant.effect_filter,
+            on_ends_moved=lambda: self.soon(self._ends_moved),
         )
         rng = self.world.stream(f"node-{name}-{incarnation}")
         self.core = NodeCore(
@@ -688,6 +695,9 @@ class SimNode:
 
     def _state_replaced(self) -> None:
         self.core.state_replaced()
+
+    def _ends_moved(self) -> None:
+        self.core.ends_moved()
 
     # ------------------------------------------------------- the core's shell
 
