@@ -771,6 +771,9 @@ class Replica:
             "connected": member.connected(),
             "snapshots_loaded": self.snapshots_loaded,
             "compaction_error": member.compaction_error,
+            "elections": member.elections,
+            "pre_votes_lost": member.pre_votes_lost,
+            "stalls": member.stalls,
         }
 
     def stop(self) -> None:

@@ -1,7 +1,7 @@
 """Elections that do not disrupt a working cluster, and a follower that catches up in
 one round trip per term: quorumq's rules on one real `RaftMember`, fed messages by hand
 (the simulator's sweeps run them inside whole clusters, with their negative controls in
-tests/test_sim_liveness.py).
+tests/test_sim_elections.py).
 
 Each test turns the rule it checks off (the member's switch) and sees it fail, so none
 of them can pass by accident."""
