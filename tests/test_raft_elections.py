@@ -444,3 +444,29 @@ def test_proposals_wait_while_the_leader_is_not_connected(cluster: Any, clock: C
     member._SyncObj__onNodeConnected(leader)
     member._checkCommandsToApply()
     assert len(_of(sent, "apply_command")) == 2
+
+
+class TickingClock(Clock):
+    """A clock that moves 1 ms each time it is read."""
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+def test_pysyncobj_never_stands_for_election_by_itself_when_the_deadline_falls_mid_tick(
+    cluster: Any, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pre-vote gate reads the clock, then PySyncObj reads it again: a deadline that
+    falls in between (or a stall there) made PySyncObj raise the term without asking."""
+    member, _, sent = cluster
+    ticking = TickingClock()
+    ticking.now = clock.now
+    monkeypatch.setattr(_syncobj, "monotonicTime", ticking)
+    member._last_look = ticking.now
+    member._SyncObj__raftElectionDeadline = ticking.now + 0.0025  # past the gate's look
+    member._onTick(0)
+    assert member.raftCurrentTerm == 5 and not _of(sent, "request_vote")
+    assert member._SyncObj__raftElectionDeadline < ticking.now  # kept: the next tick asks
+    member._onTick(0)
+    assert _of(sent, PRE_VOTE) and member.raftCurrentTerm == 5

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import queue as _queue
 import threading
 import time
@@ -970,7 +971,19 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             deadline: float = self._SyncObj__raftElectionDeadline
             self._SyncObj__raftElectionDeadline = max(deadline, self.awake_since + 2 * period)
         self._pre_vote_gate()
-        super()._onTick(timeToWait)
+        if not self.pre_vote or self._isLeader():
+            super()._onTick(timeToWait)
+            return
+        # PySyncObj looks at the deadline again, a moment later: it must never stand for
+        # election by itself (without pre-vote) when the deadline falls in between, or a
+        # stall there. What its poll sets (a heartbeat, a vote, a transfer) is kept.
+        deadline = self._SyncObj__raftElectionDeadline
+        self._SyncObj__raftElectionDeadline = math.inf
+        try:
+            super()._onTick(timeToWait)
+        finally:
+            if self._SyncObj__raftElectionDeadline == math.inf:
+                self._SyncObj__raftElectionDeadline = deadline
 
     def _pre_vote_gate(self) -> None:
         """Before PySyncObj's tick: if this follower's election deadline has passed, ask
