@@ -20,6 +20,10 @@ conflict, durability points, raw commands, our snapshot encoding) are in
   configuration, in PySyncObj's membership log entries and in our snapshots, so a
   member added or removed online is known by name on every replica. A member may ask
   the leader to hand leadership over (before the leader is removed).
+* the first configuration: the members a node first runs with are recorded in its data
+  directory, and a later start given other peers is refused (`first_configuration.py`):
+  before its first snapshot a node counts votes over its first configuration, and one
+  restarted with another `--peer` list counted them over other voters than the others.
 
 camelCase names here are PySyncObj's; they stay inside this module.
 """
@@ -55,6 +59,8 @@ from pysyncobj.transport import TCPTransport
 
 from ..codec import UnreadableEntryError
 from .cipher import RaftCipher, ThrottledWarning
+from .files import OS_FILES
+from .first_configuration import settle_first_configuration
 from .journal import DurableJournal, JournalDamagedError, JournalFailedError, fsync_directory
 from .rules import (
     MAX_COMMAND_BYTES,
@@ -300,6 +306,16 @@ class RaftMember(RaftRules):
         self.data_dir = data_dir
         self.fsync = fsync
         journal_path = os.path.join(data_dir, "raft.log")
+        snapshot_path = os.path.join(data_dir, "snapshot")
+        # the node runs with the members recorded at its first start; checked before
+        # anything is opened, so a refusal (`PeersChangedError`) leaves nothing to close
+        members = settle_first_configuration(
+            OS_FILES,
+            data_dir,
+            members,
+            holds_raft_state=os.path.exists(journal_path + ".meta")
+            or os.path.exists(snapshot_path),
+        )
         self.journal = DurableJournal(
             journal_path, durable=fsync != "never", strict=fsync == "always"
         )
@@ -322,7 +338,7 @@ class RaftMember(RaftRules):
             password=password,
             autoTick=False,
             journalFile=journal_path,
-            fullDumpFile=os.path.join(data_dir, "snapshot"),
+            fullDumpFile=snapshot_path,
             serializer=_written_by_a_child,  # (replaced: `_write_snapshots_in_a_child`)
             deserializer=self._read_snapshot,
             bindAddress=address,
