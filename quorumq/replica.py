@@ -131,9 +131,14 @@ def failure_commands(
     down: frozenset[str],
     grace_s: float,
     removed: Iterable[str] = (),
+    answered_s: Mapping[str, float] | None = None,
 ) -> list[NodeDown | NodeUp]:
     """What `leader` proposes about its peers: `NodeDown` for a node silent longer than
-    the grace period, `NodeUp` for a down node heard from again within half of it.
+    the grace period, `NodeUp` for a down node that answered within half of it
+    (`answered_s`, seconds since its last real answer; `silence_s` by default).
+    `silence_s` is counted only while the leader could hear (`RaftRules.peer_silence`),
+    so it restarts at the leader's election and after its stalls: a node down for good
+    looks silent for a moment then, and only a real answer may bring it up.
 
     And about itself: an earlier leader may have marked it down while it was cut off,
     and it may win an election before that leader's `NodeUp` is committed. Only a
@@ -146,10 +151,11 @@ def failure_commands(
     consumers kept their messages.)"""
     commands: list[NodeDown | NodeUp] = []
     never = {node: math.inf for node in removed if node not in silence_s and node != leader}
+    answered = silence_s if answered_s is None else answered_s
     for node, silent_s in sorted({**never, **silence_s, leader: 0.0}.items()):
         if silent_s > grace_s and node not in down:
             commands.append(NodeDown(node=node))
-        elif silent_s < grace_s / 2 and node in down:
+        elif node in down and (node == leader or answered.get(node, math.inf) < grace_s / 2):
             commands.append(NodeUp(node=node))
     return commands
 
@@ -606,12 +612,18 @@ class Replica:
             for address, silent_s in self.member.peer_silence().items()
             if address in node_of_address
         }
+        answered = {
+            node_of_address[address]: ago
+            for address, ago in self.member.peer_answered_ago().items()
+            if address in node_of_address
+        }
         for command in failure_commands(
             self.node_id,
             silence,
             self.machine.down_nodes(),
             self.config.node_down_grace_s,
             self.member.removed_members,
+            answered,
         ):
             key = ("down" if isinstance(command, NodeDown) else "up", command.node)
             self._propose_once(key, command)

@@ -319,7 +319,7 @@ class SimMember(RaftRules):
             raftMinTimeout=raft_timeouts[0],
             raftMaxTimeout=raft_timeouts[1],
             appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
-            leaderFallbackTimeout=raft_timeouts[1],  # check-quorum: see RaftRules
+            leaderFallbackTimeout=2 * raft_timeouts[1],  # check-quorum: see RaftRules
             appendEntriesBatchSizeBytes=4 * 1024 * 1024,
             commandsWaitLeader=True,
             dynamicMembershipChange=True,

@@ -48,10 +48,13 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 
 @pytest.fixture
 def cluster(tmp_path: Any, clock: Clock) -> Iterator[tuple[Any, list[Any], list[tuple[Any, Any]]]]:
-    """Member A of {A, B, C}, not ticking, every peer connected, its sends recorded."""
+    """Member A of {A, B, C}, not ticking by itself, every peer taken as connected (its
+    transport does not dial them), its sends recorded."""
     member, _ = _member(tmp_path, size=3)
     sent: list[tuple[Any, Any]] = []
-    member._SyncObj__transport.send = lambda node, message: sent.append((node, message))
+    transport = member._SyncObj__transport
+    transport.send = lambda node, message: sent.append((node, message))
+    member.removeOnTickCallback(transport._onTick)  # no dials to the peers, who are not there
     peers = sorted(member.otherNodes, key=lambda n: n.name)
     member._SyncObj__connectedNodes.update(peers)
     member._SyncObj__setCurrentTerm(5, None)
@@ -371,9 +374,9 @@ def test_a_stalled_leader_judges_no_peer_silent_across_its_own_stall(
         silence = member.peer_silence()
     assert min(silence.values()) == pytest.approx(1.0)
 
-    member.stall_aware_silence = False
+    member.stall_aware_silence = False  # silence since its election, stalls and all
     clock.now += 4.0
-    assert min(member.peer_silence().values()) == pytest.approx(5.0)
+    assert min(member.peer_silence().values()) == pytest.approx(9.0)
 
 
 def test_a_leader_duty_is_appended_only_by_the_leader_of_the_term_that_judged_it(
@@ -468,5 +471,103 @@ def test_pysyncobj_never_stands_for_election_by_itself_when_the_deadline_falls_m
     member._onTick(0)
     assert member.raftCurrentTerm == 5 and not _of(sent, "request_vote")
     assert member._SyncObj__raftElectionDeadline < ticking.now  # kept: the next tick asks
+    member._last_look = ticking.now  # (the clock moved with every read: no stall)
     member._onTick(0)
     assert _of(sent, PRE_VOTE) and member.raftCurrentTerm == 5
+
+
+# ------------------------------------------- what a hostile review found (helper-5)
+
+
+def test_only_a_real_answer_brings_a_down_node_up_after_a_stall_or_an_election(
+    cluster: Any, clock: Clock
+) -> None:
+    """Silence restarts when the leader wakes from a stall or is elected, so a node
+    dead for 100 s looked silent 0 s, and a leader back from a 0.3 s stall proposed
+    `NodeUp` for it. Only a real answer counts for `NodeUp` now."""
+    from quorumq.replica import failure_commands
+
+    member, peers, _ = cluster
+    member._SyncObj__onBecomeLeader()
+    alive, dead = peers
+    refusal = {"type": "next_node_idx", "next_node_idx": 2, "reset": False, "success": True}
+    member._SyncObj__onMessageReceived(alive, refusal)
+    clock.now += 0.3  # a stall
+    names = {str(p.id): p.name for p in peers}
+    silence = {names[a]: s for a, s in member.peer_silence().items()}
+    answered = {names[a]: s for a, s in member.peer_answered_ago().items()}
+    assert answered[dead.name] == float("inf") and answered[alive.name] == pytest.approx(0.3)
+    commands = failure_commands("A", silence, frozenset({dead.name}), 3.0, (), answered)
+    assert commands == []
+    commands = failure_commands("A", silence, frozenset({dead.name}), 3.0, ())
+    assert [type(c).__name__ for c in commands] == ["NodeUp"]  # judged by silence: wrong
+
+
+def test_a_late_grant_from_before_a_new_term_does_not_make_this_node_stand(
+    cluster: Any, clock: Clock
+) -> None:
+    """A's round for term 6 had one grant; C stood at term 6 and A voted for it; a late
+    grant then completed A's round, and A stood at term 7, deposing C."""
+    member, peers, sent = cluster
+    member._SyncObj__raftElectionDeadline = clock.now - 0.01
+    member._pre_vote_gate()
+    request = {"type": "request_vote", "term": 6, "last_log_index": 1, "last_log_term": 0}
+    member._SyncObj__onMessageReceived(peers[1], request)  # votes for C at term 6
+    assert member.raftCurrentTerm == 6
+    member._SyncObj__onMessageReceived(peers[0], _answer(6, granted=True, current=5))
+    assert member.raftCurrentTerm == 6 and member.role() == "follower"
+    assert not [m for _, m in _of(sent, "request_vote") if m["term"] == 7]
+
+
+def test_proposals_held_for_an_unreachable_leader_fail_as_never_sent_after_a_timeout(
+    cluster: Any, clock: Clock
+) -> None:
+    """Cut off from a leader the others still hear, a follower cannot stand (pre-vote),
+    so the leader it knows stays, and its queue held every proposal until the link came
+    back, maybe hours later. Past the longest election timeout they fail, not sent."""
+    member, peers, sent = cluster
+    member._SyncObj__raftLeader = peers[0]
+    member._SyncObj__connectedNodes.discard(peers[0])
+    outcomes: list[int] = []
+    member.propose(b"x", lambda _r, reason: outcomes.append(reason))
+    member._checkCommandsToApply()
+    assert outcomes == []  # held a moment: the connection may come back
+    clock.now += member._SyncObj__conf.raftMaxTimeout + 0.01
+    member._checkCommandsToApply()
+    assert outcomes == [FAIL_REASON.MISSING_LEADER] and not _of(sent, "apply_command")
+
+
+def test_a_follower_whose_every_tick_comes_late_still_stands(cluster: Any, clock: Clock) -> None:
+    """Each tick 0.25 s after the last is a stall; pushing the deadline past every one
+    meant no pre-vote in 50 s. It is pushed once per wait for a leader."""
+    member, _, sent = cluster
+    member._last_look = clock.now
+    member._SyncObj__raftElectionDeadline = clock.now + 0.1
+    for _ in range(8):
+        clock.now += 0.25
+        member._onTick(0)
+    assert _of(sent, PRE_VOTE)
+
+
+def test_a_leader_reached_outside_the_configuration_is_dropped_once_a_member_leads(
+    cluster: Any, clock: Clock
+) -> None:
+    member, peers, _ = cluster
+    member._SyncObj__raftElectionDeadline = clock.now - 0.01
+    member._pre_vote_gate()
+    answer = {**_answer(6, granted=False, current=5), "leader": ["127.0.0.1:1", "D"]}
+    member._SyncObj__onMessageReceived(peers[0], answer)
+    transport = member._SyncObj__transport
+    assert "127.0.0.1:1" in transport._nodeAddrToNode
+    heartbeat = {
+        "type": "append_entries",
+        "term": 5,
+        "commit_index": 0,
+        "entries": [],
+        "prevLogIdx": 1,
+        "prevLogTerm": 0,
+    }
+    member._SyncObj__onMessageReceived(peers[0], heartbeat)  # a member leads
+    assert "127.0.0.1:1" not in transport._nodeAddrToNode
+    member._SyncObj__onMessageReceived(peers[0], answer)  # and may be reached again
+    assert "127.0.0.1:1" in transport._nodeAddrToNode

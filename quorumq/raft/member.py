@@ -348,7 +348,7 @@ class RaftMember(RaftRules):
             raftMinTimeout=raft_timeouts[0],
             raftMaxTimeout=raft_timeouts[1],
             appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
-            leaderFallbackTimeout=raft_timeouts[1],  # check-quorum: see RaftRules
+            leaderFallbackTimeout=2 * raft_timeouts[1],  # check-quorum: see RaftRules
             connectionRetryTime=0.5,
             connectionTimeout=2.0,
             commandsWaitLeader=True,

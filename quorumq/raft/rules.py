@@ -258,6 +258,10 @@ class LeaderClock:
         return ts
 
 
+_PASS, _HOLD, _FAIL = 0, 1, 2
+"""What a follower does with the proposals in its queue (`RaftRules._holds_proposals`)."""
+
+
 class LeaderOnly:
     """The callback of a proposal that only the leader of `term` may append
     (`RaftRules.propose_as_leader`): a node that no longer leads that term answers it
@@ -283,7 +287,7 @@ class _StampingQueue:
         queue: Any,
         stamp: Callable[[bytes], bytes],
         leads: Callable[[int], bool],
-        holds: Callable[[], bool],
+        holds: Callable[[], int],
     ) -> None:
         self.queue = queue
         self._stamp = stamp
@@ -291,10 +295,15 @@ class _StampingQueue:
         self._holds = holds
 
     def get_nowait(self) -> tuple[bytes, Any]:
-        if self._holds():
+        hold = self._holds()
+        if hold == _HOLD:
             raise _queue.Empty  # PySyncObj's loop stops taking: they wait here
         while True:
             command, callback = self.queue.get_nowait()
+            if hold == _FAIL:
+                if callback is not None:
+                    callback(None, FAIL_REASON.MISSING_LEADER)  # never sent: not applied
+                continue
             if isinstance(callback, LeaderOnly) and not self._leads(callback.term):
                 callback(None, FAIL_REASON.NOT_LEADER)
                 continue
@@ -413,6 +422,13 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     _SyncObj__raftElectionDeadline: float
     """(PySyncObj's fields, typed for the rules that set them.)"""
     _pre_vote_round: _PreVoteRound | None = None
+    _deadline_pushed = False
+    """The election deadline was pushed past a stall once (until a leader is heard or
+    this node stands)."""
+    _leader_since = 0.0
+    """When this node last became leader (monotonic seconds)."""
+    _leader_lost_at: float | None = None
+    """When this follower's connection to its leader went down (None: it is up)."""
     _last_look = 0.0
     """When this node's Raft thread last looked at the time (`_look`)."""
     awake_since = 0.0
@@ -453,16 +469,23 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     def _leads(self, term: int) -> bool:
         return bool(self._isLeader()) and self.raftCurrentTerm == term
 
-    def _holds_proposals(self) -> bool:
-        """Whether proposals wait in the queue: a follower not connected to its leader
-        keeps them (PySyncObj sent them on a connection that was down, where they were
-        lost, and their callers heard nothing until their timeout, 15 s)."""
+    def _holds_proposals(self) -> int:
+        """What happens to the proposals in the queue: a follower whose connection to
+        its leader is down keeps them for up to the longest election timeout (PySyncObj
+        sent them on the connection that was down, where they were lost, and their
+        callers heard nothing until their timeout, 15 s), then fails them as never sent
+        (MISSING_LEADER: certainly not applied), rather than keep them until the link
+        heals, maybe hours later (a follower cut off from a leader the others still
+        hear: pre-vote keeps it from standing, so the leader it knows stays)."""
         leader = self._SyncObj__raftLeader
-        return (
-            leader is not None
-            and not self._isLeader()
-            and leader not in self._SyncObj__connectedNodes
-        )
+        if leader is None or self._isLeader() or leader in self._SyncObj__connectedNodes:
+            self._leader_lost_at = None
+            return _PASS
+        now = _syncobj.monotonicTime()
+        if self._leader_lost_at is None:
+            self._leader_lost_at = now
+        limit: float = self._SyncObj__conf.raftMaxTimeout
+        return _FAIL if now - self._leader_lost_at > limit else _HOLD
 
     def _stamp_taken_command(self, command: bytes) -> bytes:
         """`command`, taken from the queue to append: stamped if it is a raw entry and this
@@ -750,6 +773,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def _SyncObj__onBecomeLeader(self) -> None:
         self._sent_commit = 0  # (a snapshot install may have taken the commit index back)
+        self._leader_since = _syncobj.monotonicTime()
         super()._SyncObj__onBecomeLeader()
         logger.info("leading at term %d", self.raftCurrentTerm)
 
@@ -805,6 +829,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
                 self._leader_closed = None  # heard from: it lives
                 self.leader_heard_at = _syncobj.monotonicTime()  # (metrics, stickiness)
                 self._pre_vote_round = None  # a late grant must not depose it
+                self._deadline_pushed = False
+                self._forget_reached_leaders()
         if snapshot_chunk and self.raftLastApplied == applied:
             # no snapshot was installed: the commit index stays (PySyncObj takes it to
             # the leader's, within this log, which this message did not check)
@@ -817,6 +843,9 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             self._set_commit_index(installed)
         if answer_through is not None:
             self._SyncObj__sendNextNodeIdx(node, nextNodeIdx=answer_through + 1, success=True)
+        answer = isinstance(message, dict) and message.get("type") == "next_node_idx"
+        if answer and self._isLeader():
+            self._answered_at[node] = _syncobj.monotonicTime()
         if (
             isinstance(message, dict)
             and message.get("type") == "next_node_idx"
@@ -943,33 +972,32 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             speakers = self.__dict__["_speakers_set"] = set()
         return speakers
 
-    def _look(self) -> bool:
-        """The Raft thread looks at the clock: a gap since its last look is a stall of
-        this node (True). What it had heard before is as old as the stall, and says
-        nothing of its peers meanwhile: as leader, each peer is taken as heard now, so
-        that no peer is judged silent (`peer_silence`) nor the majority lost
-        (PySyncObj's check-quorum) until this node has read what they sent. It still
-        holds no lease (`in_lease`) until they answer again."""
+    def _look(self) -> float | None:
+        """The Raft thread looks at the clock. A gap since its last look is a stall of
+        this node: what it heard before is as old as the stall, and says nothing of its
+        peers meanwhile (`peer_silence` counts no silence across it). Returns when the
+        stall began (None: no stall)."""
         now = _syncobj.monotonicTime()
-        stalled = bool(self._last_look) and now - self._last_look > STALL_S
+        before = self._last_look
         self._last_look = now
-        if not stalled:
-            return False
+        if not before or now - before <= STALL_S:
+            return None
         self.awake_since = now
         self.stalls += 1
-        if self.stall_aware_silence and self._isLeader():
-            last = self._SyncObj__lastResponseTime
-            for node in last:
-                last[node] = max(last[node], now)
-        return True
+        return before
 
     def _onTick(self, timeToWait: float = 0.0) -> None:
-        if self._look() and self.stall_aware_silence and not self._isLeader():
-            # a follower back from a stall reads what its leader sent before it judges
-            # the leader gone (PySyncObj looks at the deadline before it reads)
-            period: float = self._SyncObj__conf.appendEntriesPeriod
+        stalled_from = self._look()
+        if stalled_from is not None and self.stall_aware_silence and not self._isLeader():
+            # A follower whose deadline ran out during its own stall reads what its
+            # leader sent before it judges the leader gone (PySyncObj looks at the
+            # deadline before it reads); once, or a node whose every tick comes late
+            # would never stand at all.
             deadline: float = self._SyncObj__raftElectionDeadline
-            self._SyncObj__raftElectionDeadline = max(deadline, self.awake_since + 2 * period)
+            if stalled_from < deadline <= self.awake_since and not self._deadline_pushed:
+                period: float = self._SyncObj__conf.appendEntriesPeriod
+                self._SyncObj__raftElectionDeadline = self.awake_since + 2 * period
+                self._deadline_pushed = True
         self._pre_vote_gate()
         if not self.pre_vote or self._isLeader():
             super()._onTick(timeToWait)
@@ -1035,6 +1063,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         return bool(earlier) and self._majority(1 + len((round_.granted & others) | earlier))
 
     def _start_pre_vote(self, now: float) -> None:
+        self._deadline_pushed = False
         me = self._SyncObj__selfNode
         self.pre_vote_rounds += 1
         round_ = _PreVoteRound(self.pre_vote_rounds, self.raftCurrentTerm + 1, me)
@@ -1095,9 +1124,9 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         now = _syncobj.monotonicTime()
         window: float = self._SyncObj__conf.raftMinTimeout
         if self._isLeader():
-            last = self._SyncObj__lastResponseTime
+            answered = self._answered_at
             since = max(now - window, self.awake_since)
-            heard = sum(1 for n in self._SyncObj__otherNodes if last.get(n, 0.0) > since)
+            heard = sum(1 for n in self._SyncObj__otherNodes if answered.get(n, 0.0) > since)
             return self._majority(1 + heard)
         heard_at = self.leader_heard_at
         return bool(
@@ -1109,6 +1138,11 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def _is_member(self, node: Any) -> bool:
         return node in self._SyncObj__otherNodes
+
+    def _SyncObj__setCurrentTerm(self, term: int, votedForNodeId: Any) -> None:
+        if term != self.raftCurrentTerm:
+            self._pre_vote_round = None  # its grants were for a term that is gone
+        super()._SyncObj__setCurrentTerm(term, votedForNodeId)
 
     def _set_higher_term(self, term: int) -> None:
         """Take a higher term seen on the wire and follow (as PySyncObj does for a vote)."""
@@ -1155,10 +1189,11 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         if (
             round_ is None
             or message.get("term") != round_.term
+            or round_.term != self.raftCurrentTerm + 1
             or message.get("round") != round_.number
             or self._isLeader()
         ):
-            return  # late: an answer to an earlier round
+            return  # late: an answer to an earlier round, or from before a new term
         (round_.granted if message.get("granted") else round_.refused).add(node)
         if self._majority(len(round_.granted & self._SyncObj__otherNodes) + 1):
             self._start_election(transfer=False)
@@ -1184,12 +1219,25 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         known = {str(n.id) for n in self._SyncObj__otherNodes}
         if me is None or address == str(me.id) or address in known:
             return
-        reached: set[str] = self.__dict__.setdefault("_reached_leaders", set())
+        reached: dict[str, Any] = self.__dict__.setdefault("_reached_leaders", {})
         if address in reached:
             return
-        reached.add(address)
+        reached[address] = node = self.make_node(name, address)
         logger.info("reaching leader %s at %s, which this configuration lacks", name, address)
-        self._SyncObj__transport.addNode(self.make_node(name, address))
+        self._SyncObj__transport.addNode(node)
+
+    def _forget_reached_leaders(self) -> None:
+        """A leader of this configuration is heard: leaders reached outside it that are
+        still not members are dropped from the transport (it redialled them for good),
+        and any may be reached again later."""
+        reached: dict[str, Any] | None = self.__dict__.get("_reached_leaders")
+        leader = self._SyncObj__raftLeader
+        if not reached or leader is None or leader not in self._SyncObj__otherNodes:
+            return
+        members = {str(n.id) for n in self._SyncObj__otherNodes}
+        for address in sorted(set(reached) - members):
+            self._SyncObj__transport.dropNode(reached[address])
+        reached.clear()
 
     def _ignores_vote(self, node: Any, message: dict[str, Any]) -> bool:
         """Whether a vote request is dropped unread (no term taken, no vote): from a node
@@ -1521,16 +1569,37 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         """ "follower", "candidate" or "leader" (PySyncObj's Raft state; metrics)."""
         return ("follower", "candidate", "leader")[self._SyncObj__raftState]
 
+    @property
+    def _answered_at(self) -> dict[Any, float]:
+        """Per peer: when its last answer to an AppendEntries arrived (monotonic
+        seconds). PySyncObj's `lastResponseTime` also holds when this node became leader,
+        which is no answer."""
+        answered: dict[Any, float] | None = self.__dict__.get("_answered_at_map")
+        if answered is None:
+            answered = self.__dict__["_answered_at_map"] = {}
+        return answered
+
     def peer_silence(self) -> dict[str, float]:
-        """Leader only: seconds since each peer last answered an AppendEntries, counted
-        only while this node was awake to hear it (`_look`). A leader paused past the
-        node-down grace (a GC, a starved CPU, a SIGSTOP, in the middle of a tick too)
-        judged every peer down from answers it had not read yet; now a peer must stay
-        silent a whole grace after the judge wakes."""
+        """Leader only: seconds each peer has been silent, for judging it down: since its
+        last answer, or since this node became leader or last woke from a stall
+        (`_look`), whichever is latest. A leader paused past the node-down grace (a GC, a
+        starved CPU, a SIGSTOP, in the middle of a tick too) judged every peer down from
+        answers it had not read yet; now a peer must stay silent a whole grace after the
+        judge wakes."""
         self._look()
         now = _syncobj.monotonicTime()
-        last = self._SyncObj__lastResponseTime
-        return {str(node.id): now - last.get(node, 0.0) for node in self.otherNodes}
+        answered = self._answered_at
+        since = max(self._leader_since, self.awake_since if self.stall_aware_silence else 0.0)
+        return {str(n.id): now - max(answered.get(n, 0.0), since) for n in self.otherNodes}
+
+    def peer_answered_ago(self) -> dict[str, float]:
+        """Leader only: seconds since each peer last answered an AppendEntries (infinity:
+        never, to this node), for judging a down node up again: only a real answer
+        counts (a leader back from a stall, or newly elected, marked long-dead nodes up:
+        PySyncObj counts its election as an answer from every peer)."""
+        now = _syncobj.monotonicTime()
+        answered = self._answered_at
+        return {str(n.id): now - answered.get(n, -math.inf) for n in self.otherNodes}
 
 
 # ------------------------------------------------------------------ snapshots
