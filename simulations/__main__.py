@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import tomllib
@@ -17,8 +18,9 @@ from quorumq.scenarios import render as render_scenario
 
 from .faults import PROFILES
 from .node import REAL
+from .pauses import Pauses
 from .render import run_html, scenario_html
-from .runner import RunConfig, run, sweep
+from .runner import Outcome, RunConfig, run, sweep
 from .workload import WorkloadConfig
 
 
@@ -175,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     many.add_argument("--seeds", default="0:100", help="start:end (end excluded)")
     many.add_argument("--jobs", type=int, default=1, help="worker processes")
+    many.add_argument(
+        "--keep-going", action="store_true", help="run every seed; list every failing one"
+    )
+    many.add_argument(
+        "--json", type=Path, metavar="FILE", help="write failing seeds and recoveries here"
+    )
     scenario = sub.add_parser("scenario", help="replay the RabbitMQ post's event sequences")
     scenario.add_argument("name", choices=["rabbitmq-post"])
     scenario.add_argument("--render", type=Path, help="write the HTML rendering here")
@@ -222,18 +230,23 @@ def main(argv: list[str] | None = None) -> int:
     seeds = _seeds(args.seeds)
     started = time.perf_counter()
     passed = faults = 0
+    failed: list[Outcome] = []
     sim_s = 0.0
     kinds: dict[str, int] = {}
-    pauses: dict[str, list[float]] = {}
+    pauses: dict[str, list[Pauses]] = {}
     records: dict[str, int] = {}
     progress = _Progress(len(seeds))
     for outcome in sweep((_config(args, s) for s in seeds), jobs=args.jobs):
         if not outcome.ok:
             progress.done()
             print(outcome.summary)
-            print(f"first failing seed: {outcome.seed} (after {passed} passing)")
-            return 1
-        passed += 1
+            if not args.keep_going:
+                print(f"first failing seed: {outcome.seed} (after {passed} passing)")
+                _write_json(args.json, [outcome], passed, pauses)
+                return 1
+            failed.append(outcome)
+        else:
+            passed += 1
         faults += outcome.faults
         sim_s += outcome.sim_s
         for kind, n in outcome.fault_kinds.items():
@@ -242,21 +255,77 @@ def main(argv: list[str] | None = None) -> int:
             pauses.setdefault(kind, []).append(pause)
         for name, n in outcome.records.items():
             records[name] = records.get(name, 0) + n
-        progress.show(passed, time.perf_counter() - started)
+        progress.show(passed + len(failed), time.perf_counter() - started)
     progress.done()
     wall = time.perf_counter() - started
+    verdict = (
+        f"all {passed} seeds pass" if not failed else f"{len(failed)} of {len(seeds)} seeds fail"
+    )
     print(
-        f"all {passed} seeds pass: {faults} faults, {sim_s / 3600:.2f} simulated hours "
+        f"{verdict}: {faults} faults, {sim_s / 3600:.2f} simulated hours "
         f"in {wall:.0f} s wall ({sim_s / max(wall, 1e-9):.0f}x)"
     )
+    for outcome in failed:
+        reasons = ", ".join(f"{k} {n}" for k, n in outcome.violation_kinds.items())
+        print(f"  seed {outcome.seed} fails: {reasons}")
     print(", ".join(f"{name} {n}" for name, n in records.items()))
-    print("| fault kind | faults | seeds' longest confirm pause: p50 | max |")
-    print("|---|---:|---:|---:|")
-    for kind in sorted(kinds):
-        longest = sorted(pauses.get(kind, [0.0]))
-        p50 = longest[len(longest) // 2]
-        print(f"| {kind} | {kinds[kind]} | {p50:.2f} s | {longest[-1]:.2f} s |")
-    return 0
+    print("\n".join(recovery_table(pauses)))
+    _write_json(args.json, failed, passed, pauses)
+    return 1 if failed else 0
+
+
+def recovery_table(pauses: dict[str, list[Pauses]]) -> list[str]:
+    """Per fault kind, its faults' confirm recoveries pooled over the seeds (`pauses`)."""
+    lines = [
+        "confirm recovery after a fault (s from its end, from its start for a crash or a "
+        "membership change; only faults with no other fault active meanwhile are charged):",
+        "| fault kind | faults | charged | overlapped | p50 | p99 | max |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind in sorted(pauses):
+        pooled = _pooled(pauses[kind])
+        cells = [_s(pooled.p50), _s(pooled.p99), _s(pooled.max)]
+        lines.append(
+            f"| {kind} | {pooled.count} | {len(pooled.charged)} | {pooled.overlapped} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
+
+
+def _pooled(runs: list[Pauses]) -> Pauses:
+    return Pauses(sum(p.count for p in runs), tuple(v for p in runs for v in p.charged))
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def _write_json(
+    path: Path | None, failed: list[Outcome], passed: int, pauses: dict[str, list[Pauses]]
+) -> None:
+    """The sweep's outcome for programs: failing seeds and why, recoveries per kind."""
+    if path is None:
+        return
+    recovery = {}
+    for kind, runs in sorted(pauses.items()):
+        pooled = _pooled(runs)
+        recovery[kind] = {
+            "faults": pooled.count,
+            "charged": len(pooled.charged),
+            "overlapped": pooled.overlapped,
+            "p50_s": pooled.p50,
+            "p99_s": pooled.p99,
+            "max_s": pooled.max,
+        }
+    data = {
+        "passed": passed,
+        "failed": [
+            {"seed": o.seed, "violations": o.violation_kinds, "summary": o.summary} for o in failed
+        ],
+        "recovery": recovery,
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 class _Progress:

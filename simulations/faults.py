@@ -289,6 +289,8 @@ class Injector:
         self.history = history
         self.injected: Counter[str] = Counter()
         self.skipped: Counter[str] = Counter()
+        self.fired: list[Fault] = []
+        """The faults injected (not skipped), at the times they fired."""
         self._down_until: dict[str, int] = {}
         self._partitions = 0
         self._healed = False
@@ -299,6 +301,7 @@ class Injector:
 
     def _done(self, fault: Fault, detail: str = "") -> None:
         self.injected[fault.kind] += 1
+        self.fired.append(fault)
         self.world.trace(f"fault {fault.describe()} {detail}")
         if self.history is not None:
             self.history.fault(fault, detail)

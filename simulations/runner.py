@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TextIO
@@ -134,9 +135,10 @@ class Result:
     members: tuple[str, ...]
     """The members at the end."""
     confirm_pauses: dict[str, Pauses]
-    """Per fault kind: how long publishers waited for confirms around its faults."""
+    """Per fault kind: how long publishers waited for a confirm after its faults
+    (`pauses`: from a fault's end, or its start for a crash, with no other fault active)."""
     delivery_pauses: dict[str, Pauses]
-    """Per fault kind: how long consumers waited for first deliveries."""
+    """Per fault kind: how long consumers waited for a first delivery, likewise."""
     history: Any = attrs.field(eq=False, repr=False)
 
     @property
@@ -272,7 +274,6 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         start = world.now_us
         injector.play([attrs.evolve(f, at_s=f.at_s + seconds(start)) for f in faults])
         heal_at = start + micros(fault_phase_s)
-        windows = [(f.kind, f.at_s + seconds(start), f.duration_s) for f in faults]
         world.run_until(heal_at, stop)
         injector.heal()
         for p in producers:
@@ -310,6 +311,7 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         converge_probe()
         world.run_until(end + micros(config.converge_s), lambda: converged[0] or stop())
         converged_after = seconds(world.now_us - end)
+        windows = [(f.kind, f.at_s, f.duration_s) for f in injector.fired]
         counts = checker.finish(_members_running(cluster), drained[0])
         end_state = tuple(describe_node(n) for n in cluster.running())
         members = tuple(sorted(_members(cluster)))
@@ -444,8 +446,10 @@ class Outcome:
     """Faults injected, by kind."""
     records: dict[str, int] = attrs.field(factory=dict)
     """published, confirmed, lost, duplicated, redelivered."""
-    confirm_pauses: dict[str, float] = attrs.field(factory=dict)
-    """Per fault kind, the longest confirm pause around one of its faults."""
+    confirm_pauses: dict[str, Pauses] = attrs.field(factory=dict)
+    """Per fault kind, the confirm recoveries of its faults (`pauses`)."""
+    violation_kinds: dict[str, int] = attrs.field(factory=dict)
+    """Violations by kind (a failing run's reasons)."""
 
 
 def outcome(config: RunConfig) -> Outcome:
@@ -467,7 +471,8 @@ def outcome(config: RunConfig) -> Outcome:
             "duplicated": c["duplicated"],
             "redelivered": result.redeliveries,
         },
-        confirm_pauses={k: p.max for k, p in result.confirm_pauses.items()},
+        confirm_pauses=dict(result.confirm_pauses),
+        violation_kinds=dict(sorted(Counter(v.kind for v in result.violations).items())),
     )
 
 
