@@ -17,8 +17,9 @@ from quorumq.scenarios import SCENARIOS
 from quorumq.scenarios import render as render_scenario
 
 from .faults import PROFILES
+from .liveness import LivenessReport
 from .node import REAL
-from .pauses import Pauses
+from .pauses import Pauses, quantile
 from .render import run_html, scenario_html
 from .runner import Outcome, RunConfig, run, sweep
 from .workload import WorkloadConfig
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds: dict[str, int] = {}
     pauses: dict[str, list[Pauses]] = {}
     records: dict[str, int] = {}
+    reports: list[tuple[int, LivenessReport]] = []
     progress = _Progress(len(seeds))
     for outcome in sweep((_config(args, s) for s in seeds), jobs=args.jobs):
         if not outcome.ok:
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             print(outcome.summary)
             if not args.keep_going:
                 print(f"first failing seed: {outcome.seed} (after {passed} passing)")
-                _write_json(args.json, [outcome], passed, pauses)
+                _write_json(args.json, [outcome], passed, pauses, reports)
                 return 1
             failed.append(outcome)
         else:
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             pauses.setdefault(kind, []).append(pause)
         for name, n in outcome.records.items():
             records[name] = records.get(name, 0) + n
+        if outcome.liveness is not None:
+            reports.append((outcome.seed, outcome.liveness))
         progress.show(passed + len(failed), time.perf_counter() - started)
     progress.done()
     wall = time.perf_counter() - started
@@ -269,9 +273,28 @@ def main(argv: list[str] | None = None) -> int:
         reasons = ", ".join(f"{k} {n}" for k, n in outcome.violation_kinds.items())
         print(f"  seed {outcome.seed} fails: {reasons}")
     print(", ".join(f"{name} {n}" for name, n in records.items()))
+    print(liveness_line([r for _, r in reports]))
     print("\n".join(recovery_table(pauses)))
-    _write_json(args.json, failed, passed, pauses)
+    _write_json(args.json, failed, passed, pauses, reports)
     return 1 if failed else 0
+
+
+def liveness_line(reports: list[LivenessReport]) -> str:
+    """After the heal, over the seeds: when the cluster came back; the false downs."""
+    caught = [r.caught_up_after_s for r in reports if r.caught_up_after_s is not None]
+    confirmed = [r.confirmed_after_s for r in reports if r.confirmed_after_s is not None]
+    bounds = [r.bound.total_s for r in reports if r.bound is not None]
+    churned = sum(1 for r in reports if r.leaderships_after_bound)
+    false_downs = sum(len(r.false_downs) for r in reports)
+    downs = sum(r.downs for r in reports)
+    return (
+        f"after heal (p50 / max over seeds): caught up {_s(quantile(caught, 0.5))} / "
+        f"{_s(max(caught, default=None))} (bounds {_s(min(bounds, default=None))} to "
+        f"{_s(max(bounds, default=None))}; {len(reports) - len(caught)} seeds never), first "
+        f"confirm {_s(quantile(confirmed, 0.5))} / {_s(max(confirmed, default=None))}; "
+        f"{churned} seeds changed leader past the bound; node downs {downs}, false "
+        f"{false_downs} (in {sum(1 for r in reports if r.false_downs)} seeds)"
+    )
 
 
 def recovery_table(pauses: dict[str, list[Pauses]]) -> list[str]:
@@ -302,7 +325,11 @@ def _s(value: float | None) -> str:
 
 
 def _write_json(
-    path: Path | None, failed: list[Outcome], passed: int, pauses: dict[str, list[Pauses]]
+    path: Path | None,
+    failed: list[Outcome],
+    passed: int,
+    pauses: dict[str, list[Pauses]],
+    reports: list[tuple[int, LivenessReport]],
 ) -> None:
     """The sweep's outcome for programs: failing seeds and why, recoveries per kind."""
     if path is None:
@@ -320,6 +347,19 @@ def _write_json(
         }
     data = {
         "passed": passed,
+        "liveness": [
+            {
+                "seed": seed,
+                "bound_s": r.bound.total_s if r.bound else None,
+                "caught_up_after_s": r.caught_up_after_s,
+                "confirmed_after_s": r.confirmed_after_s,
+                "leaderships_after_heal": r.leaderships_after_heal,
+                "leaderships_after_bound": r.leaderships_after_bound,
+                "downs": r.downs,
+                "false_downs": len(r.false_downs),
+            }
+            for seed, r in reports
+        ],
         "failed": [
             {"seed": o.seed, "violations": o.violation_kinds, "summary": o.summary} for o in failed
         ],

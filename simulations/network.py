@@ -243,6 +243,14 @@ class Network:
     def is_up(self, a: str, b: str) -> bool:
         return _pair(a, b) in self.up
 
+    def reachable(self, a: str, b: str) -> bool:
+        """Whether `a` and `b` can talk: both run, neither is paused, each knows the
+        other, no partition cuts them and neither direction is delayed by a connection
+        timeout or more (a connection that stays silent that long is closed). The
+        connection itself may be down for a moment (a reset, a redial)."""
+        delay = max(self.extra_delay_us.get((a, b), 0), self.extra_delay_us.get((b, a), 0))
+        return self._wanted(_pair(a, b)) and delay < self.connection_timeout_us
+
     # ------------------------------------------------------------ connections
 
     def _heal(self, pair: Pair) -> None:

@@ -33,6 +33,7 @@ from .faults import (
     schedule,
 )
 from .history import History
+from .liveness import Liveness, LivenessReport
 from .node import REAL, SimNode, Variant
 from .operator import Operator
 from .pauses import Pauses, fault_pauses, pause_table
@@ -139,6 +140,8 @@ class Result:
     (`pauses`: from a fault's end, or its start for a crash, with no other fault active)."""
     delivery_pauses: dict[str, Pauses]
     """Per fault kind: how long consumers waited for a first delivery, likewise."""
+    liveness: LivenessReport
+    """After the heal: the bound, when the cluster came back; the false downs."""
     history: Any = attrs.field(eq=False, repr=False)
 
     @property
@@ -181,6 +184,7 @@ class Result:
             + f"; replicas converged {self.converged_after_s:.1f} s later",
             f"trace {self.trace_hash}",
         ]
+        lines[-1:-1] = self.liveness.lines()
         if self.confirm_pauses:
             lines[-1:-1] = pause_table(self.confirm_pauses, self.delivery_pauses)
         if self.config.workload.retry_backoff_ms is not None:
@@ -223,7 +227,8 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         retry_backoff_ms=config.workload.retry_backoff_ms,
     )
     history = History(world, cluster.hosts, QUEUE)
-    cluster.observers += [checker, history]
+    liveness = Liveness(cluster, checker, grace_s=config.grace_s)
+    cluster.observers += [checker, history, liveness]
     stop: Callable[[], bool] = (
         (lambda: checker.violation_count > 0) if config.stop_at_violation else (lambda: False)
     )
@@ -237,6 +242,7 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         cluster.wall_offset_ms.update(born.wall_offsets_ms)
         for name in cluster.names:
             cluster.start(name)
+        liveness.start()
         _hand_leadership_over(cluster, born.handovers)
         declare(cluster, config.workload.queue_options())
         world.run_until(world.now_us + 30 * US, lambda: QUEUE in _queues(cluster))
@@ -277,7 +283,11 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         world.run_until(heal_at, stop)
         injector.heal()
         for p in producers:
-            p.producing = False
+            p.last_batch()
+        liveness.heal(
+            confirm_expected=any(p.unconfirmed for p in producers),
+            client_s=config.workload.request_timeout_s + config.workload.reconnect_s[1],
+        )
         for c in consumers:
             c.slow = False  # slowness is a fault too: it ends with the heal
         drained = [False]
@@ -292,6 +302,8 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         world.run_until(heal_at + micros(config.drain_s), lambda: drained[0] or stop())
         if drained[0]:
             drained_at = world.now_us
+        if not stop():  # the leadership is watched this long at least
+            world.run_until(max(world.now_us, liveness.watch_until_us()), stop)
         converged = [False]
 
         def converge_probe() -> None:
@@ -340,6 +352,7 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         members=members,
         confirm_pauses=fault_pauses(windows, checker.confirm_times_s, seconds(heal_at)),
         delivery_pauses=fault_pauses(windows, checker.first_delivery_times_s, seconds(heal_at)),
+        liveness=liveness.report(),
         history=history,
     )
 
@@ -450,6 +463,7 @@ class Outcome:
     """Per fault kind, the confirm recoveries of its faults (`pauses`)."""
     violation_kinds: dict[str, int] = attrs.field(factory=dict)
     """Violations by kind (a failing run's reasons)."""
+    liveness: LivenessReport | None = None
 
 
 def outcome(config: RunConfig) -> Outcome:
@@ -473,6 +487,7 @@ def outcome(config: RunConfig) -> Outcome:
         },
         confirm_pauses=dict(result.confirm_pauses),
         violation_kinds=dict(sorted(Counter(v.kind for v in result.violations).items())),
+        liveness=result.liveness,
     )
 
 
