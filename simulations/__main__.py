@@ -16,7 +16,7 @@ from quorumq.cli import backoff_ms
 from quorumq.scenarios import SCENARIOS
 from quorumq.scenarios import render as render_scenario
 
-from .faults import PROFILES
+from .faults import PROFILES, kinds_of
 from .liveness import LivenessReport
 from .node import REAL
 from .pauses import Pauses, quantile
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument(
         "--faults",
         default="default",
-        help=f"a profile ({', '.join(sorted(PROFILES))}) or fault kinds separated by commas",
+        help=f"a profile ({', '.join(sorted(PROFILES))}) or fault kinds separated by commas "
+        f"({', '.join(sorted(set(PROFILES['hostile'])))})",
     )
     common.add_argument(
         "--steps", type=int, default=3000, help="fault phase, in 10 ms steps (default 30 s)"
@@ -199,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             _config(args, 0).workload.queue_options()
         except (TypeError, ValueError) as e:
             parser.error(f"queue options: {e}")
+        try:
+            kinds_of(args.faults)
+        except ValueError as e:
+            parser.error(f"--faults: {e}")
 
     if args.command == "scenario":
         scenarios = list(SCENARIOS.values())

@@ -25,7 +25,8 @@ The bound (`heal_bound`):
   then, and every crashed or paused node runs again;
 * `ELECTIONS` (3) elections of at most the longest election timeout (0.6 s): a split
   vote, or one vote request from a node that rejoins with a higher term;
-* catch-up, in heartbeat periods (appendEntriesPeriod, 62.5 ms): `CATCH_UP_ROUNDS`
+* catch-up, in heartbeats (a leader sends one at its first tick past
+  appendEntriesPeriod: 100 ms with its 62.5 ms and 50 ms ticks): `CATCH_UP_ROUNDS`
   (4) to find where a follower's log matches, send what it lacks, tell it the commit
   index and apply; one round per term in the longest uncommitted tail a running node
   holds at the heal (`conflict_terms`: a leader that skips a conflicting term per
@@ -432,7 +433,7 @@ def heal_bound(cluster: Cluster, committed: int, client_s: float = 0.0) -> HealB
         return HealBound(
             reconnect_s=seconds(cluster.network.retry_us[1]),
             election_s=cluster.raft_timeouts[1],
-            heartbeat_s=min(0.1, cluster.raft_timeouts[0] / 4),
+            heartbeat_s=0.1,
             client_s=client_s,
         )
     conf = running[0].member._SyncObj__conf
@@ -447,10 +448,11 @@ def heal_bound(cluster: Cluster, committed: int, client_s: float = 0.0) -> HealB
             terms.add(log[i][2])
         conflict_terms = max(conflict_terms, len(terms))
         transfer = max(transfer, _transfer_rounds(top, _last_applied(node), conf))
+    tick_s = seconds(running[0].tick_us)
     return HealBound(
         reconnect_s=seconds(cluster.network.retry_us[1]),
         election_s=conf.raftMaxTimeout,
-        heartbeat_s=conf.appendEntriesPeriod,
+        heartbeat_s=math.ceil(conf.appendEntriesPeriod / tick_s - 1e-9) * tick_s,
         conflict_terms=conflict_terms,
         transfer_rounds=transfer,
         client_s=client_s,
@@ -473,7 +475,7 @@ def _transfer_rounds(top: SimNode, applied: int, conf: Any) -> int:
 
 def _running(node: SimNode) -> bool:
     """Its process runs and its Raft thread is not held up."""
-    return node.alive and not node.paused
+    return node.alive and not node.paused and not node.stalled
 
 
 def _last_applied(node: SimNode) -> int:

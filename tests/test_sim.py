@@ -77,6 +77,12 @@ def ci_config(seed: int, **changes: object) -> RunConfig:
     return attrs.evolve(config, **changes)
 
 
+def control_config(seed: int, **changes: object) -> RunConfig:
+    """`ci_config` with the fault profile the negative controls' seeds were found with
+    (`tcp`: the default profile before the liveness faults)."""
+    return ci_config(seed, **{"faults": "tcp", **changes})
+
+
 # ------------------------------------------------------------------ the parts
 
 
@@ -365,16 +371,19 @@ _TRACE_SNIPPET = (
     "from simulations.workload import WorkloadConfig;"
     "w = WorkloadConfig(rate=10);"
     "t = WorkloadConfig(rate=10, message_ttl_ms=4000);"
-    "a = run(RunConfig(seed=11, steps=1200, fault_interval_s=0.6, workload=t));"
+    "a = run(RunConfig(seed=11, steps=1200, fault_interval_s=0.6, workload=t, faults='tcp'));"
     "b = run(RunConfig(seed=22, steps=1200, fault_interval_s=0.6, workload=w,"
-    " compaction_entries=30));"
-    "print(a.trace_hash, a.ok, b.trace_hash, b.ok, b.snapshots['installed'])"
+    " compaction_entries=30, faults='tcp'));"
+    "c = run(RunConfig(seed=34, steps=1200, fault_interval_s=0.6, workload=w,"
+    " faults='liveness'));"
+    "print(a.trace_hash, a.ok, b.trace_hash, b.ok, b.snapshots['installed'], c.trace_hash)"
 )
 
 
 @pytest.mark.slow
 def test_same_seed_same_trace_across_processes_and_hash_seeds() -> None:
-    """Seed 22 with compaction writes, sends, installs and refuses snapshots."""
+    """Seed 22 with compaction writes, sends, installs and refuses snapshots (found with
+    the `tcp` profile); seed 34 stalls, pauses mid-tick, delays and isolates nodes."""
     hashes = set()
     for hash_seed in ("0", "1", "4242"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
@@ -387,10 +396,14 @@ def test_same_seed_same_trace_across_processes_and_hash_seeds() -> None:
             timeout=300,
         )
         hashes.add(done.stdout.strip())
-    a = run(ci_config(11, steps=1200, compaction_entries=None))
-    b = run(ci_config(22, steps=1200, compaction_entries=30))
+    a = run(control_config(11, steps=1200, compaction_entries=None))
+    b = run(control_config(22, steps=1200, compaction_entries=30))
+    c = run(ci_config(34, steps=1200, faults="liveness", compaction_entries=None))
     assert b.snapshots["installed"] >= 2 and b.snapshots["refused"] >= 1
-    expected = f"{a.trace_hash} {a.ok} {b.trace_hash} {b.ok} {b.snapshots['installed']}"
+    assert {"slow_host", "pause_mid_tick", "one_way_delay", "lone_candidate"} <= set(c.faults)
+    expected = (
+        f"{a.trace_hash} {a.ok} {b.trace_hash} {b.ok} {b.snapshots['installed']} {c.trace_hash}"
+    )
     assert hashes == {expected}
 
 
@@ -448,6 +461,8 @@ def test_negative_control_delivering_to_non_local_consumers_is_caught() -> None:
 # `DurableJournal`, `ClientSession`), so the patch is to the code a real node runs.
 # A change that shifts the runs (say, a longer frame) can move which seeds catch a
 # control: find them again by running the patched code over the first 100 CI seeds.
+# The seeds were found with the `tcp` fault profile (the default one before issue 27
+# added the liveness faults): `control_config` keeps it.
 
 
 def _kinds(config: RunConfig) -> set[str]:
@@ -460,13 +475,13 @@ def test_consumers_served_nowhere_must_be_downed(monkeypatch: pytest.MonkeyPatch
     keeps its messages for good (seed 1; 17 of the first 40 seeds)."""
     from quorumq.node.core import LOST_CONSUMERS_EVERY_S, NodeCore
 
-    assert run(ci_config(1)).ok
+    assert run(control_config(1)).ok
 
     def no_sweep(self: NodeCore) -> None:
         self.call_later(LOST_CONSUMERS_EVERY_S, self._down_lost_consumers)
 
     monkeypatch.setattr(NodeCore, "_down_lost_consumers", no_sweep)
-    assert _kinds(ci_config(1)) & {"unsettled", "lost", "liveness"}
+    assert _kinds(control_config(1)) & {"unsettled", "lost", "liveness"}
 
 
 def _settle_without_resettling(monkeypatch: pytest.MonkeyPatch, *, retry_failed: bool) -> None:
@@ -504,9 +519,9 @@ def test_an_ack_lost_to_a_leader_change_is_proposed_again(
     """An ack or nack whose proposal failed (leader change, timeout) is proposed again
     by the node core: without it the consumer's messages stay held (seed 0; 24 of the
     first 60 seeds)."""
-    assert run(ci_config(0)).ok
+    assert run(control_config(0)).ok
     _settle_without_resettling(monkeypatch, retry_failed=False)
-    assert _kinds(ci_config(0)) & {"unsettled", "liveness"}
+    assert _kinds(control_config(0)) & {"unsettled", "liveness"}
 
 
 def test_a_gathered_ack_refused_for_one_offset_is_settled_again_for_the_rest(
@@ -516,9 +531,9 @@ def test_a_gathered_ack_refused_for_one_offset_is_settled_again_for_the_rest(
     offsets, one of them returned by the consumer's own nack of an earlier message of
     its key, is refused whole (`not_held`); the node core must settle the other offset
     again, or it stays held (seed 0; seeds 0, 4 and 6 of the first 7)."""
-    assert run(ci_config(0)).ok
+    assert run(control_config(0)).ok
     _settle_without_resettling(monkeypatch, retry_failed=True)
-    assert _kinds(ci_config(0)) & {"unsettled", "liveness"}
+    assert _kinds(control_config(0)) & {"unsettled", "liveness"}
 
 
 def test_an_ack_that_drops_an_offset_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -541,7 +556,7 @@ def test_an_ack_that_drops_an_offset_is_caught(monkeypatch: pytest.MonkeyPatch) 
         real(self, command, conn, attempt, answered)  # type: ignore[arg-type]
 
     monkeypatch.setattr(NodeCore, "settle", settle)
-    assert _kinds(ci_config(1)) & {"unsettled", "liveness"}
+    assert _kinds(control_config(1)) & {"unsettled", "liveness"}
 
 
 def test_a_restarted_ex_leader_runs_the_effects_of_what_replaced_its_tail(
@@ -553,11 +568,15 @@ def test_a_restarted_ex_leader_runs_the_effects_of_what_replaced_its_tail(
     the only one of the first 359; it moves whenever Raft's timing does)."""
     from quorumq.raft.journal import DurableJournal
 
-    assert run(ci_config(358)).ok
+    # The restarted node's journal holds a 109-entry tail the leader replaces one entry
+    # per heartbeat (PySyncObj 0.3.17): 11 s, past the heal bound (`heal_catch_up`, to
+    # go with the conflict hints of issue 27). The run goes on past it: it drains.
+    config = control_config(358, stop_at_violation=False)
+    assert _kinds(config) <= {"heal_catch_up"}
     monkeypatch.setattr(
         DurableJournal, "replay_until", property(lambda self: self.last_index_at_open)
     )
-    assert _kinds(ci_config(358)) & {"unsettled", "lost", "liveness"}
+    assert _kinds(config) & {"unsettled", "lost", "liveness"}
 
 
 def test_a_node_that_installs_a_snapshot_must_send_what_it_skipped(
@@ -569,9 +588,9 @@ def test_a_node_that_installs_a_snapshot_must_send_what_it_skipped(
     up to 2 s of simulated time; it moves whenever Raft's timing does)."""
     from quorumq.node.core import NodeCore
 
-    assert run(ci_config(253)).ok
+    assert run(control_config(253)).ok
     monkeypatch.setattr(NodeCore, "state_replaced", lambda self: None)
-    assert _kinds(ci_config(253)) & {"lost", "liveness", "unsettled"}
+    assert _kinds(control_config(253)) & {"lost", "liveness", "unsettled"}
 
 
 def test_a_proposal_pysyncobj_never_answers_must_time_out(
@@ -583,9 +602,9 @@ def test_a_proposal_pysyncobj_never_answers_must_time_out(
     the first 240; rare, it moves whenever Raft's timing does)."""
     from quorumq.replica import InFlight
 
-    assert run(ci_config(239)).ok
+    assert run(control_config(239)).ok
     monkeypatch.setattr(InFlight, "expire", lambda self, now, error: None)
-    assert _kinds(ci_config(239)) & {"lost", "unsettled", "liveness"}
+    assert _kinds(control_config(239)) & {"lost", "unsettled", "liveness"}
 
 
 def test_a_follower_must_refuse_a_leader_snapshot_older_than_what_it_applied(
@@ -593,9 +612,9 @@ def test_a_follower_must_refuse_a_leader_snapshot_older_than_what_it_applied(
 ) -> None:
     """Without the refusal (`RaftRules.accept_leader_snapshot`) a follower goes back to
     an older state (seeds 21, 45 and 53 of the first 54)."""
-    assert run(ci_config(21)).ok
+    assert run(control_config(21)).ok
     monkeypatch.setattr(RaftRules, "accept_leader_snapshot", lambda self, index, term: True)
-    assert "rollback" in _kinds(ci_config(21))
+    assert "rollback" in _kinds(control_config(21))
 
 
 def test_a_retry_delay_the_machine_does_not_keep_is_caught(
@@ -607,7 +626,7 @@ def test_a_retry_delay_the_machine_does_not_keep_is_caught(
     caught by the checker (`retry_early`, seed 0)."""
     from quorumq.machine.queue import QueueState
 
-    config = ci_config(0, workload=attrs.evolve(CI_WORKLOAD, retry_backoff_ms=(100, 2000)))
+    config = control_config(0, workload=attrs.evolve(CI_WORKLOAD, retry_backoff_ms=(100, 2000)))
     result = run(config)
     assert result.ok, result.summary()
     assert result.counts["retries_held"] > 20
@@ -620,7 +639,7 @@ def test_a_producers_first_batch_overtaken_by_its_second_is_not_lost() -> None:
     second batch reached the log before its first, the queue took it as the producer's
     start, and the first was confirmed as a duplicate, never enqueued."""
     for seed in (215, 315, 382):
-        outcome = run(ci_config(seed, compaction_entries=None))
+        outcome = run(control_config(seed, compaction_entries=None))
         assert outcome.ok, outcome.summary
 
 
@@ -630,9 +649,9 @@ def test_queue_time_from_an_unclamped_wall_clock_is_caught_by_the_clock_faults(
     """Every run skews and jumps the hosts' wall clocks. With the leader stamping its
     raw wall clock (no anchor, no bound), seed 2's queue time runs days ahead
     (`time_ahead`: TTLs expire early, producers are forgotten); the real clock passes."""
-    assert run(ci_config(2)).ok
+    assert run(control_config(2)).ok
     monkeypatch.setattr(LeaderClock, "now", lambda self, term: max(0, self.wall_ms()))
-    assert "time_ahead" in _kinds(ci_config(2))
+    assert "time_ahead" in _kinds(control_config(2))
 
 
 def test_a_leader_that_anchored_at_its_wrong_wall_clock_and_leads_again_is_caught(
@@ -643,7 +662,7 @@ def test_a_leader_that_anchored_at_its_wrong_wall_clock_and_leads_again_is_caugh
     wall clock, from a term in which it stamped nothing), the node moves queue time by
     its skew when it leads again (`time_ahead`; found by a real-process test, CI); the
     real clock passes. Seeds 88, 173 and 182 of the first 200 catch it too."""
-    assert run(ci_config(18)).ok
+    assert run(control_config(18)).ok
 
     def keeps_its_earlier_anchor(self: LeaderClock, term: int, replicated_ms: int) -> None:
         base = replicated_ms if replicated_ms > 0 else max(0, self.wall_ms())
@@ -651,7 +670,7 @@ def test_a_leader_that_anchored_at_its_wrong_wall_clock_and_leads_again_is_caugh
         self._anchor = (term, self._last, self.monotonic())
 
     monkeypatch.setattr(LeaderClock, "take_over", keeps_its_earlier_anchor)
-    assert "time_ahead" in _kinds(ci_config(18))
+    assert "time_ahead" in _kinds(control_config(18))
 
 
 def test_a_journal_that_cuts_at_damage_instead_of_refusing_is_caught(
@@ -665,11 +684,11 @@ def test_a_journal_that_cuts_at_damage_instead_of_refusing_is_caught(
     journal the damaged node refuses to start."""
     from quorumq.raft.journal import DurableJournal
 
-    assert run(ci_config(160)).ok and run(ci_config(212)).ok
+    assert run(control_config(160)).ok and run(control_config(212)).ok
     monkeypatch.setattr(DurableJournal, "_check_cut", lambda self, data, pos: None)
     monkeypatch.setattr(DurableJournal, "_check_commit_index", lambda self: None)
-    assert {"log", "lost"} <= _kinds(ci_config(160))
-    assert {"log", "lost"} <= _kinds(ci_config(212))
+    assert {"log", "lost"} <= _kinds(control_config(160))
+    assert {"log", "lost"} <= _kinds(control_config(212))
 
 
 def test_a_leader_clock_that_follows_its_wall_clock_within_a_bound_is_caught(
@@ -678,7 +697,7 @@ def test_a_leader_clock_that_follows_its_wall_clock_within_a_bound_is_caught(
     """The leader clock as it was: the monotonic time since take-over, pulled toward the
     wall clock by up to a second. A node days ahead gained a second per term it led;
     20 of the first 60 CI seeds catch it (seed 4: `time_ahead`)."""
-    assert run(ci_config(4)).ok
+    assert run(control_config(4)).ok
 
     def follows_the_wall_clock(self: LeaderClock, term: int) -> int | None:
         anchor = self._anchor
@@ -691,7 +710,7 @@ def test_a_leader_clock_that_follows_its_wall_clock_within_a_bound_is_caught(
         return ts
 
     monkeypatch.setattr(LeaderClock, "now", follows_the_wall_clock)
-    assert "time_ahead" in _kinds(ci_config(4))
+    assert "time_ahead" in _kinds(control_config(4))
 
 
 def test_entries_stamped_when_proposed_expire_early(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -704,7 +723,7 @@ def test_entries_stamped_when_proposed_expire_early(monkeypatch: pytest.MonkeyPa
     from quorumq.codec import stamp_entry
     from quorumq.raft.rules import RAW_COMMAND
 
-    assert run(ci_config(2)).ok
+    assert run(control_config(2)).ok
 
     def stamp_when_proposed(
         self: RaftRules, command: bytes, callback: object, kind: object = None
@@ -720,7 +739,7 @@ def test_entries_stamped_when_proposed_expire_early(monkeypatch: pytest.MonkeyPa
         RaftRules, "use_leader_clock", lambda self, clock: setattr(self, "leader_clock", clock)
     )
     monkeypatch.setattr(RaftRules, "_applyCommand", stamp_when_proposed)
-    assert "early_expiry" in _kinds(ci_config(2))
+    assert "early_expiry" in _kinds(control_config(2))
 
 
 # ------------------------------------------------------------------- CI sweep

@@ -8,9 +8,12 @@ from typing import Any
 
 import pytest
 
+from simulations.__main__ import main
 from simulations.checker import Checker
 from simulations.cluster import Cluster
+from simulations.faults import LIVENESS_KINDS, PROFILES, Fault, kinds_of
 from simulations.liveness import ELECTIONS, HealBound, Liveness
+from simulations.network import Network
 from simulations.world import US, World, micros, patched_pysyncobj
 
 # ------------------------------------------------------------------ the bound
@@ -120,3 +123,120 @@ def test_a_node_is_healthy_while_it_runs_connected_to_a_majority(
     assert _healthy(liveness) == {"A", "C"}
     cluster.crash("C")
     assert _healthy(liveness) == set()  # A and a paused B: no majority
+
+
+# ------------------------------------------------------------ the new faults
+
+
+def test_the_liveness_fault_kinds_are_in_the_default_profile_and_can_be_named() -> None:
+    default = PROFILES["default"]
+    assert set(LIVENESS_KINDS) <= set(default)
+    share = sum(default.count(k) for k in LIVENESS_KINDS) / len(default)
+    assert 0.2 < share < 0.3  # weighted: a quarter of the default profile's faults
+    assert kinds_of("slow_host,pause_mid_tick,one_way_delay,lone_candidate") == LIVENESS_KINDS
+    assert set(kinds_of("liveness")) == {"kill_leader", "partition", *LIVENESS_KINDS}
+    with pytest.raises(SystemExit):
+        main(["run", "--seed", "1", "--faults", "slow_host,meteor"])
+
+
+def test_faults_describe_themselves_with_units() -> None:
+    def text(**kw: Any) -> str:
+        return Fault(at_s=12.3, **kw).describe()
+
+    assert (
+        text(kind="one_way_delay", nodes=("A", "B"), duration_s=3, amount=1.2)
+        == "  12.30 s one_way_delay A->B +1.2 s for 3.00 s"
+    )
+    assert text(kind="slow_host", nodes=("C",), duration_s=0.85).endswith("C stalls 0.85 s")
+    assert text(kind="slow_host", duration_s=0.85).endswith("slow_host stalls 0.85 s")
+    assert text(kind="clock_skew", nodes=("A",), amount=-3 * 3_600_000).endswith("A off by -3.0 h")
+    assert text(kind="lone_candidate", nodes=("B",), duration_s=2).endswith("B for 2.00 s")
+    assert text(kind="drop", duration_s=1, amount=0.1).endswith("p=0.1 for 1.00 s")
+
+
+def test_an_isolated_node_stays_cut_off_across_partitions_and_delays_keep_the_longest() -> None:
+    network = Network(World(1), ["A", "B", "C"])
+    network.partition([["A"], ["B", "C"]])
+    network.isolate("C")
+    assert network.cut == {("A", "B"), ("A", "C"), ("B", "C")}
+    network.partition([["A", "B", "C"]])  # the partition ends: C is still alone
+    assert network.cut == {("A", "C"), ("B", "C")}
+    network.rejoin("C")
+    assert network.cut == set()
+    network.delay("A", "B", 100_000)
+    network.delay("A", "B", 1_000_000)
+    assert network.extra_delay_us == {("A", "B"): 1_000_000}
+    network.undelay("A", "B", 1_000_000)
+    assert network.extra_delay_us == {("A", "B"): 100_000}
+    network.undelay("A", "B", 100_000)
+    assert network.extra_delay_us == {}
+
+
+def test_a_stalled_raft_thread_keeps_its_connections_and_reads_its_backlog_late(
+    three: tuple[Cluster, Liveness],
+) -> None:
+    cluster, _ = three
+    world, network = cluster.world, cluster.network
+    leader = cluster.leader()
+    assert leader is not None
+    pairs = {(leader.name, n) for n in cluster.names if n != leader.name}
+    term = leader.member.raftCurrentTerm
+    leader.stall(world.now_us + US)
+    world.run_until(world.now_us + US - 1000)
+    assert network.inbox[leader.name]  # answers and votes wait, unread
+    assert all(network.is_up(a, b) for a, b in pairs)  # no pause: connections stay
+    assert leader.member.raftCurrentTerm == term  # it has not read the new term yet
+    world.run_until(world.now_us + 2000)
+    assert not network.inbox[leader.name]
+    assert leader.member.raftCurrentTerm > term  # read: another leads now
+    assert not leader.member.is_leader()
+
+
+class _Duties:
+    """Records the failure commands leaders propose, and when."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.world = cluster.world
+        self.proposed: list[tuple[int, str, str, bool]] = []
+
+    def on_failure_command(self, node: Any, command: Any) -> None:
+        leading = node.member.is_leader()
+        self.proposed.append((self.world.now_us, node.name, str(command), leading))
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args: None
+
+
+@pytest.mark.parametrize("mid_tick", [True, False])
+def test_a_leader_paused_mid_tick_does_its_duties_before_it_reads(
+    three: tuple[Cluster, Liveness], mid_tick: bool
+) -> None:
+    """Resumed from the seam, a leader paused past the grace period still believes it
+    leads and takes its own silence for its peers': it proposes their downs before
+    its poll reads the new term. Paused between ticks, it reads first."""
+    cluster, _ = three
+    world = cluster.world
+    duties = _Duties(cluster)
+    cluster.observers.append(duties)  # type: ignore[arg-type]
+    leader = cluster.leader()
+    assert leader is not None
+    if mid_tick:
+        leader.pause_at_seam_us = 7 * US
+        world.run_until(world.now_us + US, lambda: leader.paused)  # at its next tick
+        assert leader.paused and leader.member.duties_deferred
+        resumed = world.now_us + 7 * US
+    else:
+        cluster.pause(leader.name)
+        resumed = world.now_us + 7 * US
+        world.after(7 * US, cluster.resume, leader.name)
+    world.run_until(resumed + US)
+    mine = [(t, c, leading) for t, n, c, leading in duties.proposed if n == leader.name]
+    if mid_tick:
+        others = sorted(n for n in cluster.names if n != leader.name)
+        assert [c for t, c, _ in mine if t <= resumed + 1000] == [
+            f"NodeDown(node='{n}')" for n in others
+        ]
+        assert all(leading for _, _, leading in mine)  # as leader, on a stale belief
+    else:
+        assert mine == []
+    assert not leader.member.is_leader()
