@@ -244,7 +244,8 @@ class Liveness:
             return
         member = command.node in node.member.members()
         proposal = (self.world.now_us, node.name, member)
-        self._proposals.setdefault((command.node, node.member.raftCurrentTerm), proposal)
+        # the latest: a leader has one NodeDown of a node in flight at a time
+        self._proposals[(command.node, node.member.raftCurrentTerm)] = proposal
         self._latest[command.node] = proposal
 
     def on_applied(

@@ -6,14 +6,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 
+from quorumq.machine import NodeDown
+from quorumq.raft.rules import RaftRules
 from simulations.__main__ import main
 from simulations.checker import Checker
 from simulations.cluster import Cluster
 from simulations.faults import LIVENESS_KINDS, PROFILES, Fault, kinds_of
 from simulations.liveness import ELECTIONS, HealBound, Liveness
 from simulations.network import Network
+from simulations.node import SimMember
+from simulations.runner import RunConfig, run
+from simulations.workload import WorkloadConfig
 from simulations.world import US, World, micros, patched_pysyncobj
 
 # ------------------------------------------------------------------ the bound
@@ -240,3 +246,135 @@ def test_a_leader_paused_mid_tick_does_its_duties_before_it_reads(
     else:
         assert mine == []
     assert not leader.member.is_leader()
+
+
+# ------------------------------------------------------- negative controls
+# Each breaks the real code a node runs, in a way only a liveness check can see, and
+# must fail a run the real code passes. The seeds are named: a change that shifts the
+# runs can move them (find others by running the patched code over a few seeds).
+
+
+CONTROL_SEEDS = (2, 8)
+
+
+def _short(seed: int, **changes: Any) -> RunConfig:
+    """10 s of default-profile faults at 30 records/s."""
+    config = RunConfig(
+        seed=seed, steps=1000, fault_interval_s=0.8, workload=WorkloadConfig(rate=30)
+    )
+    return attrs.evolve(config, **changes)
+
+
+def _kinds(config: RunConfig) -> set[str]:
+    return {v.kind for v in run(config).violations}
+
+
+def test_the_real_code_comes_back_within_the_heal_bound() -> None:
+    """Seed 8 commits two downs of members a leader proposed 1.7 s before: each member
+    was cut off or held up meanwhile (legitimate)."""
+    for seed in CONTROL_SEEDS:
+        result = run(_short(seed))
+        assert result.ok, result.summary()
+        report = result.liveness
+        assert report.bound is not None and report.caught_up_after_s is not None
+        assert report.caught_up_after_s <= report.bound.total_s
+        assert report.leaderships_after_bound == 0 and not report.false_downs
+
+
+@pytest.mark.parametrize("kind", ["slow_host", "partition", "pause"])
+def test_a_node_held_up_or_cut_off_past_the_grace_period_is_rightly_marked_down(
+    kind: str,
+) -> None:
+    """B stalled, alone on its side of a partition, or paused for 6.5 s
+    (past the 5 s grace period): it is marked down, and that is no false down."""
+    fault = Fault(at_s=3.0, kind=kind, nodes=("B",), duration_s=6.5)
+    config = RunConfig(
+        seed=3, faults="none", steps=1200, workload=WorkloadConfig(rate=20), scripted=(fault,)
+    )
+    result = run(config)
+    assert result.ok, result.summary()
+    assert result.liveness.downs >= 1 and not result.liveness.false_downs
+    assert result.faults[kind] == 1
+
+
+def test_a_leader_that_marks_every_peer_down_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica whose leader proposes `NodeDown` for every peer it does not hold down
+    (besides the real commands: the downed ones come back up, and go down again)."""
+    import quorumq.replica
+
+    real = quorumq.replica.failure_commands
+
+    def every_peer(leader: str, silence_s: Any, down: Any, *args: Any) -> list[Any]:
+        commands = real(leader, silence_s, down, *args)
+        return commands + [
+            NodeDown(node=n) for n in sorted(silence_s) if n != leader and n not in down
+        ]
+
+    monkeypatch.setattr(quorumq.replica, "failure_commands", every_peer)
+    assert "false_down" in _kinds(_short(CONTROL_SEEDS[0]))
+
+
+def test_a_member_that_never_catches_up_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node C takes the AppendEntries' heartbeat and drops their entries: it answers,
+    so nobody marks it down, but it never applies anything new."""
+    real = RaftRules._SyncObj__onMessageReceived  # type: ignore[attr-defined]
+
+    def starved(self: RaftRules, node: Any, message: Any) -> None:
+        if (
+            self.name == "C"  # type: ignore[attr-defined]
+            and isinstance(message, dict)
+            and message.get("type") == "append_entries"
+            and message.get("entries")
+        ):
+            message = {**message, "entries": []}
+        real(self, node, message)
+
+    monkeypatch.setattr(RaftRules, "_SyncObj__onMessageReceived", starved)
+    assert "heal_catch_up" in _kinds(_short(CONTROL_SEEDS[0]))
+
+
+def test_leaders_that_keep_handing_over_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader hands leadership over (Raft's TimeoutNow) a second after it took it,
+    for ever: the cluster commits, catches up and confirms, but never settles."""
+    real = SimMember._tick_callback
+
+    def restless(self: SimMember) -> None:
+        real(self)
+        now = self.network.world.monotonic()
+        if not self.is_leader():
+            return
+        term, since = self.__dict__.setdefault("_led", (self.raftCurrentTerm, now))
+        if term != self.raftCurrentTerm:
+            self.__dict__["_led"] = (self.raftCurrentTerm, now)
+        elif now - since > 1.0:
+            self.transferLeadership(None, None)
+
+    monkeypatch.setattr(SimMember, "_tick_callback", restless)
+    assert "heal_leaders" in _kinds(_short(CONTROL_SEEDS[0]))
+
+
+# ---------------------------------------------------- known liveness bugs
+# What the Raft rule fixes of issue 27 must fix. Strict: once a fix lands, its test
+# passes and fails as XPASS, and the marker goes.
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 27: a stalled leader's duties run before it learns it was deposed",
+)
+def test_a_leader_paused_mid_tick_past_the_grace_period_marks_nobody_down() -> None:
+    """The leader pauses at the seam of a tick for 7 s (past the 5 s grace period); the
+    others elect. It resumes believing it leads, sees every peer silent for 7 s and
+    proposes their downs; PySyncObj forwards them to the new leader, which commits
+    NodeDown of itself (`false_down`)."""
+    pause = Fault(at_s=3.0, kind="pause_mid_tick", duration_s=7.0)  # (the leader)
+    result = run(
+        RunConfig(
+            seed=1,
+            faults="none",
+            steps=1500,
+            workload=WorkloadConfig(rate=20),
+            scripted=(pause,),
+        )
+    )
+    assert result.ok, result.summary()
