@@ -181,6 +181,8 @@ class Fault:
             parts.append(f"slot {int(self.amount)}")
         elif nodes:
             parts.append(nodes)
+        elif kind in ("slow_host", "pause_mid_tick"):
+            parts.append("(the leader)")
         if self.duration_s:
             parts.append(f"{'stalls' if kind == 'slow_host' else 'for'} {self.duration_s:.2f} s")
         return " ".join(parts)

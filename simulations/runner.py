@@ -199,6 +199,11 @@ class Result:
             lines.append("verdict: PASS")
         else:
             lines.append(f"verdict: FAIL ({self.violation_count} violations)")
+            if self.config.stop_at_violation:
+                lines.append(
+                    "  (the run stopped at its first violation: records still in flight "
+                    "then count as lost or unsettled above, and are no violations)"
+                )
             for v in self.violations[:10]:
                 lines.append(f"  {v.at_s:8.3f}s {v.kind}: {v.detail}")
             lines.append("end state:")
@@ -324,7 +329,8 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         world.run_until(end + micros(config.converge_s), lambda: converged[0] or stop())
         converged_after = seconds(world.now_us - end)
         windows = [(f.kind, f.at_s, f.duration_s) for f in injector.fired]
-        counts = checker.finish(_members_running(cluster), drained[0])
+        stopped = config.stop_at_violation and checker.violation_count > 0
+        counts = checker.finish(_members_running(cluster), drained[0], stopped=stopped)
         end_state = tuple(describe_node(n) for n in cluster.running())
         members = tuple(sorted(_members(cluster)))
     return Result(

@@ -679,16 +679,18 @@ def test_a_journal_that_cuts_at_damage_instead_of_refusing_is_caught(
     """The journal as it was: a bad record anywhere (a flipped bit), or a log shorter
     than the stored commit index (a meta file ahead), was cut silently. The node then
     voted as if its log were short, and a lagging candidate overwrote committed entries:
-    seeds 160 and 212 apply another command at a committed index (`log`) and lose
-    confirmed records (12 of the first 300 CI seeds fail, 7 of them so). With the real
-    journal the damaged node refuses to start."""
+    seeds 160 and 212 apply another command at a committed index (`log`; 12 of the
+    first 300 CI seeds fail, 7 of them so). Run on past it, the replicas then disagree
+    on who holds what (`acked_redelivered`, and a publish refused for good). (The lost
+    records this test also asserted were in flight when the run stopped at `log`.)
+    With the real journal the damaged node refuses to start."""
     from quorumq.raft.journal import DurableJournal
 
     assert run(control_config(160)).ok and run(control_config(212)).ok
     monkeypatch.setattr(DurableJournal, "_check_cut", lambda self, data, pos: None)
     monkeypatch.setattr(DurableJournal, "_check_commit_index", lambda self: None)
-    assert {"log", "lost"} <= _kinds(control_config(160))
-    assert {"log", "lost"} <= _kinds(control_config(212))
+    assert "log" in _kinds(control_config(160))
+    assert {"log", "acked_redelivered"} <= _kinds(control_config(212, stop_at_violation=False))
 
 
 def test_a_leader_clock_that_follows_its_wall_clock_within_a_bound_is_caught(
