@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             records[name] = records.get(name, 0) + n
         if outcome.liveness is not None:
             reports.append((outcome.seed, outcome.liveness))
-        progress.show(passed + len(failed), time.perf_counter() - started)
+        progress.show(passed, len(failed), time.perf_counter() - started)
     progress.done()
     wall = time.perf_counter() - started
     verdict = (
@@ -382,14 +382,16 @@ class _Progress:
         self.total = total
         self.bar = sys.stderr.isatty()
 
-    def show(self, passed: int, elapsed_s: float) -> None:
+    def show(self, passed: int, failed: int, elapsed_s: float) -> None:
+        done = passed + failed
+        what = f"{passed} seeds pass" + (f", {failed} fail" if failed else "")
         if self.bar:
-            filled = self.WIDTH * passed // max(self.total, 1)
-            line = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {passed}/{self.total}"
-            sys.stderr.write(f"\r{line} seeds pass ({elapsed_s:.0f} s)")
+            filled = self.WIDTH * done // max(self.total, 1)
+            line = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{self.total}"
+            sys.stderr.write(f"\r{line}: {what} ({elapsed_s:.0f} s)")
             sys.stderr.flush()
-        elif passed % 10 == 0:
-            print(f"{passed} seeds pass ({elapsed_s:.0f} s)", flush=True)
+        elif done % 10 == 0:
+            print(f"{what} ({elapsed_s:.0f} s)", flush=True)
 
     def done(self) -> None:
         if self.bar:
