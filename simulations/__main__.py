@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import tomllib
@@ -15,10 +16,12 @@ from quorumq.cli import backoff_ms
 from quorumq.scenarios import SCENARIOS
 from quorumq.scenarios import render as render_scenario
 
-from .faults import PROFILES
+from .faults import PROFILES, kinds_of
+from .liveness import LivenessReport
 from .node import REAL
+from .pauses import Pauses, quantile
 from .render import run_html, scenario_html
-from .runner import RunConfig, run, sweep
+from .runner import Outcome, RunConfig, run, sweep
 from .workload import WorkloadConfig
 
 
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument(
         "--faults",
         default="default",
-        help=f"a profile ({', '.join(sorted(PROFILES))}) or fault kinds separated by commas",
+        help=f"a profile ({', '.join(sorted(PROFILES))}) or fault kinds separated by commas "
+        f"({', '.join(sorted(set(PROFILES['hostile'])))})",
     )
     common.add_argument(
         "--steps", type=int, default=3000, help="fault phase, in 10 ms steps (default 30 s)"
@@ -175,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     many.add_argument("--seeds", default="0:100", help="start:end (end excluded)")
     many.add_argument("--jobs", type=int, default=1, help="worker processes")
+    many.add_argument(
+        "--keep-going", action="store_true", help="run every seed; list every failing one"
+    )
+    many.add_argument(
+        "--json", type=Path, metavar="FILE", help="write failing seeds and recoveries here"
+    )
     scenario = sub.add_parser("scenario", help="replay the RabbitMQ post's event sequences")
     scenario.add_argument("name", choices=["rabbitmq-post"])
     scenario.add_argument("--render", type=Path, help="write the HTML rendering here")
@@ -190,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             _config(args, 0).workload.queue_options()
         except (TypeError, ValueError) as e:
             parser.error(f"queue options: {e}")
+        try:
+            kinds_of(args.faults)
+        except ValueError as e:
+            parser.error(f"--faults: {e}")
 
     if args.command == "scenario":
         scenarios = list(SCENARIOS.values())
@@ -222,18 +236,24 @@ def main(argv: list[str] | None = None) -> int:
     seeds = _seeds(args.seeds)
     started = time.perf_counter()
     passed = faults = 0
+    failed: list[Outcome] = []
     sim_s = 0.0
     kinds: dict[str, int] = {}
-    pauses: dict[str, list[float]] = {}
+    pauses: dict[str, list[Pauses]] = {}
     records: dict[str, int] = {}
+    reports: list[tuple[int, LivenessReport]] = []
     progress = _Progress(len(seeds))
     for outcome in sweep((_config(args, s) for s in seeds), jobs=args.jobs):
         if not outcome.ok:
             progress.done()
             print(outcome.summary)
-            print(f"first failing seed: {outcome.seed} (after {passed} passing)")
-            return 1
-        passed += 1
+            if not args.keep_going:
+                print(f"first failing seed: {outcome.seed} (after {passed} passing)")
+                _write_json(args.json, [outcome], passed, pauses, reports)
+                return 1
+            failed.append(outcome)
+        else:
+            passed += 1
         faults += outcome.faults
         sim_s += outcome.sim_s
         for kind, n in outcome.fault_kinds.items():
@@ -242,21 +262,115 @@ def main(argv: list[str] | None = None) -> int:
             pauses.setdefault(kind, []).append(pause)
         for name, n in outcome.records.items():
             records[name] = records.get(name, 0) + n
-        progress.show(passed, time.perf_counter() - started)
+        if outcome.liveness is not None:
+            reports.append((outcome.seed, outcome.liveness))
+        progress.show(passed, len(failed), time.perf_counter() - started)
     progress.done()
     wall = time.perf_counter() - started
+    verdict = (
+        f"all {passed} seeds pass" if not failed else f"{len(failed)} of {len(seeds)} seeds fail"
+    )
     print(
-        f"all {passed} seeds pass: {faults} faults, {sim_s / 3600:.2f} simulated hours "
+        f"{verdict}: {faults} faults, {sim_s / 3600:.2f} simulated hours "
         f"in {wall:.0f} s wall ({sim_s / max(wall, 1e-9):.0f}x)"
     )
+    for outcome in failed:
+        reasons = ", ".join(f"{k} {n}" for k, n in outcome.violation_kinds.items())
+        print(f"  seed {outcome.seed} fails: {reasons}")
     print(", ".join(f"{name} {n}" for name, n in records.items()))
-    print("| fault kind | faults | seeds' longest confirm pause: p50 | max |")
-    print("|---|---:|---:|---:|")
-    for kind in sorted(kinds):
-        longest = sorted(pauses.get(kind, [0.0]))
-        p50 = longest[len(longest) // 2]
-        print(f"| {kind} | {kinds[kind]} | {p50:.2f} s | {longest[-1]:.2f} s |")
-    return 0
+    print(liveness_line([r for _, r in reports]))
+    print("\n".join(recovery_table(pauses)))
+    _write_json(args.json, failed, passed, pauses, reports)
+    return 1 if failed else 0
+
+
+def liveness_line(reports: list[LivenessReport]) -> str:
+    """After the heal, over the seeds: when the cluster came back; the false downs."""
+    caught = [r.caught_up_after_s for r in reports if r.caught_up_after_s is not None]
+    confirmed = [r.confirmed_after_s for r in reports if r.confirmed_after_s is not None]
+    bounds = [r.bound.total_s for r in reports if r.bound is not None]
+    churned = sum(1 for r in reports if r.leaderships_after_bound)
+    false_downs = sum(len(r.false_downs) for r in reports)
+    downs = sum(r.downs for r in reports)
+    return (
+        f"after heal (p50 / max over seeds): caught up {_s(quantile(caught, 0.5))} / "
+        f"{_s(max(caught, default=None))} (bounds {_s(min(bounds, default=None))} to "
+        f"{_s(max(bounds, default=None))}; {len(reports) - len(caught)} seeds never), first "
+        f"confirm {_s(quantile(confirmed, 0.5))} / {_s(max(confirmed, default=None))}; "
+        f"{churned} seeds changed leader past the bound; node downs {downs}, false "
+        f"{false_downs} (in {sum(1 for r in reports if r.false_downs)} seeds)"
+    )
+
+
+def recovery_table(pauses: dict[str, list[Pauses]]) -> list[str]:
+    """Per fault kind, its faults' confirm recoveries pooled over the seeds (`pauses`)."""
+    lines = [
+        "confirm recovery after a fault (s from its end, from its start for a crash or a "
+        "membership change; only faults with no other fault active meanwhile are charged):",
+        "| fault kind | faults | charged | overlapped | p50 | p99 | max |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind in sorted(pauses):
+        pooled = _pooled(pauses[kind])
+        cells = [_s(pooled.p50), _s(pooled.p99), _s(pooled.max)]
+        lines.append(
+            f"| {kind} | {pooled.count} | {len(pooled.charged)} | {pooled.overlapped} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
+
+
+def _pooled(runs: list[Pauses]) -> Pauses:
+    return Pauses(sum(p.count for p in runs), tuple(v for p in runs for v in p.charged))
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def _write_json(
+    path: Path | None,
+    failed: list[Outcome],
+    passed: int,
+    pauses: dict[str, list[Pauses]],
+    reports: list[tuple[int, LivenessReport]],
+) -> None:
+    """The sweep's outcome for programs: failing seeds and why, recoveries per kind."""
+    if path is None:
+        return
+    recovery = {}
+    for kind, runs in sorted(pauses.items()):
+        pooled = _pooled(runs)
+        recovery[kind] = {
+            "faults": pooled.count,
+            "charged": len(pooled.charged),
+            "overlapped": pooled.overlapped,
+            "p50_s": pooled.p50,
+            "p99_s": pooled.p99,
+            "max_s": pooled.max,
+        }
+    data = {
+        "passed": passed,
+        "liveness": [
+            {
+                "seed": seed,
+                "bound_s": r.bound.total_s if r.bound else None,
+                "caught_up_after_s": r.caught_up_after_s,
+                "confirmed_after_s": r.confirmed_after_s,
+                "leaderships_after_heal": r.leaderships_after_heal,
+                "leaderships_after_bound": r.leaderships_after_bound,
+                "downs": r.downs,
+                "false_downs": len(r.false_downs),
+            }
+            for seed, r in reports
+        ],
+        "failed": [
+            {"seed": o.seed, "violations": o.violation_kinds, "summary": o.summary} for o in failed
+        ],
+        "recovery": recovery,
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 class _Progress:
@@ -268,14 +382,16 @@ class _Progress:
         self.total = total
         self.bar = sys.stderr.isatty()
 
-    def show(self, passed: int, elapsed_s: float) -> None:
+    def show(self, passed: int, failed: int, elapsed_s: float) -> None:
+        done = passed + failed
+        what = f"{passed} seeds pass" + (f", {failed} fail" if failed else "")
         if self.bar:
-            filled = self.WIDTH * passed // max(self.total, 1)
-            line = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {passed}/{self.total}"
-            sys.stderr.write(f"\r{line} seeds pass ({elapsed_s:.0f} s)")
+            filled = self.WIDTH * done // max(self.total, 1)
+            line = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{self.total}"
+            sys.stderr.write(f"\r{line}: {what} ({elapsed_s:.0f} s)")
             sys.stderr.flush()
-        elif passed % 10 == 0:
-            print(f"{passed} seeds pass ({elapsed_s:.0f} s)", flush=True)
+        elif done % 10 == 0:
+            print(f"{what} ({elapsed_s:.0f} s)", flush=True)
 
     def done(self) -> None:
         if self.bar:

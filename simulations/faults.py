@@ -14,6 +14,23 @@ Fault kinds:
 * `slow_link`: one direction of a link gets `delay` extra latency for `duration`;
 * `pause`: SIGSTOP for `duration`, often past the node-down grace period;
 * `consumer_death`: a consumer's process dies; another takes its place later;
+
+and, for liveness (how fast the cluster comes back, whom it marks down):
+
+* `slow_host`: the node's Raft thread stalls for `duration` (50 ms to 5 s, most of
+  them short: a GC pause, a starved CPU): its ticks and reads come late, but unlike a
+  pause its process keeps its connections, and it reads its backlog when it resumes;
+* `pause_mid_tick`: a pause (as `pause`) that begins at the seam of the node's next
+  tick: after PySyncObj's election and leader checks, before the node's duties and
+  the poll (`SimMember.at_seam`). It resumes believing what it believed, on a clock
+  that jumped, and does its duties before it reads anything;
+  (half of these two hit whoever leads when they fire: no node named);
+* `one_way_delay`: one direction of a link is `amount` seconds late (0.7-1.8 s: more
+  than an election timeout, less than PySyncObj's 2 s connection timeout), the other
+  is not, for `duration`;
+* `lone_candidate`: a follower (the node drawn, or the next one if it leads) is cut
+  from every other node for `duration` (1-4 s: long enough to stand for election
+  alone, a few times), then rejoins, with its higher term;
 * hostile, TCP never does this and PySyncObj assumes it does not happen:
   `duplicate`, `reorder`, `drop` of single Raft messages for `duration`.
 
@@ -64,6 +81,7 @@ back empty: the cluster ends with a working majority.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -77,6 +95,7 @@ if TYPE_CHECKING:
     import random
 
     from .cluster import Cluster
+    from .node import SimNode
     from .operator import Operator
     from .workload import SimConsumer
 
@@ -89,6 +108,7 @@ TCP_KINDS = (
     "pause",
     "consumer_death",
 )
+LIVENESS_KINDS = ("slow_host", "pause_mid_tick", "one_way_delay", "lone_candidate")
 HOSTILE_KINDS = ("duplicate", "reorder", "drop")
 MEMBERSHIP_KINDS = ("remove_member", "remove_leader", "add_spare", "concurrent_changes")
 CLOCK_KINDS = ("clock_skew", "clock_jump")
@@ -96,11 +116,36 @@ DISK_KINDS = ("torn_power_loss", "short_write", "sync_failure", "bit_flip", "met
 DAMAGE_KINDS = ("bit_flip", "meta_ahead")
 """Disk faults a node must refuse to start from: it stays down for the rest of the run."""
 DAY_MS = 86_400_000
+ONE_WAY_DELAY_S = (0.7, 1.8)
+"""A one-way delay: past the longest election timeout (0.6 s), short of PySyncObj's
+connection timeout (2 s: a connection read from no sooner is closed, and the link is
+then as good as cut)."""
+# "tcp": the default profile before the liveness kinds (issue 27): the seeds of the
+# negative controls in tests/test_sim.py were found with it.
+DEFAULT_WEIGHTS = {
+    **dict.fromkeys(TCP_KINDS, 2),
+    "slow_host": 2,
+    "pause_mid_tick": 1,
+    "one_way_delay": 1,
+    "lone_candidate": 1,
+}
+"""How often each kind is drawn in the default profile, relative to the others (a
+quarter of its faults are the liveness kinds)."""
+
+
+def _weighted(weights: dict[str, int]) -> tuple[str, ...]:
+    """A profile drawing each kind in proportion to its weight (a kind appears that
+    many times: the schedule draws an entry uniformly)."""
+    return tuple(kind for kind, weight in weights.items() for _ in range(weight))
+
+
 PROFILES: dict[str, tuple[str, ...]] = {
-    "default": TCP_KINDS,
-    "hostile": TCP_KINDS + HOSTILE_KINDS,
+    "default": _weighted(DEFAULT_WEIGHTS),
+    "tcp": TCP_KINDS,
+    "hostile": _weighted({**DEFAULT_WEIGHTS, **dict.fromkeys(HOSTILE_KINDS, 2)}),
     "crash": ("crash", "kill_leader"),
     "network": ("partition", "link_reset", "slow_link"),
+    "liveness": ("kill_leader", "partition", *LIVENESS_KINDS),
     "none": (),
 }
 
@@ -113,17 +158,44 @@ class Fault:
     """The target node(s); for a partition, one side."""
     duration_s: float = 0.0
     amount: float = 0.0
-    """slow_link: extra seconds; duplicate/drop: probability; consumer_death: the slot."""
+    """slow_link, one_way_delay: extra seconds; duplicate/drop: probability;
+    consumer_death: the slot; clock_skew, clock_jump: milliseconds."""
 
     def describe(self) -> str:
-        parts = [f"{self.at_s:7.2f}s {self.kind}"]
-        if self.nodes:
-            parts.append(",".join(self.nodes))
+        """One line, with units: `  12.30 s one_way_delay A->B +1.20 s for 3.00 s`."""
+        parts = [f"{self.at_s:7.2f} s {self.kind}"]
+        kind, nodes = self.kind, ",".join(self.nodes)
+        if kind in ("slow_link", "one_way_delay"):
+            parts.append(f"{self.nodes[0]}->{self.nodes[1]} +{self.amount:.3g} s")
+        elif kind == "partition":
+            parts.append(f"{nodes} | the rest")
+        elif kind == "link_reset":
+            parts.append("-".join(self.nodes))
+        elif kind in ("clock_skew", "clock_jump"):
+            parts.append(
+                f"{nodes} {'off by' if kind == 'clock_skew' else 'by'} {_span_ms(self.amount)}"
+            )
+        elif kind in ("duplicate", "drop"):
+            parts.append(f"p={self.amount:g}")
+        elif kind == "consumer_death":
+            parts.append(f"slot {int(self.amount)}")
+        elif nodes:
+            parts.append(nodes)
+        elif kind in ("slow_host", "pause_mid_tick"):
+            parts.append("(the leader)")
         if self.duration_s:
-            parts.append(f"for {self.duration_s:.2f}s")
-        if self.amount:
-            parts.append(f"({self.amount:g})")
+            parts.append(f"{'stalls' if kind == 'slow_host' else 'for'} {self.duration_s:.2f} s")
         return " ".join(parts)
+
+
+def _span_ms(ms: float) -> str:
+    """Milliseconds, in the unit that reads best: `+3.2 h`, `-12.0 d`, `+250 ms`."""
+    sign = "-" if ms < 0 else "+"
+    ms = abs(ms)
+    for unit, size in (("d", DAY_MS), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
+        if ms >= size:
+            return f"{sign}{ms / size:.1f} {unit}"
+    return f"{sign}{ms:g} ms"
 
 
 def kinds_of(profile: str) -> tuple[str, ...]:
@@ -131,7 +203,7 @@ def kinds_of(profile: str) -> tuple[str, ...]:
     if profile in PROFILES:
         return PROFILES[profile]
     kinds = tuple(k.strip() for k in profile.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in TCP_KINDS + HOSTILE_KINDS]
+    unknown = [k for k in kinds if k not in TCP_KINDS + LIVENESS_KINDS + HOSTILE_KINDS]
     if unknown:
         raise ValueError(f"unknown fault kinds {unknown}; profiles: {sorted(PROFILES)}")
     return kinds
@@ -177,6 +249,28 @@ def schedule(
             faults.append(Fault(at_s=at, kind=kind, nodes=(node,), duration_s=rng.uniform(0.5, 9)))
         elif kind == "consumer_death":
             faults.append(Fault(at_s=at, kind=kind, amount=rng.randrange(max(consumers, 1))))
+        elif kind == "slow_host":  # log-uniform: most stalls are short
+            stall = math.exp(rng.uniform(math.log(0.05), math.log(5.0)))
+            target = (node,) if rng.random() < 0.5 else ()  # (): whoever leads then
+            faults.append(Fault(at_s=at, kind=kind, nodes=target, duration_s=stall))
+        elif kind == "pause_mid_tick":
+            target = (node,) if rng.random() < 0.5 else ()
+            duration = rng.uniform(0.5, 9)
+            faults.append(Fault(at_s=at, kind=kind, nodes=target, duration_s=duration))
+        elif kind == "one_way_delay":
+            if other == node:
+                other = names[(names.index(node) + 1) % len(names)]
+            faults.append(
+                Fault(
+                    at_s=at,
+                    kind=kind,
+                    nodes=(node, other),
+                    duration_s=rng.uniform(1, 8),
+                    amount=round(rng.uniform(*ONE_WAY_DELAY_S), 3),
+                )
+            )
+        elif kind == "lone_candidate":
+            faults.append(Fault(at_s=at, kind=kind, nodes=(node,), duration_s=rng.uniform(1, 4)))
         else:
             amount = round(rng.uniform(0.01, 0.2), 3) if kind != "reorder" else 0.0
             faults.append(Fault(at_s=at, kind=kind, duration_s=rng.uniform(0.5, 4), amount=amount))
@@ -289,6 +383,8 @@ class Injector:
         self.history = history
         self.injected: Counter[str] = Counter()
         self.skipped: Counter[str] = Counter()
+        self.fired: list[Fault] = []
+        """The faults injected (not skipped), at the times they fired."""
         self._down_until: dict[str, int] = {}
         self._partitions = 0
         self._healed = False
@@ -299,6 +395,7 @@ class Injector:
 
     def _done(self, fault: Fault, detail: str = "") -> None:
         self.injected[fault.kind] += 1
+        self.fired.append(fault)
         self.world.trace(f"fault {fault.describe()} {detail}")
         if self.history is not None:
             self.history.fault(fault, detail)
@@ -334,11 +431,38 @@ class Injector:
             a, b = cluster.addresses(list(fault.nodes))
             network.reset(a, b)
             self._done(fault)
-        elif kind == "slow_link":
+        elif kind in ("slow_link", "one_way_delay"):
             a, b = cluster.addresses(list(fault.nodes))
-            network.extra_delay_us[(a, b)] = micros(fault.amount)
-            self.world.at(end, network.extra_delay_us.pop, (a, b), None)
+            network.delay(a, b, micros(fault.amount))
+            self.world.at(end, network.undelay, a, b, micros(fault.amount))
             self._done(fault)
+            self._period(fault.nodes[0], fault, f"-> {fault.nodes[1]} +{fault.amount:.3g} s")
+        elif kind == "slow_host":
+            node = self._node_or_leader(fault)
+            if node is None or node.paused:
+                self.skipped[kind] += 1
+                return
+            node.stall(end)
+            self._done(fault, node.name)
+            self._period(node.name, fault, "Raft thread stalled")
+        elif kind == "pause_mid_tick":
+            node = self._node_or_leader(fault)
+            if node is None or node.paused or node.pause_at_seam_us is not None:
+                self.skipped[kind] += 1
+                return
+            node.pause_at_seam_us = micros(fault.duration_s)
+            self._done(fault, node.name)
+            self._period(node.name, fault, "paused from the seam of its next tick")
+        elif kind == "lone_candidate":
+            target = self._follower(fault.nodes[0])
+            if target is None:
+                self.skipped[kind] += 1
+                return
+            address = cluster.address[target]
+            network.isolate(address)
+            self.world.at(end, network.rejoin, address)
+            self._done(fault, target)
+            self._period(target, fault, "cut off alone")
         elif kind == "pause":
             name = fault.nodes[0]
             node = cluster.nodes[name]
@@ -348,6 +472,7 @@ class Injector:
             cluster.pause(name)
             self.world.at(end, cluster.resume, name)
             self._done(fault)
+            self._period(name, fault, "paused")
         elif kind == "consumer_death":
             consumer = self.consumers[int(fault.amount)] if self.consumers else None
             if consumer is None or not consumer.die():
@@ -376,6 +501,29 @@ class Injector:
             self._done(fault)
         elif kind in MEMBERSHIP_KINDS:
             self._membership_fault(fault)
+
+    def _period(self, name: str, fault: Fault, what: str) -> None:
+        """Show on `name`'s lane of the timeline what the fault does to it, how long."""
+        if self.history is not None:
+            self.history.period(name, fault.at_s, fault.at_s + fault.duration_s, what)
+
+    def _node_or_leader(self, fault: Fault) -> SimNode | None:
+        """The fault's node, or with none named, whoever leads when it fires."""
+        if not fault.nodes:
+            return self.cluster.leader()
+        return self.cluster.nodes[fault.nodes[0]]
+
+    def _follower(self, name: str) -> str | None:
+        """`name` if it runs as a member and does not lead, else the next that does."""
+        cluster = self.cluster
+        leader = cluster.leader()
+        hosts = cluster.hosts
+        start = hosts.index(name)
+        for other in hosts[start:] + hosts[:start]:
+            node = cluster.nodes[other]
+            if node is not None and node is not leader and other in cluster.membership:
+                return other
+        return None
 
     def _membership_fault(self, fault: Fault) -> None:
         """Hand the changes to the operator (skipped if they cannot be made now: a change

@@ -45,6 +45,9 @@ class Lane:
     """[start, end] seconds of each leadership; end is -1 while it lasts."""
     down: list[list[float]] = attrs.field(factory=list)
     """[start, end] seconds while crashed (-1 while it lasts)."""
+    periods: list[tuple[float, float, str]] = attrs.field(factory=list)
+    """(start, end, what) of the faults that hold this node up or cut it off: paused,
+    stalled, alone, a slow direction from it."""
 
 
 @attrs.frozen
@@ -114,6 +117,11 @@ class History:
     def fault(self, fault: Any, detail: str) -> None:
         if len(self.faults) < MAX_EVENTS:
             self.faults.append((fault.at_s, f"{fault.describe()} {detail}".strip()))
+
+    def period(self, name: str, start_s: float, end_s: float, what: str) -> None:
+        lane = self.lanes.get(name)
+        if lane is not None and len(lane.periods) < MAX_EVENTS:
+            lane.periods.append((start_s, end_s, what))
 
     def on_snapshot_loaded(self, node: SimNode, applied: int, index: int) -> None:
         pass

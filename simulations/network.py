@@ -8,7 +8,11 @@ messages arrive in order (unless the hostile `reorder` fault is on).
 * A crashed node's connections drop at once: its peers see the socket close.
 * A partition stalls traffic on the cut connections; after `connection_timeout` of
   silence they drop (what was stalled is lost). A partition healed sooner lets the
-  stalled messages through, late, as TCP's retransmissions would.
+  stalled messages through, late, as TCP's retransmissions would. A node can also be
+  isolated (`isolate`: cut from every other, whatever partition is in force, until
+  `rejoin`).
+* A direction of a link can be delayed (`delay`): every message on it arrives that
+  much later, in order; delays on one direction do not add up, the longest counts.
 * Arriving messages wait in the node's socket buffer until its next tick reads them
   (`poll`, called by PySyncObj at the end of each tick, as its real poller is). A
   paused node (SIGSTOP) does not tick: its messages wait, and its connections drop
@@ -132,6 +136,9 @@ class Network:
         self.inbox: dict[str, list[tuple[str, int, dict[str, Any]]]] = {n: [] for n in names}
         """Messages arrived at a node and not read yet."""
         self.cut: set[Pair] = set()
+        """Pairs cut by the partition in force or by an isolation."""
+        self._partition_cut: set[Pair] = set()
+        self.isolated: set[str] = set()
         self._sides: dict[str, int] = {}
         """The side of each address in the partition in force (none: empty)."""
         self._last_side = 0
@@ -140,7 +147,8 @@ class Network:
         self.stalled: dict[Pair, list[tuple[str, str, int, dict[str, Any]]]] = {}
         self._last_arrival: dict[tuple[str, str], int] = {}
         self.extra_delay_us: dict[tuple[str, str], int] = {}
-        """Slow links (a `delay` fault): added to every message's latency, order kept."""
+        """Slow directions (`delay`): added to every message's latency, order kept."""
+        self._delays: dict[tuple[str, str], list[int]] = {}
         self.duplicate_p = 0.0
         self.drop_p = 0.0
         self.reorder = False
@@ -175,7 +183,10 @@ class Network:
             self._sides[address] = self._last_side
             for other in self.names:
                 if self._sides.get(other, self._last_side) != self._last_side:
+                    self._partition_cut.add(_pair(address, other))
                     self.cut.add(_pair(address, other))
+        for other in self.isolated:
+            self.cut.add(_pair(address, other))
 
     def attach(self, name: str, transport: SimTransport) -> None:
         """A member starts: its connections come up after a retry delay."""
@@ -212,11 +223,27 @@ class Network:
         An address that joins later is in the last group."""
         self._sides = side = {n: i for i, g in enumerate(groups) for n in g}
         self._last_side = len(groups) - 1
-        cut = {
+        self._partition_cut = {
             _pair(a, b)
             for a in self.names
             for b in self.names
             if a < b and side.get(a, -1) != side.get(b, -2)
+        }
+        self._recut()
+
+    def isolate(self, address: str) -> None:
+        """Cut `address` from every other node (on top of any partition)."""
+        self.isolated.add(address)
+        self._recut()
+
+    def rejoin(self, address: str) -> None:
+        """An isolated node is connected again (as the partition in force allows)."""
+        self.isolated.discard(address)
+        self._recut()
+
+    def _recut(self) -> None:
+        cut = self._partition_cut | {
+            _pair(a, b) for a in self.isolated for b in self.names if b != a
         }
         for pair in sorted(cut - self.cut):
             self.cut.add(pair)
@@ -224,11 +251,31 @@ class Network:
         for pair in sorted(self.cut - cut):
             self._heal(pair)
 
+    def delay(self, src: str, dst: str, delay_us: int) -> None:
+        """Messages from `src` to `dst` arrive `delay_us` late (until `undelay`)."""
+        delays = self._delays.setdefault((src, dst), [])
+        delays.append(delay_us)
+        self.extra_delay_us[(src, dst)] = max(delays)
+
+    def undelay(self, src: str, dst: str, delay_us: int) -> None:
+        """One `delay` of `src` to `dst` ends (a no-op after the heal)."""
+        delays = self._delays.get((src, dst), [])
+        if delay_us in delays:
+            delays.remove(delay_us)
+        if delays:
+            self.extra_delay_us[(src, dst)] = max(delays)
+        else:
+            self._delays.pop((src, dst), None)
+            self.extra_delay_us.pop((src, dst), None)
+
     def heal(self) -> None:
         self._sides = {}
+        self._partition_cut = set()
+        self.isolated.clear()
         for pair in sorted(self.cut):
             self._heal(pair)
         self.extra_delay_us.clear()
+        self._delays.clear()
         self.duplicate_p = self.drop_p = 0.0
         self.reorder = False
 
@@ -242,6 +289,14 @@ class Network:
 
     def is_up(self, a: str, b: str) -> bool:
         return _pair(a, b) in self.up
+
+    def reachable(self, a: str, b: str) -> bool:
+        """Whether `a` and `b` can talk: both run, neither is paused, each knows the
+        other, no partition cuts them and neither direction is delayed by a connection
+        timeout or more (a connection that stays silent that long is closed). The
+        connection itself may be down for a moment (a reset, a redial)."""
+        delay = max(self.extra_delay_us.get((a, b), 0), self.extra_delay_us.get((b, a), 0))
+        return self._wanted(_pair(a, b)) and delay < self.connection_timeout_us
 
     # ------------------------------------------------------------ connections
 

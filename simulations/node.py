@@ -255,6 +255,9 @@ class SimPoller:
         self.handled = 0
 
     def poll(self, _timeout: float) -> None:
+        if self.member.duties_deferred:
+            self.handled = 0  # the tick stopped before its poll: it reads when resumed
+            return
         self.handled = self.read()
 
     def read(self) -> int:
@@ -332,6 +335,10 @@ class SimMember(RaftRules):
         self._poller = self.poller
         self.serializer: SimSerializer = self._SyncObj__serializer
         self.serializer.accept = self._leader_snapshot_arrived
+        self.at_seam: Callable[[], bool] = lambda: False
+        """Asked in each tick between its Raft part and the node's duties: True if the
+        process stops there (`pause_mid_tick`); the tick's rest runs when it resumes."""
+        self.duties_deferred = False
         self.addOnTickCallback(self._tick_callback)
 
     def _onTick(self, time_to_wait: float = 0.0) -> None:
@@ -347,7 +354,23 @@ class SimMember(RaftRules):
         self.journal.sync()  # the no-op of a new term, as RaftMember's tick syncs
         self.push_commit_index()
         self.keep_peer_connections_alive()
+        # The seam: PySyncObj's election and leader checks, applies, AppendEntries and
+        # commands are done; the node's duties (NodeDown, Tick) and the poll are not.
+        # A process stopped here wakes up believing what it believed before the stop,
+        # on a clock that jumped: the duties run first, the poll reads what came.
+        if self.at_seam():
+            self.duties_deferred = True
+            return
         self._on_tick()
+
+    def finish_tick(self) -> int:
+        """The rest of a tick stopped at the seam: the duties, then the poll. Returns
+        how many messages the poll read."""
+        self.duties_deferred = False
+        self._on_tick()
+        self.poller.poll(0)
+        handled: int = self.poller.handled
+        return handled
 
     def apply_raw(self, index: int, payload: bytes) -> Any:
         return self._apply(index, payload)
@@ -537,6 +560,11 @@ class SimNode:
         self.tick_us = micros(tick_s)
         self.alive = True
         self.paused = False
+        self.stalled_until_us = 0
+        """Until then its Raft thread is held up (`slow_host`): no ticks, no reads."""
+        self.pause_at_seam_us: int | None = None
+        """`pause_mid_tick`: the next tick stops at its seam (`SimMember.at_seam`) and
+        the process is paused this long."""
         self.was_leader = False
         self._tick_at: int | None = None
         self._ticking = False
@@ -582,7 +610,7 @@ class SimNode:
         self.timers_changed()
 
     def _make_member(self, **callbacks: Any) -> SimMember:
-        return SimMember(
+        member = SimMember(
             self.sim.network,
             self.name,
             self.disk,
@@ -594,6 +622,8 @@ class SimNode:
             ),
             **callbacks,
         )
+        member.at_seam = self._at_seam
+        return member
 
     @property
     def member(self) -> SimMember:
@@ -633,6 +663,28 @@ class SimNode:
 
     # ------------------------------------------------------------------ ticks
 
+    @property
+    def stalled(self) -> bool:
+        return self.world.now_us < self.stalled_until_us
+
+    def stall(self, until_us: int) -> None:
+        """Hold its Raft thread up until `until_us` (`slow_host`: a GC pause, a starved
+        CPU). Unlike a pause the process keeps its connections: messages and client
+        bytes wait in its buffers, and it reads them all when it runs again."""
+        self.stalled_until_us = max(self.stalled_until_us, until_us)
+        self.world.trace(f"stall {self.name} {until_us}")
+
+    def _at_seam(self) -> bool:
+        """The tick reached its seam: stop here if a `pause_mid_tick` is due."""
+        duration = self.pause_at_seam_us
+        if duration is None:
+            return False
+        self.pause_at_seam_us = None
+        self.world.trace(f"pause mid-tick {self.name}")
+        self.sim.pause(self.name)
+        self.world.after(duration, self.sim.resume, self.name)
+        return True
+
     def wake(self, delay_us: int = 0) -> None:
         """Tick at now + delay, once the last tick's CPU time is over (sooner ticks
         replace later ones). Woken during its own tick (a proposal from a callback), the
@@ -641,7 +693,7 @@ class SimNode:
         if self._ticking:
             self._woken_in_tick = True
             return
-        when = max(self.world.now_us + delay_us, self._busy_until)
+        when = max(self.world.now_us + delay_us, self._busy_until, self.stalled_until_us)
         if self._tick_at is not None and self._tick_at <= when:
             return
         self._tick_at = when
@@ -653,14 +705,26 @@ class SimNode:
         self._tick_at = None
         if not self.alive or self.paused:
             return  # a resumed node is woken again
+        if self.stalled:
+            self.wake()  # when the stall ends
+            return
+        self._run_tick(self._tick_whole)
+
+    def _tick_whole(self) -> int:
+        self._read_clients()
+        # the wait in the last tick's poll ends: it reads what arrived, then ticks again
+        handled = self.member.poller.read()
+        self.member.doTick(0)
+        handled += self.member.poller.handled
+        return handled
+
+    def _run_tick(self, tick: Callable[[], int]) -> None:
+        """Run `tick` (which says how many messages it read), then what follows a tick:
+        its CPU time, the observers, the next tick."""
         self._ticking = True
         self._woken_in_tick = False
         try:
-            self._read_clients()
-            # the wait in the last tick's poll ends: it reads what arrived, then ticks again
-            handled = self.member.poller.read()
-            self.member.doTick(0)
-            handled += self.member.poller.handled
+            handled = tick()
         except (JournalFailedError, JournalDamagedError) as e:
             # as RaftMember's tick loop: nothing more may be acknowledged; the node stops
             self._ticking = False
@@ -668,7 +732,9 @@ class SimNode:
             return
         finally:
             self._ticking = False
-        self._busy_until = when + TICK_COST_US + PER_MESSAGE_COST_US * handled
+        if not self.alive:
+            return
+        self._busy_until = self.world.now_us + TICK_COST_US + PER_MESSAGE_COST_US * handled
         self.sim.on_ticked(self)
         leader = self.member.is_leader()
         if leader != self.was_leader:
@@ -686,7 +752,12 @@ class SimNode:
         return max(1, min(self.tick_us, at - self.world.now_us))
 
     def resumed(self) -> None:
-        """A paused node runs again: it ticks, and its core's timers run."""
+        """A paused node runs again: it finishes a tick stopped at its seam, ticks, and
+        its core's timers run."""
+        if self.member.duties_deferred:
+            self._run_tick(self.member.finish_tick)
+            if not self.alive:
+                return
         self.wake()
         accepting, self._accepting = self._accepting, []
         for link in accepting:
@@ -729,6 +800,10 @@ class SimNode:
         self._core_timer_at = None
         if not self.alive or self.paused:
             return  # `resumed` schedules them again
+        if self.stalled:
+            self._core_timer_at = self.stalled_until_us
+            self.world.at(self.stalled_until_us, self._core_timers_due, self.stalled_until_us)
+            return
         self.core.run_timers()
         self.timers_changed()
 

@@ -78,6 +78,8 @@ def run_html(result: Result) -> str:
             svg.append(period(start, end, y0, LANE - 6, "#ddd", "down"))
         for start, end in lane.led:
             svg.append(period(start, end, y0, 6, "#e0a800", "leader"))
+        for start, end, what in lane.periods:
+            svg.append(period(start, end, y0 + LANE - 12, 6, "#8250df", html.escape(what)))
         bar = WIDTH / span * 0.8
         for second, n in sorted(lane.sent.items()):
             h = (LANE / 2 - 10) * n / peak
@@ -107,7 +109,9 @@ def run_html(result: Result) -> str:
     )
     svg.append("</svg>")
     legend = (
-        "<p>Grey: node down. Gold: leader. Blue line: applied log index. Green above the "
+        "<p>Grey: node down. Gold: leader. Purple, at the bottom of a lane: the node "
+        "paused, its Raft thread stalled, cut off alone, or a direction from it slow "
+        "(hover for what and how long). Blue line: applied log index. Green above the "
         "line: deliveries the replica sent itself, per second; grey below: deliveries it "
         "only tracked. Red dashes: faults (hover for details).</p>"
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TextIO
@@ -32,6 +33,7 @@ from .faults import (
     schedule,
 )
 from .history import History
+from .liveness import Liveness, LivenessReport
 from .node import REAL, SimNode, Variant
 from .operator import Operator
 from .pauses import Pauses, fault_pauses, pause_table
@@ -134,9 +136,12 @@ class Result:
     members: tuple[str, ...]
     """The members at the end."""
     confirm_pauses: dict[str, Pauses]
-    """Per fault kind: how long publishers waited for confirms around its faults."""
+    """Per fault kind: how long publishers waited for a confirm after its faults
+    (`pauses`: from a fault's end, or its start for a crash, with no other fault active)."""
     delivery_pauses: dict[str, Pauses]
-    """Per fault kind: how long consumers waited for first deliveries."""
+    """Per fault kind: how long consumers waited for a first delivery, likewise."""
+    liveness: LivenessReport
+    """After the heal: the bound, when the cluster came back; the false downs."""
     history: Any = attrs.field(eq=False, repr=False)
 
     @property
@@ -179,6 +184,7 @@ class Result:
             + f"; replicas converged {self.converged_after_s:.1f} s later",
             f"trace {self.trace_hash}",
         ]
+        lines[-1:-1] = self.liveness.lines()
         if self.confirm_pauses:
             lines[-1:-1] = pause_table(self.confirm_pauses, self.delivery_pauses)
         if self.config.workload.retry_backoff_ms is not None:
@@ -193,6 +199,11 @@ class Result:
             lines.append("verdict: PASS")
         else:
             lines.append(f"verdict: FAIL ({self.violation_count} violations)")
+            if self.config.stop_at_violation:
+                lines.append(
+                    "  (the run stopped at its first violation: records still in flight "
+                    "then count as lost or unsettled above, and are no violations)"
+                )
             for v in self.violations[:10]:
                 lines.append(f"  {v.at_s:8.3f}s {v.kind}: {v.detail}")
             lines.append("end state:")
@@ -221,7 +232,8 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         retry_backoff_ms=config.workload.retry_backoff_ms,
     )
     history = History(world, cluster.hosts, QUEUE)
-    cluster.observers += [checker, history]
+    liveness = Liveness(cluster, checker, grace_s=config.grace_s)
+    cluster.observers += [checker, history, liveness]
     stop: Callable[[], bool] = (
         (lambda: checker.violation_count > 0) if config.stop_at_violation else (lambda: False)
     )
@@ -235,6 +247,7 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         cluster.wall_offset_ms.update(born.wall_offsets_ms)
         for name in cluster.names:
             cluster.start(name)
+        liveness.start()
         _hand_leadership_over(cluster, born.handovers)
         declare(cluster, config.workload.queue_options())
         world.run_until(world.now_us + 30 * US, lambda: QUEUE in _queues(cluster))
@@ -272,11 +285,14 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         start = world.now_us
         injector.play([attrs.evolve(f, at_s=f.at_s + seconds(start)) for f in faults])
         heal_at = start + micros(fault_phase_s)
-        windows = [(f.kind, f.at_s + seconds(start), f.duration_s) for f in faults]
         world.run_until(heal_at, stop)
         injector.heal()
         for p in producers:
-            p.producing = False
+            p.last_batch()
+        liveness.heal(
+            confirm_expected=any(p.unconfirmed for p in producers),
+            client_s=config.workload.request_timeout_s + config.workload.reconnect_s[1],
+        )
         for c in consumers:
             c.slow = False  # slowness is a fault too: it ends with the heal
         drained = [False]
@@ -291,6 +307,8 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         world.run_until(heal_at + micros(config.drain_s), lambda: drained[0] or stop())
         if drained[0]:
             drained_at = world.now_us
+        if not stop():  # the leadership is watched this long at least
+            world.run_until(max(world.now_us, liveness.watch_until_us()), stop)
         converged = [False]
 
         def converge_probe() -> None:
@@ -310,7 +328,9 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         converge_probe()
         world.run_until(end + micros(config.converge_s), lambda: converged[0] or stop())
         converged_after = seconds(world.now_us - end)
-        counts = checker.finish(_members_running(cluster), drained[0])
+        windows = [(f.kind, f.at_s, f.duration_s) for f in injector.fired]
+        stopped = config.stop_at_violation and checker.violation_count > 0
+        counts = checker.finish(_members_running(cluster), drained[0], stopped=stopped)
         end_state = tuple(describe_node(n) for n in cluster.running())
         members = tuple(sorted(_members(cluster)))
     return Result(
@@ -338,6 +358,7 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         members=members,
         confirm_pauses=fault_pauses(windows, checker.confirm_times_s, seconds(heal_at)),
         delivery_pauses=fault_pauses(windows, checker.first_delivery_times_s, seconds(heal_at)),
+        liveness=liveness.report(),
         history=history,
     )
 
@@ -444,8 +465,11 @@ class Outcome:
     """Faults injected, by kind."""
     records: dict[str, int] = attrs.field(factory=dict)
     """published, confirmed, lost, duplicated, redelivered."""
-    confirm_pauses: dict[str, float] = attrs.field(factory=dict)
-    """Per fault kind, the longest confirm pause around one of its faults."""
+    confirm_pauses: dict[str, Pauses] = attrs.field(factory=dict)
+    """Per fault kind, the confirm recoveries of its faults (`pauses`)."""
+    violation_kinds: dict[str, int] = attrs.field(factory=dict)
+    """Violations by kind (a failing run's reasons)."""
+    liveness: LivenessReport | None = None
 
 
 def outcome(config: RunConfig) -> Outcome:
@@ -467,7 +491,9 @@ def outcome(config: RunConfig) -> Outcome:
             "duplicated": c["duplicated"],
             "redelivered": result.redeliveries,
         },
-        confirm_pauses={k: p.max for k, p in result.confirm_pauses.items()},
+        confirm_pauses=dict(result.confirm_pauses),
+        violation_kinds=dict(sorted(Counter(v.kind for v in result.violations).items())),
+        liveness=result.liveness,
     )
 
 

@@ -173,6 +173,16 @@ class SimProducer:
         if not self.producing:
             return
         self._schedule_emit()
+        self._publish_batch()
+
+    def last_batch(self) -> None:
+        """Stop producing after one more batch, sent now (at the heal: a publish is then
+        in flight, and the liveness check wants it confirmed within a bound)."""
+        if self.producing and self.config.rate > 0:
+            self._publish_batch()
+        self.producing = False
+
+    def _publish_batch(self) -> None:
         count = self.random.randint(1, self.config.max_batch)
         records = []
         for _ in range(count):

@@ -19,6 +19,7 @@ from quorumq.raft.rules import (
     HELLO,
     PRE_VOTE,
     PRE_VOTE_ANSWER,
+    PROPOSALS_HELD_S,
     SPEAKS_PRE_VOTE,
     STALE_TERM,
     TRANSFER,
@@ -524,7 +525,10 @@ def test_proposals_held_for_an_unreachable_leader_fail_as_never_sent_after_a_tim
 ) -> None:
     """Cut off from a leader the others still hear, a follower cannot stand (pre-vote),
     so the leader it knows stays, and its queue held every proposal until the link came
-    back, maybe hours later. Past the longest election timeout they fail, not sent."""
+    back, maybe hours later. Past the replica's own timeout they fail, not sent."""
+    from quorumq.replica import PROPOSAL_TIMEOUT_S
+
+    assert PROPOSALS_HELD_S == PROPOSAL_TIMEOUT_S
     member, peers, sent = cluster
     member._SyncObj__raftLeader = peers[0]
     member._SyncObj__connectedNodes.discard(peers[0])
@@ -532,7 +536,10 @@ def test_proposals_held_for_an_unreachable_leader_fail_as_never_sent_after_a_tim
     member.propose(b"x", lambda _r, reason: outcomes.append(reason))
     member._checkCommandsToApply()
     assert outcomes == []  # held a moment: the connection may come back
-    clock.now += member._SyncObj__conf.raftMaxTimeout + 0.01
+    clock.now += 10.0
+    member._checkCommandsToApply()
+    assert outcomes == []  # still held: acks given up too soon left messages held
+    clock.now += PROPOSALS_HELD_S
     member._checkCommandsToApply()
     assert outcomes == [FAIL_REASON.MISSING_LEADER] and not _of(sent, "apply_command")
 

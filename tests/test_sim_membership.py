@@ -49,7 +49,7 @@ def test_a_run_with_membership_faults_injects_them_and_passes() -> None:
     """Seed 25 of the CI sweep: the leader removed and added back, the spare added and
     removed again, another member removed and added back, among the other faults;
     every check holds."""
-    result = run(ci_config(25))
+    result = run(ci_config(25, faults="tcp"))  # (found with the profile before issue 27)
     assert result.ok, result.summary()
     assert _membership_faults(result.faults) >= 3
     assert result.faults["remove_leader"] >= 1

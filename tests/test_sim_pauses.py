@@ -1,52 +1,93 @@
-"""How long confirms and deliveries paused around each kind of fault (`quorumq simulate`
-prints it): the gap arithmetic, and a run whose leader is killed."""
+"""How long confirms and deliveries took to come back after each kind of fault (`quorumq
+simulate` prints it): the arithmetic, and a run whose leader is killed."""
 
 from __future__ import annotations
 
-import itertools
-
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simulations.pauses import Pauses, fault_pauses, longest_gap
+from simulations.pauses import Pauses, fault_pauses, quantile
 from simulations.runner import RunConfig, run
 from simulations.workload import WorkloadConfig
 
+EVERY_10_MS = [x / 100 for x in range(1000)]
+"""A confirm every 10 ms for 10 s."""
 
-def test_the_longest_gap_that_overlaps_the_window_counts_whole() -> None:
-    times = [0.0, 0.1, 0.2, 1.5, 1.6, 3.0]
-    assert longest_gap(times, 0.15, 0.3) == 1.5 - 0.2  # starts inside, ends after
-    assert longest_gap(times, 1.0, 1.2) == 1.5 - 0.2  # the window inside one gap
-    assert round(longest_gap(times, 1.55, 1.58), 9) == 0.1
-    assert round(longest_gap(times, 2.0, 2.5), 9) == 1.4  # 1.6 .. 3.0
-    assert longest_gap(times, 3.5, 4.0) == 1.0  # nothing since 3.0: open until the end
-    assert longest_gap([], 1.0, 2.0) == 1.0
+
+def _without(times: list[float], *gaps: tuple[float, float]) -> list[float]:
+    return [t for t in times if not any(a < t < b for a, b in gaps)]
+
+
+def test_a_fault_is_charged_from_its_end_to_the_next_confirm() -> None:
+    times = _without(EVERY_10_MS, (3.0, 4.5))  # confirms stop at 3.0, come back at 4.5
+    pauses = fault_pauses([("partition", 2.0, 2.0)], times, until_s=10.0)
+    assert pauses["partition"] == Pauses(1, (pytest.approx(0.5),))  # 4.0 .. 4.5
+
+
+def test_a_crash_is_charged_from_its_start() -> None:
+    times = _without(EVERY_10_MS, (2.0, 2.6))
+    pauses = fault_pauses([("crash", 2.0, 5.0)], times, until_s=10.0)
+    assert pauses["crash"].charged == (pytest.approx(0.6),)  # the failover, not the restart
+
+
+def test_faults_active_during_another_ones_recovery_are_both_overlapped() -> None:
+    times = _without(EVERY_10_MS, (2.0, 3.0), (6.0, 6.5))
+    faults = [
+        ("kill_leader", 2.0, 0.5),
+        ("clock_jump", 2.4, 0.0),  # in the kill's failover: neither is charged
+        ("partition", 5.0, 1.0),  # ends at 6.0; service back at 6.5
+        ("slow_link", 5.5, 0.2),  # recovers while the partition is on: overlapped; the
+        # partition's own recovery (6.0 .. 6.5) comes after the slow link's: charged
+        ("link_reset", 8.0, 0.0),  # alone: charged its 10 ms
+    ]
+    pauses = fault_pauses(faults, times, until_s=10.0)
+    assert [(k, p.count, len(p.charged)) for k, p in pauses.items()] == [
+        ("clock_jump", 1, 0),
+        ("kill_leader", 1, 0),
+        ("link_reset", 1, 1),
+        ("partition", 1, 1),
+        ("slow_link", 1, 0),
+    ]
+    assert pauses["link_reset"].max == pytest.approx(0.01)
+    assert pauses["partition"].max == pytest.approx(0.5)
+    assert pauses["kill_leader"].overlapped == 1 and pauses["kill_leader"].p50 is None
+
+
+def test_a_recovery_the_heal_cuts_is_not_charged_and_later_faults_are_left_out() -> None:
+    times = _without(EVERY_10_MS, (8.0, 10.0))
+    pauses = fault_pauses([("pause", 7.0, 1.5), ("late", 30.0, 1.0)], times, until_s=9.0)
+    assert pauses == {"pause": Pauses(1, ())}
 
 
 @given(
     st.lists(st.floats(0, 100, allow_nan=False), max_size=40).map(sorted),
-    st.floats(0, 100, allow_nan=False),
-    st.floats(0, 10, allow_nan=False),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["crash", "partition", "link_reset"]),
+            st.floats(0, 99, allow_nan=False),
+            st.floats(0, 10, allow_nan=False),
+        ),
+        max_size=8,
+    ),
 )
-def test_a_gap_is_never_shorter_than_any_gap_inside_the_window(
-    times: list[float], start: float, length: float
+def test_a_charged_recovery_ends_at_a_confirm_with_no_other_fault_active(
+    times: list[float], faults: list[tuple[str, float, float]]
 ) -> None:
-    end = start + length
-    gap = longest_gap(times, start, end)
-    inside = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
-    assert all(gap >= g for g in inside)
-    assert gap >= 0
+    pauses = fault_pauses(faults, times, until_s=100.0)
+    assert sum(p.count for p in pauses.values()) == len(faults)
+    for kind, p in pauses.items():
+        starts = [at if kind == "crash" else at + d for k, at, d in faults if k == kind]
+        for v in p.charged:  # from a start (or end) of its kind to a confirm
+            assert any(abs(s + v - t) < 1e-9 for s in starts for t in times)
+    if len(faults) > 1 and all(f[1] == faults[0][1] for f in faults):
+        assert not any(p.charged for p in pauses.values())  # all at once: all overlapped
 
 
-def test_each_fault_kind_gets_the_quantiles_of_its_faults_pauses() -> None:
-    times = [x / 100 for x in range(0, 1000)]  # an event every 10 ms for 10 s...
-    times = [t for t in times if not 2.0 < t < 2.5 and not 6.0 < t < 7.0]  # ...but two
-    faults = [("kill_leader", 2.0, 0.0), ("kill_leader", 6.0, 0.0), ("pause", 9.0, 0.2)]
-    pauses = fault_pauses(faults, times, until_s=10.0)  # (events run until 9.99)
-    assert pauses["kill_leader"].count == 2
-    assert round(pauses["kill_leader"].max, 6) == 1.0  # 6.0 .. 7.0
-    assert round(pauses["pause"].max, 6) == 0.01
-    assert "late" not in fault_pauses([("late", 30.0, 1.0)], times, until_s=20.0)
+def test_quantiles_are_nearest_rank() -> None:
+    p = Pauses(5, (0.4, 0.1, 0.3, 0.2))
+    assert (p.p50, p.p99, p.max, p.overlapped) == (0.2, 0.4, 0.4, 1)
+    assert quantile([], 0.5) is None
 
 
 def test_a_killed_leader_pauses_confirms_and_the_summary_says_how_long() -> None:
@@ -64,6 +105,6 @@ def test_a_killed_leader_pauses_confirms_and_the_summary_says_how_long() -> None
     assert result.ok, result.summary()
     kill = result.confirm_pauses["kill_leader"]
     assert isinstance(kill, Pauses) and kill.count >= 2
-    assert 0.1 < kill.max < 5  # an election, not the 10 ms between confirms
-    assert result.delivery_pauses["kill_leader"].max > 0.1
-    assert "pauses around faults" in result.summary()
+    assert kill.charged and 0.1 < max(kill.charged) < 5  # an election, not 10 ms
+    assert (result.delivery_pauses["kill_leader"].max or 0) > 0.1
+    assert "recovery after faults" in result.summary()
