@@ -383,7 +383,8 @@ _TRACE_SNIPPET = (
 @pytest.mark.slow
 def test_same_seed_same_trace_across_processes_and_hash_seeds() -> None:
     """Seed 52 with compaction writes, sends, installs and refuses snapshots (found with
-    the `tcp` profile; seed 22 before pre-vote); seed 34 stalls, pauses mid-tick, delays and isolates nodes."""
+    the `tcp` profile; seed 22 before pre-vote); seed 34 stalls, pauses mid-tick, delays
+    and isolates nodes."""
     hashes = set()
     for hash_seed in ("0", "1", "4242"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
