@@ -56,7 +56,7 @@ def test_simulate_sweep_sums_up_its_seeds_in_a_table() -> None:
     result = _quorumq("simulate", "sweep", "--seeds", "0:2", "--steps", "200", "--jobs", "2")
     assert result.returncode == 0, result.stderr
     assert "all 2 seeds pass" in result.stdout and "lost 0, duplicated 0" in result.stdout
-    assert "| fault kind | faults | seeds' longest confirm pause: p50 | max |" in result.stdout
+    assert "| fault kind | faults | charged | overlapped | p50 | p99 | max |" in result.stdout
 
 
 def test_simulate_replay_prints_every_event_of_the_same_run() -> None:

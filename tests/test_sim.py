@@ -43,8 +43,13 @@ from simulations.workload import WorkloadConfig
 from simulations.world import US, World, first_micros_at
 
 CI_SEEDS = range(200)
-OPEN_FAILURES: set[int] = set()
-"""Seeds of the CI sweep that fail today, not yet diagnosed. Replay one with
+OPEN_FAILURES: set[int] = {176, 183}
+"""Seeds of the CI sweep that fail today. Both fail the liveness checks of issue 27,
+whose Raft and membership fixes are not in yet: 176 changes leader 3.3 s after its heal,
+past the bound, and keeps doing so (`heal_leaders`: a node that stands for election
+disrupts a working leader); in 183, C restarts empty after a power loss with the peers
+it was first started with, which lack D, added since and now leading: D and C never
+connect and C never catches up (`heal_catch_up`). Replay one with
 `quorumq simulate run --seed N --steps 2400 --fault-interval 0.6 --rate 10`
 (and `--compaction 30` or `100` for the seeds that compact: `CI_COMPACTION`).
 The sweep test fails if this set changes either way (a new failure, or a fix).
