@@ -525,7 +525,9 @@ def test_proposals_held_for_an_unreachable_leader_fail_as_never_sent_after_a_tim
 ) -> None:
     """Cut off from a leader the others still hear, a follower cannot stand (pre-vote),
     so the leader it knows stays, and its queue held every proposal until the link came
-    back, maybe hours later. Past the replica's own timeout they fail, not sent."""
+    back, maybe hours later. Each fails, not sent, past the replica's own timeout: acks
+    failed at once after the leader had been gone long were given up by the node core
+    during an 18 s outage, and their messages stayed held (CI seed 78)."""
     from quorumq.replica import PROPOSAL_TIMEOUT_S
 
     assert PROPOSALS_HELD_S == PROPOSAL_TIMEOUT_S
@@ -542,6 +544,12 @@ def test_proposals_held_for_an_unreachable_leader_fail_as_never_sent_after_a_tim
     clock.now += PROPOSALS_HELD_S
     member._checkCommandsToApply()
     assert outcomes == [FAIL_REASON.MISSING_LEADER] and not _of(sent, "apply_command")
+    member.propose(b"later", lambda _r, reason: outcomes.append(reason))
+    member._checkCommandsToApply()
+    assert len(outcomes) == 1  # each its own time: a new one is held, not failed at once
+    clock.now += PROPOSALS_HELD_S + 0.01
+    member._checkCommandsToApply()
+    assert outcomes == [FAIL_REASON.MISSING_LEADER] * 2
 
 
 def test_a_follower_whose_every_tick_comes_late_still_stands(cluster: Any, clock: Clock) -> None:

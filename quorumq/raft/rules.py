@@ -259,23 +259,28 @@ class LeaderClock:
 
 
 PROPOSALS_HELD_S = 15.0
-"""How long a follower keeps proposals while its leader is unreachable: the replica's
-own timeout (`quorumq.replica.PROPOSAL_TIMEOUT_S`), after which their callers were told
-the outcome is unknown."""
-_PASS, _HOLD, _FAIL = 0, 1, 2
+"""How long a follower keeps each proposal while its leader is unreachable: the
+replica's own timeout (`quorumq.replica.PROPOSAL_TIMEOUT_S`), after which its caller was
+told the outcome is unknown."""
 """What a follower does with the proposals in its queue (`RaftRules._holds_proposals`)."""
 
 
-class LeaderOnly:
-    """The callback of a proposal that only the leader of `term` may append
-    (`RaftRules.propose_as_leader`): a node that no longer leads that term answers it
-    NOT_LEADER instead of forwarding it to whoever leads now."""
+class Queued:
+    """The callback of a local proposal while it waits in PySyncObj's queue: when it was
+    proposed (a follower holds proposals while its leader is unreachable, each for
+    `PROPOSALS_HELD_S` at most), and `term` if only the leader of that term may append it
+    (`RaftRules.propose(leader_only=True)`: a node that no longer leads that term answers
+    it NOT_LEADER instead of forwarding it to whoever leads now). Taken from the queue,
+    the proposal goes on with its own callback."""
 
-    __slots__ = ("callback", "term")
+    __slots__ = ("at", "callback", "term")
 
-    def __init__(self, term: int, callback: Callable[[Any, int], None] | None) -> None:
-        self.term = term
+    def __init__(
+        self, callback: Callable[[Any, int], None] | None, at: float, term: int | None = None
+    ) -> None:
         self.callback = callback
+        self.at = at
+        self.term = term
 
     def __call__(self, result: Any, reason: int) -> None:
         if self.callback is not None:
@@ -283,15 +288,16 @@ class LeaderOnly:
 
 
 class _StampingQueue:
-    """PySyncObj's queue of commands to append, stamping each as it is taken, and
-    dropping a leader's duty once that node no longer leads the term that judged it."""
+    """PySyncObj's queue of commands to append, stamping each as it is taken, dropping a
+    leader's duty once that node no longer leads the term that judged it, and holding
+    what waits while the leader is unreachable (`RaftRules._holds_proposals`)."""
 
     def __init__(
         self,
         queue: Any,
         stamp: Callable[[bytes], bytes],
         leads: Callable[[int], bool],
-        holds: Callable[[], int],
+        holds: Callable[[], bool],
     ) -> None:
         self.queue = queue
         self._stamp = stamp
@@ -299,19 +305,32 @@ class _StampingQueue:
         self._holds = holds
 
     def get_nowait(self) -> tuple[bytes, Any]:
-        hold = self._holds()
-        if hold == _HOLD:
-            raise _queue.Empty  # PySyncObj's loop stops taking: they wait here
         while True:
+            if self._holds():
+                self._fail_overdue()
+                raise _queue.Empty  # PySyncObj's loop stops taking: the rest wait here
             command, callback = self.queue.get_nowait()
-            if hold == _FAIL:
-                if callback is not None:
-                    callback(None, FAIL_REASON.MISSING_LEADER)  # never sent: not applied
-                continue
-            if isinstance(callback, LeaderOnly) and not self._leads(callback.term):
-                callback(None, FAIL_REASON.NOT_LEADER)
-                continue
+            if isinstance(callback, Queued):
+                if callback.term is not None and not self._leads(callback.term):
+                    callback(None, FAIL_REASON.NOT_LEADER)
+                    continue
+                callback = callback.callback
             return self._stamp(command), callback
+
+    def _fail_overdue(self) -> None:
+        """Proposals held longer than `PROPOSALS_HELD_S` fail as never sent (not
+        applied); their callers were told "outcome unknown" by the replica by then."""
+        waiting: Any = self.queue._FastQueue__queue
+        now = _syncobj.monotonicTime()
+        while waiting:
+            callback = waiting[0][1]
+            if not isinstance(callback, Queued) or now - callback.at <= PROPOSALS_HELD_S:
+                return
+            try:
+                self.queue.get_nowait()
+            except _queue.Empty:
+                return
+            callback(None, FAIL_REASON.MISSING_LEADER)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.queue, name)
@@ -431,8 +450,6 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     this node stands)."""
     _leader_since = 0.0
     """When this node last became leader (monotonic seconds)."""
-    _leader_lost_at: float | None = None
-    """When this follower's connection to its leader went down (None: it is up)."""
     _last_look = 0.0
     """When this node's Raft thread last looked at the time (`_look`)."""
     awake_since = 0.0
@@ -473,25 +490,25 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     def _leads(self, term: int) -> bool:
         return bool(self._isLeader()) and self.raftCurrentTerm == term
 
-    def _holds_proposals(self) -> int:
-        """What happens to the proposals in the queue: a follower whose connection to
-        its leader is down keeps them for up to `PROPOSALS_HELD_S` (PySyncObj sent them
-        on the connection that was down, where they were lost, and their callers heard
-        nothing until their timeout), then fails them as never sent (MISSING_LEADER:
-        certainly not applied), rather than keep them until the link heals, maybe hours
+    def _holds_proposals(self) -> bool:
+        """Whether proposals wait in the queue: a follower whose connection to its
+        leader is down keeps each for up to `PROPOSALS_HELD_S` (PySyncObj sent them on
+        the connection that was down, where they were lost, and their callers heard
+        nothing until their timeout), then fails it as never sent (MISSING_LEADER:
+        certainly not applied), rather than keep it until the link heals, maybe hours
         later (a follower cut off from a leader the others still hear: pre-vote keeps it
-        from standing, so the leader it knows stays). Not sooner: the node core settles
-        an ack refused as not applied again only 20 times, 0.1 s apart, and acks failed
-        after a 1.2 s hold were given up during a 7 s partition, their messages held by
-        a live consumer for good (simulator, seed 20 of the liveness sweep)."""
+        from standing, so the leader it knows stays). Each proposal its own time, not
+        the connection's: the node core settles an ack refused as not applied again only
+        20 times, 0.1 s apart, and acks failed at once once the leader had been gone
+        long were given up during an 18 s outage, their messages held by a live
+        consumer for good (simulator, CI seed 78; seed 20 of the liveness sweep with a
+        1.2 s hold)."""
         leader = self._SyncObj__raftLeader
-        if leader is None or self._isLeader() or leader in self._SyncObj__connectedNodes:
-            self._leader_lost_at = None
-            return _PASS
-        now = _syncobj.monotonicTime()
-        if self._leader_lost_at is None:
-            self._leader_lost_at = now
-        return _FAIL if now - self._leader_lost_at > PROPOSALS_HELD_S else _HOLD
+        return (
+            leader is not None
+            and not self._isLeader()
+            and leader not in self._SyncObj__connectedNodes
+        )
 
     def _stamp_taken_command(self, command: bytes) -> bytes:
         """`command`, taken from the queue to append: stamped if it is a raw entry and this
@@ -546,9 +563,16 @@ class RaftRules(SyncObj):  # type: ignore[misc]
                     callback(None, FAIL_REASON.NOT_LEADER)
                 return
             self._take_commands_through_rules()
-            self._applyCommand(payload, LeaderOnly(term, callback), RAW_COMMAND)
+            at = _syncobj.monotonicTime()
+            self._applyCommand(payload, Queued(callback, at, term), RAW_COMMAND)
             return
         self._applyCommand(payload, callback, RAW_COMMAND)
+
+    def _applyCommand(self, command: bytes, callback: Any, commandType: int | None = None) -> None:
+        """PySyncObj's, with each local proposal's time (`Queued`)."""
+        if not isinstance(callback, Queued | tuple):  # (a tuple: a peer's, forwarded here)
+            callback = Queued(callback, _syncobj.monotonicTime())
+        super()._applyCommand(command, callback, commandType)
 
     def _anchor_leader_clock(self) -> None:
         """On the tick thread: a new leader takes the replicated time over."""
