@@ -586,3 +586,63 @@ def test_a_leader_reached_outside_the_configuration_is_dropped_once_a_member_lea
     assert "127.0.0.1:1" not in transport._nodeAddrToNode
     member._SyncObj__onMessageReceived(peers[0], answer)  # and may be reached again
     assert "127.0.0.1:1" in transport._nodeAddrToNode
+
+
+# ------------------------------------------ what a second review found (helper-6)
+
+
+def test_proposals_on_a_node_that_knows_no_leader_fail_after_their_time(
+    cluster: Any, clock: Clock
+) -> None:
+    """PySyncObj takes nothing from the queue while it knows no leader: a leader isolated
+    and stepped down by check-quorum kept its proposals, and those its followers
+    forwarded, for as long as the partition lasted, and appended them after the
+    clients' retries when it healed."""
+    member, peers, sent = cluster
+    outcomes: list[int] = []
+    member.propose(b"x", lambda _r, reason: outcomes.append(reason))
+    member._SyncObj__onMessageReceived(
+        peers[0], {"type": "apply_command", "command": b"\x04y", "request_id": 7}
+    )
+    member._checkCommandsToApply()
+    refused = _of(sent, "apply_command_response")
+    assert [m["error"] for _, m in refused] == [FAIL_REASON.NOT_LEADER]  # a peer's: at once
+    assert outcomes == []
+    clock.now += PROPOSALS_HELD_S + 0.01
+    member._checkCommandsToApply()
+    assert outcomes == [FAIL_REASON.MISSING_LEADER]
+
+
+def test_a_peer_request_held_here_neither_waits_nor_blocks_the_local_ones(
+    cluster: Any, clock: Clock
+) -> None:
+    member, peers, sent = cluster
+    member._SyncObj__raftLeader = peers[0]
+    member._SyncObj__connectedNodes.discard(peers[0])  # its leader is unreachable
+    member._SyncObj__onMessageReceived(
+        peers[1], {"type": "apply_command", "command": b"\x04y", "request_id": 7}
+    )
+    outcomes: list[int] = []
+    member.propose(b"x", lambda _r, reason: outcomes.append(reason))
+    member._checkCommandsToApply()
+    assert [m["error"] for _, m in _of(sent, "apply_command_response")] == [
+        FAIL_REASON.NOT_LEADER
+    ]
+    clock.now += PROPOSALS_HELD_S + 0.01
+    member._checkCommandsToApply()
+    assert outcomes == [FAIL_REASON.MISSING_LEADER]
+
+
+def test_answers_to_an_earlier_term_of_leadership_bring_no_dead_node_up(
+    cluster: Any, clock: Clock
+) -> None:
+    """B answered leader A; A was deposed, B died; A, elected again a second later,
+    took B's old answer for a new one and proposed NodeUp(B)."""
+    member, peers, _ = cluster
+    member._SyncObj__onBecomeLeader()
+    answer = {"type": "next_node_idx", "next_node_idx": 2, "reset": False, "success": True}
+    member._SyncObj__onMessageReceived(peers[0], answer)
+    member._set_higher_term(6)
+    clock.now += 1.0
+    member._SyncObj__onBecomeLeader()
+    assert min(member.peer_answered_ago().values()) == float("inf")

@@ -262,7 +262,6 @@ PROPOSALS_HELD_S = 15.0
 """How long a follower keeps each proposal while its leader is unreachable: the
 replica's own timeout (`quorumq.replica.PROPOSAL_TIMEOUT_S`), after which its caller was
 told the outcome is unknown."""
-"""What a follower does with the proposals in its queue (`RaftRules._holds_proposals`)."""
 
 
 class Queued:
@@ -307,8 +306,7 @@ class _StampingQueue:
     def get_nowait(self) -> tuple[bytes, Any]:
         while True:
             if self._holds():
-                self._fail_overdue()
-                raise _queue.Empty  # PySyncObj's loop stops taking: the rest wait here
+                raise _queue.Empty  # PySyncObj's loop stops taking: they wait here
             command, callback = self.queue.get_nowait()
             if isinstance(callback, Queued):
                 if callback.term is not None and not self._leads(callback.term):
@@ -317,20 +315,31 @@ class _StampingQueue:
                 callback = callback.callback
             return self._stamp(command), callback
 
-    def _fail_overdue(self) -> None:
-        """Proposals held longer than `PROPOSALS_HELD_S` fail as never sent (not
-        applied); their callers were told "outcome unknown" by the replica by then."""
-        waiting: Any = self.queue._FastQueue__queue
-        now = _syncobj.monotonicTime()
-        while waiting:
-            callback = waiting[0][1]
-            if not isinstance(callback, Queued) or now - callback.at <= PROPOSALS_HELD_S:
-                return
-            try:
-                self.queue.get_nowait()
-            except _queue.Empty:
-                return
-            callback(None, FAIL_REASON.MISSING_LEADER)
+    def take_held(self, now: float) -> tuple[list[Any], list[Queued]]:
+        """Out of the queue while its proposals are held: the peers' requests forwarded
+        here (this node does not lead: they are refused at once), and the local
+        proposals held longer than `PROPOSALS_HELD_S` (they fail, never sent)."""
+        queue = self.queue
+        peers: list[Any] = []
+        overdue: list[Queued] = []
+        with queue._FastQueue__lock:
+            waiting = queue._FastQueue__queue
+            if not any(
+                type(cb) is tuple or (isinstance(cb, Queued) and now - cb.at > PROPOSALS_HELD_S)
+                for _, cb in waiting
+            ):
+                return peers, overdue
+            kept: collections.deque[tuple[Any, Any]] = collections.deque()
+            for command, callback in waiting:
+                if type(callback) is tuple:
+                    peers.append(callback)
+                elif isinstance(callback, Queued) and now - callback.at > PROPOSALS_HELD_S:
+                    overdue.append(callback)
+                else:
+                    kept.append((command, callback))
+            waiting.clear()
+            waiting.extend(kept)
+        return peers, overdue
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.queue, name)
@@ -445,6 +454,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     _SyncObj__raftElectionDeadline: float
     """(PySyncObj's fields, typed for the rules that set them.)"""
     _pre_vote_round: _PreVoteRound | None = None
+    _deadline_in_tick: float | None = None
+    """The election deadline `_onTick` set aside while PySyncObj ticks."""
     _deadline_pushed = False
     """The election deadline was pushed past a stall once (until a leader is heard or
     this node stands)."""
@@ -489,6 +500,27 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def _leads(self, term: int) -> bool:
         return bool(self._isLeader()) and self.raftCurrentTerm == term
+
+    def _settle_held_proposals(self) -> None:
+        """As a follower holding proposals (`_holds_proposals`) or knowing no leader
+        (PySyncObj's loop then takes nothing at all): refuse the peers' requests
+        forwarded here (NOT_LEADER), and fail each local proposal held past
+        `PROPOSALS_HELD_S` (MISSING_LEADER). Without it a node that knew no leader (a
+        leader isolated, stepped down by check-quorum) kept its proposals, and its
+        followers', for as long as the partition lasted, and appended them after the
+        clients' retries once it healed."""
+        if self._isLeader() or not (
+            self._SyncObj__raftLeader is None or self._holds_proposals()
+        ):
+            return
+        queue: Any = self._SyncObj__commandsQueue
+        if not isinstance(queue, _StampingQueue):
+            return
+        peers, overdue = queue.take_held(_syncobj.monotonicTime())
+        for request in peers:
+            self._SyncObj__callErrCallback(FAIL_REASON.NOT_LEADER, request)
+        for proposal in overdue:
+            proposal(None, FAIL_REASON.MISSING_LEADER)
 
     def _holds_proposals(self) -> bool:
         """Whether proposals wait in the queue: a follower whose connection to its
@@ -592,6 +624,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def _checkCommandsToApply(self) -> None:
         self._take_commands_through_rules()
+        self._settle_held_proposals()
         self._anchor_leader_clock()
         if not self._commands_waiting():
             return  # most ticks (a message read, a timer): PySyncObj's loop takes nothing
@@ -796,6 +829,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         rank = sorted([*voters, me.id]).index(me.id)
         delay = wait_s + rank * LEADER_LOST_TURN_S + LEADER_LOST_JITTER_S * _syncobj.random.random()
         deadline: float = getattr(self, "_SyncObj__raftElectionDeadline")  # noqa: B009
+        if deadline == math.inf and self._deadline_in_tick is not None:
+            deadline = self._deadline_in_tick  # (set aside by `_onTick` while PySyncObj ticks)
         setattr(  # noqa: B010 (PySyncObj's private field, untyped)
             self, "_SyncObj__raftElectionDeadline", min(deadline, _syncobj.monotonicTime() + delay)
         )
@@ -804,6 +839,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     def _SyncObj__onBecomeLeader(self) -> None:
         self._sent_commit = 0  # (a snapshot install may have taken the commit index back)
         self._leader_since = _syncobj.monotonicTime()
+        self._answered_at.clear()  # answers to an earlier term of leadership say nothing now
         super()._SyncObj__onBecomeLeader()
         logger.info("leading at term %d", self.raftCurrentTerm)
 
@@ -1035,11 +1071,12 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         # PySyncObj looks at the deadline again, a moment later: it must never stand for
         # election by itself (without pre-vote) when the deadline falls in between, or a
         # stall there. What its poll sets (a heartbeat, a vote, a transfer) is kept.
-        deadline = self._SyncObj__raftElectionDeadline
+        deadline = self._deadline_in_tick = self._SyncObj__raftElectionDeadline
         self._SyncObj__raftElectionDeadline = math.inf
         try:
             super()._onTick(timeToWait)
         finally:
+            self._deadline_in_tick = None
             if self._SyncObj__raftElectionDeadline == math.inf:
                 self._SyncObj__raftElectionDeadline = deadline
 
