@@ -646,3 +646,29 @@ def test_answers_to_an_earlier_term_of_leadership_bring_no_dead_node_up(
     clock.now += 1.0
     member._SyncObj__onBecomeLeader()
     assert min(member.peer_answered_ago().values()) == float("inf")
+
+
+def test_only_the_leaders_appendentries_keep_a_follower_in_its_lease(
+    cluster: Any, clock: Clock
+) -> None:
+    """C took B for leader after B had stopped leading; B refused C's forwarded
+    proposals at once, and each answer counted as hearing from the leader: C stayed in
+    its lease and refused B's pre-votes for good (no leader after the heal)."""
+    member, peers, _ = cluster
+    leader = peers[0]
+    heartbeat = {
+        "type": "append_entries",
+        "term": 5,
+        "commit_index": 0,
+        "entries": [],
+        "prevLogIdx": 1,
+        "prevLogTerm": 0,
+    }
+    member._SyncObj__onMessageReceived(leader, heartbeat)
+    assert member.in_lease()
+    clock.now += member._SyncObj__conf.raftMinTimeout + 0.01
+    refusal = {"type": "apply_command_response", "request_id": 1, "error": 3}
+    member._SyncObj__onMessageReceived(leader, refusal)
+    assert not member.in_lease()
+    member._SyncObj__onMessageReceived(leader, heartbeat)
+    assert member.in_lease()

@@ -893,6 +893,17 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             self._last_leader = self._SyncObj__raftLeader
             if node == self._last_leader:
                 self._leader_closed = None  # heard from: it lives
+            if (
+                node == self._last_leader
+                and append
+                and message.get("term") == self.raftCurrentTerm
+                and not self._isLeader()
+            ):
+                # Only the leader's AppendEntries of this term say it leads: any other
+                # message from it (an answer to a proposal forwarded to a node that no
+                # longer led, refused at once) kept a follower "in its lease" for good,
+                # refusing the pre-votes of the node it took for leader (liveness run of
+                # CI's consumer_timeout options, seed 1: no leader after the heal)
                 self.leader_heard_at = _syncobj.monotonicTime()  # (metrics, stickiness)
                 self._pre_vote_round = None  # a late grant must not depose it
                 self._deadline_pushed = False
