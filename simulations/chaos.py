@@ -197,6 +197,8 @@ class NodeEvidence:
     last_audit: tuple[int, str] | None
     audit_error: str | None
     audit_errors: int
+    audit_s: float
+    """The longest any of its audits (or failed audits) took."""
     log_tail: tuple[str, ...]
 
     def render(self) -> list[str]:
@@ -235,7 +237,8 @@ class NodeEvidence:
             else f"last (index {self.last_audit[0]}, digest {self.last_audit[1][:16]})"
         )
         lines.append(
-            f"    audits: {self.audits} tried, {self.audit_errors} failed; {audit}"
+            f"    audits: {self.audits} tried, {self.audit_errors} failed, "
+            f"the longest {self.audit_s:.2f} s; {audit}"
             + (f"; last failure: {self.audit_error}" if self.audit_error else "")
         )
         lines.append(f"    log tail ({len(self.log_tail)} lines):")
@@ -1009,12 +1012,16 @@ def _agreement(
     failed: collections.Counter[str] = collections.Counter()
     last_error: dict[str, str] = {}
     last_audit: dict[str, tuple[int, str]] = {}
+    took: dict[str, float] = dict.fromkeys(nodes, 0.0)
 
     def audit(node: str) -> tuple[str, tuple[int, str] | None, str | None]:
+        began = time.monotonic()
         try:
             status = cluster.status(node, audit=True)
         except (QuorumqError, OSError) as e:
             return node, None, f"{type(e).__name__}: {e}"
+        finally:
+            took[node] = max(took[node], time.monotonic() - began)
         return node, (status["machine_index"], status["digest"]), None
 
     deadline = time.monotonic() + timeout_s
@@ -1032,6 +1039,10 @@ def _agreement(
             if verdict != "inconclusive" or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+    rounds = max(tried.values(), default=0)
+    detail += f"; {rounds} round(s), the longest audit " + ", ".join(
+        f"{n} {took[n]:.2f} s" for n in nodes
+    )
     if verdict == "agree":
         return Agreement(verdict=verdict, detail=detail)
     now = clock()
@@ -1056,6 +1067,7 @@ def _agreement(
                 last_audit=last_audit.get(node),
                 audit_error=last_error.get(node),
                 audit_errors=failed[node],
+                audit_s=took[node],
                 log_tail=log_tail(cluster.log_path(node)),
             )
         )

@@ -118,7 +118,8 @@ def test_a_failed_agreement_names_each_nodes_figures_audit_and_log_tail(tmp_path
     assert "A (running): applied 140, machine 140, commit 140, term 7, leader" in text
     assert "C (running): applied 100, machine 100, commit 100, term 6, follower of A" in text
     assert "behind by 40 entries; applied index last moved 31.0 s ago" in text
-    assert "audits: 1 tried, 1 failed; none succeeded; last failure: ServerError" in text
+    assert "audits: 1 tried, 1 failed, the longest " in text
+    assert "s; none succeeded; last failure: ServerError" in text
     assert "the audit's child process ended with -9" in text
     assert "      C line 29" in text and "(5 'proposing Tick()' lines left out)" in text
     assert "verdict: FAIL" in text
