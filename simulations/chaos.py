@@ -306,7 +306,10 @@ class ChaosReport:
     """(term, leader) of the elections counted in `elections`."""
     terms: tuple[int, int] = (0, 0)
     """The highest term the polls saw when the faults began, and at the end."""
-    downs: int = 0
+    cancels: int = 0
+    """Consumers cancelled with `node_down`."""
+    marks: int = 0
+    """Nodes newly among the down nodes of the leader's status (as polled)."""
     false_downs: tuple[FalseDown, ...] = ()
     load: tuple[float, float] = (0.0, 0.0)
     """The 1-minute load average when the faults began and when they ended."""
@@ -350,8 +353,9 @@ class ChaosReport:
             f"  elections {self.elections} ({self.elections_per_hour:.0f}/hour"
             + (", a run without faults expects none" if self.fault_mode == "none" else "")
             + f"), {self.elections_after} after the faults; terms {self.terms[0]} -> "
-            f"{self.terms[1]}; nodes marked down {self.downs}, false downs "
-            f"{len(self.false_downs)}",
+            f"{self.terms[1]}",
+            f"  downs: {self.cancels} node_down cancels of consumers, {self.marks} nodes "
+            f"marked down in the leader's status; false downs {len(self.false_downs)}",
         ]
         if self.fault_mode == "none" and self.leader_terms:
             lines.append(
@@ -889,7 +893,8 @@ def run_chaos(
         elections_after=after,
         leader_terms=tuple(won),
         terms=(first_term, watch.max_term),
-        downs=len(downs),
+        cancels=len(cancelled),
+        marks=len(watch.downs),
         false_downs=tuple(wrong),
         load=(load_before, load_after),
     )

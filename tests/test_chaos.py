@@ -155,8 +155,10 @@ def test_a_down_no_pause_or_kill_of_its_node_explains_is_a_false_down() -> None:
     assert [(f.down.node, f.down.at) for f in wrong] == [("A", 21.0), ("C", 5.0)]
     assert "its last fault: pause 10.0-13.0 s, over 8.0 s before" in wrong[0].render()
     assert "the harness never paused or killed it" in wrong[1].render()
-    text = report(false_downs=tuple(wrong), downs=5).summary()
-    assert "nodes marked down 5, false downs 2" in text and "verdict: FAIL" in text
+    text = report(false_downs=tuple(wrong), cancels=2, marks=3).summary()
+    assert "downs: 2 node_down cancels of consumers, 3 nodes marked down" in text
+    assert "in the leader's status; false downs 2" in text
+    assert "verdict: FAIL" in text
     assert "false down: C at 5.0 s, seen by leader A's status" in text
 
 
