@@ -166,14 +166,16 @@ def _node(args: argparse.Namespace) -> int:
                 async for _ in signals:
                     break
 
+    from .raft.first_configuration import PeersChangedError  # noqa: PLC0415
     from .raft.journal import JournalDamagedError, JournalFailedError  # noqa: PLC0415
 
+    refusals = (JournalDamagedError, JournalFailedError, PeersChangedError, OSError)
     try:
         trio.run(run)
-    except (JournalDamagedError, JournalFailedError, ConfigError, OSError) as e:  # start-up
+    except (*refusals, ConfigError) as e:  # start-up
         raise UsageError(str(e)) from None
     except BaseExceptionGroup as group:  # trio wraps what the node's tasks raised
-        found = group.subgroup((OSError, JournalDamagedError, JournalFailedError))
+        found = group.subgroup(refusals)
         if found is None:
             raise
         cannot: BaseException = found

@@ -201,6 +201,11 @@ class Cluster:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._ready_mark: dict[str, int] = {}
         """Per node: "ready" lines in its log before its latest start."""
+        self._first_peers: dict[str, list[str]] = {}
+        """Per node: the other members it was first started with. It is started again with
+        the same `--peer` flags whatever the membership is now: a node refuses other
+        peers than its data directory was first started with (the log and snapshots
+        carry the changes since; `quorumq.raft.first_configuration`)."""
         self._clients: list[Client] = []
 
     # --------------------------------------------------------------- processes
@@ -254,9 +259,9 @@ class Cluster:
             "--log-level",
             self.log_level,
         ]
-        for other in self.nodes:
-            if other != node:
-                args += ["--peer", f"{other}=127.0.0.1:{self.raft_ports[other]}"]
+        peers = self._first_peers.setdefault(node, [n for n in self.nodes if n != node])
+        for other in peers:
+            args += ["--peer", f"{other}=127.0.0.1:{self.raft_ports[other]}"]
         if node in self.metrics_ports:
             args += ["--metrics", f"127.0.0.1:{self.metrics_ports[node]}"]
         if self.tls is not None:

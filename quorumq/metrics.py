@@ -205,6 +205,23 @@ class _NodeCollector(Collector):
             "Snapshots this node installed from the leader since it started.",
             value=replica.snapshots_loaded - self._loaded_at_start,
         )
+        yield CounterMetricFamily(
+            "quorumq_raft_elections",
+            "Elections this node stood in since it started (each raised its term).",
+            value=member.elections,
+        )
+        yield CounterMetricFamily(
+            "quorumq_raft_pre_votes_lost",
+            "Pre-vote rounds this node lost since it started: elections that would only "
+            "have disrupted the cluster.",
+            value=member.pre_votes_lost,
+        )
+        yield CounterMetricFamily(
+            "quorumq_raft_stalls",
+            "Times this node's Raft thread stalled past 0.2 s (a pause, a GC, a starved "
+            "CPU) since it started.",
+            value=member.stalls,
+        )
         heard = member.leader_heard_at
         if role == "leader":
             silence = 0.0

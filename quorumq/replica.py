@@ -17,8 +17,13 @@ that are still the ones on disk at start-up count as replayed: a node that led b
 its restart may hold an uncommitted tail that the new leader's log replaces, and the
 entries that replace it (say, a delivery to a consumer that just connected here) are new.
 
-`on_effects` runs on the Raft thread: hand the work over (trio token, bounded queue),
-never block there. The machine is only mutated on that thread, under `lock`; other
+The node says which queues its reads wait on (`watch_ends`); when an applied entry
+moves the end of one of them (`machine.ends_moved`), `on_ends_moved` is called, once
+until the node takes the queues it names (`take_ends_moved`): a batch of entries applied
+in a row costs the node one wake-up, and a queue no read waits on costs it nothing.
+
+`on_effects` and `on_ends_moved` run on the Raft thread: hand the work over (trio token,
+bounded queue), never block there. The machine is only mutated on that thread, under `lock`; other
 threads read it with `query`.
 
 As leader, the replica turns time and failure into log commands: `NodeDown(node)` when
@@ -66,6 +71,7 @@ from .machine import (
     NodeUp,
     Reply,
     Tick,
+    ends_moved,
 )
 from .raft.member import MAX_COMMAND_BYTES, NOT_APPLIED, Fsync, RaftMember
 from .raft.rules import LeaderClock, RaftRules, wall_clock_ms
@@ -125,9 +131,14 @@ def failure_commands(
     down: frozenset[str],
     grace_s: float,
     removed: Iterable[str] = (),
+    answered_s: Mapping[str, float] | None = None,
 ) -> list[NodeDown | NodeUp]:
     """What `leader` proposes about its peers: `NodeDown` for a node silent longer than
-    the grace period, `NodeUp` for a down node heard from again within half of it.
+    the grace period, `NodeUp` for a down node that answered within half of it
+    (`answered_s`, seconds since its last real answer; `silence_s` by default).
+    `silence_s` is counted only while the leader could hear (`RaftRules.peer_silence`),
+    so it restarts at the leader's election and after its stalls: a node down for good
+    looks silent for a moment then, and only a real answer may bring it up.
 
     And about itself: an earlier leader may have marked it down while it was cut off,
     and it may win an election before that leader's `NodeUp` is committed. Only a
@@ -140,10 +151,11 @@ def failure_commands(
     consumers kept their messages.)"""
     commands: list[NodeDown | NodeUp] = []
     never = {node: math.inf for node in removed if node not in silence_s and node != leader}
+    answered = silence_s if answered_s is None else answered_s
     for node, silent_s in sorted({**never, **silence_s, leader: 0.0}.items()):
         if silent_s > grace_s and node not in down:
             commands.append(NodeDown(node=node))
-        elif silent_s < grace_s / 2 and node in down:
+        elif node in down and (node == leader or answered.get(node, math.inf) < grace_s / 2):
             commands.append(NodeUp(node=node))
     return commands
 
@@ -377,9 +389,11 @@ class Replica:
         observer: ReplicaObserver | None = None,
         machine_factory: Callable[[], Machine] = Machine,
         effect_filter: EffectFilter = local_effects,
+        on_ends_moved: Callable[[], None] | None = None,
     ) -> None:
-        """`wall_clock`, `monotonic`: this node's clocks (tests give a wrong wall clock, the
-        simulator its own clocks). `member_factory`: the Raft member (by default a
+        """`on_ends_moved`: see the module's docstring. `wall_clock`, `monotonic`: this
+        node's clocks (tests give a wrong wall clock, the simulator its own clocks).
+        `member_factory`: the Raft member (by default a
         `RaftMember` on real files and sockets; the simulator's on its disk and network).
         `observer`: told of every entry applied and snapshot loaded (the simulator's
         checker). `machine_factory` and `effect_filter`: test-only switches of the
@@ -394,6 +408,10 @@ class Replica:
         self.machine = machine_factory()
         self._on_effects = on_effects
         self._on_state_replaced = on_state_replaced
+        self._on_ends_moved = on_ends_moved
+        self._watched: frozenset[str] = frozenset()
+        self._ends_moved: set[str] = set()
+        """Queues of `_watched` whose end moved since the node last took them (under `lock`)."""
         self._effects_through = 0
         """The highest log index applied by this process: a snapshot install can take the
         machine back below it, and entries applied again must not run their effects again."""
@@ -435,8 +453,12 @@ class Replica:
         self,
         command: Command,
         callback: Callable[[Reply | None, ProposalError | None], None] | None = None,
+        *,
+        leader_only: bool = False,
     ) -> None:
-        """Submit from any thread; `callback(reply, error)` runs on the Raft thread."""
+        """Submit from any thread; `callback(reply, error)` runs on the Raft thread.
+        `leader_only`: a leader's duty, appended only while this node leads the term it
+        leads now (`RaftRules.propose`)."""
         payload = encode_entry(UNSTAMPED, command)  # the leader stamps the time
         if len(payload) > MAX_COMMAND_BYTES:  # never a log entry: refused, not raised
             message = f"a command of {len(payload)} bytes exceeds {MAX_COMMAND_BYTES}"
@@ -445,7 +467,7 @@ class Replica:
                 callback(Error(code=ErrorCode.TOO_LARGE, message=message), None)
             return
         if callback is None:
-            self.member.propose(payload, None)
+            self.member.propose(payload, None, leader_only=leader_only)
             return
 
         once = self._in_flight.track(callback, self._monotonic())
@@ -458,7 +480,7 @@ class Replica:
             else:
                 once(None, OutcomeUnknownError(f"the leader changed before a reply ({reason})"))
 
-        self.member.propose(payload, done)
+        self.member.propose(payload, done, leader_only=leader_only)
 
     def submit(self, command: Command, timeout: float = 10.0) -> Reply:
         """Propose and wait for the reply (from a thread that is not the Raft thread)."""
@@ -496,6 +518,9 @@ class Replica:
             ) from None
         with self.lock:
             applied = self.machine.apply(Meta(index, ts_ms), command)
+            tell = bool(self._watched) and self._note_ends_moved(command, applied)
+        if tell and self._on_ends_moved is not None:
+            self._on_ends_moved()
         if pathtiming.ENABLED:
             _mark_applied(index, command, applied.reply)
         if self._observer is not None:
@@ -507,6 +532,29 @@ class Replica:
                 if mine:
                     self._on_effects(index, mine)
         return applied.reply
+
+    def _note_ends_moved(self, command: Command, applied: Applied) -> bool:
+        """Note the watched queues whose end `command` moved (under `lock`); whether the
+        node is to be told (it has taken all it was told of before)."""
+        moved = ends_moved(command, applied).intersection(self._watched)
+        if not moved:
+            return False
+        told = bool(self._ends_moved)
+        self._ends_moved |= moved
+        return not told
+
+    def watch_ends(self, queues: frozenset[str]) -> None:
+        """Tell the node (`on_ends_moved`) of the entries applied from now on that move the
+        end of one of `queues`, the queues its reads wait on. Call it before reading the
+        ends it waits for: an entry applied in between is then seen by one or the other
+        (the read takes `lock`, and an entry is noted under it)."""
+        self._watched = queues
+
+    def take_ends_moved(self) -> set[str]:
+        """The watched queues whose end moved since the last call."""
+        with self.lock:
+            moved, self._ends_moved = self._ends_moved, set()
+        return moved
 
     def _mine(self, effects: tuple[Effect, ...]) -> tuple[Effect, ...]:
         return self._effect_filter(
@@ -564,12 +612,18 @@ class Replica:
             for address, silent_s in self.member.peer_silence().items()
             if address in node_of_address
         }
+        answered = {
+            node_of_address[address]: ago
+            for address, ago in self.member.peer_answered_ago().items()
+            if address in node_of_address
+        }
         for command in failure_commands(
             self.node_id,
             silence,
             self.machine.down_nodes(),
             self.config.node_down_grace_s,
             self.member.removed_members,
+            answered,
         ):
             key = ("down" if isinstance(command, NodeDown) else "up", command.node)
             self._propose_once(key, command)
@@ -598,7 +652,7 @@ class Replica:
         logger.info("proposing %s", command)
         if self._observer is not None:
             self._observer.proposed_duty(self, command)
-        self.propose(command, lambda _reply, _error: self._pending.discard(key))
+        self.propose(command, lambda _reply, _error: self._pending.discard(key), leader_only=True)
 
     # ------------------------------------------------------------- membership
 
@@ -729,6 +783,9 @@ class Replica:
             "connected": member.connected(),
             "snapshots_loaded": self.snapshots_loaded,
             "compaction_error": member.compaction_error,
+            "elections": member.elections,
+            "pre_votes_lost": member.pre_votes_lost,
+            "stalls": member.stalls,
         }
 
     def stop(self) -> None:

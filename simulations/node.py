@@ -16,7 +16,9 @@ the real queue machine, and the duties of the node's server towards its clients.
   to a follower behind its compacted log, through the simulated network; the follower
   installs it only if the shared Raft rules take it (`accept_leader_snapshot`). A
   restarted node checks that its snapshot and journal belong together
-  (`RaftRules.check_stored_state`), loads its snapshot, then its journal.
+  (`RaftRules.check_stored_state`), loads its snapshot, then its journal. Its first
+  configuration is recorded on the disk, and checked at every restart, by the real
+  code (`quorumq.raft.first_configuration`).
 * `SimNode` is what `quorumq.replica.Replica` and `quorumq.server.node.NodeServer` do
   for one node: apply committed entries to the machine, run only this node's effects
   (`local_effects`), turn a delivery to a consumer it does not have into `Down`, and as
@@ -54,6 +56,7 @@ from quorumq.machine import (
 )
 from quorumq.node import ConnectionCore, NodeConfig, NodeCore
 from quorumq.node.core import ProposalCallback
+from quorumq.raft.first_configuration import settle_first_configuration
 from quorumq.raft.journal import DurableJournal, JournalDamagedError, JournalFailedError
 from quorumq.raft.rules import (
     Entry,
@@ -288,7 +291,13 @@ class SimMember(RaftRules):
     ) -> None:
         """`peers`: name -> Raft address of every member this node starts with, itself
         included (by default every host of the network, at its name)."""
-        peers = dict(peers or {n: n for n in network.names})
+        peers = settle_first_configuration(  # the real record, on this node's disk
+            disk.files,
+            "/",
+            peers or {n: n for n in network.names},
+            holds_raft_state=disk.snapshot is not None
+            or disk.files.read(disk.JOURNAL + ".meta") is not None,
+        )
         self.name = name
         self.address = address = peers[name]
         self.network = network
@@ -310,7 +319,7 @@ class SimMember(RaftRules):
             raftMinTimeout=raft_timeouts[0],
             raftMaxTimeout=raft_timeouts[1],
             appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
-            leaderFallbackTimeout=max(2.0, raft_timeouts[1] * 2),
+            leaderFallbackTimeout=2 * raft_timeouts[1],  # check-quorum: see RaftRules
             appendEntriesBatchSizeBytes=4 * 1024 * 1024,
             commandsWaitLeader=True,
             dynamicMembershipChange=True,
@@ -476,6 +485,12 @@ class _SimReplicaHandle:
     def membership_settled(self) -> bool:
         return self._node.replica.membership_settled()
 
+    def watch_ends(self, queues: frozenset[str]) -> None:
+        self._node.replica.watch_ends(queues)
+
+    def take_ends_moved(self) -> set[str]:
+        return self._node.replica.take_ends_moved()
+
 
 class _SimShell:
     """What the core asks of its shell, done by the simulated node."""
@@ -554,6 +569,7 @@ class SimNode:
             observer=self,
             machine_factory=variant.machine,
             effect_filter=variant.effect_filter,
+            on_ends_moved=lambda: self.soon(self._ends_moved),
         )
         rng = self.world.stream(f"node-{name}-{incarnation}")
         self.core = NodeCore(
@@ -688,6 +704,9 @@ class SimNode:
 
     def _state_replaced(self) -> None:
         self.core.state_replaced()
+
+    def _ends_moved(self) -> None:
+        self.core.ends_moved()
 
     # ------------------------------------------------------- the core's shell
 

@@ -40,7 +40,7 @@ CHUNK_BYTES = 4 * 1024 * 1024
 ahead in memory, and a chunk is one Arrow batch (whose binary column holds < 2 GiB)."""
 PREFETCH_CHUNKS = 2
 """Chunks read ahead of the one being turned into Arrow and handed to Spark."""
-RETRY_ELSEWHERE = frozenset({"lagging", "not_applied", "outcome_unknown"})
+RETRY_ELSEWHERE = frozenset({"lagging", "node_reads_full", "not_applied", "outcome_unknown"})
 """Errors after which another node may well answer the same read."""
 
 

@@ -112,3 +112,18 @@ def test_the_embedded_benchmark_measures_both_paths_side_by_side() -> None:
     assert result.returncode == 0, out
     assert "| in-process | 1 |" in out and "| tcp | 1 |" in out, out
     assert "in-process / tcp (medians of the rounds): p50 " in out, out
+
+
+def test_the_reads_benchmark_measures_publishes_under_each_load_of_waiting_reads() -> None:
+    """`benchmarks/bench_reads.py`, small: one node process, a few connections of
+    waiting reads, each load's publishes measured."""
+    command = [sys.executable, "-m", "benchmarks.bench_reads", "--connections", "3"]
+    command += ["--reads", "4", "--seconds", "0.5", "--rate", "100"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    for load in ("none", "idle queue", "same queue"):
+        assert f"| this tree | {load} | " in out, out

@@ -237,6 +237,61 @@ def test_status_audit_needs_the_admin_token_and_says_so_in_one_line() -> None:
         assert len(status["digest"]) == 64 and status["machine_index"] >= 0
 
 
+def test_a_node_restarted_with_other_peers_or_a_damaged_record_is_refused_in_one_line(
+    tmp_path: Any,
+) -> None:
+    """Issue 27: no first configuration was kept on disk, so a node restarted with another
+    `--peer` list before its first snapshot counted votes over other voters."""
+    import quorumq
+    from quorumq.embedded import free_ports
+
+    client_port, raft_port, other_port = free_ports(3)
+    data = tmp_path / "a"
+    node = [
+        *("-m", "quorumq", "node", "--id", "A", "--insecure", "--data-dir", str(data)),
+        *("--listen", f"127.0.0.1:{client_port}", "--raft", f"127.0.0.1:{raft_port}"),
+    ]
+
+    def start(*more: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, *node, *more],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def serves_then_stops(proc: subprocess.Popen[str]) -> None:
+        try:
+            # (the client retries until the port opens)
+            with quorumq.connect(f"127.0.0.1:{client_port}", connect_timeout=10.0) as client:
+                client.declare("q")  # it leads: it holds Raft state (a term)
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+
+    def refused(*more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *node, *more], capture_output=True, text=True, timeout=30, check=False
+        )
+
+    serves_then_stops(start())
+    other = f"B=127.0.0.1:{other_port}"
+    _one_line_error(
+        refused("--peer", other),
+        f"quorumq node: the data directory {data} was first started with the members "
+        f"{{A=127.0.0.1:{raft_port}}}, and --peer (with --id and --raft) now gives "
+        f"{{A=127.0.0.1:{raft_port}, {other}}} ({other} added): start the node with the "
+        "peers it was first started with",
+    )
+    serves_then_stops(start())  # the same flags: it starts
+    record = data / "first-configuration"
+    damaged = bytearray(record.read_bytes())
+    damaged[-2] ^= 1
+    record.write_bytes(bytes(damaged))
+    _one_line_error(refused(), f"quorumq node: {record} fails its checksum: it is damaged")
+
+
 def _one_line_error(result: subprocess.CompletedProcess[str], says: str) -> None:
     """What every error a user can cause looks like: exit status 2 and one line."""
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)

@@ -325,3 +325,52 @@ def test_a_node_with_a_flipped_journal_byte_refuses_to_start_and_nothing_is_lost
         for node in ("B", "C"):
             read = cluster.client(node).read("q", 0, 1000)
             assert [m.offset for m in read] == confirmed, node
+
+
+def test_a_leader_paused_past_the_node_down_grace_marks_no_healthy_node_down() -> None:
+    """Issue 27: a leader SIGSTOPped 4 s with a 3 s grace, publishers running, came back
+    and proposed `NodeDown` for every peer at once (it judged them silent from answers
+    it had not read), and the next leader committed them: every consumer of the cluster
+    was cancelled and its messages redelivered (3 of 3 runs). The paused node itself is
+    marked down by the next leader, rightly; the others' consumers keep their
+    subscriptions (a consumer cancelled with `node_down` comes back under a new id)."""
+    with Cluster(3, node_down_grace=3.0) as cluster:
+        producer = cluster.client(timeout=30.0)
+        producer.declare("q")
+        consumers = {n: cluster.client(n).subscribe("q", prefetch=20) for n in cluster.nodes}
+        recorders = [Recorder(c) for c in consumers.values()]
+        sent = 0
+        for _ in range(3):  # each round: the leader paused in mid-stride, publishing on
+            leader = cluster.leader()
+            wait_for(
+                lambda leader=leader: len(  # type: ignore[misc]
+                    cluster.status(leader)["queues"]["q"]["consumer_ids"]
+                ) == 3,
+                "every consumer subscribed",
+                30,
+            )
+            ids = {n: c.id for n, c in consumers.items()}
+            for _ in range(200):
+                producer.publish("q", b"m%d" % sent)
+                sent += 1
+            paused_at = time.monotonic()
+            cluster.pause(leader)
+            while time.monotonic() - paused_at < 4.0:  # the fault's length
+                time.sleep(0.05)
+            cluster.resume(leader)
+            healthy = [n for n in cluster.nodes if n != leader]
+            wait_for(
+                lambda leader=leader, healthy=healthy: leader  # type: ignore[misc]
+                not in _down_nodes(cluster, healthy[0]),
+                "the paused node up again",
+                30,
+            )
+            cancelled = {n: consumers[n].id for n in healthy if consumers[n].id != ids[n]}
+            assert not cancelled, f"consumers cancelled on nodes that never stopped: {cancelled}"
+        wait_for(
+            lambda: len({d.body for r in recorders for d in r.deliveries}) == sent,
+            "every message delivered",
+            30,
+        )
+        for r in recorders:
+            r.stop()

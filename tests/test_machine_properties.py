@@ -30,12 +30,15 @@ public queries:
   every consumer (`queue_deleted`) and removes every message, each counted; a deleted
   queue refuses everything until it is declared again: then it is empty, carries on
   from the deleted one's next offset, and refuses its producers' ids as forgotten;
+* every queue whose end an entry moved is one `ends_moved` names (a node wakes the
+  reads waiting on those queues only);
 * a second machine fed the same log, and one restored from a snapshot taken mid-way
   and fed the rest, end with the same digest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import attrs
@@ -84,6 +87,8 @@ from quorumq.machine import (
     QueuePurged,
     Subscribe,
     Tick,
+    UnknownQueueError,
+    ends_moved,
 )
 from quorumq.machine.queue import producer_generation
 
@@ -168,9 +173,20 @@ class QueueMachineRules(RuleBasedStateMachine):
         self.now = max(self.now, self.ts)
         meta = Meta(self.index, self.ts)
         self.log.append((meta, command))
+        before = self.ends()
         applied = self.machine.apply(meta, command)
         self.applied.append(applied)
+        moved = {q for q, end in self.ends().items() if end >= 0 and end != before[q]}
+        assert moved <= ends_moved(command, applied), (command, moved)  # reads wake on them
         return applied
+
+    def ends(self) -> dict[str, int]:
+        """Each queue's end (-1: none), as waiting reads see it."""
+        ends = dict.fromkeys(QUEUES, -1)
+        for q in QUEUES:
+            with contextlib.suppress(UnknownQueueError):
+                ends[q] = self.machine.stats(q).next_offset
+        return ends
 
     def body(self) -> bytes:
         self.body_counter += 1

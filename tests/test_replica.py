@@ -435,7 +435,7 @@ def test_every_process_file_is_ours(cluster: Cluster) -> None:
     cluster.leader().submit(Declare(queue="q"))
     wait_for(cluster.converged, "convergence")
     names = set(os.listdir(cluster.root / "A"))
-    assert names <= {"raft.log", "raft.log.meta", "snapshot"}, names
+    assert names <= {"raft.log", "raft.log.meta", "snapshot", "first-configuration"}, names
 
 
 def test_a_proposal_that_gets_no_outcome_is_answered_once_after_the_timeout(
@@ -584,13 +584,13 @@ def test_a_removed_replica_is_marked_down_even_when_the_first_proposal_is_lost(
     real_propose = leader.propose
     lost: list[object] = []
 
-    def lose_the_first_node_down(command: Any, callback: Any = None) -> None:
+    def lose_the_first_node_down(command: Any, callback: Any = None, **kw: Any) -> None:
         if isinstance(command, NodeDown) and not lost:
             lost.append(command)
             if callback is not None:
                 callback(None, OutcomeUnknownError("lost in a leader hand-over"))
             return
-        real_propose(command, callback)
+        real_propose(command, callback, **kw)
 
     leader.propose = lose_the_first_node_down  # type: ignore[method-assign]
     _remove_member(cluster, leader, "C")
@@ -615,12 +615,12 @@ def test_a_removed_replica_is_marked_down_by_the_next_leader_when_the_remover_ne
     leader.submit(Enqueue(queue="q", body=b"held"))
     real_propose = leader.propose
 
-    def never_node_down(command: Any, callback: Any = None) -> None:
+    def never_node_down(command: Any, callback: Any = None, **kw: Any) -> None:
         if isinstance(command, NodeDown):
             if callback is not None:
                 callback(None, OutcomeUnknownError("lost"))
             return
-        real_propose(command, callback)
+        real_propose(command, callback, **kw)
 
     leader.propose = never_node_down  # type: ignore[method-assign]
     _remove_member(cluster, leader, "C")

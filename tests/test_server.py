@@ -70,6 +70,34 @@ def test_a_one_node_group_serves_publish_subscribe_and_status(tmp_path: Path) ->
     _serve(tmp_path, body)
 
 
+def test_reads_that_wait_are_answered_as_the_node_applies_their_range(tmp_path: Path) -> None:
+    """The replica tells the node, from its Raft thread through the trio token, when an
+    entry moves the end of a queue reads wait on: reads waiting up to 20 s are answered
+    as their queue is declared and as the messages they need are published."""
+
+    async def body(endpoint: str) -> None:
+        async with quorumq.aio.connect(endpoint) as client:
+            got: dict[str, list[bytes]] = {}
+
+            async def read(queue: str, end: int) -> None:
+                result = await client.read(queue, 0, end, wait=20)
+                got[f"{queue}[:{end}]"] = [m.body for m in result.messages]
+
+            with trio.fail_after(10):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read, "later", 0)
+                    nursery.start_soon(read, "q", 2)
+                    nursery.start_soon(read, "q", 1)
+                    await trio.sleep(0.2)  # they wait
+                    await client.declare("later")
+                    await client.declare("q")
+                    await client.publish("q", b"a")
+                    await client.publish("q", b"b")
+            assert got == {"later[:0]": [], "q[:1]": [b"a"], "q[:2]": [b"a", b"b"]}
+
+    _serve(tmp_path, body)
+
+
 def test_forget_producers_forgets_by_prefix_and_the_status_counts_what_is_left(
     tmp_path: Path,
 ) -> None:

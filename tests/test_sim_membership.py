@@ -174,6 +174,27 @@ def _wait(world: World, *answers: Answers, seconds: float = 30.0) -> None:
     world.run_until(world.now_us + int(seconds * US), lambda: all(answers))
 
 
+def test_a_simulated_node_restarted_with_other_peers_is_refused_as_a_real_one() -> None:
+    """The simulated node records its first configuration on its disk with the real
+    code (`quorumq.raft.first_configuration`): an operator that restarted a member with
+    other peers (here D for C) is refused, and the flags of its first start run."""
+    from quorumq.raft.first_configuration import PeersChangedError
+
+    with _cluster() as (world, cluster, checker):
+        node = next(n for n in cluster.names if n != "C")
+        first = dict(cluster.first_peers[node])
+        cluster.crash(node)
+        cluster.first_peers[node] = {**{n: a for n, a in first.items() if n != "C"}, "D": "D"}
+        with pytest.raises(PeersChangedError, match="C=C missing; D=D added"):
+            cluster.start(node)
+        cluster.first_peers[node] = first
+        restarted = cluster.start(node)
+        assert restarted is not None
+        assert restarted.replica.members() == first
+        world.run_until(world.now_us + 3 * US)
+        assert checker.violation_count == 0
+
+
 def test_one_removal_sent_twice_at_once_is_answered_twice() -> None:
     """The leader took one and refused the other (the first was uncommitted); the node
     core tried the other again once the first was committed, looked the removed node's

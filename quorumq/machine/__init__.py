@@ -25,7 +25,7 @@ from .commands import (
     Tick,
 )
 from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect, Purged
-from .machine import Applied, Machine, Meta, UnknownQueueError
+from .machine import Applied, Machine, Meta, UnknownQueueError, ends_moved
 from .replies import (
     OK,
     Declared,
@@ -82,4 +82,5 @@ __all__ = [
     "Tick",
     "UnknownQueueError",
     "bucket_of",
+    "ends_moved",
 ]

@@ -115,6 +115,19 @@ class Applied:
     effects: tuple[Effect, ...]
 
 
+def ends_moved(command: Command, applied: Applied) -> set[str]:
+    """The queues whose end (`stats(queue).next_offset`) applying `command` may have
+    moved: the one a declare or an enqueue names (refused or not), and each a message
+    was dead-lettered to. A node wakes the reads waiting on these queues only
+    (`quorumq.node.reads`): one missing here would leave its reads waiting to their
+    deadline."""
+    moved = {command.queue} if isinstance(command, Declare | Enqueue | EnqueueBatch) else set()
+    for e in applied.effects:
+        if type(e) is DeadLettered:
+            moved.add(e.target_queue)
+    return moved
+
+
 class UnknownQueueError(LookupError):
     """A query named a queue that was never declared."""
 

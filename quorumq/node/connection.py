@@ -100,8 +100,6 @@ class ConnectionCore:
         """Each consumer's prefetch, while it is here."""
         self.prefetch_allowance = 0
         """Sum of `prefetches`: that many deliveries may wait for a slow reader."""
-        self.waiting_reads = 0
-        """Reads with `wait_ms` waiting to be applied (at most `MAX_WAITING_READS`)."""
         self.consumers: dict[str, str] = {}
         """consumer id -> queue, for consumers of this connection."""
         self.awaiting_reply: dict[str, list[Frame]] = {}

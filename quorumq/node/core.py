@@ -2,10 +2,11 @@
 
 Inputs: client connections opened and closed, the bytes they send (`data_received`),
 room to write again (`sent`), proposal outcomes (through the replica handle's
-callbacks), the effects this node's replica applied (`effects_applied`), a snapshot
-that replaced its state (`state_replaced`), and the time (`run_timers`). Outputs: bytes
-to write to each connection (`ConnectionCore.take_output`, with `NodeShell.wake` when
-there is something to do), commands proposed to the replica, and timers (`next_timer`).
+callbacks), the effects this node's replica applied (`effects_applied`), the ends of
+queues it moved that reads wait on (`ends_moved`), a snapshot that replaced its state
+(`state_replaced`), and the time (`run_timers`). Outputs: bytes to write to each
+connection (`ConnectionCore.take_output`, with `NodeShell.wake` when there is something
+to do), commands proposed to the replica, and timers (`next_timer`).
 No trio, socket, thread or clock inside: the trio shell (`quorumq.server`) drives it on
 a real node, the simulator (`simulations`) on its own network and clock. A rule lives
 here once, and both run it.
@@ -31,10 +32,12 @@ What the core does:
 * `Down` for consumers the machine places on this node that no connection serves, every
   second (a `Down` lost to a leader change, consumers of an earlier run of this node);
 * reads: from the local replica, waiting (`wait_ms`) for it to apply a range another
-  node committed;
+  node committed (`quorumq.node.reads`: woken when the replica moves their queue's end,
+  once per batch of entries applied, and timed out from one heap of deadlines);
 * membership changes (administrative), waiting for a leader and for an earlier change;
 * bounds: the outbox in bytes, requests that wait while it is full (back-pressure),
-  consumers per connection, reads waiting per connection, one audit at a time.
+  consumers per connection, reads waiting per connection and per node, one audit at a
+  time.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ from ..replica import (
 )
 from .config import READ_REPLY_BYTES, NodeConfig, check_node_config
 from .connection import ConnectionCore
+from .reads import WaitingRead, WaitingReads
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +129,12 @@ READ_ROW_OVERHEAD = 32
 MAX_READ_WAIT_MS = 30_000
 """The longest a `read` may ask its node to wait for the replica to apply its range."""
 MAX_WAITING_READS = 64
-"""Reads with `wait_ms` one connection may have waiting."""
+"""Reads with `wait_ms` one connection may have waiting (refused past it: `too_many_reads`)."""
+MAX_WAITING_READS_PER_NODE = 8192
+"""Reads with `wait_ms` a node holds at once, of all its connections: waiting for the
+replica, or applied and waiting for room to be answered. Past it a read is refused with
+`node_reads_full` (ask another node, or again later): each holds its request and a place
+in three indexes, and 128 connections at `MAX_WAITING_READS` already reach it."""
 GATHER_BYTES = 1024 * 1024
 """Most body bytes of consecutive publishes gathered into one `EnqueueBatch` entry (a log
 entry holds at most `MAX_COMMAND_BYTES`; four pipelined 1 MiB publishes exceeded it and
@@ -165,6 +174,14 @@ class ReplicaHandle(Protocol):
 
     def membership_settled(self) -> bool:
         """Whether this node's log holds no configuration change past its commit index."""
+        ...
+
+    def watch_ends(self, queues: frozenset[str]) -> None:
+        """Say (`NodeCore.ends_moved`) when an entry applied from now on moves the end of
+        one of `queues`."""
+
+    def take_ends_moved(self) -> set[str]:
+        """The watched queues whose end moved since the last call."""
         ...
 
 
@@ -226,14 +243,6 @@ class _Timer:
         self.cancelled = True
 
 
-@attrs.define
-class _WaitingRead:
-    conn: ConnectionCore
-    frame: Frame
-    deadline: float
-    delay: float = 0.001
-
-
 class NodeCore:
     """Everything a node decides towards its clients; see the module's docstring."""
 
@@ -271,7 +280,11 @@ class NodeCore:
         self._timers: list[tuple[float, int, _Timer]] = []
         self._timer_order = itertools.count()
         self._hello_deadlines: dict[ConnectionCore, _Timer] = {}
-        self._waiting_reads: list[_WaitingRead] = []
+        self.reads: WaitingReads[ConnectionCore] = WaitingReads()
+        """Reads with `wait_ms` waiting for the replica to apply their range."""
+        self._watched: frozenset[str] = frozenset()
+        """The queues the replica is to say it moved the end of (`ends_moved`): those
+        reads wait on, and some that reads waited on since it last said."""
         self._auditing = False
         self._missing_before: set[str] = set()
         self.queue_counts: Callable[[Iterable[str]], dict[str, dict[str, int]]] | None = None
@@ -293,15 +306,21 @@ class NodeCore:
         """When `run_timers` has something to run next (the clock's time), or None."""
         while self._timers and self._timers[0][2].cancelled:
             heapq.heappop(self._timers)
-        return self._timers[0][0] if self._timers else None
+        first = self._timers[0][0] if self._timers else None
+        read = self.reads.next_deadline()
+        if first is None or (read is not None and read < first):
+            return read
+        return first
 
     def run_timers(self) -> None:
-        """Run the timers that are due."""
+        """Run the timers that are due, and time out the reads whose deadline passed."""
         now = self.clock()
         while self._timers and self._timers[0][0] <= now:
             _, _, timer = heapq.heappop(self._timers)
             if not timer.cancelled:
                 timer.call(*timer.args)
+        for read in self.reads.expired(now):
+            self._read_expired(read)
 
     # ------------------------------------------------------------ connections
 
@@ -384,7 +403,7 @@ class NodeCore:
             timer.cancel()
         self.connections.discard(conn)
         self.unauthenticated.pop(conn, None)
-        self._waiting_reads = [r for r in self._waiting_reads if r.conn is not conn]
+        self.reads.drop(conn)
         for consumer in conn.consumers:
             if self.consumers.get(consumer) is conn:
                 del self.consumers[consumer]
@@ -400,6 +419,11 @@ class NodeCore:
             self._room_again(conn)
 
     def _room_again(self, conn: ConnectionCore) -> None:
+        while not conn.full and not conn.done:  # reads that came out: before the requests
+            read = self.reads.next_due(conn)
+            if read is None:
+                break
+            self._answer_read(conn, read.frame)
         self.handle_buffered(conn)
         self.shell.wake(conn)
 
@@ -952,8 +976,8 @@ class NodeCore:
         Everything a replica has applied is committed, so a read never sees uncommitted
         data. Without `wait_ms` the reply covers what this replica has applied so far.
         With `wait_ms` the caller says the whole range is committed (it learned `end`
-        from some node): a replica that lags is waited for (polled, backing off to 20
-        ms); past the wait the node answers `lagging`, and the client asks another node.
+        from some node): a replica that lags is waited for (`ends_moved`); past the wait
+        the node answers `lagging`, and the client asks another node.
         It never answers part of the range in that case. With `columns: true` the rows
         come column by column (`protocol.encode_columns`), for bulk readers."""
         start, end = frame["start"], frame["end"]
@@ -969,47 +993,83 @@ class NodeCore:
             type(wait_ms) is not int or not 0 <= wait_ms <= MAX_READ_WAIT_MS
         ):
             raise ValueError(f"wait_ms must be an integer from 0 to {MAX_READ_WAIT_MS}")
-        if wait_ms is None or self._applied_end(frame["queue"]) >= end:
+        queue = frame["queue"]
+        if wait_ms is None:
             self._answer_read(conn, frame)
-        elif conn.waiting_reads >= MAX_WAITING_READS:
+            return
+        self._watch(queue)  # before reading its end: no move falls between
+        if self._applied_end(queue) >= end:
+            self._answer_read(conn, frame)
+        elif self.reads.waiting(conn) >= MAX_WAITING_READS:
             self._error(
                 conn,
                 frame["id"],
                 "too_many_reads",
                 f"{MAX_WAITING_READS} reads already wait on this connection; wait for them",
             )
+        elif len(self.reads) >= MAX_WAITING_READS_PER_NODE:
+            self._error(
+                conn,
+                frame["id"],
+                "node_reads_full",
+                f"node {self.node_id} holds {MAX_WAITING_READS_PER_NODE} waiting reads, the "
+                "most it holds (MAX_WAITING_READS_PER_NODE); ask another node, or again later",
+            )
         else:
-            conn.waiting_reads += 1
-            read = _WaitingRead(conn, frame, self.clock() + wait_ms / 1000)
-            self._waiting_reads.append(read)
-            self.call_later(read.delay, self._check_read, read)
+            first = self.reads.next_deadline()
+            deadline = self.clock() + wait_ms / 1000
+            self.reads.add(conn, frame, queue, end, deadline)
+            if first is None or deadline < first:
+                self.shell.timers_changed()
+
+    def _watch(self, queue: str) -> None:
+        if queue not in self._watched:
+            self._watched = self._watched | {queue}
+            self.replica.watch_ends(self._watched)
+
+    def ends_moved(self) -> None:
+        """The replica applied entries that moved the end of queues reads wait on (it says
+        so once until they are taken: one call for a batch of entries). Answer the reads
+        their ends now cover, and no other: the work is theirs, whatever else waits."""
+        moved = self.replica.take_ends_moved()
+        waited = self.reads.queues()
+        if not moved <= waited:  # queues no read waits on any more: not watched
+            self._watched = frozenset(waited)
+            self.replica.watch_ends(self._watched)
+        self._wake_reads(moved & waited)
+
+    def _wake_reads(self, queues: Iterable[str]) -> None:
+        queues = list(queues)
+        if not queues:
+            return
+        ends = self.replica.query(lambda m: [_end_of(m, q) for q in queues])
+        for queue, end in zip(queues, ends, strict=True):
+            for read in self.reads.ready(queue, end):
+                self._read_ready(read)
+
+    def _read_ready(self, read: WaitingRead[ConnectionCore]) -> None:
+        conn = read.owner
+        if conn.done:
+            return
+        if conn.full:  # up to 64 replies of 768 KiB could come due at once
+            self.reads.hold(read)
+        else:
+            self._answer_read(conn, read.frame)
 
     def _applied_end(self, queue: str) -> int:
         """The offset after the last message this replica has applied to `queue`; -1
         when it has not applied the queue's declaration (yet)."""
-        try:
-            end: int = self.replica.query(lambda m: m.stats(queue).next_offset)
-        except UnknownQueueError:
-            return -1
+        end: int = self.replica.query(lambda m: _end_of(m, queue))
         return end
 
-    def _check_read(self, read: _WaitingRead) -> None:
-        conn, frame = read.conn, read.frame
-        if conn.done or read not in self._waiting_reads:
-            return
+    def _read_expired(self, read: WaitingRead[ConnectionCore]) -> None:
+        conn, frame = read.owner, read.frame
         queue, end = frame["queue"], frame["end"]
         applied = self._applied_end(queue)
-        if applied < end and self.clock() < read.deadline:
-            read.delay = min(2 * read.delay, 0.02)
-            self.call_later(read.delay, self._check_read, read)
+        if applied >= end:  # moved as the time ran out
+            self._read_ready(read)
             return
-        if applied >= end and conn.full:  # up to 64 replies of 768 KiB could come due
-            self.call_later(0.02, self._check_read, read)
-            return
-        self._waiting_reads.remove(read)
-        conn.waiting_reads -= 1
-        if applied >= end:
-            self._answer_read(conn, frame)
+        if conn.done:
             return
         where = (
             f"does not know queue {queue!r}"
@@ -1318,6 +1378,7 @@ class NodeCore:
         (the client subscribes again)."""
         for consumer in list(self._acking):  # the ack they wait for may never be answered
             self._propose_held_acks(consumer)
+        self._wake_reads(self.reads.queues())  # the ends moved with no entry applied
         served = [
             (c, conn, conn.consumers[c])
             for c, conn in self.consumers.items()
@@ -1349,6 +1410,15 @@ class NodeCore:
                     len(missing),
                 )
                 self.effects_applied(None, missing)
+
+
+def _end_of(m: Any, queue: str) -> int:
+    """`queue`'s end in machine `m`: the offset after its last message, -1 with no queue."""
+    try:
+        end: int = m.stats(queue).next_offset
+    except UnknownQueueError:
+        return -1
+    return end
 
 
 def _needs_admin(prefix: str) -> bool:

@@ -20,6 +20,10 @@ conflict, durability points, raw commands, our snapshot encoding) are in
   configuration, in PySyncObj's membership log entries and in our snapshots, so a
   member added or removed online is known by name on every replica. A member may ask
   the leader to hand leadership over (before the leader is removed).
+* the first configuration: the members a node first runs with are recorded in its data
+  directory, and a later start given other peers is refused (`first_configuration.py`):
+  before its first snapshot a node counts votes over its first configuration, and one
+  restarted with another `--peer` list counted them over other voters than the others.
 
 camelCase names here are PySyncObj's; they stay inside this module.
 """
@@ -50,11 +54,13 @@ from pysyncobj import FAIL_REASON, SyncObjConf, SyncObjException
 from pysyncobj.config import SERIALIZER_STATE
 from pysyncobj.node import TCPNode
 from pysyncobj.poller import POLL_EVENT_TYPE
-from pysyncobj.tcp_connection import TcpConnection
+from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
 from pysyncobj.transport import TCPTransport
 
 from ..codec import UnreadableEntryError
 from .cipher import RaftCipher, ThrottledWarning
+from .files import OS_FILES
+from .first_configuration import settle_first_configuration
 from .journal import DurableJournal, JournalDamagedError, JournalFailedError, fsync_directory
 from .rules import (
     MAX_COMMAND_BYTES,
@@ -175,6 +181,25 @@ class _Transport(TCPTransport):  # type: ignore[misc]
             self._hang_ups.pop(self._connToNode(conn), None)
         super()._onOutgoingMessageReceived(conn, message)
 
+    def addNode(self, node: Any) -> None:
+        """Once per node: a leader reached outside the configuration
+        (`RaftRules._reach_leader`) is added again when its entry is applied, and
+        PySyncObj's second connection object would orphan the first."""
+        if node in self._nodes:
+            return
+        super().addNode(node)
+
+    def dropNode(self, node: Any) -> None:
+        """PySyncObj's, telling the member the connection is gone: it forgot the
+        connection before closing it, so the member took the node as connected for
+        good (and forwarded proposals to a leader it no longer had a connection to)."""
+        connected = node in self._connections and self._connections[node].state == (
+            CONNECTION_STATE.CONNECTED
+        )
+        super().dropNode(node)
+        if connected:
+            self._onNodeDisconnected(node)
+
     def _onDisconnected(self, conn: Any) -> None:
         self._arrived.pop(conn, None)
         if id(conn) in self._handshaking:
@@ -281,6 +306,16 @@ class RaftMember(RaftRules):
         self.data_dir = data_dir
         self.fsync = fsync
         journal_path = os.path.join(data_dir, "raft.log")
+        snapshot_path = os.path.join(data_dir, "snapshot")
+        # the node runs with the members recorded at its first start; checked before
+        # anything is opened, so a refusal (`PeersChangedError`) leaves nothing to close
+        members = settle_first_configuration(
+            OS_FILES,
+            data_dir,
+            members,
+            holds_raft_state=os.path.exists(journal_path + ".meta")
+            or os.path.exists(snapshot_path),
+        )
         self.journal = DurableJournal(
             journal_path, durable=fsync != "never", strict=fsync == "always"
         )
@@ -303,7 +338,7 @@ class RaftMember(RaftRules):
             password=password,
             autoTick=False,
             journalFile=journal_path,
-            fullDumpFile=os.path.join(data_dir, "snapshot"),
+            fullDumpFile=snapshot_path,
             serializer=_written_by_a_child,  # (replaced: `_write_snapshots_in_a_child`)
             deserializer=self._read_snapshot,
             bindAddress=address,
@@ -313,7 +348,7 @@ class RaftMember(RaftRules):
             raftMinTimeout=raft_timeouts[0],
             raftMaxTimeout=raft_timeouts[1],
             appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
-            leaderFallbackTimeout=max(2.0, raft_timeouts[1] * 2),
+            leaderFallbackTimeout=2 * raft_timeouts[1],  # check-quorum: see RaftRules
             connectionRetryTime=0.5,
             connectionTimeout=2.0,
             commandsWaitLeader=True,

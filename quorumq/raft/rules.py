@@ -41,6 +41,25 @@
   uncommitted tail of an earlier term (an old leader back from a crash) applied that
   tail, entries no other replica has, while the snapshot was on its way.
 
+* elections that do not disrupt a working cluster (`_pre_vote_gate`, `_start_election`):
+  **pre-vote** (a node asks whether it could win before it raises its term, so a node
+  cut off, stalled or behind never deposes a working leader), **leader stickiness** (a
+  node that heard from its leader within the minimum election timeout, or a leader that
+  heard from a majority, refuses pre-votes, and ignores votes, except for a leadership
+  transfer), a **stale-term answer** (a node whose term is higher than a leader's tells
+  it, so the cluster moves on instead of ignoring it), **check-quorum** (a leader that
+  has not heard from a majority for the longest election timeout steps down:
+  `leaderFallbackTimeout`), and votes and pre-votes refused to nodes outside this
+  node's configuration (a removed server). See `_pre_vote_gate` for mixed versions.
+* fast catch-up: a refusal names the first index of the conflicting term (or the
+  follower's last index + 1), not one index back, and the leader sends again at once
+  instead of on its next heartbeat (`_SyncObj__sendNextNodeIdx`, `_send_to`).
+* silence judged only while awake: `peer_silence` counts a peer silent only from the
+  later of its last answer and the end of this node's own last stall (`stalled_s`), so a
+  leader paused past the node-down grace does not judge every peer down from
+  timestamps taken before its pause; and a leader's duty (`propose_as_leader`) is
+  appended only by the leader of the term that judged it, never forwarded to another.
+
 The reasons, measured, are in docs/pysyncobj-notes.md. camelCase names here are
 PySyncObj's; they stay inside quorumq/raft.
 """
@@ -49,6 +68,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
+import queue as _queue
 import threading
 import time
 import zlib
@@ -237,16 +258,56 @@ class LeaderClock:
         return ts
 
 
-class _StampingQueue:
-    """PySyncObj's queue of commands to append, stamping each as it is taken."""
+_PASS, _HOLD, _FAIL = 0, 1, 2
+"""What a follower does with the proposals in its queue (`RaftRules._holds_proposals`)."""
 
-    def __init__(self, queue: Any, stamp: Callable[[bytes], bytes]) -> None:
+
+class LeaderOnly:
+    """The callback of a proposal that only the leader of `term` may append
+    (`RaftRules.propose_as_leader`): a node that no longer leads that term answers it
+    NOT_LEADER instead of forwarding it to whoever leads now."""
+
+    __slots__ = ("callback", "term")
+
+    def __init__(self, term: int, callback: Callable[[Any, int], None] | None) -> None:
+        self.term = term
+        self.callback = callback
+
+    def __call__(self, result: Any, reason: int) -> None:
+        if self.callback is not None:
+            self.callback(result, reason)
+
+
+class _StampingQueue:
+    """PySyncObj's queue of commands to append, stamping each as it is taken, and
+    dropping a leader's duty once that node no longer leads the term that judged it."""
+
+    def __init__(
+        self,
+        queue: Any,
+        stamp: Callable[[bytes], bytes],
+        leads: Callable[[int], bool],
+        holds: Callable[[], int],
+    ) -> None:
         self.queue = queue
         self._stamp = stamp
+        self._leads = leads
+        self._holds = holds
 
     def get_nowait(self) -> tuple[bytes, Any]:
-        command, callback = self.queue.get_nowait()
-        return self._stamp(command), callback
+        hold = self._holds()
+        if hold == _HOLD:
+            raise _queue.Empty  # PySyncObj's loop stops taking: they wait here
+        while True:
+            command, callback = self.queue.get_nowait()
+            if hold == _FAIL:
+                if callback is not None:
+                    callback(None, FAIL_REASON.MISSING_LEADER)  # never sent: not applied
+                continue
+            if isinstance(callback, LeaderOnly) and not self._leads(callback.term):
+                callback(None, FAIL_REASON.NOT_LEADER)
+                continue
+            return self._stamp(command), callback
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.queue, name)
@@ -258,6 +319,40 @@ KEEPALIVE = "quorumq_keepalive"
 COMMIT_NOTICE = "quorumq_commit_notice"
 """Marks an AppendEntries that only brings a new commit index (`push_commit_index`):
 answered only if refused. A node that does not know the mark answers it, as before."""
+
+PRE_VOTE = "quorumq_pre_vote"
+"""A node about to stand for election asks whether it could win (Raft thesis 9.6):
+{term it would stand in, its last log index and term}. Answered, never acted on."""
+PRE_VOTE_ANSWER = "quorumq_pre_vote_answer"
+"""{term asked, granted, the answering node's current term}."""
+STALE_TERM = "quorumq_stale_term"
+"""A node at a higher term tells a leader of a lower term so (PySyncObj ignores such a
+leader's messages in silence, and the two never meet again)."""
+HELLO = "quorumq_hello"
+"""Sent once per new Raft connection: the sender speaks pre-vote (a node of an earlier
+version ignores it, and is never asked to)."""
+SPEAKS_PRE_VOTE = "quorumq_pre_votes"
+TRANSFER = "quorumq_transfer"
+"""Marks a vote request of a leadership transfer: granted whatever the stickiness."""
+STALL_S = 0.2
+"""Two consecutive looks of a node's Raft thread further apart than this: it stalled (a
+pause, a GC, a starved CPU), and it judges no peer's silence across the stall."""
+
+_FOLLOWER, _CANDIDATE, _LEADER = 0, 1, 2
+"""PySyncObj's `_RAFT_STATE`."""
+
+
+class _PreVoteRound:
+    """One round of pre-votes this node asked for."""
+
+    __slots__ = ("granted", "number", "refused", "term")
+
+    def __init__(self, number: int, term: int, me: Any) -> None:
+        self.number = number
+        self.term = term
+        self.granted: set[Any] = {me}
+        self.refused: set[Any] = set()
+
 
 LEADER_SILENT_PERIODS = 2
 """A follower whose connection to its leader closed elects if no AppendEntries comes
@@ -309,6 +404,44 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     compaction_error: str | None = None
     """Why the last snapshot could not be written (None: the last one was), for status."""
 
+    pre_vote = True
+    """Ask for pre-votes before standing for election (a negative control turns it off:
+    the node then elects as PySyncObj does)."""
+    leader_stickiness = True
+    """Refuse pre-votes, and ignore votes of nodes that speak pre-vote, while this node
+    heard from its leader (or, leading, from a majority) within the minimum election
+    timeout."""
+    conflict_hints = True
+    """A refusal names the first index of the conflicting term, not one index back."""
+    resend_after_refusal = True
+    """A leader sends again at once after a refusal, not on its next heartbeat."""
+    stall_aware_silence = True
+    """`peer_silence` counts no time across this node's own stalls."""
+
+    _SyncObj__raftLeader: Any
+    _SyncObj__raftElectionDeadline: float
+    """(PySyncObj's fields, typed for the rules that set them.)"""
+    _pre_vote_round: _PreVoteRound | None = None
+    _deadline_pushed = False
+    """The election deadline was pushed past a stall once (until a leader is heard or
+    this node stands)."""
+    _leader_since = 0.0
+    """When this node last became leader (monotonic seconds)."""
+    _leader_lost_at: float | None = None
+    """When this follower's connection to its leader went down (None: it is up)."""
+    _last_look = 0.0
+    """When this node's Raft thread last looked at the time (`_look`)."""
+    awake_since = 0.0
+    """When this node's Raft thread last came back from a stall (monotonic seconds)."""
+    stalls = 0
+    """Stalls of this node's Raft thread seen (longer than `STALL_S`)."""
+    elections = 0
+    """Elections this node stood in (after a pre-vote, a transfer, or as PySyncObj)."""
+    pre_vote_rounds = 0
+    """Pre-vote rounds this node asked for."""
+    pre_votes_lost = 0
+    """Pre-vote rounds that did not win: elections that did not disrupt anyone."""
+
     def start(self) -> None:
         """Start ticking (the owner is set up by then)."""
 
@@ -323,8 +456,36 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         the machine's time of an earlier entry, seconds old after a failover: a TTL
         counted from there expired early."""
         self.leader_clock = clock
+        self._take_commands_through_rules()
+
+    def _take_commands_through_rules(self) -> None:
+        """PySyncObj's command queue, taken through `_StampingQueue` (once)."""
         queue: Any = getattr(self, "_SyncObj__commandsQueue")  # noqa: B009 (name-mangled)
-        self._SyncObj__commandsQueue = _StampingQueue(queue, self._stamp_taken_command)
+        if not isinstance(queue, _StampingQueue):
+            self._SyncObj__commandsQueue = _StampingQueue(
+                queue, self._stamp_taken_command, self._leads, self._holds_proposals
+            )
+
+    def _leads(self, term: int) -> bool:
+        return bool(self._isLeader()) and self.raftCurrentTerm == term
+
+    def _holds_proposals(self) -> int:
+        """What happens to the proposals in the queue: a follower whose connection to
+        its leader is down keeps them for up to the longest election timeout (PySyncObj
+        sent them on the connection that was down, where they were lost, and their
+        callers heard nothing until their timeout, 15 s), then fails them as never sent
+        (MISSING_LEADER: certainly not applied), rather than keep them until the link
+        heals, maybe hours later (a follower cut off from a leader the others still
+        hear: pre-vote keeps it from standing, so the leader it knows stays)."""
+        leader = self._SyncObj__raftLeader
+        if leader is None or self._isLeader() or leader in self._SyncObj__connectedNodes:
+            self._leader_lost_at = None
+            return _PASS
+        now = _syncobj.monotonicTime()
+        if self._leader_lost_at is None:
+            self._leader_lost_at = now
+        limit: float = self._SyncObj__conf.raftMaxTimeout
+        return _FAIL if now - self._leader_lost_at > limit else _HOLD
 
     def _stamp_taken_command(self, command: bytes) -> bytes:
         """`command`, taken from the queue to append: stamped if it is a raw entry and this
@@ -355,11 +516,32 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     # -------------------------------------------------------------- proposing
 
-    def propose(self, payload: bytes, callback: Callable[[Any, int], None] | None) -> None:
+    def propose(
+        self,
+        payload: bytes,
+        callback: Callable[[Any, int], None] | None,
+        *,
+        leader_only: bool = False,
+    ) -> None:
         """Submit `payload` for the log. `callback(result, FAIL_REASON)` runs on the tick
-        thread: SUCCESS with what `apply_raw` returned on this node."""
+        thread: SUCCESS with what `apply_raw` returned on this node.
+
+        `leader_only`: a leader's judgement (a node down, time passing), appended only
+        by this node while it still leads the term it leads now; otherwise answered
+        NOT_LEADER. A duty queued just before its leader was deposed (a leader paused
+        in the middle of a tick judged every peer down, and the next tick forwarded
+        those `NodeDown`s to the new leader, which committed them) is never forwarded."""
         if len(payload) > MAX_COMMAND_BYTES:
             raise ValueError(f"command of {len(payload)} bytes exceeds {MAX_COMMAND_BYTES}")
+        if leader_only:
+            term = self.raftCurrentTerm
+            if not self._leads(term):
+                if callback is not None:
+                    callback(None, FAIL_REASON.NOT_LEADER)
+                return
+            self._take_commands_through_rules()
+            self._applyCommand(payload, LeaderOnly(term, callback), RAW_COMMAND)
+            return
         self._applyCommand(payload, callback, RAW_COMMAND)
 
     def _anchor_leader_clock(self) -> None:
@@ -379,6 +561,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         clock.take_over(term, max(latest, self.replicated_time_ms()))
 
     def _checkCommandsToApply(self) -> None:
+        self._take_commands_through_rules()
         self._anchor_leader_clock()
         if not self._commands_waiting():
             return  # most ticks (a message read, a timer): PySyncObj's loop takes nothing
@@ -474,6 +657,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         if success and self._handling_notice:
             return  # a commit notice taken: the leader knows this log already
         next_index = nextNodeIdx
+        if reset and not success and next_index is not None and self.conflict_hints:
+            next_index = self._conflict_hint(next_index)  # PySyncObj named prevLogIdx
         after_install, self._answer_after_install = self._answer_after_install, None
         if next_index is None and after_install is not None:
             next_index = after_install  # a snapshot was installed (see _SyncObj__loadDumpFile)
@@ -562,6 +747,10 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         leader = self._SyncObj__raftLeader
         if me is None or self._isLeader():
             return
+        if was_connected and node == leader:
+            # proposals forwarded to it are answered on this connection or never: fail
+            # them now (outcome unknown), not after the caller's 15 s timeout
+            self._SyncObj__onLeaderChanged()
         if was_connected and node == (leader if leader is not None else self._last_leader):
             self._leader_closed = node
             period: float = self._SyncObj__conf.appendEntriesPeriod
@@ -584,6 +773,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def _SyncObj__onBecomeLeader(self) -> None:
         self._sent_commit = 0  # (a snapshot install may have taken the commit index back)
+        self._leader_since = _syncobj.monotonicTime()
         super()._SyncObj__onBecomeLeader()
         logger.info("leading at term %d", self.raftCurrentTerm)
 
@@ -612,6 +802,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             # replace the log) comes after they are out: PySyncObj's answers carry no
             # term, and a deposed leader must not count entries this log no longer has.
             self._send_held_replies()
+        if isinstance(message, dict) and self._handled_election_message(node, message):
+            return
         answer_through = None
         if pathtiming.ENABLED:
             self._mark_received(node, message)
@@ -635,7 +827,10 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             self._last_leader = self._SyncObj__raftLeader
             if node == self._last_leader:
                 self._leader_closed = None  # heard from: it lives
-                self.leader_heard_at = _syncobj.monotonicTime()  # (metrics)
+                self.leader_heard_at = _syncobj.monotonicTime()  # (metrics, stickiness)
+                self._pre_vote_round = None  # a late grant must not depose it
+                self._deadline_pushed = False
+                self._forget_reached_leaders()
         if snapshot_chunk and self.raftLastApplied == applied:
             # no snapshot was installed: the commit index stays (PySyncObj takes it to
             # the leader's, within this log, which this message did not check)
@@ -648,6 +843,9 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             self._set_commit_index(installed)
         if answer_through is not None:
             self._SyncObj__sendNextNodeIdx(node, nextNodeIdx=answer_through + 1, success=True)
+        answer = isinstance(message, dict) and message.get("type") == "next_node_idx"
+        if answer and self._isLeader():
+            self._answered_at[node] = _syncobj.monotonicTime()
         if (
             isinstance(message, dict)
             and message.get("type") == "next_node_idx"
@@ -661,6 +859,44 @@ class RaftRules(SyncObj):  # type: ignore[misc]
                 # big entries several AppendEntries are in flight, and each refusal of an
                 # older one named a higher index, so a lagging follower never caught up
                 next_index[node] = before
+            elif (
+                message.get("reset")
+                and not message.get("success")
+                and self._isLeader()
+                and self.resend_after_refusal
+            ):
+                self._send_to(node)  # not a heartbeat period later
+
+    def _handled_election_message(self, node: Any, message: dict[str, Any]) -> bool:
+        """Our election messages, and the vote requests and AppendEntries they change;
+        True if the message needs nothing more."""
+        kind = message.get("type")
+        if kind == HELLO:
+            self._speakers.add(node)
+            return True
+        if kind == PRE_VOTE:
+            if self._SyncObj__selfNode is not None:
+                self._on_pre_vote(node, message)
+            return True
+        if kind == PRE_VOTE_ANSWER:
+            self._on_pre_vote_answer(node, message)
+            return True
+        if kind == STALE_TERM:
+            term = message.get("term")
+            if type(term) is int and term > self.raftCurrentTerm:
+                logger.info("%s is at term %d, past this node's: following", node, term)
+                self._set_higher_term(term)
+            return True
+        if kind == "request_vote":
+            if message.get(SPEAKS_PRE_VOTE):
+                self._speakers.add(node)
+            return self._ignores_vote(node, message)
+        if kind == "append_entries" and message.get("term", 0) < self.raftCurrentTerm:
+            # PySyncObj ignores a leader of an earlier term: tell it, or it leads on
+            # and this node stays out (a candidate its voters ignore while they hear it)
+            self._SyncObj__transport.send(node, {"type": STALE_TERM, "term": self.raftCurrentTerm})
+            return True
+        return False
 
     def _mark_received(self, node: Any, message: Any) -> None:
         """Path timing: entries arrived (a follower), or a follower's answer (a leader)."""
@@ -725,6 +961,364 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         )
         self._SyncObj__sendNextNodeIdx(self._message_from, nextNodeIdx=applied + 1, success=True)
         return False
+
+    # -------------------------------------------------------------- elections
+
+    @property
+    def _speakers(self) -> set[Any]:
+        """Peers known to speak pre-vote (they said hello, or asked or answered one)."""
+        speakers: set[Any] | None = self.__dict__.get("_speakers_set")
+        if speakers is None:
+            speakers = self.__dict__["_speakers_set"] = set()
+        return speakers
+
+    def _look(self) -> float | None:
+        """The Raft thread looks at the clock. A gap since its last look is a stall of
+        this node: what it heard before is as old as the stall, and says nothing of its
+        peers meanwhile (`peer_silence` counts no silence across it). Returns when the
+        stall began (None: no stall)."""
+        now = _syncobj.monotonicTime()
+        before = self._last_look
+        self._last_look = now
+        if not before or now - before <= STALL_S:
+            return None
+        self.awake_since = now
+        self.stalls += 1
+        return before
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:
+        stalled_from = self._look()
+        if stalled_from is not None and self.stall_aware_silence and not self._isLeader():
+            # A follower whose deadline ran out during its own stall reads what its
+            # leader sent before it judges the leader gone (PySyncObj looks at the
+            # deadline before it reads); once, or a node whose every tick comes late
+            # would never stand at all.
+            deadline: float = self._SyncObj__raftElectionDeadline
+            if stalled_from < deadline <= self.awake_since and not self._deadline_pushed:
+                period: float = self._SyncObj__conf.appendEntriesPeriod
+                self._SyncObj__raftElectionDeadline = self.awake_since + 2 * period
+                self._deadline_pushed = True
+        self._pre_vote_gate()
+        if not self.pre_vote or self._isLeader():
+            super()._onTick(timeToWait)
+            return
+        # PySyncObj looks at the deadline again, a moment later: it must never stand for
+        # election by itself (without pre-vote) when the deadline falls in between, or a
+        # stall there. What its poll sets (a heartbeat, a vote, a transfer) is kept.
+        deadline = self._SyncObj__raftElectionDeadline
+        self._SyncObj__raftElectionDeadline = math.inf
+        try:
+            super()._onTick(timeToWait)
+        finally:
+            if self._SyncObj__raftElectionDeadline == math.inf:
+                self._SyncObj__raftElectionDeadline = deadline
+
+    def _pre_vote_gate(self) -> None:
+        """Before PySyncObj's tick: if this follower's election deadline has passed, ask
+        for pre-votes instead of raising its term; stand for election only once a
+        majority said it could win (`_on_pre_vote_answer`), or for a leadership
+        transfer. A node cut off, paused or behind so never raises its term, and never
+        deposes a leader that a majority still hears (the lagging follower of issue 27
+        took the term from 5 to 102 in 33 s, and each new leader began its search for
+        the follower's match point again).
+
+        Mixed versions (a rolling upgrade): a peer of an earlier version ignores
+        pre-votes and never says hello. After a whole round without a majority, the
+        connected peers never heard to speak pre-vote count as granting (they vote as
+        before), so a cluster with old nodes elects as it did before; stickiness holds
+        only against nodes known to speak pre-vote, so an old node with a higher term
+        is never locked out (etcd #8501: stickiness without pre-vote on the other side
+        left a node out for good); and a new node at a higher term than a new leader
+        tells it (`STALE_TERM`), where an old one still deposes it with its vote
+        request, as before."""
+        if self._SyncObj__raftState == _LEADER or self._SyncObj__selfNode is None:
+            self._pre_vote_round = None
+            return
+        now = _syncobj.monotonicTime()
+        if self._SyncObj__raftElectionDeadline >= now or not self._SyncObj__connectedToAnyone():
+            return
+        if not self.pre_vote:
+            self.elections += 1
+            return  # PySyncObj stands for election in this tick
+        transfer = bool(self._SyncObj__transferInProgress)
+        round_ = self._pre_vote_round
+        if transfer or not self._SyncObj__otherNodes:
+            self._start_election(transfer=transfer)
+        elif round_ is not None and self._with_earlier_versions(round_):
+            self._start_election(transfer=False)
+        else:
+            if round_ is not None:
+                self.pre_votes_lost += 1
+            self._start_pre_vote(now)
+
+    def _majority(self, votes: int) -> bool:
+        return votes > (len(self._SyncObj__otherNodes) + 1) / 2
+
+    def _with_earlier_versions(self, round_: _PreVoteRound) -> bool:
+        """Whether the round's grants, with the connected peers never heard to speak
+        pre-vote, make a majority."""
+        others = self._SyncObj__otherNodes
+        connected = self._SyncObj__connectedNodes
+        earlier = {n for n in others if n in connected and n not in self._speakers}
+        return bool(earlier) and self._majority(1 + len((round_.granted & others) | earlier))
+
+    def _start_pre_vote(self, now: float) -> None:
+        self._deadline_pushed = False
+        me = self._SyncObj__selfNode
+        self.pre_vote_rounds += 1
+        round_ = _PreVoteRound(self.pre_vote_rounds, self.raftCurrentTerm + 1, me)
+        self._pre_vote_round = round_
+        self._SyncObj__raftElectionDeadline = now + self._SyncObj__generateRaftTimeout()
+        request = {
+            "type": PRE_VOTE,
+            "term": round_.term,
+            "round": round_.number,
+            "last_log_index": self._SyncObj__getCurrentLogIndex(),
+            "last_log_term": self._SyncObj__getCurrentLogTerm(),
+        }
+        transport = self._SyncObj__transport
+        for node in sorted(self._SyncObj__otherNodes, key=lambda n: n.id):
+            transport.send(node, request)
+
+    def _start_election(self, *, transfer: bool) -> None:
+        """PySyncObj's election, with vote requests that say who asks and why."""
+        self._pre_vote_round = None
+        self.elections += 1
+        self._SyncObj__raftElectionDeadline = (
+            _syncobj.monotonicTime() + self._SyncObj__generateRaftTimeout()
+        )
+        self._SyncObj__transferInProgress = False
+        self._SyncObj__raftLeader = None
+        self._SyncObj__setState(_CANDIDATE)
+        self._SyncObj__setCurrentTerm(self.raftCurrentTerm + 1, self._SyncObj__selfNode.id)
+        self._SyncObj__votesCount = 1
+        request = {
+            "type": "request_vote",
+            "term": self.raftCurrentTerm,
+            "last_log_index": self._SyncObj__getCurrentLogIndex(),
+            "last_log_term": self._SyncObj__getCurrentLogTerm(),
+            SPEAKS_PRE_VOTE: True,
+        }
+        if transfer:
+            request[TRANSFER] = True
+        transport = self._SyncObj__transport
+        for node in sorted(self._SyncObj__otherNodes, key=lambda n: n.id):
+            transport.send(node, request)
+        self._SyncObj__onLeaderChanged()
+        if self._majority(self._SyncObj__votesCount):
+            self._SyncObj__onBecomeLeader()
+
+    def _log_up_to_date(self, last_index: Any, last_term: Any) -> bool:
+        """Raft's election restriction: a log at least as up to date as this one's."""
+        my_term: int = self._SyncObj__getCurrentLogTerm()
+        if type(last_index) is not int or type(last_term) is not int:
+            return False
+        return last_term > my_term or (
+            last_term == my_term and last_index >= self._SyncObj__getCurrentLogIndex()
+        )
+
+    def in_lease(self) -> bool:
+        """Whether this node heard from its leader within the minimum election timeout,
+        or, leading, from a majority within it: the cluster works, and a pre-vote or a
+        vote (other than for a transfer) would only disrupt it."""
+        now = _syncobj.monotonicTime()
+        window: float = self._SyncObj__conf.raftMinTimeout
+        if self._isLeader():
+            answered = self._answered_at
+            since = max(now - window, self.awake_since)
+            heard = sum(1 for n in self._SyncObj__otherNodes if answered.get(n, 0.0) > since)
+            return self._majority(1 + heard)
+        heard_at = self.leader_heard_at
+        return bool(
+            self._SyncObj__raftLeader is not None
+            and self._leader_closed is None  # its connection closed: it may be gone
+            and heard_at is not None
+            and now - heard_at < window
+        )
+
+    def _is_member(self, node: Any) -> bool:
+        return node in self._SyncObj__otherNodes
+
+    def _SyncObj__setCurrentTerm(self, term: int, votedForNodeId: Any) -> None:
+        if term != self.raftCurrentTerm:
+            self._pre_vote_round = None  # its grants were for a term that is gone
+        super()._SyncObj__setCurrentTerm(term, votedForNodeId)
+
+    def _set_higher_term(self, term: int) -> None:
+        """Take a higher term seen on the wire and follow (as PySyncObj does for a vote)."""
+        self._SyncObj__setCurrentTerm(term, None)
+        self._SyncObj__setState(_FOLLOWER)
+        self._SyncObj__raftLeader = None
+        self._pre_vote_round = None
+
+    def _on_pre_vote(self, node: Any, message: dict[str, Any]) -> None:
+        """Could `node` win an election? Yes only for a member whose term would be past
+        this node's, whose log is up to date, while this node hears no working leader.
+        Nothing changes here either way."""
+        self._speakers.add(node)
+        term = message.get("term")
+        granted = (
+            type(term) is int
+            and term > self.raftCurrentTerm
+            and self._is_member(node)
+            and self._log_up_to_date(message.get("last_log_index"), message.get("last_log_term"))
+            and not (self.leader_stickiness and self.in_lease())
+        )
+        answer: dict[str, Any] = {
+            "type": PRE_VOTE_ANSWER,
+            "term": term,
+            "round": message.get("round"),
+            "granted": granted,
+            "current_term": self.raftCurrentTerm,
+        }
+        leader = self._SyncObj__raftLeader
+        if not granted and leader is not None:
+            answer["leader"] = [str(leader.id), node_name(leader)]
+        self._SyncObj__transport.send(node, answer)
+
+    def _on_pre_vote_answer(self, node: Any, message: dict[str, Any]) -> None:
+        self._speakers.add(node)
+        self._reach_leader(message.get("leader"))
+        current = message.get("current_term")
+        if type(current) is int and current > self.raftCurrentTerm and not self._isLeader():
+            # A node is at a higher term: take it, or no round of ours could be granted
+            # by it (and a log only this node has could never lead again).
+            self._set_higher_term(current)
+            return
+        round_ = self._pre_vote_round
+        if (
+            round_ is None
+            or message.get("term") != round_.term
+            or round_.term != self.raftCurrentTerm + 1
+            or message.get("round") != round_.number
+            or self._isLeader()
+        ):
+            return  # late: an answer to an earlier round, or from before a new term
+        (round_.granted if message.get("granted") else round_.refused).add(node)
+        if self._majority(len(round_.granted & self._SyncObj__otherNodes) + 1):
+            self._start_election(transfer=False)
+
+    def _reach_leader(self, leader: Any) -> None:
+        """A member that refused this node a pre-vote named its leader: if this node's
+        configuration lacks that leader (it missed the entry adding it, or installed a
+        snapshot from before it), connect to it all the same; its AppendEntries bring
+        that entry. PySyncObj connects only to the members of its configuration, so
+        such a follower never heard from that leader, and (once pre-vote kept it from
+        deposing the leader) stayed behind for good (simulator, seed 43 of the CI
+        sweep: a node wiped and added back, whose first snapshot predated the leader's
+        own add). The name comes from an authenticated member; the connection is
+        authenticated as any other."""
+        if not (
+            isinstance(leader, list | tuple)
+            and len(leader) == 2
+            and all(isinstance(part, str) for part in leader)
+        ):
+            return
+        address, name = leader
+        me = self._SyncObj__selfNode
+        known = {str(n.id) for n in self._SyncObj__otherNodes}
+        if me is None or address == str(me.id) or address in known:
+            return
+        reached: dict[str, Any] = self.__dict__.setdefault("_reached_leaders", {})
+        if address in reached:
+            return
+        reached[address] = node = self.make_node(name, address)
+        logger.info("reaching leader %s at %s, which this configuration lacks", name, address)
+        self._SyncObj__transport.addNode(node)
+
+    def _forget_reached_leaders(self) -> None:
+        """A leader of this configuration is heard: leaders reached outside it that are
+        still not members are dropped from the transport (it redialled them for good),
+        and any may be reached again later."""
+        reached: dict[str, Any] | None = self.__dict__.get("_reached_leaders")
+        leader = self._SyncObj__raftLeader
+        if not reached or leader is None or leader not in self._SyncObj__otherNodes:
+            return
+        members = {str(n.id) for n in self._SyncObj__otherNodes}
+        for address in sorted(set(reached) - members):
+            self._SyncObj__transport.dropNode(reached[address])
+        reached.clear()
+
+    def _ignores_vote(self, node: Any, message: dict[str, Any]) -> bool:
+        """Whether a vote request is dropped unread (no term taken, no vote): from a node
+        outside this configuration (a removed server), or, while this node is in its
+        lease, from a node that speaks pre-vote and was not asked to take over."""
+        if self._SyncObj__selfNode is None:
+            return False
+        if not self._is_member(node):
+            return True
+        speaks = bool(message.get(SPEAKS_PRE_VOTE)) or node in self._speakers
+        return (
+            self.leader_stickiness
+            and speaks
+            and not message.get(TRANSFER)
+            and message.get("term", 0) > self.raftCurrentTerm
+            and self.in_lease()
+        )
+
+    def _SyncObj__onNodeConnected(self, node: Any) -> None:
+        super()._SyncObj__onNodeConnected(node)
+        if self.pre_vote:
+            self._SyncObj__transport.send(node, {"type": HELLO, SPEAKS_PRE_VOTE: True})
+
+    def _conflict_hint(self, prev_index: int) -> int:
+        """Where the leader should send from after this follower refused an
+        AppendEntries whose previous entry (`prev_index`) has another term here: the
+        first index of that term in this log (Raft thesis 5.3: all of a term's entries
+        are skipped in one round trip, not one index per heartbeat), never below what
+        is committed here, nor below this log's second entry (a refusal named the
+        first, and the leader's next message would be refused for lack of it)."""
+        log = self._SyncObj__raftLog
+        if not len(log):
+            return prev_index
+        first = log[0][1]
+        pos = prev_index - first
+        if not 0 <= pos < len(log):
+            return prev_index
+        term = log[pos][2]
+        lo, hi = 0, pos  # terms never decrease along a log: the first of `term`
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if log[mid][2] < term:
+                lo = mid + 1
+            else:
+                hi = mid
+        hint: int = max(log[lo][1], self.raftCommitIndex + 1, first + 1)
+        return min(prev_index, hint)
+
+    def _send_to(self, node: Any) -> None:
+        """As leader, send `node` its next AppendEntries now (after its refusal). One
+        that needs a snapshot or a chunked entry is left to the next tick, which sends
+        at once."""
+        if node not in self._SyncObj__connectedNodes:
+            return
+        next_index = self._SyncObj__raftNextIndex.get(node)
+        log = self._SyncObj__raftLog
+        batch = self._SyncObj__conf.appendEntriesBatchSizeBytes
+        last = self._SyncObj__getCurrentLogIndex()
+        entries: list[Entry] = []
+        if next_index is not None and log[0][1] < next_index <= last:
+            entries = self._SyncObj__getEntries(next_index, None, batch)
+        if next_index is None or next_index <= log[0][1] or (
+            len(entries) == 1 and len(entries[0][0]) >= batch
+        ):
+            self._SyncObj__newAppendEntriesTime = 0.0
+            self.tick_soon()
+            return
+        prev_index, prev_term = self._SyncObj__getPrevLogIndexTerm(next_index)
+        if entries:
+            self._SyncObj__raftNextIndex[node] = entries[-1][1] + 1
+        self._SyncObj__transport.send(
+            node,
+            {
+                "type": "append_entries",
+                "term": self.raftCurrentTerm,
+                "commit_index": self.raftCommitIndex,
+                "entries": entries,
+                "prevLogIdx": prev_index,
+                "prevLogTerm": prev_term,
+            },
+        )
 
     # ------------------------------------------------------------- membership
 
@@ -975,11 +1569,37 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         """ "follower", "candidate" or "leader" (PySyncObj's Raft state; metrics)."""
         return ("follower", "candidate", "leader")[self._SyncObj__raftState]
 
+    @property
+    def _answered_at(self) -> dict[Any, float]:
+        """Per peer: when its last answer to an AppendEntries arrived (monotonic
+        seconds). PySyncObj's `lastResponseTime` also holds when this node became leader,
+        which is no answer."""
+        answered: dict[Any, float] | None = self.__dict__.get("_answered_at_map")
+        if answered is None:
+            answered = self.__dict__["_answered_at_map"] = {}
+        return answered
+
     def peer_silence(self) -> dict[str, float]:
-        """Leader only: seconds since each peer last answered an AppendEntries."""
+        """Leader only: seconds each peer has been silent, for judging it down: since its
+        last answer, or since this node became leader or last woke from a stall
+        (`_look`), whichever is latest. A leader paused past the node-down grace (a GC, a
+        starved CPU, a SIGSTOP, in the middle of a tick too) judged every peer down from
+        answers it had not read yet; now a peer must stay silent a whole grace after the
+        judge wakes."""
+        self._look()
         now = _syncobj.monotonicTime()
-        last = self._SyncObj__lastResponseTime
-        return {str(node.id): now - last.get(node, 0.0) for node in self.otherNodes}
+        answered = self._answered_at
+        since = max(self._leader_since, self.awake_since if self.stall_aware_silence else 0.0)
+        return {str(n.id): now - max(answered.get(n, 0.0), since) for n in self.otherNodes}
+
+    def peer_answered_ago(self) -> dict[str, float]:
+        """Leader only: seconds since each peer last answered an AppendEntries (infinity:
+        never, to this node), for judging a down node up again: only a real answer
+        counts (a leader back from a stall, or newly elected, marked long-dead nodes up:
+        PySyncObj counts its election as an answer from every peer)."""
+        now = _syncobj.monotonicTime()
+        answered = self._answered_at
+        return {str(n.id): now - answered.get(n, -math.inf) for n in self.otherNodes}
 
 
 # ------------------------------------------------------------------ snapshots

@@ -218,6 +218,12 @@ class _LoopReplica:
     def membership_settled(self) -> bool:
         return self._replica.membership_settled()
 
+    def watch_ends(self, queues: frozenset[str]) -> None:
+        self._replica.watch_ends(queues)
+
+    def take_ends_moved(self) -> set[str]:
+        return self._replica.take_ends_moved()
+
 
 class _Transport(Protocol):
     """What a connection's reader and writer use: a socket's stream, or the node's end
@@ -354,6 +360,7 @@ class NodeServer:
                 self._on_effects,
                 self._on_state_replaced,
                 observer=self.counters,
+                on_ends_moved=self._on_ends_moved,
             ),
             name=f"quorumq-start-{self.node_id}",
         )
@@ -651,6 +658,13 @@ class NodeServer:
 
     def _on_state_replaced(self) -> None:
         self._soon(self._state_replaced)
+
+    def _on_ends_moved(self) -> None:
+        self._soon(self._ends_moved)
+
+    def _ends_moved(self) -> None:
+        if self._core is not None:
+            self._core.ends_moved()
 
     def _state_replaced(self) -> None:
         if self._core is not None:  # the node's own snapshot at start-up: nobody is connected
