@@ -218,6 +218,7 @@ class NodeEvidence:
                 f"applied {s['last_applied']}, machine {s['machine_index']}, "
                 f"commit {s['commit_index']}, term {s['term']}, {role}, "
                 f"connected {s.get('connected')}, snapshots loaded {s.get('snapshots_loaded')}"
+                + "".join(f", {c} {s[c]}" for c in COUNTERS if s.get(c) is not None)
                 + (
                     f", compaction error {s['compaction_error']}"
                     if s.get("compaction_error")
@@ -313,6 +314,8 @@ class ChaosReport:
     false_downs: tuple[FalseDown, ...] = ()
     load: tuple[float, float] = (0.0, 0.0)
     """The 1-minute load average when the faults began and when they ended."""
+    counters: dict[str, dict[str, int]] = attrs.Factory(dict)
+    """Per node, its `COUNTERS` at the last poll (since its latest start)."""
 
     @property
     def replicas_agree(self) -> bool:
@@ -357,6 +360,15 @@ class ChaosReport:
             f"  downs: {self.cancels} node_down cancels of consumers, {self.marks} nodes "
             f"marked down in the leader's status; false downs {len(self.false_downs)}",
         ]
+        if self.counters:
+            lines.append(
+                "  node counters since each node's latest start: "
+                + "; ".join(
+                    f"{c.replace('_', ' ')} "
+                    + ", ".join(f"{n} {v[c]}" for n, v in sorted(self.counters.items()))
+                    for c in COUNTERS
+                )
+            )
         if self.fault_mode == "none" and self.leader_terms:
             lines.append(
                 "  leaders: " + ", ".join(f"{n} at term {t}" for t, n in self.leader_terms[:20])
@@ -590,7 +602,12 @@ STATUS_FIELDS = (
     "connected",
     "snapshots_loaded",
     "compaction_error",
+    "elections",
+    "pre_votes_lost",
+    "stalls",
 )
+COUNTERS = ("elections", "pre_votes_lost", "stalls")
+"""What a node counts since its process started (nodes with issue 27's Raft rules)."""
 
 
 class RaftWatch:
@@ -894,6 +911,11 @@ def run_chaos(
         leader_terms=tuple(won),
         terms=(first_term, watch.max_term),
         cancels=len(cancelled),
+        counters={
+            n: {c: s[c] for c in COUNTERS}
+            for n, (_at, s) in watch.latest.items()
+            if all(s.get(c) is not None for c in COUNTERS)
+        },
         marks=len(watch.downs),
         false_downs=tuple(wrong),
         load=(load_before, load_after),

@@ -162,6 +162,13 @@ def test_a_down_no_pause_or_kill_of_its_node_explains_is_a_false_down() -> None:
     assert "false down: C at 5.0 s, seen by leader A's status" in text
 
 
+def test_the_summary_shows_the_nodes_counters_when_they_report_them() -> None:
+    assert "node counters" not in report().summary()  # nodes from before issue 27
+    counts = {"elections": 0, "pre_votes_lost": 3, "stalls": 1}
+    text = report(counters={"A": counts, "B": {**counts, "stalls": 4}}).summary()
+    assert "elections A 0, B 0; pre votes lost A 3, B 3; stalls A 1, B 4" in text
+
+
 def test_a_run_without_faults_fails_on_an_election() -> None:
     assert report(fault_mode="none").passed
     assert report(fault_mode="mixed", elections=3).passed
