@@ -209,6 +209,11 @@ def kinds_of(profile: str) -> tuple[str, ...]:
     return kinds
 
 
+def _another(names: Sequence[str], node: str, other: str) -> str:
+    """`other`, or the node after `node` if the two are the same: a link has two ends."""
+    return names[(names.index(node) + 1) % len(names)] if other == node else other
+
+
 def schedule(
     rng: random.Random,
     kinds: Sequence[str],
@@ -234,8 +239,7 @@ def schedule(
             side = tuple(n for n in names if rng.random() < 0.5) or (node,)
             faults.append(Fault(at_s=at, kind=kind, nodes=side, duration_s=rng.uniform(0.5, 10)))
         elif kind in ("link_reset", "slow_link"):
-            if other == node:
-                other = names[(names.index(node) + 1) % len(names)]
+            other = _another(names, node, other)
             faults.append(
                 Fault(
                     at_s=at,
@@ -258,8 +262,7 @@ def schedule(
             duration = rng.uniform(0.5, 9)
             faults.append(Fault(at_s=at, kind=kind, nodes=target, duration_s=duration))
         elif kind == "one_way_delay":
-            if other == node:
-                other = names[(names.index(node) + 1) % len(names)]
+            other = _another(names, node, other)
             faults.append(
                 Fault(
                     at_s=at,

@@ -130,19 +130,9 @@ def test_the_record_survives_a_power_loss_right_after_it_is_written() -> None:
 
 
 def _member(root: Path, members: dict[str, str]) -> Any:
-    from quorumq.raft.member import RaftMember
+    from .test_raft_rules import _restart
 
-    return RaftMember(
-        "A",
-        members,
-        data_dir=str(root),
-        password="secret",
-        fsync="always",
-        apply=lambda index, payload: None,
-        snapshot=lambda: b"",
-        restore=lambda machine: None,
-        on_tick=lambda: None,
-    )
+    return _restart(root, members)
 
 
 def test_a_raft_member_restarted_with_other_peers_is_refused_and_runs_with_its_first_ones(

@@ -591,6 +591,13 @@ def test_a_leader_reached_outside_the_configuration_is_dropped_once_a_member_lea
 # ------------------------------------------ what a second review found (helper-6)
 
 
+def _forwarded_here(member: Any, peer: Any) -> None:
+    """`peer` forwards a proposal to `member`, taking it for its leader."""
+    member._SyncObj__onMessageReceived(
+        peer, {"type": "apply_command", "command": b"\x04y", "request_id": 7}
+    )
+
+
 def test_proposals_on_a_node_that_knows_no_leader_fail_after_their_time(
     cluster: Any, clock: Clock
 ) -> None:
@@ -601,9 +608,7 @@ def test_proposals_on_a_node_that_knows_no_leader_fail_after_their_time(
     member, peers, sent = cluster
     outcomes: list[int] = []
     member.propose(b"x", lambda _r, reason: outcomes.append(reason))
-    member._SyncObj__onMessageReceived(
-        peers[0], {"type": "apply_command", "command": b"\x04y", "request_id": 7}
-    )
+    _forwarded_here(member, peers[0])
     member._checkCommandsToApply()
     refused = _of(sent, "apply_command_response")
     assert [m["error"] for _, m in refused] == [FAIL_REASON.NOT_LEADER]  # a peer's: at once
@@ -619,9 +624,7 @@ def test_a_peer_request_held_here_neither_waits_nor_blocks_the_local_ones(
     member, peers, sent = cluster
     member._SyncObj__raftLeader = peers[0]
     member._SyncObj__connectedNodes.discard(peers[0])  # its leader is unreachable
-    member._SyncObj__onMessageReceived(
-        peers[1], {"type": "apply_command", "command": b"\x04y", "request_id": 7}
-    )
+    _forwarded_here(member, peers[1])
     outcomes: list[int] = []
     member.propose(b"x", lambda _r, reason: outcomes.append(reason))
     member._checkCommandsToApply()
