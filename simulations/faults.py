@@ -1,7 +1,7 @@
 """Faults as data: a schedule drawn from the seed, then played on the cluster.
 
 A run has three phases: faults (the schedule plays), heal (every crashed node restarts,
-paused ones resume, partitions and slow links end) and drain (producers stop sending
+paused and stalled ones resume, partitions and slow links end) and drain (producers stop sending
 new records, everyone finishes; the liveness check wants every confirmed record acked
 within a bound).
 
@@ -634,5 +634,6 @@ class Injector:
                 cluster.start(name)
             elif node is not None:
                 cluster.resume(name)
+                node.unstall()  # a slow host is healed too (seed 287: D stalled past the heal)
         if operator is not None:
             operator.heal()

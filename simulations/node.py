@@ -674,6 +674,13 @@ class SimNode:
         self.stalled_until_us = max(self.stalled_until_us, until_us)
         self.world.trace(f"stall {self.name} {until_us}")
 
+    def unstall(self) -> None:
+        """The heal: a stalled Raft thread runs again now."""
+        if self.stalled:
+            self.stalled_until_us = self.world.now_us
+            self.world.trace(f"unstall {self.name}")
+            self.wake()
+
     def _at_seam(self) -> bool:
         """The tick reached its seam: stop here if a `pause_mid_tick` is due."""
         duration = self.pause_at_seam_us

@@ -126,3 +126,12 @@ def test_a_stalled_leader_undone_marks_healthy_nodes_down(monkeypatch: pytest.Mo
     monkeypatch.setattr(RaftRules, "propose", forwarded)
     result = _run_with(config, monkeypatch, "stall_aware_silence")
     assert "false_down" in {v.kind for v in result.violations}, result.summary()
+
+
+def test_a_leader_stalled_past_the_heal_is_healed_too() -> None:
+    """Seed 287 of the default profile: the heal ended pauses and partitions but not a
+    slow host, so D, stalled 4.5 s from 1.4 s before the heal, held the only majority
+    back past the heal bound (`heal_leaders`), as it would for a user never. The heal
+    runs every stalled Raft thread again now."""
+    result = run(RunConfig(seed=287))
+    assert result.ok, result.summary()
