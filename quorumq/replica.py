@@ -772,6 +772,7 @@ class Replica:
             "node": self.node_id,
             "leader": node_of_address.get(leader) if leader else None,
             "is_leader": member.is_leader(),
+            "role": member.role(),
             "term": member.raftCurrentTerm,
             "commit_index": member.raftCommitIndex,
             "last_applied": member.raftLastApplied,

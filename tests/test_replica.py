@@ -665,3 +665,14 @@ def test_an_entry_from_another_release_stops_a_replica_instead_of_being_skipped(
     stopped_at = {r.status()["machine_index"] for r in stopped()}
     assert len(stopped_at) == 1
     assert max(r.status()["machine_index"] for r in cluster.replicas.values()) in stopped_at
+
+
+def test_status_says_each_nodes_raft_role_and_its_elections(cluster: Cluster) -> None:
+    """A candidate could not be told from a follower without a leader (`is_leader`
+    only); the chaos run reports roles, elections, lost pre-votes and stalls."""
+    leader = cluster.leader()
+    statuses = {name: r.status() for name, r in cluster.replicas.items()}
+    assert statuses[leader.node_id]["role"] == "leader"
+    assert statuses[leader.node_id]["elections"] >= 1  # it stood, and won
+    assert {s["role"] for n, s in statuses.items() if n != leader.node_id} == {"follower"}
+    assert all(s["stalls"] >= 0 and s["pre_votes_lost"] >= 0 for s in statuses.values())
