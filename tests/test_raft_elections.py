@@ -86,6 +86,18 @@ def _of(sent: list[tuple[Any, Any]], kind: str) -> list[tuple[Any, Any]]:
     return [(node, m) for node, m in sent if m.get("type") == kind]
 
 
+def _heartbeat(term: int) -> dict[str, Any]:
+    """An empty AppendEntries of `term` after PySyncObj's first entry."""
+    return {
+        "type": "append_entries",
+        "term": term,
+        "commit_index": 0,
+        "entries": [],
+        "prevLogIdx": 1,
+        "prevLogTerm": 0,
+    }
+
+
 def _heard_from_leader(member: Any, leader: Any, clock: Clock) -> None:
     member._SyncObj__raftLeader = leader
     member.leader_heard_at = clock.now
@@ -240,14 +252,7 @@ def test_a_vote_request_from_outside_the_configuration_is_ignored(
 def test_a_leader_of_an_earlier_term_is_told_and_steps_down(cluster: Any, clock: Clock) -> None:
     member, peers, sent = cluster
     old_leader = peers[0]
-    heartbeat = {
-        "type": "append_entries",
-        "term": 4,
-        "commit_index": 0,
-        "entries": [],
-        "prevLogIdx": 1,
-        "prevLogTerm": 0,
-    }
+    heartbeat = _heartbeat(term=4)
     member._SyncObj__onMessageReceived(old_leader, heartbeat)
     assert [m["term"] for _, m in _of(sent, STALE_TERM)] == [5]
 
@@ -574,14 +579,7 @@ def test_a_leader_reached_outside_the_configuration_is_dropped_once_a_member_lea
     member._SyncObj__onMessageReceived(peers[0], answer)
     transport = member._SyncObj__transport
     assert "127.0.0.1:1" in transport._nodeAddrToNode
-    heartbeat = {
-        "type": "append_entries",
-        "term": 5,
-        "commit_index": 0,
-        "entries": [],
-        "prevLogIdx": 1,
-        "prevLogTerm": 0,
-    }
+    heartbeat = _heartbeat(term=5)
     member._SyncObj__onMessageReceived(peers[0], heartbeat)  # a member leads
     assert "127.0.0.1:1" not in transport._nodeAddrToNode
     member._SyncObj__onMessageReceived(peers[0], answer)  # and may be reached again
@@ -646,14 +644,7 @@ def test_only_the_leaders_appendentries_keep_a_follower_in_its_lease(
     its lease and refused B's pre-votes for good (no leader after the heal)."""
     member, peers, _ = cluster
     leader = peers[0]
-    heartbeat = {
-        "type": "append_entries",
-        "term": 5,
-        "commit_index": 0,
-        "entries": [],
-        "prevLogIdx": 1,
-        "prevLogTerm": 0,
-    }
+    heartbeat = _heartbeat(term=5)
     member._SyncObj__onMessageReceived(leader, heartbeat)
     assert member.in_lease()
     clock.now += member._SyncObj__conf.raftMinTimeout + 0.01
