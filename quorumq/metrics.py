@@ -222,6 +222,11 @@ class _NodeCollector(Collector):
             "CPU) since it started.",
             value=member.stalls,
         )
+        yield GaugeMetricFamily(
+            "quorumq_raft_learners",
+            "Nodes this leader is catching up before it adds them (the learner stage).",
+            value=len(member.learners),
+        )
         heard = member.leader_heard_at
         if role == "leader":
             silence = 0.0

@@ -787,6 +787,8 @@ class Replica:
             "elections": member.elections,
             "pre_votes_lost": member.pre_votes_lost,
             "stalls": member.stalls,
+            "learners": member.learner_progress(),
+            "learners_joined": member.learners_joined,
         }
 
     def stop(self) -> None:

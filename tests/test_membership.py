@@ -41,6 +41,27 @@ def test_an_added_replica_catches_up_and_delivers_to_its_own_consumers() -> None
         assert first == sorted(first)
 
 
+def test_a_replica_added_while_a_member_is_down_joins_once_caught_up() -> None:
+    """The learner stage on real processes: with C killed, D is added; the leader sends
+    D the log before it makes D a voter, so the two live members keep committing; C,
+    back, learns of D from the log and all four converge."""
+    with Cluster(3) as cluster:
+        client = cluster.client()
+        client.declare("q")
+        down = next(n for n in cluster.nodes if n != cluster.leader())
+        cluster.kill(down)
+        before = [client.publish("q", b"before-%d" % i) for i in range(300)]
+        new = cluster.add_node()
+        after = [client.publish("q", b"after-%d" % i) for i in range(100)]
+        assert before + after == list(range(400))
+        cluster.restart(down)
+        expected = {n: f"127.0.0.1:{cluster.raft_ports[n]}" for n in cluster.nodes}
+        wait_for(lambda: members_everywhere(cluster) == {tuple(sorted(expected.items()))}, "4")
+        wait_for(lambda: converged(cluster), "four replicas applying the same log", 30)
+        joined = sum(cluster.status(n)["learners_joined"] for n in cluster.nodes if n != new)
+        assert joined == 1, f"{new} was added without the learner stage"
+
+
 def test_removing_the_leader_hands_leadership_over_and_loses_nothing() -> None:
     with Cluster(3) as cluster:
         client = cluster.client()

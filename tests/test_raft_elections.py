@@ -118,8 +118,7 @@ def test_a_follower_past_its_deadline_asks_for_pre_votes_and_keeps_its_term(
     assert member.raftCurrentTerm == 5 and member.role() == "follower"
     assert not _of(sent, "request_vote")
 
-    member._SyncObj__onMessageReceived(
-peers[0], _answer(6, granted=True, current=5))
+    member._SyncObj__onMessageReceived(peers[0], _answer(6, granted=True, current=5))
     assert member.role() == "candidate" and member.raftCurrentTerm == 6
     votes = _of(sent, "request_vote")
     assert len(votes) == 2 and votes[0][1][SPEAKS_PRE_VOTE] and TRANSFER not in votes[0][1]
@@ -132,8 +131,7 @@ def test_a_refused_pre_vote_raises_no_term_and_the_next_round_asks_again(
     member._SyncObj__raftElectionDeadline = clock.now - 0.01
     member._pre_vote_gate()
     for peer in peers:
-        member._SyncObj__onMessageReceived(
-peer, _answer(6, granted=False, current=5))
+        member._SyncObj__onMessageReceived(peer, _answer(6, granted=False, current=5))
     assert member.raftCurrentTerm == 5 and member.role() == "follower"
     clock.now = member._SyncObj__raftElectionDeadline + 0.01
     member._pre_vote_gate()
@@ -156,8 +154,7 @@ def test_a_node_at_a_higher_term_lifts_the_askers_term_so_its_next_round_can_win
     member, peers, _ = cluster
     member._SyncObj__raftElectionDeadline = clock.now - 0.01
     member._pre_vote_gate()
-    member._SyncObj__onMessageReceived(
-peers[0], _answer(6, granted=False, current=9))
+    member._SyncObj__onMessageReceived(peers[0], _answer(6, granted=False, current=9))
     assert member.raftCurrentTerm == 9 and member.role() == "follower"
 
 
@@ -247,6 +244,49 @@ def test_a_vote_request_from_outside_the_configuration_is_ignored(
     request = {"type": "request_vote", "term": 9, "last_log_index": 1, "last_log_term": 0}
     member._SyncObj__onMessageReceived(stranger, request)
     assert member.raftCurrentTerm == 5 and not _of(sent, "response_vote")
+
+
+def test_a_member_that_missed_an_add_votes_for_the_node_it_added(
+    cluster: Any, clock: Clock
+) -> None:
+    """{A, B, C, D}, B lost for good, A (this node) behind the entry adding D, and D's
+    log longer than C's: A ignored D as an outsider, D refused C (its log behind), and
+    no one could be elected again (simulator, seed 140). D says where it was added;
+    past A's log, A votes for it. A removed node, a learner or a stranger, added
+    nowhere A has not seen, stays ignored."""
+    from pysyncobj.node import Node
+
+    member, _, sent = cluster
+    _log(member, [4] * 9)  # entries 2-10
+    added = Node("127.0.0.1:1", name="D")
+    assert _ask(member, added, sent, last_log_index=14, last_log_term=4, quorumq_added_at=12)
+    assert not _ask(member, added, sent, last_log_index=14, last_log_term=4, quorumq_added_at=9)
+    assert not _ask(member, added, sent, last_log_index=14, last_log_term=4)
+    request = {"type": "request_vote", "term": 9, "last_log_index": 14, "last_log_term": 4}
+    member._SyncObj__onMessageReceived(added, {**request, "quorumq_added_at": 10})
+    assert member.raftCurrentTerm == 5  # (an entry A has: A would know D)
+    member._SyncObj__onMessageReceived(added, {**request, "quorumq_added_at": 12})
+    assert member.raftCurrentTerm == 9 and _of(sent, "response_vote")
+
+
+def test_a_pre_vote_answer_names_the_members_and_the_asker_reaches_those_it_lacks(
+    cluster: Any, clock: Clock
+) -> None:
+    member, peers, sent = cluster
+    _ask(member, peers[0], sent)
+    ((_, answer),) = _of(sent, PRE_VOTE_ANSWER)
+    assert sorted(name for _, name in answer["quorumq_members"]) == ["A", "B", "C"]
+
+    member._SyncObj__raftElectionDeadline = clock.now - 0.01
+    member._pre_vote_gate()
+    told = {
+        **_answer(6, granted=False, current=5),
+        "quorumq_members": [["127.0.0.1:1", "D"], *answer["quorumq_members"]],
+    }
+    member._SyncObj__onMessageReceived(peers[0], told)
+    transport = member._SyncObj__transport
+    assert "127.0.0.1:1" in transport._nodeAddrToNode
+    assert "127.0.0.1:1" not in {str(n.id) for n in member.otherNodes}  # not a member
 
 
 def test_a_leader_of_an_earlier_term_is_told_and_steps_down(cluster: Any, clock: Clock) -> None:
@@ -616,9 +656,7 @@ def test_proposals_on_a_node_that_knows_no_leader_fail_after_their_time(
     assert not _of(sent, "apply_command_response")  # the peer's waits for a leader
     member._SyncObj__raftLeader = peers[1]
     member._checkCommandsToApply()
-    assert [m["error"] for _, m in _of(sent, "apply_command_response")] == [
-        FAIL_REASON.NOT_LEADER
-    ]
+    assert [m["error"] for _, m in _of(sent, "apply_command_response")] == [FAIL_REASON.NOT_LEADER]
 
 
 def test_answers_to_an_earlier_term_of_leadership_bring_no_dead_node_up(
@@ -653,3 +691,87 @@ def test_only_the_leaders_appendentries_keep_a_follower_in_its_lease(
     assert not member.in_lease()
     member._SyncObj__onMessageReceived(leader, heartbeat)
     assert member.in_lease()
+
+
+# ------------------------------------------------------------- the learner stage
+
+
+def _ask_to_add(member: Any, node: Any) -> bool:
+    return bool(member._SyncObj__changeCluster(["add", node.id, node]))
+
+
+def test_a_node_is_added_only_once_it_has_caught_up_as_a_learner(
+    cluster: Any, clock: Clock
+) -> None:
+    """The first add of D makes it a learner: the leader connects to it and sends it the
+    log, but refuses the add (a voter that the new majority needs before anything can
+    commit) until D has what was committed when the add was last asked for; then D
+    joins, and is a voter like any other."""
+    member, _, sent = cluster
+    _log(member, [5] * 20)
+    member._SyncObj__onBecomeLeader()
+    member._SyncObj__raftCommitIndex = member._SyncObj__raftLastApplied = 22  # (its no-op)
+    learner = member.make_node("D", "127.0.0.1:1")
+
+    assert not _ask_to_add(member, learner)
+    assert learner in member._SyncObj__readonlyNodes and learner not in member.otherNodes
+    assert "127.0.0.1:1" in member._SyncObj__transport._nodeAddrToNode  # dialled
+    member._SyncObj__connectedNodes.add(learner)
+    sent.clear()
+    member._SyncObj__sendAppendEntries()
+    assert learner in {node for node, m in _of(sent, "append_entries")}  # sent the log
+
+    assert not _ask_to_add(member, learner)  # not caught up yet: nothing answered
+    _log_more(member, 23, 30)
+    clock.now += 1.0  # a round (to 22) that took longer than an election timeout
+    member._SyncObj__onMessageReceived(learner, _answer_through(22))
+    assert not _ask_to_add(member, learner)  # the next round: to 30
+    clock.now += 0.3
+    member._SyncObj__onMessageReceived(learner, _answer_through(30))
+    assert _ask_to_add(member, learner)
+    assert learner in member.otherNodes and learner not in member._SyncObj__readonlyNodes
+    assert not member.learners and member.learners_joined == 1
+
+
+def _log_more(member: Any, first: int, last: int) -> None:
+    term = member.raftCurrentTerm
+    for index in range(first, last + 1):
+        member._SyncObj__raftLog.add(b"\x04c%d" % index, index, term)
+
+
+def _answer_through(index: int) -> dict[str, Any]:
+    return {"type": "next_node_idx", "next_node_idx": index + 1, "reset": False, "success": True}
+
+
+def test_a_learner_nobody_asks_for_is_dropped_and_a_non_leader_keeps_none(
+    cluster: Any, clock: Clock
+) -> None:
+    member, _, _ = cluster
+    member._SyncObj__onBecomeLeader()
+    member._SyncObj__raftLastApplied = member._SyncObj__raftCommitIndex = 2
+    learner = member.make_node("D", "127.0.0.1:1")
+    assert not _ask_to_add(member, learner)
+    clock.now += 29
+    member._drop_learners()
+    assert member.learners  # asked for within LEARNER_IDLE_S
+    clock.now += 2
+    member._drop_learners()
+    assert not member.learners and learner not in member._SyncObj__readonlyNodes
+    assert "127.0.0.1:1" not in member._SyncObj__transport._nodeAddrToNode
+
+    assert not _ask_to_add(member, learner)
+    member._SyncObj__setState(FOLLOWER)
+    member._drop_learners()
+    assert not member.learners
+
+
+def test_without_the_learner_stage_an_empty_node_is_added_at_once(
+    cluster: Any, clock: Clock
+) -> None:
+    member, _, _ = cluster
+    member._SyncObj__onBecomeLeader()
+    member._SyncObj__raftLastApplied = member._SyncObj__raftCommitIndex = 2
+    member.learner_stage = False
+    learner = member.make_node("D", "127.0.0.1:1")
+    assert _ask_to_add(member, learner)
+    assert learner in member.otherNodes

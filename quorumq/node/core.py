@@ -1250,6 +1250,11 @@ class NodeCore:
             lambda done: self.replica.add_member(name, address, done),
             made=lambda members: members.get(name) == address,
             refused=refused,
+            timeout_hint=(
+                f": the leader adds {name} once it has caught up with the log; is it "
+                f"running at {address}, with every member as --peer and the cluster "
+                "secret? Ask again: its catching up goes on"
+            ),
         ).start()
 
     def _remove_member(self, conn: ConnectionCore, frame: Frame) -> None:
@@ -1457,8 +1462,10 @@ class _MembershipChange:
         *,
         made: Callable[[dict[str, str]], bool],
         refused: Callable[[dict[str, str]], MembershipError | None],
+        timeout_hint: str = "",
     ) -> None:
         self.core = core
+        self._timeout_hint = timeout_hint
         self.conn = conn
         self.request_id = request_id
         self._start = start
@@ -1521,7 +1528,9 @@ class _MembershipChange:
     def _timed_out(self) -> None:
         self._fail(
             MembershipError(
-                "timeout", f"the change was not committed within {MEMBERSHIP_DEADLINE_S} s"
+                "timeout",
+                f"the change was not committed within {MEMBERSHIP_DEADLINE_S} s"
+                + self._timeout_hint,
             )
         )
 

@@ -526,8 +526,7 @@ class RaftMember(RaftRules):
             raise
         if self.fsync != "never":
             fsync_directory(self.data_dir)
-        self.removed_members.clear()
-        self.removed_members.update(stored.removed)
+        self.took_snapshot(stored)
         return (stored.last, stored.prev, {_named_node(a, n) for a, n in stored.members})
 
     def stored_snapshot(self) -> tuple[Entry, Entry] | None:

@@ -344,6 +344,28 @@ class _StampingQueue:
         return getattr(self.queue, name)
 
 
+LEARNER_IDLE_S = 30.0
+"""A learner (a node caught up before it is added) is dropped when no `members add`
+has asked for it that long (the node core asks every 0.1 s for 20 s)."""
+MAX_LEARNERS = 4
+"""Nodes a leader catches up at once; an add of one more is refused until one leaves."""
+
+
+class _Learner:
+    """A node a leader catches up before it adds it (`RaftRules._caught_up_to_join`)."""
+
+    __slots__ = ("asked_at", "round_started", "target")
+
+    def __init__(self, now: float, target: int) -> None:
+        self.asked_at = now
+        """When an add of it was last asked for (monotonic seconds)."""
+        self.round_started = now
+        """When its current round of catching up began."""
+        self.target = target
+        """The leader's last index when the round began: the round ends once the
+        learner has it."""
+
+
 PEER_KEEPALIVE_S = 0.5
 """How often a follower sends a keepalive to each peer other than its leader."""
 KEEPALIVE = "quorumq_keepalive"
@@ -363,6 +385,13 @@ HELLO = "quorumq_hello"
 """Sent once per new Raft connection: the sender speaks pre-vote (a node of an earlier
 version ignores it, and is never asked to)."""
 SPEAKS_PRE_VOTE = "quorumq_pre_votes"
+ADDED_AT = "quorumq_added_at"
+"""In a (pre-)vote request: the index of the entry in the asker's log that added it (0:
+none there), so a member that missed that entry may vote for it (`_elects_outsider`)."""
+MEMBERS = "quorumq_members"
+"""In a pre-vote answer: the answerer's configuration, [[address, name], ...]."""
+MAX_REACHED = 16
+"""Nodes outside its configuration a node connects to at most, on its peers' word."""
 TRANSFER = "quorumq_transfer"
 """Marks a vote request of a leadership transfer: granted whatever the stickiness."""
 STALL_S = 0.2
@@ -448,6 +477,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     """A leader sends again at once after a refusal, not on its next heartbeat."""
     stall_aware_silence = True
     """`peer_silence` counts no time across this node's own stalls."""
+    learner_stage = True
+    """Add a node only once it has caught up as a learner (`_caught_up_to_join`)."""
 
     _SyncObj__raftLeader: Any
     _SyncObj__raftElectionDeadline: float
@@ -472,6 +503,8 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     """Pre-vote rounds this node asked for."""
     pre_votes_lost = 0
     """Pre-vote rounds that did not win: elections that did not disrupt anyone."""
+    learners_joined = 0
+    """Nodes this node caught up as learners and then added, as leader."""
 
     def start(self) -> None:
         """Start ticking (the owner is set up by then)."""
@@ -507,9 +540,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         leader isolated, stepped down by check-quorum) kept its proposals for as long as
         the partition lasted, and appended them after the clients' retries once it
         healed."""
-        if self._isLeader() or not (
-            self._SyncObj__raftLeader is None or self._holds_proposals()
-        ):
+        if self._isLeader() or not (self._SyncObj__raftLeader is None or self._holds_proposals()):
             return
         queue: Any = self._SyncObj__commandsQueue
         if not isinstance(queue, _StampingQueue):
@@ -801,6 +832,9 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         votes at once and split them. An election is always safe: this only moves when."""
         was_connected = node in self._SyncObj__connectedNodes
         super()._SyncObj__onNodeDisconnected(node)
+        if node in self.learners:  # it may come back empty: it proves its log again
+            self._SyncObj__raftMatchIndex[node] = 0
+            self._SyncObj__raftNextIndex[node] = self._SyncObj__getCurrentLogIndex() + 1
         me = self._SyncObj__selfNode
         leader = self._SyncObj__raftLeader
         if me is None or self._isLeader():
@@ -832,6 +866,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         logger.info("the leader lost (%s): an election within %.3f s", why, delay)
 
     def _SyncObj__onBecomeLeader(self) -> None:
+        self._drop_reached()  # a leader dials its own configuration only
         self._sent_commit = 0  # (a snapshot install may have taken the commit index back)
         self._leader_since = _syncobj.monotonicTime()
         self._answered_at.clear()  # answers to an earlier term of leadership say nothing now
@@ -1060,6 +1095,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def _onTick(self, timeToWait: float = 0.0) -> None:
         stalled_from = self._look()
+        self._drop_learners()
         if stalled_from is not None and self.stall_aware_silence and not self._isLeader():
             # A follower whose deadline ran out during its own stall reads what its
             # leader sent before it judges the leader gone (PySyncObj looks at the
@@ -1148,6 +1184,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             "round": round_.number,
             "last_log_index": self._SyncObj__getCurrentLogIndex(),
             "last_log_term": self._SyncObj__getCurrentLogTerm(),
+            ADDED_AT: self._own_add_index(),
         }
         transport = self._SyncObj__transport
         for node in sorted(self._SyncObj__otherNodes, key=lambda n: n.id):
@@ -1171,6 +1208,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
             "last_log_index": self._SyncObj__getCurrentLogIndex(),
             "last_log_term": self._SyncObj__getCurrentLogTerm(),
             SPEAKS_PRE_VOTE: True,
+            ADDED_AT: self._own_add_index(),
         }
         if transfer:
             request[TRANSFER] = True
@@ -1212,6 +1250,48 @@ class RaftRules(SyncObj):  # type: ignore[misc]
     def _is_member(self, node: Any) -> bool:
         return node in self._SyncObj__otherNodes
 
+    def _elects_outsider(self, message: dict[str, Any]) -> bool:
+        """Whether this node may vote for an asker outside its configuration: one whose
+        log holds the entry that added it, past this log's end (this node missed it).
+        A removed node, a learner or a stranger holds no such entry, and stays ignored.
+        Raft's votes never depended on the voter's configuration (thesis 4.1); ignoring
+        outsiders only kept removed nodes from disrupting. Without this, {A, B, C, D}
+        with B lost for good, A behind the add of D, and D's log longer than C's, could
+        never elect: A ignored D, D refused C (simulator, seed 140)."""
+        added_at = message.get(ADDED_AT)
+        return type(added_at) is int and added_at > self._SyncObj__getCurrentLogIndex()
+
+    def took_snapshot(self, stored: StoredSnapshot) -> None:
+        """A snapshot was read (this node's own at start-up, or its leader's): the
+        members it removed, and whether its configuration has this node."""
+        self.removed_members.clear()
+        self.removed_members.update(stored.removed)
+        me = self._SyncObj__selfNode
+        has_me = me is not None and any(a == str(me.id) for a, _ in stored.members)
+        self._member_at_snapshot = int(stored.last[1]) if has_me else 0
+
+    _member_at_snapshot = 0
+    """The last index of the last snapshot read, if its configuration has this node."""
+
+    def _own_add_index(self) -> int:
+        """The index of the entry in this log that added this node, or, if no entry of
+        this log names it, the last index of a snapshot whose configuration has it (it
+        was added by then: in the first configuration, or by an entry compacted away;
+        CI sweep seed 14: D's add was in its snapshot, and A gone for good, B ignored
+        it). 0: none of them; it is no member (a learner, a removed node)."""
+        me = self._SyncObj__selfNode
+        log = self._SyncObj__raftLog
+        for pos in range(len(log) - 1, -1, -1):
+            command, idx, _ = log[pos]
+            if command[:1] != _MEMBERSHIP_PREFIX:
+                continue
+            change = self._SyncObj__parseChangeClusterRequest(command)
+            if change is None or len(change) < 2:
+                continue
+            if str(getattr(change[1], "id", change[1])) == str(me.id):
+                return int(idx) if change[0] == "add" else 0
+        return self._member_at_snapshot
+
     def _SyncObj__setCurrentTerm(self, term: int, votedForNodeId: Any) -> None:
         if term != self.raftCurrentTerm:
             self._pre_vote_round = None  # its grants were for a term that is gone
@@ -1233,7 +1313,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         granted = (
             type(term) is int
             and term > self.raftCurrentTerm
-            and self._is_member(node)
+            and (self._is_member(node) or self._elects_outsider(message))
             and self._log_up_to_date(message.get("last_log_index"), message.get("last_log_term"))
             and not (self.leader_stickiness and self.in_lease())
         )
@@ -1247,11 +1327,17 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         leader = self._SyncObj__raftLeader
         if not granted and leader is not None:
             answer["leader"] = [str(leader.id), node_name(leader)]
+        me = self._SyncObj__selfNode
+        answer[MEMBERS] = [[str(n.id), node_name(n)] for n in [me, *self._SyncObj__otherNodes]]
         self._SyncObj__transport.send(node, answer)
 
     def _on_pre_vote_answer(self, node: Any, message: dict[str, Any]) -> None:
         self._speakers.add(node)
         self._reach_leader(message.get("leader"))
+        members = message.get(MEMBERS)
+        if isinstance(members, list):
+            for member in members[:MAX_REACHED]:
+                self._reach_leader(member, why="a member of a peer's configuration")
         current = message.get("current_term")
         if type(current) is int and current > self.raftCurrentTerm and not self._isLeader():
             # A node is at a higher term: take it, or no round of ours could be granted
@@ -1271,7 +1357,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         if self._majority(len(round_.granted & self._SyncObj__otherNodes) + 1):
             self._start_election(transfer=False)
 
-    def _reach_leader(self, leader: Any) -> None:
+    def _reach_leader(self, leader: Any, why: str = "a leader") -> None:
         """A member that refused this node a pre-vote named its leader: if this node's
         configuration lacks that leader (it missed the entry adding it, or installed a
         snapshot from before it), connect to it all the same; its AppendEntries bring
@@ -1290,22 +1376,26 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         address, name = leader
         me = self._SyncObj__selfNode
         known = {str(n.id) for n in self._SyncObj__otherNodes}
-        if me is None or address == str(me.id) or address in known:
+        if me is None or address == str(me.id) or address in known or self._isLeader():
             return
         reached: dict[str, Any] = self.__dict__.setdefault("_reached_leaders", {})
-        if address in reached:
+        if address in reached or len(reached) >= MAX_REACHED:
             return
         reached[address] = node = self.make_node(name, address)
-        logger.info("reaching leader %s at %s, which this configuration lacks", name, address)
+        logger.info("reaching %s %s at %s, which this configuration lacks", why, name, address)
         self._SyncObj__transport.addNode(node)
 
     def _forget_reached_leaders(self) -> None:
         """A leader of this configuration is heard: leaders reached outside it that are
         still not members are dropped from the transport (it redialled them for good),
         and any may be reached again later."""
-        reached: dict[str, Any] | None = self.__dict__.get("_reached_leaders")
         leader = self._SyncObj__raftLeader
-        if not reached or leader is None or leader not in self._SyncObj__otherNodes:
+        if leader is not None and leader in self._SyncObj__otherNodes:
+            self._drop_reached()
+
+    def _drop_reached(self) -> None:
+        reached: dict[str, Any] | None = self.__dict__.get("_reached_leaders")
+        if not reached:
             return
         members = {str(n.id) for n in self._SyncObj__otherNodes}
         for address in sorted(set(reached) - members):
@@ -1318,7 +1408,7 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         lease, from a node that speaks pre-vote and was not asked to take over."""
         if self._SyncObj__selfNode is None:
             return False
-        if not self._is_member(node):
+        if not self._is_member(node) and not self._elects_outsider(message):
             return True
         speaks = bool(message.get(SPEAKS_PRE_VOTE)) or node in self._speakers
         return (
@@ -1372,8 +1462,10 @@ class RaftRules(SyncObj):  # type: ignore[misc]
         entries: list[Entry] = []
         if next_index is not None and log[0][1] < next_index <= last:
             entries = self._SyncObj__getEntries(next_index, None, batch)
-        if next_index is None or next_index <= log[0][1] or (
-            len(entries) == 1 and len(entries[0][0]) >= batch
+        if (
+            next_index is None
+            or next_index <= log[0][1]
+            or (len(entries) == 1 and len(entries[0][0]) >= batch)
         ):
             self._SyncObj__newAppendEntriesTime = 0.0
             self.tick_soon()
@@ -1444,15 +1536,106 @@ class RaftRules(SyncObj):  # type: ignore[misc]
 
     def _SyncObj__changeCluster(self, request: Any) -> bool:
         """As leader, append a configuration change only if no earlier one is still
-        uncommitted (Raft's single-server changes). PySyncObj 0.3.17 reads its
+        uncommitted (Raft's single-server changes), and add a node only once it has
+        caught up as a learner (`_caught_up_to_join`). PySyncObj 0.3.17 reads its
         `__changeClusterIDx` but never sets it, so two concurrent `members add` gave
         {A..E} from {A,B,C}, whose quorum {A,D,E} does not overlap the old quorum {B,C}:
         two leaders could commit at the same index. Refused, the request is answered
-        REQUEST_DENIED and may be tried again once the earlier change is committed."""
+        REQUEST_DENIED and may be tried again (the node core does, until its deadline)."""
         if self.uncommitted_membership_change():
             logger.info("refusing a membership change: an earlier one is not committed yet")
             return False
-        return bool(super()._SyncObj__changeCluster(request))
+        if not self._caught_up_to_join(request):
+            return False
+        accepted = bool(super()._SyncObj__changeCluster(request))
+        if accepted and request[0] == "add":
+            self._promote_learner(request[2])
+        return accepted
+
+    @property
+    def learners(self) -> dict[Any, _Learner]:
+        """Leader only: nodes being caught up before they are added, by node."""
+        learners: dict[Any, _Learner] | None = self.__dict__.get("_learners")
+        if learners is None:
+            learners = self.__dict__["_learners"] = {}
+        return learners
+
+    def _caught_up_to_join(self, request: Any) -> bool:
+        """The learner stage (as RabbitMQ and etcd have it): the first `add` of a node
+        makes it a learner, which this leader sends the log to (a snapshot first, if
+        the log was compacted) without counting it in any majority. It catches up in
+        rounds (Raft thesis 4.2.1): a round ends when the learner has the leader's last
+        index of the round's start; the add is refused (the node core asks again every
+        0.1 s) until a round has ended within the longest election timeout, so the new
+        voter is as far behind as one round trip. Adding an empty node straight away
+        made it a voter that the new majority needed before anything else could commit:
+        with a member down, the cluster stopped until the new node had the whole log,
+        or for good if it never came up. (A target moved to the commit index at each
+        ask was never reached by a learner more than 0.1 s away: each ask commits a
+        barrier first.)"""
+        if not self.learner_stage or request[0] != "add" or len(request) < 3:
+            return True
+        node = request[2]
+        if not isinstance(node, Node) or node == self._SyncObj__selfNode:
+            return True
+        if node in self._SyncObj__otherNodes:
+            return True  # (PySyncObj refuses it: nothing to add)
+        now = _syncobj.monotonicTime()
+        learner = self.learners.get(node)
+        if learner is None:
+            if len(self.learners) >= MAX_LEARNERS:
+                logger.info("refusing to add %s: %d nodes are catching up", node, MAX_LEARNERS)
+                return False
+            self.learners[node] = _Learner(now, self._SyncObj__getCurrentLogIndex())
+            self._SyncObj__readonlyNodes.add(node)
+            self._SyncObj__raftNextIndex[node] = self._SyncObj__getCurrentLogIndex() + 1
+            self._SyncObj__raftMatchIndex[node] = 0
+            self._SyncObj__transport.addNode(node)
+            logger.info("catching %s up before adding it (a learner)", node)
+            return False
+        learner.asked_at = now
+        matched: int = self._SyncObj__raftMatchIndex.get(node, 0)
+        if node not in self._SyncObj__connectedNodes or matched < learner.target:
+            return False
+        round_s = now - learner.round_started
+        if round_s <= self._SyncObj__conf.raftMaxTimeout:
+            logger.info("%s caught up (through %d): adding it", node, matched)
+            return True
+        learner.round_started, learner.target = now, self._SyncObj__getCurrentLogIndex()
+        return False
+
+    def learner_progress(self) -> dict[str, int]:
+        """Leader only: per node being caught up, the last index it has (status)."""
+        matched = self._SyncObj__raftMatchIndex
+        return {node_name(n): int(matched.get(n, 0)) for n in list(self.learners)}
+
+    def _promote_learner(self, node: Any) -> None:
+        """The add of a learner is appended: it is a voter now (kept connected)."""
+        if self.learners.pop(node, None) is not None:
+            self._SyncObj__readonlyNodes.discard(node)
+            self.learners_joined += 1
+
+    def _drop_learners(self) -> None:
+        """Forget learners nobody asked to add for `LEARNER_IDLE_S`, and every learner
+        once this node no longer leads (the next leader starts its own when asked)."""
+        learners = self.learners
+        if not learners:
+            return
+        idle_since = _syncobj.monotonicTime() - LEARNER_IDLE_S
+        leads = self._isLeader()
+        for node, learner in list(learners.items()):
+            if leads and learner.asked_at > idle_since:
+                continue
+            del learners[node]
+            self._SyncObj__readonlyNodes.discard(node)
+            self._SyncObj__serializer.cancelTransmisstion(node)  # (sic: PySyncObj's name)
+            if node not in self._SyncObj__otherNodes:
+                self.__dict__.get("_reached_leaders", {}).pop(str(node.id), None)
+                self._SyncObj__raftNextIndex.pop(node, None)
+                self._SyncObj__raftMatchIndex.pop(node, None)
+                self._answered_at.pop(node, None)
+                self._SyncObj__transport.dropNode(node)
+            logger.info("no longer catching %s up", node)
 
     @property
     def removed_members(self) -> set[str]:
