@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     sim_s = 0.0
     kinds: dict[str, int] = {}
     pauses: dict[str, list[Pauses]] = {}
+    slowest: dict[str, tuple[float, int]] = {}
+    """Per fault kind: its longest charged recovery and the seed it was in."""
     records: dict[str, int] = {}
     reports: list[tuple[int, LivenessReport]] = []
     progress = _Progress(len(seeds))
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             print(outcome.summary)
             if not args.keep_going:
                 print(f"first failing seed: {outcome.seed} (after {passed} passing)")
-                _write_json(args.json, [outcome], passed, pauses, reports)
+                _write_json(args.json, [outcome], passed, pauses, slowest, reports)
                 return 1
             failed.append(outcome)
         else:
@@ -260,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             kinds[kind] = kinds.get(kind, 0) + n
         for kind, pause in outcome.confirm_pauses.items():
             pauses.setdefault(kind, []).append(pause)
+            if pause.max is not None and pause.max > slowest.get(kind, (-1.0, 0))[0]:
+                slowest[kind] = (pause.max, outcome.seed)
         for name, n in outcome.records.items():
             records[name] = records.get(name, 0) + n
         if outcome.liveness is not None:
@@ -279,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  seed {outcome.seed} fails: {reasons}")
     print(", ".join(f"{name} {n}" for name, n in records.items()))
     print(liveness_line([r for _, r in reports]))
-    print("\n".join(recovery_table(pauses)))
-    _write_json(args.json, failed, passed, pauses, reports)
+    print("\n".join(recovery_table(pauses, slowest)))
+    _write_json(args.json, failed, passed, pauses, slowest, reports)
     return 1 if failed else 0
 
 
@@ -302,17 +306,22 @@ def liveness_line(reports: list[LivenessReport]) -> str:
     )
 
 
-def recovery_table(pauses: dict[str, list[Pauses]]) -> list[str]:
-    """Per fault kind, its faults' confirm recoveries pooled over the seeds (`pauses`)."""
+def recovery_table(
+    pauses: dict[str, list[Pauses]], slowest: dict[str, tuple[float, int]] | None = None
+) -> list[str]:
+    """Per fault kind, its faults' confirm recoveries pooled over the seeds (`pauses`),
+    and the seed of the slowest (`slowest`: to replay it)."""
+    slowest = slowest or {}
     lines = [
         "confirm recovery after a fault (s from its end, from its start for a crash or a "
         "membership change; only faults with no other fault active meanwhile are charged):",
-        "| fault kind | faults | charged | overlapped | p50 | p99 | max |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| fault kind | faults | charged | overlapped | p50 | p99 | max | max in seed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind in sorted(pauses):
         pooled = _pooled(pauses[kind])
-        cells = [_s(pooled.p50), _s(pooled.p99), _s(pooled.max)]
+        seed = str(slowest[kind][1]) if kind in slowest else "-"
+        cells = [_s(pooled.p50), _s(pooled.p99), _s(pooled.max), seed]
         lines.append(
             f"| {kind} | {pooled.count} | {len(pooled.charged)} | {pooled.overlapped} | "
             + " | ".join(cells)
@@ -334,6 +343,7 @@ def _write_json(
     failed: list[Outcome],
     passed: int,
     pauses: dict[str, list[Pauses]],
+    slowest: dict[str, tuple[float, int]],
     reports: list[tuple[int, LivenessReport]],
 ) -> None:
     """The sweep's outcome for programs: failing seeds and why, recoveries per kind."""
@@ -349,6 +359,7 @@ def _write_json(
             "p50_s": pooled.p50,
             "p99_s": pooled.p99,
             "max_s": pooled.max,
+            "max_in_seed": slowest[kind][1] if kind in slowest else None,
         }
     data = {
         "passed": passed,

@@ -404,8 +404,7 @@ class SimMember(RaftRules):
         except Exception as e:
             self._snapshot_load_error = e  # PySyncObj swallows it: RaftRules raises it
             raise
-        self.removed_members.clear()
-        self.removed_members.update(stored.removed)
+        self.took_snapshot(stored)
         return stored.last, stored.prev, {self.network.node(a) for a, _ in stored.members}
 
     def stored_snapshot(self) -> tuple[Entry, Entry] | None:

@@ -11,6 +11,7 @@ any process, under any PYTHONHASHSEED, on Python 3.11+.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections import Counter
@@ -142,6 +143,9 @@ class Result:
     """Per fault kind: how long consumers waited for a first delivery, likewise."""
     liveness: LivenessReport
     """After the heal: the bound, when the cluster came back; the false downs."""
+    longest_confirm_gap: tuple[float, float]
+    """The longest wait between two confirms in the run, in seconds, and when it began
+    (whatever the faults: how long the cluster was unavailable to publishers at worst)."""
     history: Any = attrs.field(eq=False, repr=False)
 
     @property
@@ -181,7 +185,9 @@ class Result:
                 if self.drained_after_s is not None
                 else "not drained"
             )
-            + f"; replicas converged {self.converged_after_s:.1f} s later",
+            + f"; replicas converged {self.converged_after_s:.1f} s later; longest wait "
+            f"between confirms {self.longest_confirm_gap[0]:.2f} s (from "
+            f"{self.longest_confirm_gap[1]:.1f} s)",
             f"trace {self.trace_hash}",
         ]
         lines[-1:-1] = self.liveness.lines()
@@ -359,8 +365,15 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         confirm_pauses=fault_pauses(windows, checker.confirm_times_s, seconds(heal_at)),
         delivery_pauses=fault_pauses(windows, checker.first_delivery_times_s, seconds(heal_at)),
         liveness=liveness.report(),
+        longest_confirm_gap=longest_gap(checker.confirm_times_s),
         history=history,
     )
+
+
+def longest_gap(times_s: list[float]) -> tuple[float, float]:
+    """The longest gap between consecutive times (seconds) and when it began."""
+    gaps = [(b - a, a) for a, b in itertools.pairwise(sorted(times_s))]
+    return max(gaps, default=(0.0, 0.0))
 
 
 def _hand_leadership_over(cluster: Cluster, times: int) -> None:

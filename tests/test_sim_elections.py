@@ -9,6 +9,7 @@ import pytest
 
 from quorumq.raft.rules import RaftRules
 from simulations.faults import Fault
+from simulations.operator import Operator
 from simulations.runner import RunConfig, run
 from simulations.workload import WorkloadConfig
 
@@ -135,3 +136,41 @@ def test_a_leader_stalled_past_the_heal_is_healed_too() -> None:
     runs every stalled Raft thread again now."""
     result = run(RunConfig(seed=287))
     assert result.ok, result.summary()
+
+
+def test_an_add_while_a_member_is_down_costs_no_availability(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """C crashed; D is added and, just started, cut off for 6 s. The leader catches D up
+    as a learner and adds it only once it has the log, so publishes go on throughout;
+    without the learner stage, {A, B, C, D} needed D or C for every commit and no
+    publish was confirmed until D's link came back."""
+    monkeypatch.setattr(Operator, "adds_wait_for_every_member", False)
+    config = _scripted(
+        Fault(at_s=2.0, kind="crash", nodes=("C",), duration_s=12.0),
+        Fault(at_s=3.0, kind="add_spare", nodes=("D",), duration_s=30.0),
+        Fault(at_s=3.05, kind="partition", nodes=("D",), duration_s=6.0),
+        steps=1800,
+    )
+    result = run(config)
+    assert result.ok and "D" in result.members, result.summary()
+    assert result.longest_confirm_gap[0] < 1.0, result.summary()
+    assert result.membership["refused"] > 10  # asked again while D caught up
+    without = _run_with(config, monkeypatch, "learner_stage")
+    assert without.ok and without.longest_confirm_gap[0] > 5.0, without.summary()
+
+
+def test_a_member_that_missed_an_add_elects_the_node_it_added(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seed 140 of the default profile with adds that do not wait for every member:
+    B's disk damaged for good, A behind the entry adding D, D's log longer than C's.
+    A ignored D as an outsider and D refused C: no leader after the heal. A votes for a
+    node added by an entry past its log now (`RaftRules._elects_outsider`)."""
+    monkeypatch.setattr(Operator, "adds_wait_for_every_member", False)
+    config = RunConfig(seed=140)
+    result = run(config)
+    assert result.ok, result.summary()
+    monkeypatch.setattr(RaftRules, "_elects_outsider", lambda self, message: False)
+    stuck = run(config)
+    assert "heal_catch_up" in {v.kind for v in stuck.violations}, stuck.summary()
