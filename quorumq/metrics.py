@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import re
 import time
-import wsgiref.simple_server
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -263,9 +262,8 @@ class NodeMetrics:
         self._by_command: dict[type, Any] = {}
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        self._server: wsgiref.simple_server.WSGIServer | None = None
         self.address: tuple[str, int] | None = None
-        """Where metrics are served (`serve`), the port as bound."""
+        """Where metrics are served (the node's server sets it), the port as bound."""
 
     def attach(self, replica: Any, counters: QueueCounters, connections: Callable[[], int]) -> None:
         """Read `replica` (a started `quorumq.replica.Replica`), `counters` and the number
@@ -284,20 +282,10 @@ class NodeMetrics:
             )
         child.observe(seconds)
 
-    def serve(self, host: str, port: int) -> tuple[str, int]:
-        """Serve `/metrics` over HTTP on a thread of its own; the address as bound."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        bound = server.server_address
-        self.address = (str(bound[0]), int(bound[1]))
-        return self.address
-
-    def stop(self) -> None:
-        """Stop serving (blocks until the HTTP server's loop ends, half a second at most)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+    def render(self) -> bytes:
+        """The exposition text of every metric (a scrape; `quorumq.server.metrics_http`
+        serves it)."""
+        return bytes(generate_latest(self.registry))
 
 
 __all__ = ["NodeMetrics", "TimedFiles"]

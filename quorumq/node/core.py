@@ -1218,6 +1218,7 @@ class NodeCore:
             for queue, counts in self.queue_counts(status["queues"]).items():
                 status["queues"][queue].update(counts)
         status["clients"] = len(self.connections)
+        status["max_clients"] = self.config.max_connections
         return status
 
     # ------------------------------------------------------------- membership

@@ -50,6 +50,8 @@ from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.core import ProposalCallback
 from ..protocol import Frame, SizedFrame, encode_frame, keep_alive
 from ..replica import ConfigError, ProposalError, Replica
+from .file_budget import client_caps, raise_file_limit
+from .metrics_http import MetricsServer
 
 logger = logging.getLogger(__name__)
 
@@ -294,11 +296,15 @@ class NodeServer:
         garbage collector's sight (`gc.freeze`): right for a node process, not for a node
         in a program's own process, whose objects it would freeze too."""
         check_node_config(config)
-        self.config = config
+        self.file_limit = raise_file_limit()
+        self.config = config = client_caps(config, self.file_limit)
         self.tls = tls_context(config)
         """The client port's TLS context, or None (plain TCP)."""
         self.metrics = NodeMetrics() if metrics is not None else None
         self._metrics_address = metrics
+        self._metrics_listeners: list[trio.SocketListener] = []
+        self.metrics_server = MetricsServer(self.metrics.render) if self.metrics else None
+        """The bounded HTTP server of the metrics (None without `metrics`)."""
         self.node_id = config.replica.node_id
         self._token: trio.lowlevel.TrioToken | None = None
         self._replica: Replica | None = None
@@ -369,7 +375,14 @@ class NodeServer:
                 self.listeners = await trio.open_tcp_listeners(
                     self.config.listen_port, host=self.config.listen_host
                 )
+            if self.metrics is not None and self._metrics_address is not None:
+                host, port = self._metrics_address
+                self._metrics_listeners = await trio.open_tcp_listeners(port, host=host)
+                bound = self._metrics_listeners[0].socket.getsockname()
+                self.metrics.address = (str(bound[0]), int(bound[1]))
         except BaseException:
+            for listener in [*self.listeners, *self._metrics_listeners]:
+                await listener.aclose()
             await in_own_thread(replica.stop, name=f"quorumq-stop-{self.node_id}")
             raise
         if self.freeze_startup:
@@ -393,10 +406,10 @@ class NodeServer:
                     trio.current_time,
                 )
                 self._core.queue_counts = self.counters.counts
-                if self.metrics is not None and self._metrics_address is not None:
+                if self.metrics is not None and self.metrics_server is not None:
                     core = self._core
                     self.metrics.attach(self.replica, self.counters, lambda: len(core.connections))
-                    self.metrics.serve(*self._metrics_address)
+                    nursery.start_soon(self.metrics_server.serve, self._metrics_listeners)
                 task_status.started(self.listeners)
                 nursery.start_soon(self._run_timers)
                 nursery.start_soon(self._stop_if_raft_stopped)
@@ -418,10 +431,8 @@ class NodeServer:
             with trio.CancelScope(shield=True):
                 if self._core is not None:
                     await self._settle_and_hand_over()
-                for listener in self.listeners:
+                for listener in [*self.listeners, *self._metrics_listeners]:
                     await listener.aclose()
-                if self.metrics is not None:
-                    await in_own_thread(self.metrics.stop, name=f"quorumq-stop-{self.node_id}")
                 await in_own_thread(self.replica.stop, name=f"quorumq-stop-{self.node_id}")
                 for worker in list(self._workers):
                     await in_own_thread(worker.join, name=f"quorumq-stop-{self.node_id}")
