@@ -108,10 +108,12 @@ class _NodeCollector(Collector):
         replica: Any,
         counters: QueueCounters,
         connections: Callable[[], int],
+        disk: Callable[[], tuple[int | None, bool]],
     ) -> None:
         self._replica = replica
         self._counters = counters
         self._connections = connections
+        self._disk = disk
         self._loaded_at_start = replica.snapshots_loaded
         """Snapshots loaded while the replica started (its own): not installs."""
 
@@ -238,6 +240,18 @@ class _NodeCollector(Collector):
             "Client connections to this node.",
             value=self._connections(),
         )
+        free, alarm = self._disk()
+        yield GaugeMetricFamily(
+            "quorumq_disk_free_bytes",
+            "Free space on this node's data disk, as last measured (every second).",
+            value=float("nan") if free is None else free,
+        )
+        yield GaugeMetricFamily(
+            "quorumq_disk_alarm",
+            "1 while this node's data disk is below its free-space limit: publishes are "
+            "refused cluster-wide (disk_alarm) until it is back above.",
+            value=float(alarm),
+        )
 
 
 class NodeMetrics:
@@ -265,13 +279,20 @@ class NodeMetrics:
         self.address: tuple[str, int] | None = None
         """Where metrics are served (the node's server sets it), the port as bound."""
 
-    def attach(self, replica: Any, counters: QueueCounters, connections: Callable[[], int]) -> None:
-        """Read `replica` (a started `quorumq.replica.Replica`), `counters` and the number
-        of `connections` at every scrape, and time the replica's journal syncs."""
+    def attach(
+        self,
+        replica: Any,
+        counters: QueueCounters,
+        connections: Callable[[], int],
+        disk: Callable[[], tuple[int | None, bool]] = lambda: (None, False),
+    ) -> None:
+        """Read `replica` (a started `quorumq.replica.Replica`), `counters`, the number
+        of `connections` and the `disk` (free bytes, alarm) at every scrape, and time
+        the replica's journal syncs."""
         journal = replica.member.journal
         timed: Files = TimedFiles(journal.files, self.fsync_seconds.observe)
         journal.files = timed
-        self.registry.register(_NodeCollector(replica, counters, connections))
+        self.registry.register(_NodeCollector(replica, counters, connections, disk))
 
     def observe_proposal(self, command: Command, seconds: float) -> None:
         """A proposal of `command` was committed and applied `seconds` after it was made."""

@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+DISK_CHECK_EVERY_S = 1.0
+"""How often the node measures its data disk's free space (the disk alarm)."""
 RECEIVE_CHUNK = 256 * 1024
 WRITE_BYTES = 1024 * 1024
 """The writer joins queued frames into one write of about this many bytes at most."""
@@ -408,10 +410,16 @@ class NodeServer:
                 self._core.queue_counts = self.counters.counts
                 if self.metrics is not None and self.metrics_server is not None:
                     core = self._core
-                    self.metrics.attach(self.replica, self.counters, lambda: len(core.connections))
+                    self.metrics.attach(
+                        self.replica,
+                        self.counters,
+                        lambda: len(core.connections),
+                        lambda: (core.free_disk_bytes, core.disk_alarm),
+                    )
                     nursery.start_soon(self.metrics_server.serve, self._metrics_listeners)
                 task_status.started(self.listeners)
                 nursery.start_soon(self._run_timers)
+                nursery.start_soon(self._watch_disk)
                 nursery.start_soon(self._stop_if_raft_stopped)
                 if not self.listeners:
                     await trio.sleep_forever()  # clients in this process only
@@ -436,6 +444,19 @@ class NodeServer:
                 await in_own_thread(self.replica.stop, name=f"quorumq-stop-{self.node_id}")
                 for worker in list(self._workers):
                     await in_own_thread(worker.join, name=f"quorumq-stop-{self.node_id}")
+
+    async def _watch_disk(self) -> None:
+        """Tell the core the data disk's free space every `DISK_CHECK_EVERY_S` (the
+        disk alarm, `NodeCore.disk_free`)."""
+        path = self.config.replica.data_dir
+        while True:
+            try:
+                st = await trio.to_thread.run_sync(os.statvfs, path)
+                free: int | None = st.f_bavail * st.f_frsize
+            except OSError:
+                free = None
+            self.core.disk_free(free)
+            await trio.sleep(DISK_CHECK_EVERY_S)
 
     async def _settle_and_hand_over(self) -> None:
         """At a stop, once the connections ended: wait (up to `SETTLE_AT_STOP_S`) until
