@@ -46,6 +46,7 @@ import heapq
 import itertools
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -1469,12 +1470,27 @@ def _end_of(m: Any, queue: str) -> int:
     return end
 
 
+SPARK_PREFIXES = re.compile(
+    r"spark-(write-[0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}-\d+)-"
+)
+"""The Spark sink's producer-id prefixes: one batch write job's (`spark-write-<job>-`,
+the job a random UUID) or one micro-batch's (`spark-<query id>-<batch>-`)."""
+
+
 def _needs_admin(prefix: str) -> bool:
     """Whether forgetting `prefix` needs the admin credential: it is shorter than
     `MIN_FORGET_PREFIX`, or it could start a client's producer id ("g<ms hex>-<hex>":
     the generation is a time anyone can guess, and forgetting even one's own moves
-    the queue's forgotten generation for every client)."""
-    return len(prefix) < MIN_FORGET_PREFIX or may_start_generation_id(prefix)
+    the queue's forgotten generation for every client), or it covers the Spark sink's
+    producers of more than one job or micro-batch (`spark-write-`, exactly 12
+    characters, forgot every batch write's producers, and a retried task then wrote
+    its rows again)."""
+    if len(prefix) < MIN_FORGET_PREFIX or may_start_generation_id(prefix):
+        return True
+    spark = "spark-"
+    if spark.startswith(prefix) or prefix.startswith(spark):
+        return SPARK_PREFIXES.match(prefix) is None
+    return False
 
 
 class _MembershipChange:
