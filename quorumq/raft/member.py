@@ -139,7 +139,13 @@ class _BoundedTcpServer(TcpServer):  # type: ignore[misc]
     )
 
     def bind(self) -> None:
-        super().bind()
+        try:
+            super().bind()
+        except OSError:
+            # PySyncObj left the socket it made open, referenced from a cycle: a failed
+            # `quorumq.Node(...).start()` on a taken port kept it until a collection
+            self.unbind()
+            raise
         self._TcpServer__socket.listen(RAFT_LISTEN_BACKLOG)
 
     def _TcpServer__onNewConnection(self, descr: Any, event: int) -> None:
