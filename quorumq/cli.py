@@ -143,6 +143,7 @@ def _node(args: argparse.Namespace) -> int:
             compaction_entries=args.compaction_entries,
             max_body=args.max_body,
             outbound_frames=args.outbound_frames,
+            min_free_disk_bytes=args.min_free_disk * 1024 * 1024,
         )
     except ConfigError as e:
         raise UsageError(str(e)) from None
@@ -761,6 +762,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=20_000,
         metavar="N",
         help="frames waiting for a client before it is cut off as a slow consumer",
+    )
+    node.add_argument(
+        "--min-free-disk",
+        type=_count(0),
+        default=64,
+        metavar="MIB",
+        help="below this much free space on the data disk, refuse publishes (the disk "
+        "alarm) until space returns; deliveries, acks and reads go on (0: never)",
     )
     node.add_argument(
         "--compaction-entries",

@@ -26,6 +26,7 @@ from .machine import (
     Declare,
     Declared,
     DeleteQueue,
+    DiskAlarm,
     Down,
     Enqueue,
     EnqueueBatch,
@@ -55,6 +56,7 @@ _DECLARE, _ENQUEUE, _ENQUEUE_BATCH, _SUBSCRIBE, _CANCEL, _ACK, _NACK = 1, 2, 3, 
 _DOWN, _NODE_DOWN, _NODE_UP, _COMMIT_OFFSET, _TICK = 8, 9, 10, 11, 12
 _FORGET_PRODUCERS = 13
 _PURGE_QUEUE, _DELETE_QUEUE = 14, 15
+_DISK_ALARM = 16
 # reply tags
 _OK, _DECLARED, _ENQUEUED, _ERROR = 100, 101, 102, 103
 _FORGOTTEN = 104
@@ -156,6 +158,8 @@ def _command_fields(cmd: Command) -> list[Any]:
             return [_DELETE_QUEUE, cmd.queue, cmd.force]
         case Tick():
             return [_TICK]
+        case DiskAlarm():
+            return [_DISK_ALARM, cmd.node, cmd.raised]
     raise TypeError(f"not a command: {cmd!r}")
 
 
@@ -206,6 +210,7 @@ _COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]
     _FORGET_PRODUCERS: (2, lambda q, p: ForgetProducers(queue=q, prefix=p)),
     _PURGE_QUEUE: (1, lambda q: PurgeQueue(queue=q)),
     _DELETE_QUEUE: (2, lambda q, f: DeleteQueue(queue=q, force=f)),
+    _DISK_ALARM: (2, lambda n, r: DiskAlarm(node=n, raised=r)),
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import resource
 import secrets
 import signal
 import socket
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,12 +166,16 @@ class Cluster:
         log_level: str = "warning",
         metrics: bool = False,
         tls: bool | Certificates = False,
+        file_limit: int | None = None,
+        min_free_disk_mb: int | None = None,
     ) -> None:
         """`metrics`: each node serves Prometheus metrics on a port of its own
         (`metrics_url`). `tls`: the nodes serve clients over TLS only, True with a
         certificate for 127.0.0.1 from a CA made for this cluster (`make_certificates`,
         in its directory), or with the given one; `tls_ca` is the CA's file, which the
-        clients the cluster makes trust."""
+        clients the cluster makes trust. `file_limit`: each node process runs with this
+        open file limit, soft and hard (as under `ulimit -n`). `min_free_disk_mb`: the
+        nodes' `--min-free-disk` (the disk alarm's limit; the default otherwise)."""
         if not 1 <= n <= len(NODE_NAMES):
             raise ValueError(f"n must be between 1 and {len(NODE_NAMES)}")
         self._tmp = tempfile.TemporaryDirectory(prefix="quorumq-") if data_dir is None else None
@@ -190,6 +196,8 @@ class Cluster:
         self.max_body = max_body
         self.election_timeout = election_timeout
         self.log_level = log_level
+        self.file_limit = file_limit
+        self.min_free_disk_mb = min_free_disk_mb
         self.tls: Certificates | None = (
             make_certificates(self.root / "tls") if tls is True else tls or None
         )
@@ -264,6 +272,8 @@ class Cluster:
             args += ["--peer", f"{other}=127.0.0.1:{self.raft_ports[other]}"]
         if node in self.metrics_ports:
             args += ["--metrics", f"127.0.0.1:{self.metrics_ports[node]}"]
+        if self.min_free_disk_mb is not None:
+            args += ["--min-free-disk", str(self.min_free_disk_mb)]
         if self.tls is not None:
             args += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         env = {**os.environ, "QUORUMQ_SECRET": secret or self._secret}
@@ -277,7 +287,12 @@ class Cluster:
         log = open(self.log_path(node), "ab")  # noqa: SIM115 - the child owns it from here
         try:
             self._procs[node] = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_file_limit(self.file_limit),  # noqa: PLW1509 (no threads in it)
             )
         finally:
             log.close()
@@ -437,3 +452,10 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no agreed leader after {timeout} s (seen {seen})")
             time.sleep(0.05)
+
+
+def _file_limit(limit: int | None) -> Callable[[], None] | None:
+    """For `Popen`'s `preexec_fn`: the child's open file limit, soft and hard."""
+    if limit is None:
+        return None
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import re
 import time
-import wsgiref.simple_server
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -109,10 +108,12 @@ class _NodeCollector(Collector):
         replica: Any,
         counters: QueueCounters,
         connections: Callable[[], int],
+        disk: Callable[[], tuple[int | None, bool]],
     ) -> None:
         self._replica = replica
         self._counters = counters
         self._connections = connections
+        self._disk = disk
         self._loaded_at_start = replica.snapshots_loaded
         """Snapshots loaded while the replica started (its own): not installs."""
 
@@ -244,6 +245,18 @@ class _NodeCollector(Collector):
             "Client connections to this node.",
             value=self._connections(),
         )
+        free, alarm = self._disk()
+        yield GaugeMetricFamily(
+            "quorumq_disk_free_bytes",
+            "Free space on this node's data disk, as last measured (every second).",
+            value=float("nan") if free is None else free,
+        )
+        yield GaugeMetricFamily(
+            "quorumq_disk_alarm",
+            "1 while this node's data disk is below its free-space limit: publishes are "
+            "refused cluster-wide (disk_alarm) until it is back above.",
+            value=float(alarm),
+        )
 
 
 class NodeMetrics:
@@ -268,17 +281,23 @@ class NodeMetrics:
         self._by_command: dict[type, Any] = {}
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        self._server: wsgiref.simple_server.WSGIServer | None = None
         self.address: tuple[str, int] | None = None
-        """Where metrics are served (`serve`), the port as bound."""
+        """Where metrics are served (the node's server sets it), the port as bound."""
 
-    def attach(self, replica: Any, counters: QueueCounters, connections: Callable[[], int]) -> None:
-        """Read `replica` (a started `quorumq.replica.Replica`), `counters` and the number
-        of `connections` at every scrape, and time the replica's journal syncs."""
+    def attach(
+        self,
+        replica: Any,
+        counters: QueueCounters,
+        connections: Callable[[], int],
+        disk: Callable[[], tuple[int | None, bool]] = lambda: (None, False),
+    ) -> None:
+        """Read `replica` (a started `quorumq.replica.Replica`), `counters`, the number
+        of `connections` and the `disk` (free bytes, alarm) at every scrape, and time
+        the replica's journal syncs."""
         journal = replica.member.journal
         timed: Files = TimedFiles(journal.files, self.fsync_seconds.observe)
         journal.files = timed
-        self.registry.register(_NodeCollector(replica, counters, connections))
+        self.registry.register(_NodeCollector(replica, counters, connections, disk))
 
     def observe_proposal(self, command: Command, seconds: float) -> None:
         """A proposal of `command` was committed and applied `seconds` after it was made."""
@@ -289,20 +308,10 @@ class NodeMetrics:
             )
         child.observe(seconds)
 
-    def serve(self, host: str, port: int) -> tuple[str, int]:
-        """Serve `/metrics` over HTTP on a thread of its own; the address as bound."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        bound = server.server_address
-        self.address = (str(bound[0]), int(bound[1]))
-        return self.address
-
-    def stop(self) -> None:
-        """Stop serving (blocks until the HTTP server's loop ends, half a second at most)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+    def render(self) -> bytes:
+        """The exposition text of every metric (a scrape; `quorumq.server.metrics_http`
+        serves it)."""
+        return bytes(generate_latest(self.registry))
 
 
 __all__ = ["NodeMetrics", "TimedFiles"]

@@ -42,6 +42,7 @@ import ipaddress
 import logging
 import math
 import os
+import resource
 import select
 import signal
 import threading
@@ -294,6 +295,16 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def file_usage() -> dict[str, int | None]:
+    """Descriptors this process has open and may open (None where it cannot tell)."""
+    try:
+        open_now: int | None = len(os.listdir("/proc/self/fd")) - 1  # (the listing's own)
+    except OSError:
+        open_now = None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return {"files_open": open_now, "files_limit": None if soft < 0 else int(soft)}
 
 
 @attrs.frozen(kw_only=True)
@@ -789,6 +800,7 @@ class Replica:
             "stalls": member.stalls,
             "learners": member.learner_progress(),
             "learners_joined": member.learners_joined,
+            **file_usage(),
         }
 
     def stop(self) -> None:

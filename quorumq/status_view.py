@@ -94,6 +94,22 @@ def _role(status: Mapping[str, Any]) -> Text:
     return Text("follower")
 
 
+NEAR_LIMIT = 0.8
+"""A node using this share of its open files or client connections has a note."""
+
+
+def _near_limits(status: Mapping[str, Any]) -> list[str]:
+    """Notes for a node close to its open file limit or its client connection cap."""
+    notes = []
+    for used, limit, what in (
+        (status.get("files_open"), status.get("files_limit"), "open files"),
+        (status.get("clients"), status.get("max_clients"), "clients"),
+    ):
+        if isinstance(used, int) and isinstance(limit, int) and used >= NEAR_LIMIT * limit:
+            notes.append(f"{what}: {used} of {limit}")
+    return notes
+
+
 def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
     """One row per node: role, Raft term, commit and applied index, and its lag (entries
     the leader has committed that it has not applied yet)."""
@@ -126,6 +142,13 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
             notes.append(f"sees down: {', '.join(down)}")
         if status.get("compaction_error"):
             notes.append(f"compaction failed: {status['compaction_error']}")
+        notes += _near_limits(status)
+        learners = status.get("learners") or {}
+        if learners:
+            notes.append(
+                "catching up to add: "
+                + ", ".join(f"{n} at {i}" for n, i in sorted(learners.items()))
+            )
         applied = status.get("last_applied")
         lag = top - applied if isinstance(applied, int) and isinstance(top, int) else None
         cells = [

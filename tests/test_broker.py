@@ -234,6 +234,24 @@ def test_a_client_whose_producer_the_queue_forgot_goes_on_under_a_newer_id(
     assert [m.body for m in client.read("forgetful", 0, 10)] == [b"a", b"b"]
 
 
+def test_no_prefix_a_client_may_forget_covers_more_than_one_spark_job(cluster: Cluster) -> None:
+    """`spark-write-`, exactly the 12 characters the rule asks for, forgot every Spark
+    batch write's producers, and a retried task then wrote its rows again. A client
+    forgets only one whole job's (`spark-write-<job uuid>-`) or micro-batch's prefix."""
+    client = cluster.client()
+    client.declare("sparky")
+    job = "0123456789abcdef0123456789abcdef"
+    client.publish_batch("sparky", [b"r0"], producer=f"spark-write-{job}-0", seqs=[0], opens=True)
+    for prefix in ("spark-write-", "spark-write-0123", "spark-", "spark-0123456789ab"):
+        with pytest.raises(ServerError, match="admin_required"):
+            client.forget_producers("sparky", prefix)
+    assert client.forget_producers("sparky", f"spark-write-{job}-") == 1
+    query = "01234567-89ab-cdef-0123-456789abcdef"
+    assert client.forget_producers("sparky", f"spark-{query}-7-") == 0
+    admin = Client(cluster.endpoints, cluster.token, admin_token=cluster.admin_token)
+    assert admin.forget_producers("sparky", "spark-write-") == 0
+
+
 def test_an_oversized_message_is_refused_and_the_node_keeps_serving(cluster: Cluster) -> None:
     client = cluster.client()
     client.declare("big")

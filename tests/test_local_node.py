@@ -108,6 +108,30 @@ def test_leaving_the_block_leaves_no_thread_and_no_open_file_behind(tmp_path: Pa
     assert {fd: path for fd, path in _open_files().items() if fd not in files} == {}
 
 
+def test_a_start_that_fails_on_a_taken_raft_port_leaves_no_open_file_behind(
+    tmp_path: Path,
+) -> None:
+    """PySyncObj left the socket it failed to bind open, in a reference cycle: each
+    failed start kept one descriptor until the garbage collector ran."""
+    import gc
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        files = _open_files()
+        gc.disable()
+        try:
+            for attempt in range(2):
+                settings = _settings(tmp_path / str(attempt), raft=f"127.0.0.1:{port}")
+                with pytest.raises(OSError, match="cannot listen for Raft traffic"):
+                    quorumq.Node(**settings).start()
+            assert {fd: path for fd, path in _open_files().items() if fd not in files} == {}
+        finally:
+            gc.enable()
+
+
 def test_a_node_started_again_on_its_data_dir_recovers(tmp_path: Path) -> None:
     """As a node process does: the messages are there, and one held unacked at the stop
     is delivered again."""

@@ -1513,3 +1513,33 @@ def test_a_timer_left_by_a_message_that_no_longer_waits_asks_for_no_tick() -> No
     apply(Tick(), 1600)  # m0 expires while it waits
     assert not machine.waiting("q")
     assert machine.next_retry_ms() is None
+
+
+# ------------------------------------------------------------------ disk alarm
+
+
+def test_a_disk_alarm_refuses_publishes_but_answers_duplicates_and_lets_the_rest_go_on() -> None:
+    from quorumq.codec import decode_command, encode_command
+    from quorumq.machine import DiskAlarm, NodeDown
+
+    d = Driver()
+    d(Declare(queue="q"))
+    first = d(Enqueue(queue="q", body=b"a", key=None, producer="p", seq=0)).reply
+    d(DiskAlarm(node="B", raised=True))
+    refused = d(Enqueue(queue="q", body=b"b", key=None, producer="p", seq=1)).reply
+    assert isinstance(refused, Error) and refused.code == ErrorCode.DISK_ALARM
+    assert "B" in refused.message
+    again = d(Enqueue(queue="q", body=b"a", key=None, producer="p", seq=0)).reply
+    assert isinstance(again, Enqueued) and again.duplicate and again.offset == first.offset
+    assert d(Subscribe(queue="q", consumer="c", node="A", prefetch=5)).reply == OK
+    assert Machine.restore(d.machine.snapshot()).disk_alarms() == {"B"}
+    alarm = DiskAlarm(node="B", raised=True)
+    assert decode_command(encode_command(alarm)) == alarm
+
+    d(NodeDown(node="B"))  # a node marked down writes nothing: its alarm goes
+    assert isinstance(
+        d(Enqueue(queue="q", body=b"b", key=None, producer="p", seq=1)).reply, Enqueued
+    )
+    d(DiskAlarm(node="A", raised=True))
+    d(DiskAlarm(node="A", raised=False))
+    assert d.machine.disk_alarms() == frozenset()

@@ -90,7 +90,7 @@ answers it, and must not wait for a reconnect that may never come. The delay dou
 with each refusal in a row, up to `PARKED_RETRY_LONGEST`, and starts over once a
 publish to the queue is confirmed."""
 PARKED_RETRY_LONGEST = 30.0
-PASSING_REFUSALS = frozenset({"queue_full", "too_many_producers"})
+PASSING_REFUSALS = frozenset({"queue_full", "too_many_producers", "disk_alarm"})
 """Refusals that may not hold later on the same connection. Others (a node's
 `--max-body`, say) hold until the client reconnects (perhaps to another node)."""
 

@@ -405,13 +405,25 @@ class DeleteQueue:
 
 
 @attrs.frozen(kw_only=True)
+class DiskAlarm:
+    """`node`'s data disk is below its free-space limit (`raised`), or back above it.
+    While any node's alarm is raised, publishes are refused (`disk_alarm`) everywhere,
+    as RabbitMQ's disk alarm blocks publishers cluster-wide: every replica writes every
+    entry, so one full disk is enough to stop a node. Deliveries, acks and reads go on."""
+
+    node: str = attrs.field(validator=_str)
+    raised: bool = attrs.field(validator=_exact_bool)
+
+
+@attrs.frozen(kw_only=True)
 class Tick:
     """Moves time (message TTL, producer expiry, consumer timeouts, retry delays) when
     nothing else does."""
 
 
 Command: TypeAlias = (
-    Declare
+    DiskAlarm
+    | Declare
     | Enqueue
     | EnqueueBatch
     | Subscribe

@@ -23,6 +23,7 @@ from .commands import (
     CommitOffset,
     Declare,
     DeleteQueue,
+    DiskAlarm,
     Down,
     Enqueue,
     EnqueueBatch,
@@ -89,15 +90,16 @@ def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
 
 
 _SNAPSHOT_FORMAT = "quorumq-machine"
-_SNAPSHOT_VERSION = 4
+_SNAPSHOT_VERSION = 5
 """2: retention counts keys, headers and an overhead per message (`message_cost`), and
 dead-lettered messages carry their death path. 3: each queue ends with the highest
 producer generation it forgot. 4: and then its messages waiting for a retry delay, its
 options end with `retry_backoff_ms`, and the machine ends with where deleted queues
 ended (`Machine._deleted`). Versions 1 to 3 are read too (the retained bytes are counted
 again on restore; no generation was forgotten; nothing waits, options missing at the
-end take their defaults, and no queue was deleted)."""
-_READABLE_VERSIONS = (1, 2, 3, 4)
+end take their defaults, and no queue was deleted). 5: and then the disk alarms raised
+(none before)."""
+_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 _OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
 
 
@@ -154,6 +156,8 @@ class Machine:
         self._now = 0
         self._last_index = 0
         self._down_nodes: set[str] = set()
+        self._disk_alarms: set[str] = set()
+        """Nodes whose data disk is below its free-space limit (`DiskAlarm`)."""
         self._consumer_queues: dict[str, dict[str, None]] = {}
         """Consumer id -> the queues it is on (derived, for `Down`)."""
         self._deleted: dict[str, tuple[int, int]] = {}
@@ -379,7 +383,13 @@ class Machine:
     ) -> Reply:
         refusal = self._check_producer(q, producer, seq, len(messages))
         if refusal is not None:
-            return refusal
+            return refusal  # (a duplicate is answered as one, alarm or not)
+        if self._disk_alarms:
+            return _error(
+                ErrorCode.DISK_ALARM,
+                f"publishes wait: the data disk of {', '.join(sorted(self._disk_alarms))} is "
+                "below its free-space limit (deliveries, acks and reads go on)",
+            )
         now = self._now
         opts = q.options
         if opts.message_ttl_ms is not None:
@@ -574,6 +584,7 @@ class Machine:
 
     def _node_down(self, cmd: NodeDown, effects: list[Any]) -> Reply:
         self._down_nodes.add(cmd.node)
+        self._disk_alarms.discard(cmd.node)  # it writes nothing now; back, it says again
         touched = []
         for q in self._queues.values():
             gone = [c for c in q.consumers.values() if c.node == cmd.node]
@@ -586,6 +597,13 @@ class Machine:
 
     def _node_up(self, cmd: NodeUp, effects: list[Any]) -> Reply:
         self._down_nodes.discard(cmd.node)
+        return OK
+
+    def _disk_alarm(self, cmd: DiskAlarm, effects: list[Any]) -> Reply:
+        if cmd.raised:
+            self._disk_alarms.add(cmd.node)
+        else:
+            self._disk_alarms.discard(cmd.node)
         return OK
 
     def _commit_offset(self, cmd: CommitOffset, effects: list[Any]) -> Reply:
@@ -796,6 +814,10 @@ class Machine:
     def down_nodes(self) -> frozenset[str]:
         return frozenset(self._down_nodes)
 
+    def disk_alarms(self) -> frozenset[str]:
+        """Nodes whose disk alarm is raised: publishes are refused while any is."""
+        return frozenset(self._disk_alarms)
+
     def read(
         self,
         queue: str,
@@ -849,6 +871,7 @@ class Machine:
                     list(self._deleted_floor),
                     [[name, *ended] for name, ended in self._deleted.items()],  # oldest first
                 ],
+                sorted(self._disk_alarms),
             ]
         )
 
@@ -859,11 +882,13 @@ class Machine:
     @classmethod
     def restore(cls, data: bytes) -> Machine:
         value = encoding.decode(data)
-        if not (isinstance(value, list) and len(value) in (6, 7) and value[0] == _SNAPSHOT_FORMAT):
+        if not (
+            isinstance(value, list) and len(value) in (6, 7, 8) and value[0] == _SNAPSHOT_FORMAT
+        ):
             raise encoding.DecodeError("not a quorumq machine snapshot")
         if value[1] not in _READABLE_VERSIONS:
             raise encoding.DecodeError(f"unsupported snapshot version {value[1]}")
-        if len(value) != (7 if value[1] >= 4 else 6):
+        if len(value) != (8 if value[1] >= 5 else 7 if value[1] >= 4 else 6):
             raise encoding.DecodeError(f"a version {value[1]} snapshot of {len(value)} parts")
         m = cls()
         m._last_index, m._now = value[2], value[3]
@@ -873,10 +898,12 @@ class Machine:
             m._queues[q.name] = q
             for consumer in q.consumers:
                 m._consumer_queues.setdefault(consumer, {})[q.name] = None
-        if len(value) == 7:  # version 4: where deleted queues ended
+        if len(value) >= 7:  # version 4: where deleted queues ended
             floor, deleted = value[6]
             m._deleted_floor = (floor[0], floor[1])
             m._deleted = {name: (offset, generation) for name, offset, generation in deleted}
+        if len(value) == 8:  # version 5: the disk alarms raised
+            m._disk_alarms = set(value[7])
         return m
 
 
@@ -979,6 +1006,7 @@ _HANDLERS: dict[type, Callable[[Machine, Any, list[Any]], Reply]] = {
     Down: Machine._down,
     NodeDown: Machine._node_down,
     NodeUp: Machine._node_up,
+    DiskAlarm: Machine._disk_alarm,
     CommitOffset: Machine._commit_offset,
     ForgetProducers: Machine._forget_producers,
     PurgeQueue: Machine._purge_queue,

@@ -32,6 +32,8 @@ class ErrorCode(enum.StrEnum):
     """The queue remembers as many producers as it may, each active within the hour."""
     QUEUE_IN_USE = "queue_in_use"
     """A delete of a queue with consumers, without `force`."""
+    DISK_ALARM = "disk_alarm"
+    """A node's data disk is below its free-space limit: publishes wait (`DiskAlarm`)."""
 
 
 @attrs.frozen

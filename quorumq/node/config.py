@@ -50,6 +50,13 @@ class NodeConfig:
     the client's requests until it has caught up (back-pressure). At least four of the
     largest frames a node sends (a delivery of `max_body`, or a read reply of 768 KiB,
     plus 64 KiB)."""
+    min_free_disk_bytes: int = 64 * 1024 * 1024
+    """Below this much free space on the data disk, the node raises its disk alarm:
+    publishes are refused everywhere (`disk_alarm`) until it is back above, while
+    deliveries, acks and reads go on (0: no alarm). 64 MiB: above RabbitMQ's 50 MB
+    default, room for the publishes in flight when it is raised (a node holds at most
+    `outbound_bytes`, 32 MiB, per client before back-pressure; entries are at most
+    3 MiB) and for the entries that settle what is held (acks, downs, the alarm's own)."""
     max_consumers: int = 1024
     """Consumers one connection may have (cancelled ones count until they hold nothing);
     one more subscribe is refused (`too_many_consumers`)."""

@@ -46,6 +46,7 @@ import heapq
 import itertools
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -62,6 +63,7 @@ from ..machine import (
     Declare,
     DeleteQueue,
     Deliver,
+    DiskAlarm,
     Down,
     Effect,
     Enqueue,
@@ -290,6 +292,11 @@ class NodeCore:
         self.queue_counts: Callable[[Iterable[str]], dict[str, dict[str, int]]] | None = None
         """Per queue, what this node counted as it applied (`quorumq.counters`), for status."""
         self.call_later(LOST_CONSUMERS_EVERY_S, self._down_lost_consumers)
+        self.free_disk_bytes: int | None = None
+        """The data disk's free space as last measured (`disk_free`); None: not yet."""
+        self.disk_alarm = False
+        """This node's disk alarm: raised below `min_free_disk_bytes` of free space."""
+        self._alarm_proposing = False
 
     # ----------------------------------------------------------------- timers
 
@@ -739,6 +746,16 @@ class NodeCore:
             self._reply(conn, request_id, reply, error)
 
     def _publish_batch(self, conn: ConnectionCore, frame: Frame) -> None:
+        if self.disk_alarm:  # (the log refuses it too, once the alarm is in it)
+            self._error(
+                conn,
+                frame["id"],
+                "disk_alarm",
+                f"publishes wait: node {self.node_id}'s data disk has "
+                f"{_mib(self.free_disk_bytes)} free, below its limit of "
+                f"{_mib(self.config.min_free_disk_bytes)} (deliveries, acks and reads go on)",
+            )
+            return
         messages = []
         for m in frame["messages"]:
             if not isinstance(m, list) or len(m) != 3:
@@ -1217,7 +1234,11 @@ class NodeCore:
         if self.queue_counts is not None:
             for queue, counts in self.queue_counts(status["queues"]).items():
                 status["queues"][queue].update(counts)
+        status["disk_free_bytes"] = self.free_disk_bytes
+        status["disk_alarm"] = self.disk_alarm
+        status["disk_alarms"] = sorted(self.replica.query(lambda m: m.disk_alarms()))
         status["clients"] = len(self.connections)
+        status["max_clients"] = self.config.max_connections
         return status
 
     # ------------------------------------------------------------- membership
@@ -1287,6 +1308,34 @@ class NodeCore:
         )
         change.step_down_first = name
         change.start()
+
+    # ------------------------------------------------------------ disk alarm
+
+    def disk_free(self, free_bytes: int | None) -> None:
+        """The shell measured the data disk's free space (every second): raise or clear
+        this node's disk alarm, and bring the log's record of it (`DiskAlarm`, which
+        refuses publishes cluster-wide) in line, proposing again until it is."""
+        self.free_disk_bytes = free_bytes
+        limit = self.config.min_free_disk_bytes
+        raised = free_bytes is not None and limit > 0 and free_bytes < limit
+        if raised != self.disk_alarm:
+            self.disk_alarm = raised
+            log = logger.warning if raised else logger.info
+            log(
+                "disk alarm %s: %s free on the data disk, limit %s",
+                "raised" if raised else "cleared",
+                _mib(free_bytes),
+                _mib(limit),
+            )
+        in_log = self.node_id in self.replica.query(lambda m: m.disk_alarms())
+        if in_log == raised or self._alarm_proposing:
+            return
+        self._alarm_proposing = True
+
+        def done(_reply: Reply | None, _error: ProposalError | None) -> None:
+            self._alarm_proposing = False  # (checked again at the next measure)
+
+        self.replica.propose(DiskAlarm(node=self.node_id, raised=raised), done)
 
     # ----------------------------------------------- consumers the node lost
 
@@ -1426,12 +1475,27 @@ def _end_of(m: Any, queue: str) -> int:
     return end
 
 
+SPARK_PREFIXES = re.compile(
+    r"spark-(write-[0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}-\d+)-"
+)
+"""The Spark sink's producer-id prefixes: one batch write job's (`spark-write-<job>-`,
+the job a random UUID) or one micro-batch's (`spark-<query id>-<batch>-`)."""
+
+
 def _needs_admin(prefix: str) -> bool:
     """Whether forgetting `prefix` needs the admin credential: it is shorter than
     `MIN_FORGET_PREFIX`, or it could start a client's producer id ("g<ms hex>-<hex>":
     the generation is a time anyone can guess, and forgetting even one's own moves
-    the queue's forgotten generation for every client)."""
-    return len(prefix) < MIN_FORGET_PREFIX or may_start_generation_id(prefix)
+    the queue's forgotten generation for every client), or it covers the Spark sink's
+    producers of more than one job or micro-batch (`spark-write-`, exactly 12
+    characters, forgot every batch write's producers, and a retried task then wrote
+    its rows again)."""
+    if len(prefix) < MIN_FORGET_PREFIX or may_start_generation_id(prefix):
+        return True
+    spark = "spark-"
+    if spark.startswith(prefix) or prefix.startswith(spark):
+        return SPARK_PREFIXES.match(prefix) is None
+    return False
 
 
 class _MembershipChange:
@@ -1569,5 +1633,10 @@ _HANDLERS: dict[str, Callable[[NodeCore, ConnectionCore, Frame], None]] = {
     "add_member": NodeCore._add_member,
     "remove_member": NodeCore._remove_member,
 }
+
+
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / (1024 * 1024):.1f} MiB"
+
 
 __all__ = ["MembershipError", "NodeCore", "NodeShell", "ReplicaHandle", "encode_frame"]

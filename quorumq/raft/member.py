@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import gc
 import glob
@@ -40,6 +41,7 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import struct
 import threading
 import time
@@ -55,6 +57,7 @@ from pysyncobj.config import SERIALIZER_STATE
 from pysyncobj.node import TCPNode
 from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
+from pysyncobj.tcp_server import TcpServer
 from pysyncobj.transport import TCPTransport
 
 from ..codec import UnreadableEntryError
@@ -117,6 +120,73 @@ RAFT_HANDSHAKE_S = 5.0
 """An incoming Raft connection that has not shown the cluster secret by then is closed."""
 
 
+RAFT_LISTEN_BACKLOG = 128
+"""Pending connections the Raft port's socket queues (PySyncObj listened with 5: a flood
+of connections filled it, and a real peer's dials were dropped until it drained)."""
+ACCEPTS_PER_WAKE = 64
+"""Connections the Raft port accepts each time it is readable (PySyncObj took one: a
+backlog of 1,000 took longer than 30 s to drain, ahead of any real peer)."""
+
+
+class _BoundedTcpServer(TcpServer):  # type: ignore[misc]
+    """PySyncObj's Raft server socket, with a real backlog, accepting what is queued
+    (up to `ACCEPTS_PER_WAKE`) at each wake, and never unbinding because an accept
+    failed for want of a descriptor or memory (PySyncObj unbound, and the node stopped
+    hearing its peers until the next bind retry)."""
+
+    _busy = ThrottledWarning(
+        logger, "the Raft port cannot accept a connection: out of file descriptors or memory"
+    )
+
+    def bind(self) -> None:
+        try:
+            super().bind()
+        except OSError:
+            # PySyncObj left the socket it made open, referenced from a cycle: a failed
+            # `quorumq.Node(...).start()` on a taken port kept it until a collection
+            self.unbind()
+            raise
+        self._TcpServer__socket.listen(RAFT_LISTEN_BACKLOG)
+
+    def _TcpServer__onNewConnection(self, descr: Any, event: int) -> None:
+        if event & POLL_EVENT_TYPE.READ:
+            for _ in range(ACCEPTS_PER_WAKE):
+                try:
+                    sock, _addr = self._TcpServer__socket.accept()
+                except BlockingIOError:
+                    break
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        self._busy()
+                        break
+                    if e.errno == errno.ECONNABORTED:
+                        continue
+                    self.unbind()
+                    return
+                self._accepted(sock)
+        if event & POLL_EVENT_TYPE.ERROR:
+            self.unbind()
+
+    def _accepted(self, sock: socket.socket) -> None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._TcpServer__sendBufferSize)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._TcpServer__recvBufferSize)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()  # reset before it was set up
+            return
+        conn = TcpConnection(
+            poller=self._TcpServer__poller,
+            socket=sock,
+            timeout=self._TcpServer__connectionTimeout,
+            sendBufferSize=self._TcpServer__sendBufferSize,
+            recvBufferSize=self._TcpServer__recvBufferSize,
+            keepalive=self._TcpServer__keepalive,
+        )
+        self._TcpServer__onNewConnectionCallback(conn)
+
+
 class _Transport(TCPTransport):  # type: ignore[misc]
     """PySyncObj's TCP transport, saying why a peer hangs up during the handshake, and
     bounding what peers that have not authenticated can make a node hold: at most
@@ -144,6 +214,10 @@ class _Transport(TCPTransport):  # type: ignore[misc]
             "a peer uses another cluster secret (or is not a quorumq node)",
         )
         super().__init__(*args, **kwargs)
+
+    def _createServer(self) -> None:
+        super()._createServer()
+        self._server.__class__ = _BoundedTcpServer  # (not bound yet: binds as ours)
 
     def _onNewIncomingConnection(self, conn: Any) -> None:
         super()._onNewIncomingConnection(conn)

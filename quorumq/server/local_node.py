@@ -86,6 +86,8 @@ class NodeSettings(TypedDict, total=False):
     max_body: int
     outbound_frames: int
     outbound_bytes: int
+    min_free_disk_bytes: int
+    """Raise the disk alarm below this much free space (default 64 MiB; 0: never)."""
 
 
 def _address(text: str, what: str) -> tuple[str, int]:
@@ -128,6 +130,7 @@ def node_config(**settings: Unpack[NodeSettings]) -> NodeConfig:
         max_body=settings.get("max_body", DEFAULT_MAX_BODY),
         outbound_frames=settings.get("outbound_frames", defaults.outbound_frames),
         outbound_bytes=settings.get("outbound_bytes", defaults.outbound_bytes),
+        min_free_disk_bytes=settings.get("min_free_disk_bytes", defaults.min_free_disk_bytes),
         tls_cert=settings.get("tls_cert"),
         tls_key=settings.get("tls_key"),
     )

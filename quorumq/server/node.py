@@ -50,11 +50,15 @@ from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.core import ProposalCallback
 from ..protocol import Frame, SizedFrame, encode_frame, keep_alive
 from ..replica import ConfigError, ProposalError, Replica
+from .file_budget import client_caps, raise_file_limit
+from .metrics_http import MetricsServer
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+DISK_CHECK_EVERY_S = 1.0
+"""How often the node measures its data disk's free space (the disk alarm)."""
 RECEIVE_CHUNK = 256 * 1024
 WRITE_BYTES = 1024 * 1024
 """The writer joins queued frames into one write of about this many bytes at most."""
@@ -294,11 +298,15 @@ class NodeServer:
         garbage collector's sight (`gc.freeze`): right for a node process, not for a node
         in a program's own process, whose objects it would freeze too."""
         check_node_config(config)
-        self.config = config
+        self.file_limit = raise_file_limit()
+        self.config = config = client_caps(config, self.file_limit)
         self.tls = tls_context(config)
         """The client port's TLS context, or None (plain TCP)."""
         self.metrics = NodeMetrics() if metrics is not None else None
         self._metrics_address = metrics
+        self._metrics_listeners: list[trio.SocketListener] = []
+        self.metrics_server = MetricsServer(self.metrics.render) if self.metrics else None
+        """The bounded HTTP server of the metrics (None without `metrics`)."""
         self.node_id = config.replica.node_id
         self._token: trio.lowlevel.TrioToken | None = None
         self._replica: Replica | None = None
@@ -369,7 +377,14 @@ class NodeServer:
                 self.listeners = await trio.open_tcp_listeners(
                     self.config.listen_port, host=self.config.listen_host
                 )
+            if self.metrics is not None and self._metrics_address is not None:
+                host, port = self._metrics_address
+                self._metrics_listeners = await trio.open_tcp_listeners(port, host=host)
+                bound = self._metrics_listeners[0].socket.getsockname()
+                self.metrics.address = (str(bound[0]), int(bound[1]))
         except BaseException:
+            for listener in [*self.listeners, *self._metrics_listeners]:
+                await listener.aclose()
             await in_own_thread(replica.stop, name=f"quorumq-stop-{self.node_id}")
             raise
         if self.freeze_startup:
@@ -393,12 +408,18 @@ class NodeServer:
                     trio.current_time,
                 )
                 self._core.queue_counts = self.counters.counts
-                if self.metrics is not None and self._metrics_address is not None:
+                if self.metrics is not None and self.metrics_server is not None:
                     core = self._core
-                    self.metrics.attach(self.replica, self.counters, lambda: len(core.connections))
-                    self.metrics.serve(*self._metrics_address)
+                    self.metrics.attach(
+                        self.replica,
+                        self.counters,
+                        lambda: len(core.connections),
+                        lambda: (core.free_disk_bytes, core.disk_alarm),
+                    )
+                    nursery.start_soon(self.metrics_server.serve, self._metrics_listeners)
                 task_status.started(self.listeners)
                 nursery.start_soon(self._run_timers)
+                nursery.start_soon(self._watch_disk)
                 nursery.start_soon(self._stop_if_raft_stopped)
                 if not self.listeners:
                     await trio.sleep_forever()  # clients in this process only
@@ -418,13 +439,24 @@ class NodeServer:
             with trio.CancelScope(shield=True):
                 if self._core is not None:
                     await self._settle_and_hand_over()
-                for listener in self.listeners:
+                for listener in [*self.listeners, *self._metrics_listeners]:
                     await listener.aclose()
-                if self.metrics is not None:
-                    await in_own_thread(self.metrics.stop, name=f"quorumq-stop-{self.node_id}")
                 await in_own_thread(self.replica.stop, name=f"quorumq-stop-{self.node_id}")
                 for worker in list(self._workers):
                     await in_own_thread(worker.join, name=f"quorumq-stop-{self.node_id}")
+
+    async def _watch_disk(self) -> None:
+        """Tell the core the data disk's free space every `DISK_CHECK_EVERY_S` (the
+        disk alarm, `NodeCore.disk_free`)."""
+        path = self.config.replica.data_dir
+        while True:
+            try:
+                st = await trio.to_thread.run_sync(os.statvfs, path)
+                free: int | None = st.f_bavail * st.f_frsize
+            except OSError:
+                free = None
+            self.core.disk_free(free)
+            await trio.sleep(DISK_CHECK_EVERY_S)
 
     async def _settle_and_hand_over(self) -> None:
         """At a stop, once the connections ended: wait (up to `SETTLE_AT_STOP_S`) until
