@@ -164,6 +164,10 @@ class QueueMachineRules(RuleBasedStateMachine):
         """Returned messages held back by a retry delay: when they may go out again."""
         self.deleted: set[str] = set()
         """Queues deleted and not declared again."""
+        self.enqueued_at: dict[Ref, int] = {}
+        """When each message entered its queue, by the log's clock (TTL runs from it)."""
+        self.rejecting: set[Ref] = set()
+        """The messages the step being judged nacked without requeue."""
 
     # ---------------------------------------------------------------- driving
 
@@ -308,6 +312,8 @@ class QueueMachineRules(RuleBasedStateMachine):
         # deliveries (max_length is enforced after dispatch, not to drop what a consumer
         # takes at once), so for them it still holds its key, or the queue, back
         for e in applied.effects:
+            if isinstance(e, Dropped | DeadLettered):
+                self.judge_exit(e)
             if isinstance(e, ConsumerDown):
                 mc = self.consumers[e.queue].pop(e.consumer)
                 assert mc.node == e.node
@@ -323,6 +329,7 @@ class QueueMachineRules(RuleBasedStateMachine):
                 self.enqueued[(e.target_queue, e.target_offset)] = self.enqueued[
                     (e.queue, e.offset)
                 ]
+                self.enqueued_at[(e.target_queue, e.target_offset)] = self.now
             elif isinstance(e, Deliver):
                 self.deliver(e)
             elif isinstance(e, Purged):
@@ -333,6 +340,52 @@ class QueueMachineRules(RuleBasedStateMachine):
                 raise AssertionError(f"unexpected effect {e}")
         for q in QUEUES:
             self.forget_idle_cancelled(q)
+        self.judge_max_length_drops(applied)
+
+    def judge_exit(self, e: Dropped | DeadLettered) -> None:
+        """A message leaves undelivered only for a reason that holds now: its TTL passed
+        by the log's clock, the queue was over its length (`judge_max_length_drops`),
+        its consumer rejected it in this step, it failed past the delivery limit, or
+        its dead-letter queue is full. (Every drop was taken as legitimate: messages
+        expired at half their TTL, and drop-head keeping one message too few, passed.)"""
+        ref = (e.queue, e.offset)
+        opts = self.options[e.queue]
+        if e.reason == "expired":
+            ttl = opts.message_ttl_ms
+            assert ttl is not None, f"{ref} expired in a queue without a TTL"
+            assert self.enqueued_at[ref] + ttl <= self.now, (
+                f"{ref} expired at {self.now}, enqueued at {self.enqueued_at[ref]}, TTL {ttl}"
+            )
+        elif e.reason == "max_length":
+            assert opts.overflow == "drop-head" and opts.max_length is not None, ref
+        elif e.reason == "rejected":
+            assert ref in self.rejecting, f"{ref} rejected, but not nacked without requeue"
+        elif e.reason == "delivery_limit":
+            limit = opts.delivery_limit
+            assert limit is not None, f"{ref} over a delivery limit its queue does not have"
+            assert self.failures.get(ref, 0) > limit, (ref, self.failures.get(ref, 0), limit)
+        elif e.reason == "dead_letter_full":
+            target = opts.dead_letter_queue
+            assert target is not None, ref
+            topts = self.options[target]
+            assert topts.overflow == "reject-publish" and topts.max_length is not None, ref
+            assert len(self.ready_refs(target)) >= topts.max_length, ref
+        else:
+            assert e.reason == "dead_letter_cycle", e
+            assert opts.dead_letter_queue is not None, ref
+
+    def judge_max_length_drops(self, applied: Applied) -> None:
+        """A drop-head drop leaves the queue at its length: what is ready after the
+        step, and what the step delivered after the drop, make at least `max_length`."""
+        dropped = {
+            e.queue for e in applied.effects if isinstance(e, Dropped) and e.reason == "max_length"
+        }
+        for q in dropped:
+            limit = self.options[q].max_length
+            assert limit is not None
+            delivered = sum(1 for e in applied.effects if isinstance(e, Deliver) and e.queue == q)
+            ready = len(self.ready_refs(q))
+            assert ready + delivered >= limit, f"{q}: {ready} ready after a drop, max {limit}"
 
     def leave(self, ref: Ref) -> None:
         self.returned.discard(ref)
@@ -395,6 +448,7 @@ class QueueMachineRules(RuleBasedStateMachine):
         assert reply.count == len(messages)
         for i, message in enumerate(messages):
             self.enqueued[(queue, reply.offset + i)] = message
+            self.enqueued_at[(queue, reply.offset + i)] = self.now
         self.next_offset[queue] += len(messages)
 
     def producer_enqueue(
@@ -676,6 +730,7 @@ class QueueMachineRules(RuleBasedStateMachine):
             else:
                 for o in nacked:
                     del self.held[(queue, o)]
+                self.rejecting = {(queue, o) for o in nacked}
                 rejected = {
                     e.offset
                     for e in applied.effects
@@ -683,6 +738,7 @@ class QueueMachineRules(RuleBasedStateMachine):
                 }
                 assert rejected == nacked
         self.take_effects(applied)
+        self.rejecting = set()
 
     @precondition(lambda self: self.held)
     @rule(
@@ -862,6 +918,19 @@ class QueueMachineRules(RuleBasedStateMachine):
         for q in self.live_queues():
             mine = sorted(p for queue, p in self.producer_last if queue == q)
             assert list(self.machine.producers(q)) == mine
+
+    @invariant()
+    def nobody_idle_while_a_message_waits(self) -> None:
+        """After every step, not only `Tick`: a consumer with credit is given what it
+        could take. Messages that waited out a retry delay are excused until the next
+        `Tick` (the leader proposes one when a delay runs out; `tick` checks them)."""
+        for q in self.live_queues():
+            delayed = [o for o in self.ready_refs(q) if (q, o) in self.due]
+            for c in self.receiving(q):
+                idle = [o for o in self.could_take(q, c) if (q, o) not in self.due]
+                if delayed and self.options[q].single_active_consumer:
+                    idle = [o for o in idle if o < delayed[0]]  # strict FIFO waits too
+                assert not idle, f"{q}: {c} could take {idle}"
 
     @invariant()
     def no_message_is_lost(self) -> None:

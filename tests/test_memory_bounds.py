@@ -147,10 +147,12 @@ def test_a_node_keeps_no_record_of_cancelled_consumers(tmp_path: Path) -> None:
                 for _ in range(300):
                     consumer = await client.subscribe("q", prefetch=1000)
                     await consumer.cancel()
-                for _ in range(100):  # swept every second: 5 s at most
-                    if not server.consumers:
-                        break
-                    await trio.sleep(0.05)
+                with trio.move_on_after(5):  # swept every second
+                    for _ in range(100):
+                        if not server.consumers:
+                            break
+                        await trio.sleep(0.05)
+                assert not server.consumers, f"{len(server.consumers)} records kept"
                 (conn,) = server.connections
                 assert conn.consumers == {} and conn.prefetches == {}
                 assert conn.prefetch_allowance == 0 and not conn.cancelling

@@ -248,6 +248,13 @@ class _Timer:
 class NodeCore:
     """Everything a node decides towards its clients; see the module's docstring."""
 
+    resettle_refused_batches = True
+    """`settle`: after an ack or nack of several offsets is refused whole (`not_held`),
+    settle again the offsets still held. (A switch for the negative controls, each of
+    which turns off one rule.)"""
+    retry_lost_settles = True
+    """`settle`: propose an ack or nack again when a leader change or a timeout lost it."""
+
     def __init__(
         self,
         config: NodeConfig,
@@ -948,10 +955,11 @@ class NodeCore:
             if isinstance(reply, Error) and reply.code == ErrorCode.NOT_HELD:
                 if attempt == 1:  # say which, then settle the offsets still held
                     self._answer(conn, None, reply, None, None)
-                if len(command.offsets) > 1 and attempt < SETTLE_ATTEMPTS:
+                resettle = self.resettle_refused_batches and len(command.offsets) > 1
+                if resettle and attempt < SETTLE_ATTEMPTS:
                     self._settle_held(command, conn, attempt + 1)
                 return
-            if attempt < SETTLE_ATTEMPTS:
+            if self.retry_lost_settles and attempt < SETTLE_ATTEMPTS:
                 if isinstance(error, NotAppliedError):
                     # after a moment: a node that still takes an old leader for the leader
                     # is refused at once ("no longer leader") until the election is over
