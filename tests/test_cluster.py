@@ -343,9 +343,12 @@ def test_a_leader_paused_past_the_node_down_grace_marks_no_healthy_node_down() -
         for _ in range(3):  # each round: the leader paused in mid-stride, publishing on
             leader = cluster.leader()
             wait_for(
-                lambda leader=leader: len(  # type: ignore[misc]
-                    cluster.status(leader)["queues"]["q"]["consumer_ids"]
-                ) == 3,
+                lambda leader=leader: (
+                    len(  # type: ignore[misc]
+                        cluster.status(leader)["queues"]["q"]["consumer_ids"]
+                    )
+                    == 3
+                ),
                 "every consumer subscribed",
                 30,
             )
@@ -360,8 +363,10 @@ def test_a_leader_paused_past_the_node_down_grace_marks_no_healthy_node_down() -
             cluster.resume(leader)
             healthy = [n for n in cluster.nodes if n != leader]
             wait_for(
-                lambda leader=leader, healthy=healthy: leader  # type: ignore[misc]
-                not in _down_nodes(cluster, healthy[0]),
+                lambda leader=leader, healthy=healthy: (
+                    leader  # type: ignore[misc]
+                    not in _down_nodes(cluster, healthy[0])
+                ),
                 "the paused node up again",
                 30,
             )

@@ -1160,8 +1160,9 @@ class NodeCore:
                 "admin_required",
                 f"forget_producers with the prefix {prefix!r} needs the admin token: give at "
                 f"least {MIN_FORGET_PREFIX} characters, not the start of a client's producer "
-                "id ('g<generation>-<32 hex>'; a Spark batch's 'spark-<query id>-<batch>-' "
-                "is fine), or prove the admin token",
+                "id ('g<generation>-<32 hex>'), nor a start of 'spark-' shorter than a whole "
+                "Spark job's or batch's prefix ('spark-write-<job>-', "
+                "'spark-<query id>-<batch>-'), or prove the admin token",
             )
             return
         command = ForgetProducers(queue=frame["queue"], prefix=prefix)
