@@ -13,7 +13,7 @@ from .workers import WorkerPythonError, ensure_workers_import_quorumq
 
 
 def register(
-    spark: Any, *, use_driver_python: bool | None = None, check_timeout_s: float = 60.0
+    spark: Any, *, use_driver_python: bool | None = None, check_timeout_s: float = 300.0
 ) -> None:
     """Register the `quorumq` format in `spark`'s session. Without a `partitions`
     option, a read uses the session's default parallelism as its number of key buckets.

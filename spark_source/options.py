@@ -181,7 +181,10 @@ def _tls(found: dict[str, str]) -> TLS:
     """`tls` (true/false, or Kafka's SSL/PLAINTEXT) and `tlsCaFile` (a PEM file, which
     must be at the same path on the driver and every executor)."""
     raw = found.get("tls")
-    ca = found.get("tlscafile", "").strip() or None
+    ca = found.get("tlscafile")
+    if ca is not None and not ca.strip():
+        raise OptionError("option 'tlsCaFile' is empty: give the CA file's path, or leave it out")
+    ca = ca.strip() if ca is not None else None
     kind = found.get("kafka.ssl.truststore.type")
     if kind is not None and kind.strip().upper() != "PEM":
         raise OptionError(

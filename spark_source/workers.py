@@ -30,9 +30,10 @@ class WorkerPythonError(RuntimeError):
     the check in time."""
 
 
-CHECK_TIMEOUT_S = 60.0
+CHECK_TIMEOUT_S = 300.0
 """How long `register()` waits for an executor to run its one-task check (it waited for
-ever on a cluster with no executors)."""
+ever on a cluster with no executors; an executor that dynamic allocation starts may
+take a minute or more to arrive)."""
 
 
 def _probe_function() -> Callable[[Any], list[str]]:

@@ -73,8 +73,11 @@ def test_below_the_limit_publishes_wait_and_the_rest_goes_on(small_disk: Path) -
         confirmed = [client.publish("q", b"before-%d" % i) for i in range(20)]
         ballast = fill_to(small_disk, LIMIT_MB - 4)  # every node's data is on this disk
         wait_for(
-            lambda: all(cluster.status(n)["disk_alarms"] for n in cluster.nodes),
-            "every node seeing the alarm",
+            lambda: all(
+                cluster.status(n)["disk_alarm"] and cluster.status(n)["disk_alarms"]
+                for n in cluster.nodes
+            ),
+            "every node raising its alarm and seeing it in the log",
             15,
         )
         for node in cluster.nodes:

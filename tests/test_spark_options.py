@@ -212,6 +212,7 @@ def test_tls_options_and_kafkas_names_for_them(tmp_path: object) -> None:
         ({"tlsCaFile": str(ca) + ".missing"}, "cannot read"),
         ({"tls": "false", "tlsCaFile": str(ca)}, "'tls' is false"),
         ({"tls": "true", "kafka.security.protocol": "SSL"}, "mean the same"),
+        ({"tlsCaFile": " "}, "is empty"),
     ):
         with pytest.raises(OptionError, match=message):
             read_options({**KAFKA_BASE, **extra}, batch=True)

@@ -49,8 +49,8 @@ from ..metrics import NodeMetrics
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.core import ProposalCallback
 from ..protocol import Frame, SizedFrame, encode_frame, keep_alive
-from ..replica import ConfigError, ProposalError, Replica
-from .file_budget import client_caps, raise_file_limit
+from ..replica import ConfigError, ProposalError, Replica, file_usage
+from .file_budget import client_caps, current_file_limit, raise_file_limit
 from .metrics_http import MetricsServer
 
 logger = logging.getLogger(__name__)
@@ -301,8 +301,11 @@ class NodeServer:
         garbage collector's sight (`gc.freeze`): right for a node process, not for a node
         in a program's own process, whose objects it would freeze too."""
         check_node_config(config)
-        self.file_limit = raise_file_limit()
-        self.config = config = client_caps(config, self.file_limit)
+        # A node process raises its own soft limit; a node in a program's process leaves
+        # the program's as it is (raising it would let the program's select() break)
+        self.file_limit = raise_file_limit() if freeze_startup else current_file_limit()
+        opened = file_usage()["files_open"] or 0
+        self.config = config = client_caps(config, self.file_limit, opened)
         self.tls = tls_context(config)
         """The client port's TLS context, or None (plain TCP)."""
         self.metrics = NodeMetrics() if metrics is not None else None
@@ -365,7 +368,8 @@ class NodeServer:
         self._token = trio.lowlevel.current_trio_token()
         if pathtiming.ENABLED:
             pathtiming.name_process(self.node_id)
-        await self._wait_for_disk_space()
+        if self.freeze_startup and self.config.min_free_disk_bytes > 0:
+            await self._wait_for_disk_space()  # (a node in a program fails at once instead)
         replica = self._replica = await in_own_thread(
             lambda: Replica(
                 self.config.replica,
