@@ -311,7 +311,20 @@ class Operator:
             self.world.after(micros(then_s), self._remove_again, change.node)
 
     def _again(self, change: Change, then_s: float | None) -> None:
-        """Send `change` to a running member (none: a moment later)."""
+        """Send `change` to a running member (none: a moment later). A node being added
+        whose disk is now damaged (its start refused) is rebuilt first, empty at a new
+        address, as an operator would: the leader adds a node only once it has caught up
+        (the learner stage), and one that cannot start never does (seed 1316: B's
+        journal damaged mid-add, asked for again every 20 s to the end of the run)."""
+        cluster = self.cluster
+        name = change.node
+        if (
+            change.kind == "add"
+            and cluster.nodes[name] is None
+            and cluster.disks[name].damaged is not None
+        ):
+            cluster.wipe(name, new_address=True)
+            cluster.start(name)
         via = self._via(change.node)
         if via is None:
             self.world.after(micros(self.random.uniform(*RETRY_S)), self._again, change, then_s)

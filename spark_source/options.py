@@ -20,7 +20,10 @@ class OptionError(ValueError):
     """An option of the quorumq data source is unknown, missing or malformed."""
 
 
-READ_OPTIONS = frozenset(
+CONNECTION_OPTIONS = frozenset({"tls", "tlscafile", "kafka.ssl.truststore.type"})
+"""How both sides connect, besides `endpoints` and `token`: TLS (`tls`, `tlsCaFile`;
+Kafka's `kafka.security.protocol` and PEM truststore settings are taken too)."""
+READ_OPTIONS = CONNECTION_OPTIONS | frozenset(
     {
         "endpoints",
         "queue",
@@ -39,7 +42,9 @@ READ_OPTIONS = frozenset(
         "readwaitseconds",
     }
 )
-WRITE_OPTIONS = frozenset({"endpoints", "queue", "token", "batchrows", "checkpointlocation"})
+WRITE_OPTIONS = CONNECTION_OPTIONS | frozenset(
+    {"endpoints", "queue", "token", "batchrows", "checkpointlocation"}
+)
 CAMEL_CASE = (
     "startingOffsets",
     "startingTimestamp",
@@ -52,10 +57,18 @@ CAMEL_CASE = (
     "includeHeaders",
     "groupIdPrefix",
     "readWaitSeconds",
+    "tlsCaFile",
     "batchRows",
     "checkpointLocation",
 )
+KAFKA_CONNECTION_NAMES = {
+    "kafka.security.protocol": "tls",
+    "kafka.ssl.truststore.location": "tlscafile",
+}
+"""Kafka client settings that mean what one of ours means (values: `SSL` or
+`PLAINTEXT`; a truststore only as PEM, `kafka.ssl.truststore.type=PEM`)."""
 KAFKA_READ_NAMES = {
+    **KAFKA_CONNECTION_NAMES,
     "kafka.bootstrap.servers": "endpoints",
     "subscribe": "queue",
     "minpartitions": "partitions",
@@ -64,7 +77,11 @@ KAFKA_READ_NAMES = {
 }
 """Kafka source options that mean what one of ours means, and which of ours. (Kafka's
 other names that have the same meaning are ours already: startingOffsets, ...)"""
-KAFKA_WRITE_NAMES = {"kafka.bootstrap.servers": "endpoints", "topic": "queue"}
+KAFKA_WRITE_NAMES = {
+    **KAFKA_CONNECTION_NAMES,
+    "kafka.bootstrap.servers": "endpoints",
+    "topic": "queue",
+}
 """Kafka sink options that mean what one of ours means."""
 SPELLING = {
     name.lower(): name
@@ -80,6 +97,10 @@ SPELLING = {
         "startingOffsetsByTimestamp",
         "endingOffsetsByTimestamp",
         "topic",
+        "tls",
+        "kafka.security.protocol",
+        "kafka.ssl.truststore.location",
+        "kafka.ssl.truststore.type",
     )
 }
 """Option names as users write them (Spark hands them over in lower case)."""
@@ -112,7 +133,9 @@ def _name_error(name: str, allowed: frozenset[str], what: str) -> OptionError:
     if name.startswith("kafka."):
         return OptionError(
             f"option {name!r} is a Kafka client setting; a quorumq {what} connects with "
-            "'endpoints' (or 'kafka.bootstrap.servers') and 'token'"
+            "'endpoints' (or 'kafka.bootstrap.servers'), 'token', and for TLS 'tls' and "
+            "'tlsCaFile' (or 'kafka.security.protocol' SSL and a PEM "
+            "'kafka.ssl.truststore.location')"
         )
     other = (READ_OPTIONS | set(KAFKA_READ_NAMES)) ^ (WRITE_OPTIONS | set(KAFKA_WRITE_NAMES))
     if name in other:
@@ -149,11 +172,63 @@ def _canonical(
     return found
 
 
+TLS = bool | str | None
+"""How a client connects: None or False (plain TCP), True (TLS, the system's CAs), or a
+CA file (PEM) to trust."""
+
+
+def _tls(found: dict[str, str]) -> TLS:
+    """`tls` (true/false, or Kafka's SSL/PLAINTEXT) and `tlsCaFile` (a PEM file, which
+    must be at the same path on the driver and every executor)."""
+    raw = found.get("tls")
+    ca = found.get("tlscafile")
+    if ca is not None and not ca.strip():
+        raise OptionError("option 'tlsCaFile' is empty: give the CA file's path, or leave it out")
+    ca = ca.strip() if ca is not None else None
+    kind = found.get("kafka.ssl.truststore.type")
+    if kind is not None and kind.strip().upper() != "PEM":
+        raise OptionError(
+            f"option 'kafka.ssl.truststore.type' is {kind!r}: a quorumq client reads a "
+            "truststore only as PEM (convert it: keytool -exportcert -rfc), then give "
+            "'tlsCaFile' (or kafka.ssl.truststore.type=PEM)"
+        )
+    enabled: bool | None = None
+    if raw is not None:
+        value = raw.strip().lower()
+        if value in ("true", "ssl"):
+            enabled = True
+        elif value in ("false", "plaintext"):
+            enabled = False
+        elif value.startswith("sasl"):
+            raise OptionError(
+                f"option 'kafka.security.protocol' {raw!r}: quorumq authenticates clients "
+                "with 'token', not SASL; use SSL (with 'tlsCaFile') or PLAINTEXT"
+            )
+        else:
+            raise OptionError(
+                f"option 'tls' must be true or false (or SSL, PLAINTEXT), got {raw!r}"
+            )
+    if ca is not None:
+        if enabled is False:
+            raise OptionError("option 'tlsCaFile' is given but 'tls' is false")
+        try:
+            with open(ca, "rb") as f:
+                pem = f.read(1 << 20)
+        except OSError as e:
+            raise OptionError(f"option 'tlsCaFile': cannot read {ca!r} ({e.strerror})") from None
+        if b"-----BEGIN CERTIFICATE-----" not in pem:
+            raise OptionError(f"option 'tlsCaFile': {ca!r} holds no PEM certificate")
+        return ca
+    return True if enabled else None
+
+
 @attrs.frozen(kw_only=True)
 class ReadOptions:
     endpoints: tuple[str, ...]
     queue: str
     token: str | None = None
+    tls: TLS = None
+    """TLS to the nodes (`_tls`)."""
     starting_offsets: str | int = "latest"
     """"earliest", "latest" or an offset (streaming default "latest", batch "earliest")."""
     starting_timestamp: int | None = None
@@ -181,6 +256,8 @@ class WriteOptions:
     endpoints: tuple[str, ...]
     queue: str
     token: str | None = None
+    tls: TLS = None
+    """TLS to the nodes (`_tls`)."""
     batch_rows: int = 500
     """Rows per `publish_batch` (one log entry each)."""
 
@@ -363,6 +440,7 @@ def read_options(options: Mapping[str, str], *, batch: bool | None) -> ReadOptio
         endpoints=_endpoints(found),
         queue=queue,
         token=found.get("token") or None,
+        tls=_tls(found),
         starting_offsets=starting,
         starting_timestamp=timestamp,
         ending_offsets=ending,
@@ -386,6 +464,7 @@ def write_options(options: Mapping[str, str]) -> WriteOptions:
         endpoints=_endpoints(found),
         queue=_required(found, "queue"),
         token=found.get("token") or None,
+        tls=_tls(found),
         batch_rows=500 if batch_rows is None else batch_rows,
     )
 

@@ -111,7 +111,9 @@ def read_chunks(
             endpoint = endpoints[node % len(endpoints)]
             try:
                 if client is None:
-                    client = quorumq.connect([endpoint], options.token, connect_timeout=1.0)
+                    client = quorumq.connect(
+                        [endpoint], options.token, connect_timeout=1.0, tls=options.tls
+                    )
                 result = client.read(
                     options.queue,
                     position,

@@ -145,7 +145,7 @@ def write_rows(options: WriteOptions, producer: str, iterator: Iterator[Any]) ->
     """Publish a task's rows as `producer`, numbered (see `numbered_rows`), in batches
     of `batchRows`; how many rows were sent (the queue drops the duplicates)."""
     rows = 0
-    with quorumq.connect(list(options.endpoints), options.token) as client:
+    with quorumq.connect(list(options.endpoints), options.token, tls=options.tls) as client:
         chunk: list[tuple[bytes, str | None, Mapping[str, str] | None]] = []
         seqs: list[int] = []
 
@@ -176,7 +176,7 @@ def forget(options: WriteOptions, prefix: str) -> None:
     error: QuorumqError | None = None
     for _ in range(FORGET_ATTEMPTS):
         try:
-            with quorumq.connect(list(options.endpoints), options.token) as client:
+            with quorumq.connect(list(options.endpoints), options.token, tls=options.tls) as client:
                 client.forget_producers(options.queue, prefix)
             return
         except QuorumqError as e:

@@ -64,7 +64,9 @@ class QueueEnds:
 
     def client(self) -> Client:
         if self._client is None:
-            self._client = quorumq.connect(list(self.options.endpoints), self.options.token)
+            self._client = quorumq.connect(
+                list(self.options.endpoints), self.options.token, tls=self.options.tls
+            )
         return self._client
 
     def bounds(self) -> ReadResult:

@@ -14,8 +14,11 @@ set.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +26,14 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerPythonError(RuntimeError):
-    """Spark's Python workers cannot import quorumq (or what it needs)."""
+    """Spark's Python workers cannot import quorumq (or what it needs), or no worker ran
+    the check in time."""
+
+
+CHECK_TIMEOUT_S = 300.0
+"""How long `register()` waits for an executor to run its one-task check (it waited for
+ever on a cluster with no executors; an executor that dynamic allocation starts may
+take a minute or more to arrive)."""
 
 
 def _probe_function() -> Callable[[Any], list[str]]:
@@ -43,10 +53,34 @@ def _probe_function() -> Callable[[Any], list[str]]:
     return probe
 
 
-def probe_workers(spark: Any) -> tuple[str, str]:
+def probe_workers(spark: Any, timeout_s: float = CHECK_TIMEOUT_S) -> tuple[str, str]:
     """(the worker's interpreter, why it cannot import the source or ""), from one task
     (an RDD task, which needs nothing but the interpreter; under Spark Connect a UDF).
-    A worker that does not even start gives Spark's reason, shortened."""
+    A worker that does not even start gives Spark's reason, shortened; no worker within
+    `timeout_s` raises `WorkerPythonError` (the task is cancelled)."""
+    outcome: list[tuple[str, str]] = []
+    group = f"quorumq-worker-check-{uuid.uuid4().hex}"
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # Spark Connect: no SparkContext, no groups
+            spark.sparkContext.setJobGroup(group, "quorumq: workers import quorumq?", True)
+        outcome.append(_probe_once(spark))
+
+    thread = threading.Thread(target=run, name="quorumq-worker-check", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if outcome:
+        return outcome[0]
+    with contextlib.suppress(Exception):  # Spark Connect
+        spark.sparkContext.cancelJobGroup(group)
+    raise WorkerPythonError(
+        f"no Spark executor ran quorumq's one-task check within {timeout_s:g} s: the "
+        "cluster has no executors (or none free); register once it has, or give "
+        "register(spark, check_timeout_s=...) more time"
+    )
+
+
+def _probe_once(spark: Any) -> tuple[str, str]:
     probe = _probe_function()
     try:
         try:
@@ -89,18 +123,21 @@ def is_local(spark: Any) -> bool:
         return False
 
 
-def ensure_workers_import_quorumq(spark: Any, use_driver_python: bool | None = None) -> None:
+def ensure_workers_import_quorumq(
+    spark: Any, use_driver_python: bool | None = None, timeout_s: float = CHECK_TIMEOUT_S
+) -> None:
     """Check that Spark's Python workers import the source; in local mode (or when
     `use_driver_python` is True) switch them to this interpreter if they cannot; else
-    raise `WorkerPythonError` naming PYSPARK_PYTHON and the interpreter to use."""
+    raise `WorkerPythonError` naming PYSPARK_PYTHON and the interpreter to use (or
+    saying that no executor ran the check within `timeout_s`)."""
     switch = is_local(spark) if use_driver_python is None else use_driver_python
-    executable, error = probe_workers(spark)
+    executable, error = probe_workers(spark, timeout_s)
     if not error:
         return
     before = worker_python(spark) or executable
     if switch and before is not None and before != sys.executable:
         spark.sparkContext.pythonExec = sys.executable
-        now, again = probe_workers(spark)
+        now, again = probe_workers(spark, timeout_s)
         if not again:
             logger.warning(
                 "Spark's Python workers ran %s, which cannot import quorumq (%s); "

@@ -73,8 +73,11 @@ def test_below_the_limit_publishes_wait_and_the_rest_goes_on(small_disk: Path) -
         confirmed = [client.publish("q", b"before-%d" % i) for i in range(20)]
         ballast = fill_to(small_disk, LIMIT_MB - 4)  # every node's data is on this disk
         wait_for(
-            lambda: all(cluster.status(n)["disk_alarms"] for n in cluster.nodes),
-            "every node seeing the alarm",
+            lambda: all(
+                cluster.status(n)["disk_alarm"] and cluster.status(n)["disk_alarms"]
+                for n in cluster.nodes
+            ),
+            "every node raising its alarm and seeing it in the log",
             15,
         )
         for node in cluster.nodes:
@@ -106,3 +109,45 @@ def test_below_the_limit_publishes_wait_and_the_rest_goes_on(small_disk: Path) -
         )
         recorder.stop()
         assert all(cluster.alive(n) for n in cluster.nodes)
+
+
+def fill_up(path: Path) -> Path:
+    """A ballast file that takes every byte left on `path`'s filesystem."""
+    ballast = path / "ballast-full"
+    with ballast.open("ab") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return ballast
+
+
+def test_a_node_started_on_a_full_disk_waits_instead_of_failing_in_a_loop(
+    small_disk: Path,
+) -> None:
+    """A node whose disk filled stopped at its next journal write, and started again
+    on the full disk it failed at once, for a supervisor to restart in a loop. Now it
+    waits for space, alive, and then starts with everything confirmed."""
+    with Cluster(3, data_dir=small_disk / "data", min_free_disk_mb=LIMIT_MB) as cluster:
+        client = cluster.client(timeout=30)
+        client.declare("q")
+        confirmed = [client.publish("q", b"m%d" % i) for i in range(20)]
+        node = next(n for n in cluster.nodes if n != cluster.leader())
+        cluster.kill(node)
+        ballast = fill_up(small_disk)
+        cluster._spawn(node)
+        wait_for(
+            lambda: b"waiting for" in cluster.log_path(node).read_bytes(),
+            f"{node} saying it waits for space",
+            15,
+        )
+        assert cluster.alive(node)
+        ballast.unlink()
+        cluster._wait_ready(node)
+        for other in cluster.nodes:
+            if not cluster.alive(other):  # (a journal write that met the full disk)
+                cluster.restart(other)
+        read = cluster.client(node, timeout=30).read("q", 0, len(confirmed), wait=10)
+        assert [row[0] for row in read.rows] == confirmed

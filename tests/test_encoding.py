@@ -95,7 +95,8 @@ print(m.digest())
 GOLDEN_DIGEST = "2081381f9ac58485397273782a294ef8d603201d92aa655f0eb0294eda1f0e20"
 """Snapshot version 4 (retention cost, the death path, delivery times, consumer timeouts,
 the highest producer generation each queue forgot, messages waiting for a retry delay,
-the `retry_backoff_ms` option, and where deleted queues ended)."""
+the `retry_backoff_ms` option, and where deleted queues ended), as written with no disk
+alarm raised (version 5 adds them)."""
 
 
 def _digest_in_subprocess(hash_seed: str) -> str:
@@ -126,7 +127,8 @@ def test_a_version_1_snapshot_is_still_read_and_its_retained_bytes_counted_again
 
 def test_a_version_3_snapshot_is_still_read_with_no_retry_state() -> None:
     """Version 3 had no `retry_backoff_ms` option and no waiting messages: restored, its
-    queues take the default and wait for nothing, and it snapshots as version 4."""
+    queues take the default and wait for nothing, and it snapshots as version 4 (5 only
+    with a disk alarm raised)."""
     from quorumq.machine import Declare, Enqueue, Meta, Nack, QueueOptions, Subscribe
 
     m = Machine()

@@ -1521,6 +1521,7 @@ def test_a_timer_left_by_a_message_that_no_longer_waits_asks_for_no_tick() -> No
 def test_a_disk_alarm_refuses_publishes_but_answers_duplicates_and_lets_the_rest_go_on() -> None:
     from quorumq.codec import decode_command, encode_command
     from quorumq.machine import DiskAlarm, NodeDown
+    from quorumq.machine.encoding import decode
 
     d = Driver()
     d(Declare(queue="q"))
@@ -1536,7 +1537,11 @@ def test_a_disk_alarm_refuses_publishes_but_answers_duplicates_and_lets_the_rest
     alarm = DiskAlarm(node="B", raised=True)
     assert decode_command(encode_command(alarm)) == alarm
 
+    assert decode(d.machine.snapshot())[1] == 5  # (4, read by the version before, without)
     d(NodeDown(node="B"))  # a node marked down writes nothing: its alarm goes
+    assert decode(d.machine.snapshot())[1] == 4
+    d(DiskAlarm(node="B", raised=True))  # nor raises one: it would outlive it
+    assert d.machine.disk_alarms() == frozenset()
     assert isinstance(
         d(Enqueue(queue="q", body=b"b", key=None, producer="p", seq=1)).reply, Enqueued
     )

@@ -434,10 +434,11 @@ def test_a_client_cannot_forget_other_clients_producers_with_a_short_prefix(
                         assert f"at least {min_prefix}" in e.message
                 assert await producers(other) == 1  # every short prefix refused
                 # a long prefix (its own producer's, a Spark batch's) is a client's to forget
-                await other.publish_batch("q", [b"s"], producer="spark-query-7-0", first_seq=0)
+                query = "01234567-89ab-cdef-0123-456789abcdef"
+                await other.publish_batch("q", [b"s"], producer=f"spark-{query}-7-0", first_seq=0)
                 assert await producers(other) == 2
                 # a long prefix that is no client id (a Spark batch's) is a client's to forget
-                assert await other.forget_producers("q", "spark-query-7-") == 1
+                assert await other.forget_producers("q", f"spark-{query}-7-") == 1
                 assert await producers(other) == 1
             async with quorumq.aio.connect(endpoint, "client", admin_token="admin") as admin:
                 await admin.publish("q", b"n")

@@ -174,3 +174,14 @@ def test_a_member_that_missed_an_add_elects_the_node_it_added(
     monkeypatch.setattr(RaftRules, "_elects_outsider", lambda self, message: False)
     stuck = run(config)
     assert "heal_catch_up" in {v.kind for v in stuck.violations}, stuck.summary()
+
+
+def test_an_add_whose_node_cannot_start_is_rebuilt_not_asked_for_to_the_end() -> None:
+    """Seed 1316 of the default profile: B's journal was damaged while its add was in
+    flight. The leader adds a node only once it has caught up as a learner, so the
+    add was refused for the rest of the run (1,226 refusals), each retry a barrier entry
+    in the log, and the replicas ended one commit apart. The operator rebuilds such a
+    node (empty, at a new address) before it asks again. (Red before that: the sweep
+    of seeds 1000-1999 found it.)"""
+    result = run(RunConfig(seed=1316))
+    assert result.ok and "B" in result.members, result.summary()

@@ -660,3 +660,74 @@ def test_a_batch_write_appends_and_refuses_overwrite(spark: Any, cluster: Cluste
     assert [(m.key, m.body) for m in messages] == [("k1", b"a"), ("k2", b"b"), ("k1", b"c")]
     with pytest.raises(Exception, match=r"only appended to: write with mode\('append'\)"):
         writer.option("queue", "appended").mode("overwrite").save()
+
+
+def test_spark_reads_and_writes_a_cluster_that_serves_tls(spark: Any) -> None:
+    """Turning on TLS turned off Spark: every reader and writer connected without it.
+    A 3-node cluster serving TLS only: a batch write and a batch read with `tls` and
+    `tlsCaFile`, and a read with Kafka's names for them."""
+    with Cluster(3, tls=True) as secure:
+        assert secure.tls_ca is not None
+        client = secure.client()
+        client.declare("secure")
+        rows = spark.createDataFrame([("k1", "a"), ("k2", "b")], "key string, value string")
+        writer = rows.coalesce(1).write.format("quorumq").option("endpoints", endpoints(secure))
+        writer.option("queue", "secure").option("tlsCaFile", secure.tls_ca).mode("append").save()
+        assert [(m.key, m.body) for m in client.read("secure", 0, 10)] == [
+            ("k1", b"a"),
+            ("k2", b"b"),
+        ]
+        read = spark.read.format("quorumq").option("endpoints", endpoints(secure))
+        frame = read.option("queue", "secure").option("tls", "true")
+        assert frame.option("tlsCaFile", secure.tls_ca).load().count() == 2
+        kafka = (
+            spark.read.format("quorumq")
+            .option("kafka.bootstrap.servers", endpoints(secure))
+            .option("subscribe", "secure")
+            .option("kafka.security.protocol", "SSL")
+            .option("kafka.ssl.truststore.type", "PEM")
+            .option("kafka.ssl.truststore.location", secure.tls_ca)
+        )
+        assert sorted(bytes(r.value) for r in kafka.load().collect()) == [b"a", b"b"]
+        plain = spark.read.format("quorumq").option("endpoints", endpoints(secure))
+        plain = plain.option("queue", "secure").load()
+        with pytest.raises(Exception, match=r"TLS|tls"):
+            plain.count()  # without TLS: refused saying so (tls_required)
+
+
+def test_register_with_no_executor_free_fails_in_bounded_time_saying_so(spark: Any) -> None:
+    """register() waited for ever on a cluster with no executors: its check is one task.
+    Here both of the session's task slots are held by a job that waits for a file."""
+    import threading
+    import time
+
+    import spark_source
+    from spark_source.workers import WorkerPythonError
+
+    from .helpers import wait_for
+
+    flags = Path(tempfile.mkdtemp(prefix="quorumq-slots-"))
+
+    def hold(index: int, _: Any) -> list[int]:
+        import os
+        import time
+
+        open(os.path.join(str(flags), f"started-{index}"), "w").close()
+        while not os.path.exists(os.path.join(str(flags), "go")):
+            time.sleep(0.05)
+        return [index]
+
+    job = spark.sparkContext.parallelize([0, 1], 2).mapPartitionsWithIndex(hold)
+    holder = threading.Thread(target=job.collect)
+    holder.start()
+    try:
+        wait_for(lambda: len(list(flags.glob("started-*"))) == 2, "both slots held", 60)
+        started = time.monotonic()
+        with pytest.raises(WorkerPythonError, match="no Spark executor ran"):
+            spark_source.register(spark, check_timeout_s=3)
+        assert time.monotonic() - started < 20
+    finally:
+        (flags / "go").touch()
+        holder.join(60)
+        shutil.rmtree(flags, ignore_errors=True)
+    spark_source.register(spark)  # free again: it passes

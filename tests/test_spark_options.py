@@ -157,7 +157,7 @@ def test_kafkas_json_offsets_that_do_not_map_are_refused(
         ("assign", "Kafka's option 'assign' has no quorumq equivalent: a quorumq source reads"),
         ("kafka.group.id", "Kafka's option 'kafka.group.id' has no quorumq equivalent"),
         ("maxRecordsPerPartition", "(a key bucket) is never split"),
-        ("kafka.security.protocol", "'kafka.security.protocol' is a Kafka client setting"),
+        ("kafka.sasl.mechanism", "'kafka.sasl.mechanism' is a Kafka client setting"),
     ],
 )
 def test_kafka_options_without_a_quorumq_meaning_are_refused_saying_why(
@@ -181,3 +181,41 @@ def test_what_is_checked_when_spark_makes_the_source() -> None:
     check_options({**BASE, "endingOffsets": "10"})  # fine for spark.read
     check_options({**BASE, "maxOffsetsPerTrigger": "10"})  # fine for readStream
     check_options({**KAFKA_BASE, "maxOffsetsPerTrigger": "10"})
+
+
+def test_tls_options_and_kafkas_names_for_them(tmp_path: object) -> None:
+    """A cluster that serves TLS is read and written with `tls` and `tlsCaFile`, or
+    Kafka's `kafka.security.protocol=SSL` and a PEM truststore; what cannot map (a JKS
+    truststore, SASL) is refused saying why."""
+    from pathlib import Path
+
+    ca = Path(str(tmp_path)) / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    assert read_options(BASE, batch=True).tls is None
+    assert read_options({**BASE, "tls": "true"}, batch=True).tls is True
+    assert read_options({**BASE, "tlsCaFile": str(ca)}, batch=True).tls == str(ca)
+    assert write_options({**BASE, "tls": "true", "tlsCaFile": str(ca)}).tls == str(ca)
+    kafka = {
+        **KAFKA_BASE,
+        "kafka.security.protocol": "SSL",
+        "kafka.ssl.truststore.location": str(ca),
+        "kafka.ssl.truststore.type": "PEM",
+    }
+    assert read_options(kafka, batch=True).tls == str(ca)
+    assert (
+        read_options({**KAFKA_BASE, "kafka.security.protocol": "PLAINTEXT"}, batch=True).tls is None
+    )
+    for extra, message in (
+        ({"kafka.ssl.truststore.type": "JKS"}, "only as PEM"),
+        ({"kafka.security.protocol": "SASL_SSL"}, "not SASL"),
+        ({"tls": "maybe"}, "must be true or false"),
+        ({"tlsCaFile": str(ca) + ".missing"}, "cannot read"),
+        ({"tls": "false", "tlsCaFile": str(ca)}, "'tls' is false"),
+        ({"tls": "true", "kafka.security.protocol": "SSL"}, "mean the same"),
+        ({"tlsCaFile": " "}, "is empty"),
+    ):
+        with pytest.raises(OptionError, match=message):
+            read_options({**KAFKA_BASE, **extra}, batch=True)
+    (tmp := Path(str(tmp_path)) / "not.pem").write_text("hello")
+    with pytest.raises(OptionError, match="no PEM certificate"):
+        write_options({**BASE, "tlsCaFile": str(tmp)})

@@ -89,6 +89,12 @@ def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
     return len(q.producers) < MAX_PRODUCERS
 
 
+def _is_resend(q: QueueState, producer: str | None, seq: int | None, count: int) -> bool:
+    """Whether a publish is wholly a resend of what `producer` landed already."""
+    state = q.producers.get(producer) if producer is not None else None
+    return state is not None and seq is not None and seq + count - 1 <= state.last_seq
+
+
 _SNAPSHOT_FORMAT = "quorumq-machine"
 _SNAPSHOT_VERSION = 5
 """2: retention counts keys, headers and an overhead per message (`message_cost`), and
@@ -98,7 +104,9 @@ options end with `retry_backoff_ms`, and the machine ends with where deleted que
 ended (`Machine._deleted`). Versions 1 to 3 are read too (the retained bytes are counted
 again on restore; no generation was forgotten; nothing waits, options missing at the
 end take their defaults, and no queue was deleted). 5: and then the disk alarms raised
-(none before)."""
+(none before). A snapshot with no alarm raised is written as version 4, which nodes of
+the version before read too (an upgraded leader's snapshot installs on an old
+follower)."""
 _READABLE_VERSIONS = (1, 2, 3, 4, 5)
 _OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
 
@@ -381,15 +389,17 @@ class Machine:
         seq: int | None,
         effects: list[Any],
     ) -> Reply:
-        refusal = self._check_producer(q, producer, seq, len(messages))
-        if refusal is not None:
-            return refusal  # (a duplicate is answered as one, alarm or not)
-        if self._disk_alarms:
+        if self._disk_alarms and not _is_resend(q, producer, seq, len(messages)):
+            # (before `_check_producer`, which may make room for a new producer by
+            # forgetting silent ones; a resend of what landed is answered as a duplicate)
             return _error(
                 ErrorCode.DISK_ALARM,
                 f"publishes wait: the data disk of {', '.join(sorted(self._disk_alarms))} is "
                 "below its free-space limit (deliveries, acks and reads go on)",
             )
+        refusal = self._check_producer(q, producer, seq, len(messages))
+        if refusal is not None:
+            return refusal
         now = self._now
         opts = q.options
         if opts.message_ttl_ms is not None:
@@ -600,7 +610,9 @@ class Machine:
         return OK
 
     def _disk_alarm(self, cmd: DiskAlarm, effects: list[Any]) -> Reply:
-        if cmd.raised:
+        if cmd.raised and cmd.node not in self._down_nodes:
+            # (a node marked down raises nothing: its alarm would outlive it, since it is
+            # never marked down again while down; back up, it says again within a second)
             self._disk_alarms.add(cmd.node)
         else:
             self._disk_alarms.discard(cmd.node)
@@ -862,7 +874,7 @@ class Machine:
         return encoding.encode(
             [
                 _SNAPSHOT_FORMAT,
-                _SNAPSHOT_VERSION,
+                _SNAPSHOT_VERSION if self._disk_alarms else 4,
                 self._last_index,
                 self._now,
                 sorted(self._down_nodes),
@@ -871,7 +883,7 @@ class Machine:
                     list(self._deleted_floor),
                     [[name, *ended] for name, ended in self._deleted.items()],  # oldest first
                 ],
-                sorted(self._disk_alarms),
+                *([sorted(self._disk_alarms)] if self._disk_alarms else []),
             ]
         )
 

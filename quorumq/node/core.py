@@ -753,16 +753,6 @@ class NodeCore:
             self._reply(conn, request_id, reply, error)
 
     def _publish_batch(self, conn: ConnectionCore, frame: Frame) -> None:
-        if self.disk_alarm:  # (the log refuses it too, once the alarm is in it)
-            self._error(
-                conn,
-                frame["id"],
-                "disk_alarm",
-                f"publishes wait: node {self.node_id}'s data disk has "
-                f"{_mib(self.free_disk_bytes)} free, below its limit of "
-                f"{_mib(self.config.min_free_disk_bytes)} (deliveries, acks and reads go on)",
-            )
-            return
         messages = []
         for m in frame["messages"]:
             if not isinstance(m, list) or len(m) != 3:
@@ -1168,8 +1158,9 @@ class NodeCore:
                 "admin_required",
                 f"forget_producers with the prefix {prefix!r} needs the admin token: give at "
                 f"least {MIN_FORGET_PREFIX} characters, not the start of a client's producer "
-                "id ('g<generation>-<32 hex>'; a Spark batch's 'spark-<query id>-<batch>-' "
-                "is fine), or prove the admin token",
+                "id ('g<generation>-<32 hex>'), nor a start of 'spark-' shorter than a whole "
+                "Spark job's or batch's prefix ('spark-write-<job>-', "
+                "'spark-<query id>-<batch>-'), or prove the admin token",
             )
             return
         command = ForgetProducers(queue=frame["queue"], prefix=prefix)
@@ -1325,7 +1316,12 @@ class NodeCore:
         refuses publishes cluster-wide) in line, proposing again until it is."""
         self.free_disk_bytes = free_bytes
         limit = self.config.min_free_disk_bytes
-        raised = free_bytes is not None and limit > 0 and free_bytes < limit
+        if free_bytes is None or limit <= 0:
+            raised = False
+        elif self.disk_alarm:  # cleared a margin above the limit: no flapping around it
+            raised = free_bytes < limit + limit // 8
+        else:
+            raised = free_bytes < limit
         if raised != self.disk_alarm:
             self.disk_alarm = raised
             log = logger.warning if raised else logger.info

@@ -139,6 +139,9 @@ class _BoundedTcpServer(TcpServer):  # type: ignore[misc]
     )
 
     def bind(self) -> None:
+        if "_spare" not in self.__dict__:
+            with contextlib.suppress(OSError):
+                self.__dict__["_spare"] = os.open(os.devnull, os.O_RDONLY)
         try:
             super().bind()
         except OSError:
@@ -147,6 +150,12 @@ class _BoundedTcpServer(TcpServer):  # type: ignore[misc]
             self.unbind()
             raise
         self._TcpServer__socket.listen(RAFT_LISTEN_BACKLOG)
+
+    def unbind(self) -> None:
+        super().unbind()
+        spare = self.__dict__.pop("_spare", None)
+        if spare is not None:
+            os.close(spare)
 
     def _TcpServer__onNewConnection(self, descr: Any, event: int) -> None:
         if event & POLL_EVENT_TYPE.READ:
@@ -158,6 +167,7 @@ class _BoundedTcpServer(TcpServer):  # type: ignore[misc]
                 except OSError as e:
                     if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                         self._busy()
+                        self._shed_one()  # (the socket stays readable: not a busy loop)
                         break
                     if e.errno == errno.ECONNABORTED:
                         continue
@@ -166,6 +176,21 @@ class _BoundedTcpServer(TcpServer):  # type: ignore[misc]
                 self._accepted(sock)
         if event & POLL_EVENT_TYPE.ERROR:
             self.unbind()
+
+    def _shed_one(self) -> None:
+        """Out of descriptors: free the spare one, accept the oldest waiting connection
+        and close it at once, and take the spare back. PySyncObj's poller is level-
+        triggered, so leaving it queued would wake the Raft thread in a loop."""
+        spare = self.__dict__.pop("_spare", None)
+        if spare is not None:
+            os.close(spare)
+        try:
+            sock, _addr = self._TcpServer__socket.accept()
+            sock.close()
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            self.__dict__["_spare"] = os.open(os.devnull, os.O_RDONLY)
 
     def _accepted(self, sock: socket.socket) -> None:
         try:

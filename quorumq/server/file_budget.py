@@ -33,6 +33,12 @@ FILE_LIMIT_CEILING = 1 << 20
 """The soft limit is raised at most this far (Linux's default `nr_open`)."""
 
 
+def current_file_limit() -> int:
+    """This process's soft RLIMIT_NOFILE (unlimited: `FILE_LIMIT_CEILING`)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return FILE_LIMIT_CEILING if soft == resource.RLIM_INFINITY else int(soft)
+
+
 def raise_file_limit() -> int:
     """Raise this process's soft RLIMIT_NOFILE to its hard limit (best effort); return
     the soft limit now."""
@@ -46,15 +52,20 @@ def raise_file_limit() -> int:
     return FILE_LIMIT_CEILING if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def client_caps(config: NodeConfig, file_limit: int) -> NodeConfig:
-    """`config` with its client connection caps lowered to fit `file_limit`, or
-    `ConfigError` if the limit leaves fewer than `MIN_CLIENT_CONNECTIONS`."""
-    room = file_limit - RESERVED_FILES
+def client_caps(config: NodeConfig, file_limit: int, open_now: int = 0) -> NodeConfig:
+    """`config` with its client connection caps lowered to fit `file_limit`, with
+    `open_now` descriptors open already (a node in a program's own process shares its
+    limit), or `ConfigError` if it leaves fewer than `MIN_CLIENT_CONNECTIONS`. A node
+    with no client port has nothing to cap."""
+    if config.listen_port is None:
+        return config
+    room = file_limit - open_now - RESERVED_FILES
     if room < MIN_CLIENT_CONNECTIONS:
         raise ConfigError(
-            f"the open file limit ({file_limit}) leaves room for {max(room, 0)} client "
-            f"connections ({RESERVED_FILES} are kept for the journal, Raft and metrics): "
-            f"raise it (ulimit -n) to at least {RESERVED_FILES + MIN_CLIENT_CONNECTIONS}"
+            f"the open file limit ({file_limit}, {open_now} open already) leaves room for "
+            f"{max(room, 0)} client connections ({RESERVED_FILES} are kept for the journal, "
+            f"Raft and metrics): raise it (ulimit -n) to at least "
+            f"{open_now + RESERVED_FILES + MIN_CLIENT_CONNECTIONS}"
         )
     if config.max_connections <= room:
         return config
@@ -69,4 +80,4 @@ def client_caps(config: NodeConfig, file_limit: int) -> NodeConfig:
     return attrs.evolve(config, max_connections=room, max_unauthenticated=capped)
 
 
-__all__ = ["RESERVED_FILES", "client_caps", "raise_file_limit"]
+__all__ = ["RESERVED_FILES", "client_caps", "current_file_limit", "raise_file_limit"]

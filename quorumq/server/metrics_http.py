@@ -14,6 +14,8 @@ worker thread, one scrape at a time, so the loop never waits on it.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable
 
 import trio
@@ -42,6 +44,7 @@ class MetricsServer:
         self.open_connections = 0
         self.refused = 0
         """Connections closed at once because `MAX_METRICS_CONNECTIONS` were open."""
+        self._render_failed = _LoggedFailure()
         self._refusing = ThrottledWarning(
             logger,
             f"the metrics port has {MAX_METRICS_CONNECTIONS} open connections: closing more "
@@ -92,12 +95,31 @@ class MetricsServer:
         if target not in (b"/metrics", b"/"):
             await _answer(stream, 404, b"metrics are at /metrics\n")
             return
-        body = await trio.to_thread.run_sync(self._render, limiter=self._rendering)
+        try:
+            body = await trio.to_thread.run_sync(self._render, limiter=self._rendering)
+        except Exception:  # a collector failed, or no thread could start: this scrape only
+            self._render_failed()
+            await _answer(stream, 500, b"the metrics could not be rendered: see the node's log\n")
+            return
         await _answer(stream, 200, body, content_type=CONTENT_TYPE, head_only=method == b"HEAD")
+
+
+class _LoggedFailure:
+    """Logs the exception being handled, at most once every 60 s."""
+
+    def __init__(self) -> None:
+        self._last = -math.inf
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self._last >= 60:
+            self._last = now
+            logger.exception("rendering the metrics failed (the node serves on)")
 
 
 _REASONS = {
     200: b"OK",
+    500: b"Internal Server Error",
     400: b"Bad Request",
     404: b"Not Found",
     405: b"Method Not Allowed",

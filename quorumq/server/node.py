@@ -49,8 +49,8 @@ from ..metrics import NodeMetrics
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.core import ProposalCallback
 from ..protocol import Frame, SizedFrame, encode_frame, keep_alive
-from ..replica import ConfigError, ProposalError, Replica
-from .file_budget import client_caps, raise_file_limit
+from ..replica import ConfigError, ProposalError, Replica, file_usage
+from .file_budget import client_caps, current_file_limit, raise_file_limit
 from .metrics_http import MetricsServer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ T = TypeVar("T")
 
 DISK_CHECK_EVERY_S = 1.0
 """How often the node measures its data disk's free space (the disk alarm)."""
+START_FREE_BYTES = 4 * 1024 * 1024
+"""A node starts only with this much free on its data disk (it waits until then)."""
+DISK_WAIT_LOG_S = 30.0
 RECEIVE_CHUNK = 256 * 1024
 WRITE_BYTES = 1024 * 1024
 """The writer joins queued frames into one write of about this many bytes at most."""
@@ -298,8 +301,11 @@ class NodeServer:
         garbage collector's sight (`gc.freeze`): right for a node process, not for a node
         in a program's own process, whose objects it would freeze too."""
         check_node_config(config)
-        self.file_limit = raise_file_limit()
-        self.config = config = client_caps(config, self.file_limit)
+        # A node process raises its own soft limit; a node in a program's process leaves
+        # the program's as it is (raising it would let the program's select() break)
+        self.file_limit = raise_file_limit() if freeze_startup else current_file_limit()
+        opened = file_usage()["files_open"] or 0
+        self.config = config = client_caps(config, self.file_limit, opened)
         self.tls = tls_context(config)
         """The client port's TLS context, or None (plain TCP)."""
         self.metrics = NodeMetrics() if metrics is not None else None
@@ -362,6 +368,8 @@ class NodeServer:
         self._token = trio.lowlevel.current_trio_token()
         if pathtiming.ENABLED:
             pathtiming.name_process(self.node_id)
+        if self.freeze_startup and self.config.min_free_disk_bytes > 0:
+            await self._wait_for_disk_space()  # (a node in a program fails at once instead)
         replica = self._replica = await in_own_thread(
             lambda: Replica(
                 self.config.replica,
@@ -444,6 +452,32 @@ class NodeServer:
                 await in_own_thread(self.replica.stop, name=f"quorumq-stop-{self.node_id}")
                 for worker in list(self._workers):
                     await in_own_thread(worker.join, name=f"quorumq-stop-{self.node_id}")
+
+    async def _wait_for_disk_space(self) -> None:
+        """Before the replica starts: wait while the data disk has less than
+        `START_FREE_BYTES` free. A node whose disk filled stopped at its next journal
+        write; started again on the full disk it failed at once, and a supervisor
+        restarted it in a loop. Now it waits, saying so every `DISK_WAIT_LOG_S`."""
+        path = self.config.replica.data_dir
+        said = -math.inf
+        while True:
+            try:
+                st = await trio.to_thread.run_sync(os.statvfs, path)
+            except OSError:
+                return  # (no directory yet: the replica makes it, or says why not)
+            free = st.f_bavail * st.f_frsize
+            if free >= START_FREE_BYTES:
+                return
+            if trio.current_time() - said >= DISK_WAIT_LOG_S:
+                said = trio.current_time()
+                logger.warning(
+                    "node %s: its data disk has %d KiB free: waiting for %d KiB before "
+                    "starting (nothing is lost meanwhile)",
+                    self.node_id,
+                    free // 1024,
+                    START_FREE_BYTES // 1024,
+                )
+            await trio.sleep(DISK_CHECK_EVERY_S)
 
     async def _watch_disk(self) -> None:
         """Tell the core the data disk's free space every `DISK_CHECK_EVERY_S` (the
