@@ -490,44 +490,19 @@ def test_consumers_served_nowhere_must_be_downed(monkeypatch: pytest.MonkeyPatch
     assert _kinds(control_config(1)) & {"unsettled", "lost", "liveness"}
 
 
-def _settle_without_resettling(monkeypatch: pytest.MonkeyPatch, *, retry_failed: bool) -> None:
-    """The node core's `settle` without its resettling: a refused batch (`not_held`)
-    is answered as it is, and a failed proposal is proposed again only if
-    `retry_failed`."""
-    from quorumq.machine import Error, ErrorCode
-    from quorumq.node.core import NodeCore
-
-    real = NodeCore.settle
-
-    def settle(
-        self: NodeCore,
-        command: object,
-        conn: object,
-        attempt: int = 1,
-        answered: Callable[[], None] | None = None,
-    ) -> None:
-        def done(reply: object, error: object) -> None:
-            if answered is not None:
-                answered()
-            refused = isinstance(reply, Error) and reply.code == ErrorCode.NOT_HELD
-            if retry_failed and not refused and error is not None and attempt < 20:
-                return real(self, command, conn, attempt + 1)  # type: ignore[arg-type]
-            self._answer(conn, None, reply, error, None)  # type: ignore[arg-type]
-
-        self.replica.propose(command, done)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(NodeCore, "settle", settle)
-
-
 def test_an_ack_lost_to_a_leader_change_is_proposed_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An ack or nack whose proposal failed (leader change, timeout) is proposed again
-    by the node core: without it the consumer's messages stay held (seed 2, and 5,
-    since pre-vote made leader changes rarer; seed 0 before it)."""
-    assert run(control_config(2)).ok
-    _settle_without_resettling(monkeypatch, retry_failed=False)
-    assert _kinds(control_config(2)) & {"unsettled", "liveness"}
+    by the node core: without it the consumer's messages stay held. Only that rule is
+    off (`NodeCore.retry_lost_settles`); its control once also turned off the resettle
+    of a batch refused whole, and its seed caught that instead (seeds 5, 11 and 29 of
+    0-29 catch the retry alone)."""
+    from quorumq.node.core import NodeCore
+
+    assert run(control_config(5)).ok
+    monkeypatch.setattr(NodeCore, "retry_lost_settles", False)
+    assert _kinds(control_config(5)) & {"unsettled", "liveness"}
 
 
 def test_a_gathered_ack_refused_for_one_offset_is_settled_again_for_the_rest(
@@ -536,10 +511,13 @@ def test_a_gathered_ack_refused_for_one_offset_is_settled_again_for_the_rest(
     """Found by the simulator once it gathered acks as a node does: an `Ack` of two
     offsets, one of them returned by the consumer's own nack of an earlier message of
     its key, is refused whole (`not_held`); the node core must settle the other offset
-    again, or it stays held (seed 2, and 7, since pre-vote; seed 0 before it)."""
-    assert run(control_config(2)).ok
-    _settle_without_resettling(monkeypatch, retry_failed=True)
-    assert _kinds(control_config(2)) & {"unsettled", "liveness"}
+    again, or it stays held. Only that rule is off (`NodeCore.resettle_refused_batches`;
+    seeds 0, 2 and 6 of 0-6 catch it)."""
+    from quorumq.node.core import NodeCore
+
+    assert run(control_config(0)).ok
+    monkeypatch.setattr(NodeCore, "resettle_refused_batches", False)
+    assert _kinds(control_config(0)) & {"unsettled", "liveness"}
 
 
 def test_an_ack_that_drops_an_offset_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
