@@ -674,11 +674,16 @@ class SimNode:
         self.world.trace(f"stall {self.name} {until_us}")
 
     def unstall(self) -> None:
-        """The heal: a stalled Raft thread runs again now."""
+        """The heal: a stalled Raft thread runs again now, and the core's timers that
+        waited for the stall's end are due now too (they kept waiting for it: seed 1627,
+        a membership change asked the leader to step down again 3.4 s after the heal,
+        not 0.1 s, and the new leader came past the heal bound)."""
         if self.stalled:
             self.stalled_until_us = self.world.now_us
             self.world.trace(f"unstall {self.name}")
             self.wake()
+            self._core_timer_at = None
+            self.timers_changed()
 
     def _at_seam(self) -> bool:
         """The tick reached its seam: stop here if a `pause_mid_tick` is due."""

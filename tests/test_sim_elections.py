@@ -185,3 +185,13 @@ def test_an_add_whose_node_cannot_start_is_rebuilt_not_asked_for_to_the_end() ->
     of seeds 1000-1999 found it.)"""
     result = run(RunConfig(seed=1316))
     assert result.ok and "B" in result.members, result.summary()
+
+
+def test_a_node_stalled_past_the_heal_runs_its_core_timers_at_the_heal() -> None:
+    """Seed 1627 of the default profile: B, a slow host stalled across the heal, had a
+    removal of leader A in flight. The heal ran B's Raft thread again but its core's
+    timers kept waiting for the stall's original end, so B asked A to hand leadership
+    over again 3.4 s after the heal, not 0.1 s, and C led past the heal bound
+    (`heal_leaders`). Found by the sweep of seeds 1000-1999; red before the fix."""
+    result = run(RunConfig(seed=1627))
+    assert result.ok, result.summary()
