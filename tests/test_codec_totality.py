@@ -16,8 +16,29 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quorumq.codec import _COMMIT_OFFSET, VERSION, CodecError, decode_command
-from quorumq.machine import Declare, Enqueue, Machine, Meta, QueueOptions, Subscribe
+from quorumq.codec import _COMMIT_OFFSET, VERSION, CodecError, decode_command, encode_command
+from quorumq.machine import (
+    Ack,
+    Cancel,
+    CommitOffset,
+    Declare,
+    DeleteQueue,
+    DiskAlarm,
+    Down,
+    Enqueue,
+    EnqueueBatch,
+    ForgetProducers,
+    Machine,
+    Message,
+    Meta,
+    Nack,
+    NodeDown,
+    NodeUp,
+    PurgeQueue,
+    QueueOptions,
+    Subscribe,
+    Tick,
+)
 
 _SCALARS = st.one_of(
     st.none(),
@@ -55,6 +76,7 @@ _OPTIONS = st.dictionaries(
 _ARITY = {
     **{1: 2, 2: 6, 3: 4, 4: 4, 5: 2, 6: 3, 7: 4, 8: 1, 9: 1, 10: 1, 11: 3, 12: 0, 13: 2},
     **{14: 1, 15: 2},  # purge, delete (queue, force)
+    16: 2,  # a disk alarm (node, raised)
 }
 _OPTIONAL_LAST = {3: 2, 4: 1, 7: 1}
 """Commands with optional last fields, how many: a batch's seqs and opens, a
@@ -120,3 +142,104 @@ def test_a_commit_offset_without_an_offset_is_refused_by_the_codec() -> None:
     frame = bytes(msgpack.packb([VERSION, _COMMIT_OFFSET, "q", "", None], use_bin_type=True))
     with pytest.raises(CodecError, match="offset must be an int"):
         decode_command(frame)
+
+
+# ------------------------------------------------- frames built from the schema
+
+_NAME = st.sampled_from(["q", "q", "dlq", "c1", "A", "p"])
+_KEY = st.none() | st.sampled_from(["k", "k2"])
+_HEADERS = st.none() | st.dictionaries(st.sampled_from(["h", "x"]), st.text(max_size=3), max_size=2)
+_OFFSETS = st.lists(st.integers(0, 6), min_size=1, max_size=3)
+_OPTIONS_VALID = st.builds(
+    QueueOptions,
+    max_length=st.none() | st.integers(0, 6),
+    overflow=st.sampled_from(["drop-head", "reject-publish"]),
+    delivery_limit=st.none() | st.integers(0, 3),
+    dead_letter_queue=st.none() | st.just("dlq"),
+    single_active_consumer=st.booleans(),
+    message_ttl_ms=st.none() | st.integers(1, 300),
+)
+_MESSAGE = st.builds(Message, body=st.binary(max_size=6), key=_KEY, headers=_HEADERS)
+COMMANDS = st.one_of(
+    st.builds(Declare, queue=_NAME, options=_OPTIONS_VALID),
+    st.builds(
+        Enqueue,
+        queue=_NAME,
+        body=st.binary(max_size=6),
+        key=_KEY,
+        headers=_HEADERS,
+        producer=st.none() | st.just("p1"),
+        seq=st.none() | st.integers(0, 3),
+    ),
+    st.builds(
+        EnqueueBatch,
+        queue=_NAME,
+        messages=st.lists(_MESSAGE, min_size=1, max_size=3),
+        producer=st.none() | st.just("p1"),
+        first_seq=st.none() | st.integers(0, 3),
+    ),
+    st.builds(
+        Subscribe,
+        queue=_NAME,
+        consumer=st.sampled_from(["c1", "c2"]),
+        node=st.just("A"),
+        prefetch=st.integers(0, 5),
+        timeout_ms=st.none() | st.integers(1, 1000),
+    ),
+    st.builds(Cancel, queue=_NAME, consumer=st.sampled_from(["c1", "c2"])),
+    st.builds(Ack, queue=_NAME, consumer=st.sampled_from(["c1", "c2"]), offsets=_OFFSETS),
+    st.builds(
+        Nack,
+        queue=_NAME,
+        consumer=st.sampled_from(["c1", "c2"]),
+        offsets=_OFFSETS,
+        requeue=st.booleans(),
+    ),
+    st.builds(Down, consumer=st.sampled_from(["c1", "c2"])),
+    st.builds(NodeDown, node=st.sampled_from(["A", "B"])),
+    st.builds(NodeUp, node=st.sampled_from(["A", "B"])),
+    st.builds(CommitOffset, queue=_NAME, group=st.just("g"), offset=st.integers(0, 5)),
+    st.builds(Tick),
+    st.builds(ForgetProducers, queue=_NAME, prefix=st.sampled_from(["p", "p1"])),
+    st.builds(PurgeQueue, queue=_NAME),
+    st.builds(DeleteQueue, queue=_NAME, force=st.booleans()),
+    st.builds(DiskAlarm, node=st.sampled_from(["A", "B"]), raised=st.booleans()),
+)
+"""Every command type, well-formed: the share of accepted frames of each type is the
+share drawn whole (a half), asserted in the test below."""
+
+
+@st.composite
+def schema_frames(draw: Any) -> tuple[bytes, bool]:
+    """A well-formed command's frame, whole (True) or with one field replaced by an
+    arbitrary value (False). The `st.binary()` and raw-value fuzzers were refused at
+    the first byte or field: of 600 frames, 5-9% were accepted, and never an Enqueue,
+    an EnqueueBatch, a Subscribe, a Nack or a CommitOffset."""
+    frame = encode_command(draw(COMMANDS))
+    if draw(st.booleans()):
+        return frame, True
+    fields = msgpack.unpackb(frame, raw=False)
+    if len(fields) > 2:
+        fields[draw(st.integers(2, len(fields) - 1))] = draw(_VALUES)
+    return bytes(msgpack.packb(fields, use_bin_type=True)), False
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(frames=st.lists(schema_frames(), min_size=1, max_size=8))
+def test_frames_built_from_the_schema_reach_the_machine_and_survive_it(
+    frames: list[tuple[bytes, bool]],
+) -> None:
+    """Every whole frame is accepted (so about half of each type's frames reach the
+    machine), and whatever is accepted applies, snapshots and restores the same."""
+    machine = _machine()
+    index = 4
+    for frame, whole in frames:
+        try:
+            command = decode_command(frame)
+        except CodecError as e:
+            assert not whole, f"a well-formed frame was refused: {e}"
+            continue
+        machine.apply(Meta(index, 1000 + index), command)
+        index += 1
+        restored = Machine.restore(machine.snapshot())
+        assert restored.digest() == machine.digest()
