@@ -31,7 +31,12 @@ class Mutation(NamedTuple):
 
 MACHINE_TESTS = ("tests/test_machine_properties.py", "tests/test_machine.py")
 RAFT_TESTS = ("tests/test_raft_elections.py", "tests/test_raft_rules.py")
-CORE_TESTS = ("tests/test_node_core.py", "tests/test_memory_bounds.py", "tests/test_server.py")
+CORE_TESTS = (
+    "tests/test_node_core.py",
+    "tests/test_memory_bounds.py",
+    "tests/test_server.py",
+    "tests/test_server_bounds.py",
+)
 
 MUTATIONS = (
     Mutation(
