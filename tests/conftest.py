@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import hypothesis  # noqa: F401 - see below
+import hypothesis
 import pytest
 
 # Imported before any test runs: an in-process node calls `gc.freeze()`, and a Hypothesis
@@ -15,6 +15,9 @@ import pytest
 # not import it) warns that trio's registered random has no referrers, as the frozen
 # module holding it is out of `gc.get_referrers`' sight: with warnings as errors, the
 # run fails after every test passed.
+
+hypothesis.settings.register_profile("derandomized", derandomize=True, database=None)
+"""`./run test` runs the property tests a second time under it (see `run`)."""
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ damaged log, fails for good on a failed write or sync, compacts atomically."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quorumq.raft.journal import DurableJournal, JournalDamagedError, JournalFailedError
+
+_FUZZ_FILES = itertools.count()
 
 
 def _fill(j: DurableJournal, first: int, last: int, term: int = 1) -> None:
@@ -214,21 +217,25 @@ _FAULTS = st.one_of(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=30),
+    bodies=st.lists(st.binary(max_size=300), min_size=1, max_size=30),
     committed=st.floats(0, 1),
     fault=_FAULTS,
     strict=st.booleans(),
 )
 def test_one_fault_anywhere_never_silently_loses_a_committed_entry(
-    tmp_path: Path, sizes: list[int], committed: float, fault: tuple[str, float, int], strict: bool
+    tmp_path: Path,
+    bodies: list[bytes],
+    committed: float,
+    fault: tuple[str, float, int],
+    strict: bool,
 ) -> None:
     """Whatever one flipped bit, one truncation or a tail of zeros does to the file,
     opening either refuses or gives a prefix of the log that holds every entry up to the
     stored commit index (strict: every synced entry)."""
-    path = str(tmp_path / f"fuzz-{os.urandom(6).hex()}.log")
+    path = str(tmp_path / f"fuzz-{next(_FUZZ_FILES)}.log")  # (drawn data only: replayable)
     j = DurableJournal(path, strict=strict)
     j.setCurrentTerm(1, None)
-    entries = [(os.urandom(n), i + 1, 1) for i, n in enumerate(sizes)]
+    entries = [(body, i + 1, 1) for i, body in enumerate(bodies)]
     for entry in entries:
         j.add(*entry)
     commit = round(committed * len(entries))
@@ -253,6 +260,10 @@ def test_one_fault_anywhere_never_silently_loses_a_committed_entry(
     try:
         opened = list(DurableJournal(path, strict=strict)[:])
     except JournalDamagedError:
+        # refusing is right for damage, never for a tail of zeros after the last record
+        # (a file system's preallocation after a crash): a journal that refused every
+        # file passed this test
+        assert kind != "zeros", "a tail of zeros made the journal refuse to open"
         return
     assert opened == entries[: len(opened)]  # a prefix, never other entries
     if strict:
