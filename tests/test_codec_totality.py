@@ -40,6 +40,8 @@ from quorumq.machine import (
     Tick,
 )
 
+from .test_machine_properties import options_strategy
+
 _SCALARS = st.one_of(
     st.none(),
     st.booleans(),
@@ -150,18 +152,9 @@ _NAME = st.sampled_from(["q", "q", "dlq", "c1", "A", "p"])
 _KEY = st.none() | st.sampled_from(["k", "k2"])
 _HEADERS = st.none() | st.dictionaries(st.sampled_from(["h", "x"]), st.text(max_size=3), max_size=2)
 _OFFSETS = st.lists(st.integers(0, 6), min_size=1, max_size=3)
-_OPTIONS_VALID = st.builds(
-    QueueOptions,
-    max_length=st.none() | st.integers(0, 6),
-    overflow=st.sampled_from(["drop-head", "reject-publish"]),
-    delivery_limit=st.none() | st.integers(0, 3),
-    dead_letter_queue=st.none() | st.just("dlq"),
-    single_active_consumer=st.booleans(),
-    message_ttl_ms=st.none() | st.integers(1, 300),
-)
 _MESSAGE = st.builds(Message, body=st.binary(max_size=6), key=_KEY, headers=_HEADERS)
 COMMANDS = st.one_of(
-    st.builds(Declare, queue=_NAME, options=_OPTIONS_VALID),
+    st.builds(Declare, queue=_NAME, options=options_strategy),
     st.builds(
         Enqueue,
         queue=_NAME,
