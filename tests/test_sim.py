@@ -478,15 +478,12 @@ def _kinds(config: RunConfig) -> set[str]:
 def test_consumers_served_nowhere_must_be_downed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the node core's sweep (`NodeCore._down_lost_consumers`), a consumer whose
     node restarted within the grace period, or whose `Down` was lost with a leader,
-    keeps its messages for good (seed 1; 17 of the first 40 seeds)."""
-    from quorumq.node.core import LOST_CONSUMERS_EVERY_S, NodeCore
+    keeps its messages for good (seed 1; 17 of the first 40 seeds). Only that rule is
+    off (`NodeCore.down_lost_consumers`): the sweep still forgets removed consumers."""
+    from quorumq.node.core import NodeCore
 
     assert run(control_config(1)).ok
-
-    def no_sweep(self: NodeCore) -> None:
-        self.call_later(LOST_CONSUMERS_EVERY_S, self._down_lost_consumers)
-
-    monkeypatch.setattr(NodeCore, "_down_lost_consumers", no_sweep)
+    monkeypatch.setattr(NodeCore, "down_lost_consumers", False)
     assert _kinds(control_config(1)) & {"unsettled", "lost", "liveness"}
 
 
@@ -590,7 +587,7 @@ def test_a_node_that_installs_a_snapshot_must_send_what_it_skipped(
     from quorumq.node.core import NodeCore
 
     assert run(control_config(41)).ok
-    monkeypatch.setattr(NodeCore, "state_replaced", lambda self: None)
+    monkeypatch.setattr(NodeCore, "resync_after_snapshot", False)
     assert _kinds(control_config(41)) & {"lost", "liveness", "unsettled"}
 
 

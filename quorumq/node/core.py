@@ -254,6 +254,12 @@ class NodeCore:
     which turns off one rule.)"""
     retry_lost_settles = True
     """`settle`: propose an ack or nack again when a leader change or a timeout lost it."""
+    down_lost_consumers = True
+    """`_down_lost_consumers`: propose `Down` for consumers in the log no connection here
+    serves."""
+    resync_after_snapshot = True
+    """`state_replaced`: after a snapshot install, send the held deliveries consumers
+    here were not sent, and cancel the ones the machine removed."""
 
     def __init__(
         self,
@@ -1356,6 +1362,8 @@ class NodeCore:
         placed = self.replica.query(lambda m: m.consumers_on(node))
         missing = {c for c in placed if c not in self.consumers}
         for consumer in sorted(missing & self._missing_before):
+            if not self.down_lost_consumers:
+                break
             logger.info("consumer %s is served nowhere: proposing its Down", consumer)
             self.replica.propose(Down(consumer=consumer))
         self._missing_before = missing
@@ -1434,6 +1442,8 @@ class NodeCore:
         deliveries it was not sent, and cancel the consumers the machine removed: with
         their queue (deleted meanwhile), or else as though their node was marked down
         (the client subscribes again)."""
+        if not self.resync_after_snapshot:
+            return
         for consumer in list(self._acking):  # the ack they wait for may never be answered
             self._propose_held_acks(consumer)
         self._wake_reads(self.reads.queues())  # the ends moved with no entry applied
