@@ -739,6 +739,12 @@ def _log_more(member: Any, first: int, last: int) -> None:
         member._SyncObj__raftLog.add(b"\x04c%d" % index, index, term)
 
 
+def _leads_with_its_no_op_applied(member: Any) -> None:
+    """Member A leads, its no-op (entry 2) applied: it may change the configuration."""
+    member._SyncObj__onBecomeLeader()
+    member._SyncObj__raftLastApplied = member._SyncObj__raftCommitIndex = 2
+
+
 def _answer_through(index: int) -> dict[str, Any]:
     return {"type": "next_node_idx", "next_node_idx": index + 1, "reset": False, "success": True}
 
@@ -747,8 +753,7 @@ def test_a_learner_nobody_asks_for_is_dropped_and_a_non_leader_keeps_none(
     cluster: Any, clock: Clock
 ) -> None:
     member, _, _ = cluster
-    member._SyncObj__onBecomeLeader()
-    member._SyncObj__raftLastApplied = member._SyncObj__raftCommitIndex = 2
+    _leads_with_its_no_op_applied(member)
     learner = member.make_node("D", "127.0.0.1:1")
     assert not _ask_to_add(member, learner)
     clock.now += 29
@@ -769,8 +774,7 @@ def test_without_the_learner_stage_an_empty_node_is_added_at_once(
     cluster: Any, clock: Clock
 ) -> None:
     member, _, _ = cluster
-    member._SyncObj__onBecomeLeader()
-    member._SyncObj__raftLastApplied = member._SyncObj__raftCommitIndex = 2
+    _leads_with_its_no_op_applied(member)
     member.learner_stage = False
     learner = member.make_node("D", "127.0.0.1:1")
     assert _ask_to_add(member, learner)

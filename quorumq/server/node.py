@@ -458,15 +458,11 @@ class NodeServer:
         `START_FREE_BYTES` free. A node whose disk filled stopped at its next journal
         write; started again on the full disk it failed at once, and a supervisor
         restarted it in a loop. Now it waits, saying so every `DISK_WAIT_LOG_S`."""
-        path = self.config.replica.data_dir
         said = -math.inf
         while True:
-            try:
-                st = await trio.to_thread.run_sync(os.statvfs, path)
-            except OSError:
-                return  # (no directory yet: the replica makes it, or says why not)
-            free = st.f_bavail * st.f_frsize
-            if free >= START_FREE_BYTES:
+            free = await self._free_disk_bytes()
+            if free is None or free >= START_FREE_BYTES:
+                # (None: no directory yet: the replica makes it, or says why not)
                 return
             if trio.current_time() - said >= DISK_WAIT_LOG_S:
                 said = trio.current_time()
@@ -482,15 +478,17 @@ class NodeServer:
     async def _watch_disk(self) -> None:
         """Tell the core the data disk's free space every `DISK_CHECK_EVERY_S` (the
         disk alarm, `NodeCore.disk_free`)."""
-        path = self.config.replica.data_dir
         while True:
-            try:
-                st = await trio.to_thread.run_sync(os.statvfs, path)
-                free: int | None = st.f_bavail * st.f_frsize
-            except OSError:
-                free = None
-            self.core.disk_free(free)
+            self.core.disk_free(await self._free_disk_bytes())
             await trio.sleep(DISK_CHECK_EVERY_S)
+
+    async def _free_disk_bytes(self) -> int | None:
+        """The data disk's free space (statvfs, off the loop); None if unreadable."""
+        try:
+            st = await trio.to_thread.run_sync(os.statvfs, self.config.replica.data_dir)
+        except OSError:
+            return None
+        return int(st.f_bavail * st.f_frsize)
 
     async def _settle_and_hand_over(self) -> None:
         """At a stop, once the connections ended: wait (up to `SETTLE_AT_STOP_S`) until
