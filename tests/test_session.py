@@ -648,9 +648,28 @@ def test_a_resend_refused_by_a_full_queue_is_sent_again_on_the_same_connection()
     assert session.rewind("q") == []  # a second timer for the same retry sends nothing
     (resolved, retry) = session.receive({"t": "reply", "id": first, "offset": 0})
     assert isinstance(resolved, Resolved)
-    assert retry == RewindLater("q", PARKED_RETRY_DELAY)  # the next one, soon; delay reset
-    assert [f["id"] for f in session.rewind("q")] == [later]
+    # the queue takes publishes again: what waited behind it goes at once, not a
+    # second later (72 publishes a disk alarm parked took 72 s: the simulator's seed 1)
+    assert isinstance(retry, Send) and retry.frame["id"] == later and retry.frame["retry"]
+    assert session.rewind("q") == []
     assert session.settling_keys() == {"j"}
+    # refused for now again: parked, on the delay reset by the confirm
+    assert RewindLater("q", PARKED_RETRY_DELAY) in session.receive(_error(later, "queue_full"))
+
+
+def test_a_resend_refused_by_a_disk_alarm_is_tried_every_second_without_backing_off() -> None:
+    """A disk alarm clears within seconds of the space coming back, and publishers
+    should resume then (RabbitMQ unblocks them at once): a resend it refuses is tried
+    again every `PARKED_RETRY_DELAY`, not after 2, 4, 8 ... 30 s as a full queue's."""
+    session = _session()
+    first, _ = session.publish("q", b"m0", "k", None)
+    session.connection_lost()
+    session.connection_made()
+    session.unconfirmed()
+    for _ in range(5):
+        events = session.receive(_error(first, "disk_alarm"))
+        assert RewindLater("q", PARKED_RETRY_DELAY) in events
+        assert [f["id"] for f in session.rewind("q")] == [first]
 
 
 def test_a_resend_refused_because_the_batch_can_never_fit_is_not_published() -> None:
