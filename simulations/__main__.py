@@ -50,6 +50,7 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
         variant=REAL,
         compaction_entries=args.compaction,
         disk_faults=not args.no_disk_faults,
+        disk_space_faults=not args.no_disk_space_faults,
         membership_faults=not args.no_membership_faults,
         spares=args.spares,
     )
@@ -156,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         "with a delay of their own half the time",
     )
     common.add_argument("--no-disk-faults", action="store_true", help="leave out the disk faults")
+    common.add_argument(
+        "--no-disk-space-faults",
+        action="store_true",
+        help="leave out the disk space faults (a disk alarm, a full disk)",
+    )
     common.add_argument(
         "--no-membership-faults", action="store_true", help="leave out the membership changes"
     )

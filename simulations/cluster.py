@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from quorumq.machine import Applied, Command, NodeDown, NodeUp
+from quorumq.node.config import DISK_CHECK_EVERY_S, START_FREE_BYTES
 from quorumq.raft.journal import DurableJournal, JournalDamagedError
 
 from .network import Network, name_at
@@ -82,6 +83,8 @@ class Cluster:
         self.membership: set[str] = set(self.names)
         """The members, as the operator knows them (see the module's docstring)."""
         self.retired: set[str] = set()
+        self._waiting_for_space: set[str] = set()
+        """Hosts whose node waits for space on its data disk before starting."""
         """Hosts removed from the cluster whose node the operator stopped."""
         self.address: dict[str, str] = {name: name for name in self.hosts}
         """Each host's Raft address (see the module's docstring)."""
@@ -162,6 +165,9 @@ class Cluster:
         assert self.nodes[name] is None, f"{name} is running"
         disk = self.disks[name]
         if disk.damaged is not None:
+            return None
+        if disk.files.free_bytes < START_FREE_BYTES:
+            self._wait_for_space(name)
             return None
         self.incarnations[name] += 1
         self.network.add_host(self.address[name])
@@ -253,6 +259,26 @@ class Cluster:
         self.crash(node.name, power_loss=False)
         incarnation = node.incarnation
         self.world.after(micros(1.0), self._supervise, node.name, incarnation)
+
+    def _wait_for_space(self, name: str) -> None:
+        """As `NodeServer` before its replica starts: the process waits, measuring its
+        data disk every `DISK_CHECK_EVERY_S`, until `START_FREE_BYTES` are free, then
+        starts (unless it started meanwhile, or its operator stopped it)."""
+        if name in self._waiting_for_space:
+            return
+        self._waiting_for_space.add(name)
+        self.world.trace(f"waits for space {name}")
+
+        def check() -> None:
+            if self.nodes[name] is not None or name in self.retired:
+                self._waiting_for_space.discard(name)
+            elif self.disks[name].files.free_bytes < START_FREE_BYTES:
+                self.world.after(micros(DISK_CHECK_EVERY_S), check)
+            else:
+                self._waiting_for_space.discard(name)
+                self.start(name)
+
+        self.world.after(micros(DISK_CHECK_EVERY_S), check)
 
     def _supervise(self, name: str, incarnation: int) -> None:
         if (

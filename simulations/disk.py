@@ -14,7 +14,10 @@ durable once its directory is synced. So:
 * `flip_bit` flips one bit of what is on disk (media damage), `set_commit_index` makes
   the meta file claim a commit index (a disk that lied about a sync);
 * `fail_next_write` makes the next write write half and the one after it fail with
-  ENOSPC (a filling disk); `fail_next_sync` makes the next `fdatasync` fail with EIO.
+  ENOSPC (a filling disk); `fail_next_sync` makes the next `fdatasync` fail with EIO;
+* `free_bytes` is the free space the node measures (its disk alarm, and the wait for
+  space before it starts); at 0 every write fails with ENOSPC (a full disk) until
+  space returns.
 
 The journal then decides what a real node would: cut a torn tail, refuse to open a
 damaged log, stop for good after a failed write or sync.
@@ -28,6 +31,9 @@ from typing import Any
 
 from quorumq.machine import encoding
 from quorumq.raft.journal import PAGE, meta_bytes
+
+PLENTY = 1 << 40
+"""A disk's free space when no fault lowered it."""
 
 
 class SimFile:
@@ -70,6 +76,9 @@ class SimFiles:
         self._short_write = False
         self._no_space = False
         self._sync_fails = False
+        self.free_bytes = PLENTY
+        """The free space `statvfs` would report (the `disk_alarm` and `disk_full`
+        faults lower it; a process crash leaves it as it is)."""
         self.writes = 0
         self.syncs = 0
 
@@ -97,7 +106,7 @@ class SimFiles:
 
     def write(self, fd: int, data: bytes | memoryview) -> int:
         f = self._fds[fd]
-        if self._no_space:
+        if self._no_space or self.free_bytes <= 0:
             raise OSError(errno.ENOSPC, "No space left on device")
         if self._short_write and len(data) > 1:
             self._short_write = False

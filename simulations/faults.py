@@ -40,7 +40,13 @@ Disk faults: `torn_power_loss` (the host loses power: what was not synced is los
 part of it may stay, torn), `short_write` (the next journal write is short, the next
 fails: the node stops, and is started again), `sync_failure` (the next fdatasync
 fails: the same), `bit_flip` and `meta_ahead` (damage a restarting node must refuse:
-it stays down, so only one node's disk is damaged per run). Clock faults: `clock_skew`
+it stays down, so only one node's disk is damaged per run). Disk space faults
+(`disk_space_schedule`, a stream of their own): `disk_alarm` (a host's free space drops
+below the node's `--min-free-disk` limit for `duration`: it raises its disk alarm, and
+publishes are refused cluster-wide, as expected refusals, while deliveries and acks go
+on) and `disk_full` (no space left for `duration`: the node's next journal write fails
+with ENOSPC, it stops, and it waits for space before it starts again, as the real node
+does). Clock faults: `clock_skew`
 sets a host's wall clock off by `amount` ms (up to 30 days either way), `clock_jump`
 moves it by `amount` ms (up to 2 days either way). Monotonic time stays true; only
 wall clocks go wrong. A run's `Genesis` (a stream of its own too) sets wall clocks off
@@ -88,6 +94,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from .disk import PLENTY
 from .operator import Change
 from .world import micros
 
@@ -114,6 +121,7 @@ MEMBERSHIP_KINDS = ("remove_member", "remove_leader", "add_spare", "concurrent_c
 CLOCK_KINDS = ("clock_skew", "clock_jump")
 DISK_KINDS = ("torn_power_loss", "short_write", "sync_failure", "bit_flip", "meta_ahead")
 DAMAGE_KINDS = ("bit_flip", "meta_ahead")
+SPACE_KINDS = ("disk_alarm", "disk_full")
 """Disk faults a node must refuse to start from: it stays down for the rest of the run."""
 DAY_MS = 86_400_000
 ONE_WAY_DELAY_S = (0.7, 1.8)
@@ -179,6 +187,8 @@ class Fault:
             parts.append(f"p={self.amount:g}")
         elif kind == "consumer_death":
             parts.append(f"slot {int(self.amount)}")
+        elif kind == "disk_alarm":
+            parts.append(f"{nodes} {self.amount / (1 << 20):.1f} MiB free")
         elif nodes:
             parts.append(nodes)
         elif kind in ("slow_host", "pause_mid_tick"):
@@ -320,21 +330,44 @@ def genesis(rng: random.Random, names: Sequence[str]) -> Genesis:
     return Genesis(wall_offsets_ms=offsets, handovers=handovers)
 
 
+def _times(rng: random.Random, duration_s: float, mean_interval_s: float) -> list[float]:
+    """About one time per `mean_interval_s` (at least one), at random in
+    [1 s, duration - 1 s], in order; none if the phase is 2 s or shorter."""
+    if duration_s <= 2:
+        return []
+    count = max(1, round((duration_s - 2) / mean_interval_s))
+    return sorted(rng.uniform(1.0, duration_s - 1.0) for _ in range(count))
+
+
 def disk_schedule(
     rng: random.Random, names: Sequence[str], *, duration_s: float, mean_interval_s: float = 6.0
 ) -> list[Fault]:
     """Disk faults at random times in [1 s, duration - 1 s]: torn power losses, short
     writes and failed syncs (the node stops, and is started again), and damage a
     restarting node must refuse (a flipped bit, a meta file ahead of its journal)."""
-    if duration_s <= 2:
-        return []
-    count = max(1, round((duration_s - 2) / mean_interval_s))
     faults = []
-    for at in sorted(rng.uniform(1.0, duration_s - 1.0) for _ in range(count)):
+    for at in _times(rng, duration_s, mean_interval_s):
         kind = DISK_KINDS[rng.randrange(len(DISK_KINDS))]
         node = names[rng.randrange(len(names))]
         duration = rng.uniform(0.2, 4) if kind in (*DAMAGE_KINDS, "torn_power_loss") else 0.0
         faults.append(Fault(at_s=at, kind=kind, nodes=(node,), duration_s=duration))
+    return faults
+
+
+def disk_space_schedule(
+    rng: random.Random, names: Sequence[str], *, duration_s: float, mean_interval_s: float = 15.0
+) -> list[Fault]:
+    """Disk space faults at random times in [1 s, duration - 1 s]: a host's free space
+    below the disk alarm's limit (`amount`: the bytes left, 4-64 MiB, enough to write),
+    or none at all, for 0.5-5 s."""
+    faults = []
+    for at in _times(rng, duration_s, mean_interval_s):
+        kind = SPACE_KINDS[rng.randrange(len(SPACE_KINDS))]
+        node = names[rng.randrange(len(names))]
+        left = rng.randint(4 << 20, (64 << 20) - 1) if kind == "disk_alarm" else 0
+        faults.append(
+            Fault(at_s=at, kind=kind, nodes=(node,), duration_s=rng.uniform(0.5, 5), amount=left)
+        )
     return faults
 
 
@@ -389,6 +422,7 @@ class Injector:
         self.fired: list[Fault] = []
         """The faults injected (not skipped), at the times they fired."""
         self._down_until: dict[str, int] = {}
+        self._space_until: dict[str, int] = {}
         self._partitions = 0
         self._healed = False
 
@@ -496,6 +530,8 @@ class Injector:
             self._done(fault)
         elif kind in DISK_KINDS:
             self._disk_fault(fault)
+        elif kind in SPACE_KINDS:
+            self._space_fault(fault, end)
         elif kind == "clock_skew":
             cluster.wall_offset_ms[fault.nodes[0]] = int(fault.amount)
             self._done(fault)
@@ -604,6 +640,24 @@ class Injector:
         self.world.at(end, self._restart, name, end)
         self._done(fault)
 
+    def _space_fault(self, fault: Fault, end: int) -> None:
+        """The host's free space drops to `amount` bytes until `end` (a later space
+        fault of the same host replaces this one; the heal gives the space back)."""
+        name = fault.nodes[0]
+        files = self.cluster.disks[name].files
+        files.free_bytes = int(fault.amount)
+        self._space_until[name] = end
+        self.world.at(end, self._space_back, name, end)
+        self._done(fault)
+        left = "no space" if fault.amount <= 0 else f"{fault.amount / (1 << 20):.1f} MiB free"
+        self._period(name, fault, f"data disk: {left}")
+
+    def _space_back(self, name: str, until: int) -> None:
+        if self._space_until.get(name) == until:
+            del self._space_until[name]
+            self.cluster.disks[name].files.free_bytes = PLENTY
+            self.world.trace(f"space back {name}")
+
     def _restart(self, name: str, until: int) -> None:
         cluster = self.cluster
         if self._down_until.get(name) == until and cluster.nodes[name] is None:
@@ -624,6 +678,8 @@ class Injector:
         self.world.trace("heal")
         cluster, operator = self.cluster, self.operator
         self.network.heal()
+        for name in list(self._space_until):
+            self._space_back(name, self._space_until[name])
         for name in cluster.hosts:
             node = cluster.nodes[name]
             wanted = name in cluster.membership or (

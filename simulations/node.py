@@ -55,6 +55,7 @@ from quorumq.machine import (
     NodeUp,
 )
 from quorumq.node import ConnectionCore, NodeConfig, NodeCore
+from quorumq.node.config import DISK_CHECK_EVERY_S
 from quorumq.node.core import ProposalCallback
 from quorumq.raft.first_configuration import settle_first_configuration
 from quorumq.raft.journal import DurableJournal, JournalDamagedError, JournalFailedError
@@ -607,6 +608,17 @@ class SimNode:
             random_bytes=rng.randbytes,
         )
         self.timers_changed()
+        self.world.after(0, self._measure_disk)
+
+    def _measure_disk(self) -> None:
+        """As `NodeServer._watch_disk`: tell the core the data disk's free space now and
+        every `DISK_CHECK_EVERY_S` (a paused process measures nothing; the node's loop
+        runs while its Raft thread stalls)."""
+        if not self.alive:
+            return
+        if not self.paused:
+            self.core.disk_free(self.disk.files.free_bytes)
+        self.world.after(micros(DISK_CHECK_EVERY_S), self._measure_disk)
 
     def _make_member(self, **callbacks: Any) -> SimMember:
         member = SimMember(

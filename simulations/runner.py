@@ -28,6 +28,7 @@ from .faults import (
     Injector,
     clock_schedule,
     disk_schedule,
+    disk_space_schedule,
     genesis,
     kinds_of,
     membership_schedule,
@@ -66,6 +67,9 @@ class RunConfig:
     50,000 within a run). Small values make lagging followers install snapshots."""
     disk_faults: bool = True
     """Add the disk faults (`faults.disk_schedule`) to the schedule."""
+    disk_space_faults: bool = True
+    """Add the disk space faults (`faults.disk_space_schedule`: a disk alarm, a full
+    disk) to the schedule, with the disk faults."""
     membership_faults: bool = True
     """Add the membership changes (`faults.membership_schedule`) to the schedule."""
     spares: int = 1
@@ -94,6 +98,8 @@ class RunConfig:
         command += self.workload.queue_option_flags()
         if not self.disk_faults:
             command += " --no-disk-faults"
+        elif not self.disk_space_faults:
+            command += " --no-disk-space-faults"
         if not self.membership_faults:
             command += " --no-membership-faults"
         if self.spares != attrs.fields(RunConfig).spares.default:
@@ -280,6 +286,10 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
             faults += disk_schedule(
                 world.stream("disk-faults"), cluster.names, duration_s=fault_phase_s
             )
+            if config.disk_space_faults:
+                faults += disk_space_schedule(
+                    world.stream("disk-space-faults"), cluster.names, duration_s=fault_phase_s
+                )
         if config.membership_faults and config.faults != "none":
             faults += membership_schedule(
                 world.stream("membership-faults"),

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 QUEUE = "orders"
 DEAD_LETTER_QUEUE = "orders.dead"
 """Where `WorkloadConfig.dead_letter` sends what the queue dead-letters (nobody consumes it)."""
+ALARM_RETRY_S = 0.5
+"""After the heal, a producer whose batch a disk alarm refused sends another this long
+after (an alarm clears within a second or two of the space coming back)."""
 QUEUE_OPTIONS = QueueOptions(retention_messages=1000)
 """The stream view keeps only the newest messages: the state (and its digest) stays small."""
 
@@ -137,6 +140,8 @@ class SimProducer:
         self.id = f"p{i}"
         self.next_n = 0
         self.producing = True
+        self._alarm_refused = False
+        """A disk alarm refused a publish since the last confirm."""
         self.client = SimClient(
             cluster,
             request_timeout_s=config.request_timeout_s,
@@ -195,7 +200,9 @@ class SimProducer:
                 QUEUE, rows, lambda frame, error: self._answered(records, frame, error)
             )
         except QuorumqError:
-            return  # refused before sending (too many unconfirmed, a key behind): not made
+            # refused before sending (too many unconfirmed, a key behind): not made
+            self._again_after_alarm()
+            return
         for body, key in records:
             self.checker.published(body, key)
 
@@ -204,12 +211,16 @@ class SimProducer:
     ) -> None:
         """A batch's outcome; after an outcome unknown, maybe its late answer too."""
         if frame is not None:
+            self._alarm_refused = False
             first = frame.get("offset")
             for i, (body, _) in enumerate(records):
                 self.checker.confirmed(body, None if first is None else first + i)
         elif isinstance(error, OutcomeUnknownError):
             for body, _ in records:
                 self.checker.outcome_unknown(body)
+            if "disk_alarm" in str(error):  # a resend the alarm refused: it may land later
+                self._alarm_refused = True
+            self._again_after_alarm()
         else:
             full = isinstance(error, ServerError) and error.code in (
                 ErrorCode.QUEUE_FULL,
@@ -217,8 +228,24 @@ class SimProducer:
             )
             behind = isinstance(error, RefusedBeforeError)  # a full queue refused one before
             expected = (full or behind) and self.config.overflow == "reject-publish"
+            alarm = isinstance(error, ServerError) and error.code == ErrorCode.DISK_ALARM
+            if alarm:
+                self._alarm_refused = True
+            # publishes sent behind one a disk alarm refused are refused too (the queue
+            # takes a producer's numbers in order)
+            expected = expected or alarm or (behind and self._alarm_refused)
             for body, _ in records:
                 self.checker.refused(body, str(error), expected=expected)
+            self._again_after_alarm()
+
+    def _again_after_alarm(self) -> None:
+        """After the heal, a batch a disk alarm kept from landing (refused by it, behind
+        publishes it parked, or a resend it refused whose outcome is now unknown) is
+        followed by another a moment later, as an
+        application told "publishes wait" does: the liveness check wants a confirm
+        after the heal, and the last batch met an alarm not cleared yet."""
+        if self._alarm_refused and not self.producing:
+            self.world.after(micros(ALARM_RETRY_S), self._publish_batch)
 
 
 # ------------------------------------------------------------------ consumers

@@ -10,6 +10,12 @@ from ..replica import ConfigError, ReplicaConfig, is_loopback
 
 MAX_BODY = MAX_COMMAND_BYTES - FRAME_OVERHEAD
 """The largest `--max-body` a node takes: a body must fit one Raft log entry."""
+DISK_CHECK_EVERY_S = 1.0
+"""How often a node measures its data disk's free space (the disk alarm)."""
+START_FREE_BYTES = 4 * 1024 * 1024
+"""A node starts only with this much free on its data disk (it waits until then: started
+on a full disk it would fail at its first write, and a supervisor would restart it in a
+loop)."""
 READ_REPLY_BYTES = 768 * 1024
 """A `read` reply carries about this many bytes of messages at most (one larger message
 goes alone), so it stays within the clients' frame limit; the client asks again."""

@@ -47,6 +47,7 @@ from ..inprocess import FrameChannel, open_connection
 from ..machine import Command, Effect, Machine, Reply
 from ..metrics import NodeMetrics
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
+from ..node.config import DISK_CHECK_EVERY_S, START_FREE_BYTES
 from ..node.core import ProposalCallback
 from ..protocol import Frame, SizedFrame, encode_frame, keep_alive
 from ..replica import ConfigError, ProposalError, Replica, file_usage
@@ -57,10 +58,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DISK_CHECK_EVERY_S = 1.0
-"""How often the node measures its data disk's free space (the disk alarm)."""
-START_FREE_BYTES = 4 * 1024 * 1024
-"""A node starts only with this much free on its data disk (it waits until then)."""
 DISK_WAIT_LOG_S = 30.0
 RECEIVE_CHUNK = 256 * 1024
 WRITE_BYTES = 1024 * 1024
