@@ -150,8 +150,8 @@ def _command_fields(cmd: Command) -> list[Any]:
             return [_NODE_UP, cmd.node]
         case CommitOffset():
             return [_COMMIT_OFFSET, cmd.queue, cmd.group, cmd.offset]
-        case ForgetProducers():
-            return [_FORGET_PRODUCERS, cmd.queue, cmd.prefix]
+        case ForgetProducers():  # the third field only when sealing (as before without)
+            return [_FORGET_PRODUCERS, cmd.queue, cmd.prefix, *([True] if cmd.seal else [])]
         case PurgeQueue():
             return [_PURGE_QUEUE, cmd.queue]
         case DeleteQueue():
@@ -207,7 +207,10 @@ _COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]
     _NODE_UP: (1, lambda n: NodeUp(node=n)),
     _COMMIT_OFFSET: (3, lambda q, g, o: CommitOffset(queue=q, group=g, offset=o)),
     _TICK: (0, Tick),
-    _FORGET_PRODUCERS: (2, lambda q, p: ForgetProducers(queue=q, prefix=p)),
+    _FORGET_PRODUCERS: (
+        (2, 3),  # the third, `seal`, only when true
+        lambda q, p, s=False: ForgetProducers(queue=q, prefix=p, seal=s),
+    ),
     _PURGE_QUEUE: (1, lambda q: PurgeQueue(queue=q)),
     _DELETE_QUEUE: (2, lambda q, f: DeleteQueue(queue=q, force=f)),
     _DISK_ALARM: (2, lambda n, r: DiskAlarm(node=n, raised=r)),

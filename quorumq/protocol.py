@@ -110,7 +110,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "buckets": (_I, _N),
     },
     "commit_offset": {"id": (_I,), "queue": (_S,), "group": (_S,), "offset": (_I,)},
-    "forget_producers": {"id": (_I,), "queue": (_S,), "prefix": (_S,)},
+    "forget_producers": {"id": (_I,), "queue": (_S,), "prefix": (_S,), "seal": (_BOOL, _N)},
     "purge_queue": {"id": (_I,), "queue": (_S,)},
     "delete_queue": {"id": (_I,), "queue": (_S,), "force": (_BOOL, _N)},
     "status": {"id": (_I,)},

@@ -16,13 +16,15 @@ numbering by position would shift the rest onto numbers already used, and drop t
 
 Spark runs batch b only once batch b-1 is in the checkpoint's commit log, so when batch
 b commits, batch b-1 can never be replayed: `commit` then has the queue forget b-1's
-producers (prefix `spark-<query id>-<b-1>-`), and only the latest batch's stay.
+producers (prefix `spark-<query id>-<b-1>-`), and only the latest batch's stay. The
+prefix is sealed too: a zombie attempt of a b-1 task is refused, not written again.
 
 A batch write (`df.write.format("quorumq")`) is effectively once per write job the same
 way: its writer is made once, on the driver, with a new job id, and every attempt of a
 task writes as `spark-write-<job id>-<partition>`, so a retried or speculative attempt's
-rows are recognised. When the job commits (or aborts), nothing of it can run again, and
-the queue forgets its producers. A new `save()` is a new job: it writes its rows again.
+rows are recognised. When the job commits (or aborts), the queue forgets its producers
+and seals their prefix: an attempt that starts only then is refused, not written again.
+A new `save()` is a new job: it writes its rows again.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, MapType, String
 import quorumq
 from quorumq.client import QuorumqError, ServerError
 from quorumq.client.core import RETRIABLE
+from quorumq.machine.machine import MAX_PRODUCERS
 
 from .options import OptionError, WriteOptions
 
@@ -141,6 +144,18 @@ def numbered_rows(rows: Iterator[Any]) -> Iterator[tuple[int, dict[str, Any]]]:
         yield offset, fields
 
 
+class TooManyPartitionsError(RuntimeError):
+    """A write has more partitions than the queue can hold producers for at once."""
+
+
+def too_many_partitions(queue: str) -> str:
+    return (
+        f"queue {queue!r} remembers at most {MAX_PRODUCERS:,} producers, and a write takes "
+        "one per partition until it commits: write with fewer partitions "
+        "(df.coalesce(n)); rows written by the tasks that ran stay"
+    )
+
+
 def write_rows(options: WriteOptions, producer: str, iterator: Iterator[Any]) -> int:
     """Publish a task's rows as `producer`, numbered (see `numbered_rows`), in batches
     of `batchRows`; how many rows were sent (the queue drops the duplicates)."""
@@ -153,9 +168,14 @@ def write_rows(options: WriteOptions, producer: str, iterator: Iterator[Any]) ->
             # the task's first batch opens its producer: once the queue forgot the
             # producer (its batch committed, or evicted), a zombie attempt's later
             # batches are refused instead of landing again
-            client.publish_batch(
-                options.queue, chunk, producer=producer, seqs=seqs, opens=rows == 0
-            )
+            try:
+                client.publish_batch(
+                    options.queue, chunk, producer=producer, seqs=seqs, opens=rows == 0
+                )
+            except ServerError as e:
+                if e.code == "too_many_producers":
+                    raise TooManyPartitionsError(too_many_partitions(options.queue)) from e
+                raise
 
         for seq, fields in numbered_rows(iterator):
             chunk.append(message_of(fields))
@@ -171,13 +191,16 @@ def write_rows(options: WriteOptions, producer: str, iterator: Iterator[Any]) ->
 
 
 def forget(options: WriteOptions, prefix: str) -> None:
-    """Have the queue forget the producers whose id starts with `prefix`; a failure is
-    only logged (they expire after 7 days of silence anyway)."""
+    """Have the queue forget the producers whose id starts with `prefix`, and seal the
+    prefix: an attempt of one of their tasks that starts late (a speculative copy, a
+    zombie on an executor the driver gave up on) is refused (`producer_sealed`) instead
+    of opening its producer anew and writing its rows a second time. A failure is only
+    logged (the producers expire after 7 days of silence anyway)."""
     error: QuorumqError | None = None
     for _ in range(FORGET_ATTEMPTS):
         try:
             with quorumq.connect(list(options.endpoints), options.token, tls=options.tls) as client:
-                client.forget_producers(options.queue, prefix)
+                client.forget_producers(options.queue, prefix, seal=True)
             return
         except QuorumqError as e:
             error = e
@@ -226,7 +249,10 @@ class QuorumqBatchWriter(DataSourceWriter):  # type: ignore[misc]
         context = TaskContext.get()
         if context is None:
             raise RuntimeError("the quorumq sink writes only inside a Spark task")
-        producer = f"{job_prefix(self.job)}{context.partitionId()}"
+        partition = context.partitionId()
+        if partition >= MAX_PRODUCERS:  # refused before it sends: it can never fit
+            raise TooManyPartitionsError(too_many_partitions(self.options.queue))
+        producer = f"{job_prefix(self.job)}{partition}"
         return PartitionWritten(self.job, producer, write_rows(self.options, producer, iterator))
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:

@@ -94,7 +94,7 @@ commands = st.one_of(
     st.builds(NodeDown, node=names),
     st.builds(NodeUp, node=names),
     st.builds(CommitOffset, queue=names, group=names, offset=st.integers(0, 2**40)),
-    st.builds(ForgetProducers, queue=names, prefix=names),
+    st.builds(ForgetProducers, queue=names, prefix=names, seal=st.booleans()),
     st.builds(PurgeQueue, queue=names),
     st.builds(DeleteQueue, queue=names, force=st.booleans()),
     st.just(Tick()),

@@ -193,7 +193,9 @@ COMMANDS = st.one_of(
     st.builds(NodeUp, node=st.sampled_from(["A", "B"])),
     st.builds(CommitOffset, queue=_NAME, group=st.just("g"), offset=st.integers(0, 5)),
     st.builds(Tick),
-    st.builds(ForgetProducers, queue=_NAME, prefix=st.sampled_from(["p", "p1"])),
+    st.builds(
+        ForgetProducers, queue=_NAME, prefix=st.sampled_from(["p", "p1", "p-"]), seal=st.booleans()
+    ),
     st.builds(PurgeQueue, queue=_NAME),
     st.builds(DeleteQueue, queue=_NAME, force=st.booleans()),
     st.builds(DiskAlarm, node=st.sampled_from(["A", "B"]), raised=st.booleans()),

@@ -39,6 +39,7 @@ from quorumq.machine import (
     Subscribe,
     Tick,
     UnknownQueueError,
+    encoding,
 )
 from quorumq.machine.queue import HEADER_OVERHEAD, MESSAGE_OVERHEAD, message_cost
 
@@ -739,6 +740,74 @@ def test_forgetting_producers_with_an_empty_prefix_is_refused(d: Driver) -> None
 def test_forgetting_producers_of_an_unknown_queue_is_refused(d: Driver) -> None:
     reply = d(ForgetProducers(queue="nope", prefix="p")).reply
     assert _error_code(reply) is ErrorCode.UNKNOWN_QUEUE
+
+
+def test_a_sealed_prefix_refuses_new_producers_so_a_late_attempt_writes_nothing(
+    d: Driver,
+) -> None:
+    """The Spark sink seals a committed job's prefix: a late attempt of one of its tasks
+    (a speculative copy, a zombie) opened its forgotten producer anew and wrote its rows
+    a second time. Now it is refused; other prefixes, and a longer job id sharing the
+    start (the closing dash), are not."""
+    assert _enq_as(d, "spark-write-j1-0", 0) == Enqueued(offset=0)
+    forget = ForgetProducers(queue="q", prefix="spark-write-j1-", seal=True)
+    assert d(forget).reply == Forgotten(count=1)
+    assert _error_code(_enq_as(d, "spark-write-j1-0", 0)) is ErrorCode.PRODUCER_SEALED
+    assert _error_code(_enq_as(d, "spark-write-j1-7", 0)) is ErrorCode.PRODUCER_SEALED
+    assert _enq_as(d, "spark-write-j10-0", 0) == Enqueued(offset=1)
+    assert _enq_as(d, "spark-write-j2-0", 0) == Enqueued(offset=2)
+    assert d.machine.ready("q") == (0, 1, 2)
+    # without `seal`, forgetting opens the prefix again as before
+    assert d(ForgetProducers(queue="q", prefix="spark-write-j2-")).reply == Forgotten(count=1)
+    assert _enq_as(d, "spark-write-j2-0", 0) == Enqueued(offset=3)
+
+
+def test_a_seal_lasts_as_long_as_a_producer_is_remembered_and_at_most_so_many_are_kept(
+    d: Driver,
+) -> None:
+    from quorumq.machine.machine import MAX_SEALED, PRODUCER_EXPIRY_MS
+
+    """A seal lives `PRODUCER_EXPIRY_MS` (a producer silent that long is forgotten
+    anyway), and a queue keeps its newest `MAX_SEALED`: memory stays bounded however many
+    jobs commit."""
+    d(ForgetProducers(queue="q", prefix="job-a-", seal=True), ts_ms=1_000)
+    d(Tick(), ts_ms=1_000 + PRODUCER_EXPIRY_MS - 1)
+    assert _error_code(_enq_as(d, "job-a-0", 0)) is ErrorCode.PRODUCER_SEALED
+    d(Tick(), ts_ms=1_000 + PRODUCER_EXPIRY_MS)
+    assert isinstance(_enq_as(d, "job-a-0", 0), Enqueued)
+    for i in range(MAX_SEALED + 5):
+        d(ForgetProducers(queue="q", prefix=f"job-{i}-", seal=True))
+    assert len(d.machine._queues["q"].sealed) == MAX_SEALED
+    assert isinstance(_enq_as(d, "job-0-0", 0), Enqueued)  # the oldest went
+    assert _error_code(_enq_as(d, f"job-{MAX_SEALED + 4}-0", 0)) is ErrorCode.PRODUCER_SEALED
+
+
+def test_a_sealed_prefix_must_end_with_a_dash(d: Driver) -> None:
+    """A seal is looked up at the dashes of a new producer's id (no scan of every seal
+    per publish), so it must end with one; a refused seal forgets nothing."""
+    _enq_as(d, "job-1", 0)
+    reply = d(ForgetProducers(queue="q", prefix="job-1", seal=True)).reply
+    assert _error_code(reply) is ErrorCode.INVALID
+    assert d.machine.producers("q") == ("job-1",)
+
+
+def test_seals_survive_a_snapshot_and_a_queue_without_any_encodes_as_before(d: Driver) -> None:
+    """Seals are part of the state (snapshot, digest); a queue with none encodes byte for
+    byte as before seals existed, so older nodes read the snapshots of newer ones."""
+
+    def queue_fields() -> int:
+        (queue,) = encoding.decode(d.machine.snapshot())[5]
+        return len(queue)
+
+    d(ForgetProducers(queue="q", prefix="spark-write-j0-"))  # forgets, seals nothing
+    assert queue_fields() == 15  # as version 4 wrote a queue
+    d(ForgetProducers(queue="q", prefix="spark-write-j1-", seal=True))
+    assert queue_fields() == 16
+    restored = Machine.restore(d.machine.snapshot())
+    assert restored.digest() == d.machine.digest()
+    replay = Driver(restored)
+    assert _error_code(_enq_as(replay, "spark-write-j1-0", 0)) is ErrorCode.PRODUCER_SEALED
+    assert isinstance(_enq_as(replay, "spark-write-j0-0", 0), Enqueued)
 
 
 def test_forgotten_producers_stay_forgotten_in_snapshot_and_digest(d: Driver) -> None:

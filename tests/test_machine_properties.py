@@ -90,6 +90,7 @@ from quorumq.machine import (
     UnknownQueueError,
     ends_moved,
 )
+from quorumq.machine.machine import PRODUCER_EXPIRY_MS
 from quorumq.machine.queue import producer_generation
 
 QUEUES = ("q1", "q2", "dlq")
@@ -153,6 +154,9 @@ class QueueMachineRules(RuleBasedStateMachine):
         self.producer_offsets: dict[tuple[str, str], dict[int, int]] = {}
         self.producer_last: dict[tuple[str, str], int] = {}
         self.forgotten_generation: dict[str, int] = {}
+        self.sealed: dict[str, dict[str, int]] = {}
+        """queue -> producer-id prefix sealed -> when (`ForgetProducers.seal`); a
+        deleted queue's seals go with it."""
         self.landed: dict[tuple[str, str, int], int] = {}
         """(queue, producer, seq) -> offset, for ids with a generation: never forgotten."""
         self.down_nodes: set[str] = set()
@@ -254,6 +258,7 @@ class QueueMachineRules(RuleBasedStateMachine):
         producers (`landed` and the forgotten generation outlive it)."""
         for producer in sorted(p for q, p in self.producer_last if q == queue):
             self.forget_producer(queue, producer)
+        self.sealed.pop(queue, None)
         for refs in (self.held, self.due, self.failures, self.enqueued):
             for ref in [r for r in refs if r[0] == queue]:
                 del refs[ref]  # type: ignore[attr-defined]
@@ -467,6 +472,13 @@ class QueueMachineRules(RuleBasedStateMachine):
         if last is not None and seq + n - 1 <= last:
             assert isinstance(reply, Enqueued) and reply.duplicate, reply
             assert reply.offset == self.producer_offsets[slot].get(seq)
+            assert applied.effects == ()
+            return
+        seals = self.sealed.get(queue, {})
+        if last is None and any(
+            producer.startswith(p) and self.now - at < PRODUCER_EXPIRY_MS for p, at in seals.items()
+        ):
+            assert isinstance(reply, Error) and reply.code is ErrorCode.PRODUCER_SEALED, reply
             assert applied.effects == ()
             return
         generation = producer_generation(producer)
@@ -831,15 +843,21 @@ class QueueMachineRules(RuleBasedStateMachine):
         else:
             assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.INVALID
 
-    @rule(queue=st.sampled_from(QUEUES), prefix=st.sampled_from(["", "p", *PRODUCERS, "x"]))
-    def forget_producers(self, queue: str, prefix: str) -> None:
-        applied = self.apply(ForgetProducers(queue=queue, prefix=prefix))
+    @rule(
+        queue=st.sampled_from(QUEUES),
+        prefix=st.sampled_from(["", "p", *PRODUCERS, "x", "g5-", "g9-"]),
+        seal=st.booleans(),
+    )
+    def forget_producers(self, queue: str, prefix: str, seal: bool) -> None:
+        applied = self.apply(ForgetProducers(queue=queue, prefix=prefix, seal=seal))
         if self.gone(queue, applied):
             return
         assert applied.effects == ()
-        if not prefix:
+        if not prefix or (seal and not prefix.endswith("-")):
             assert isinstance(applied.reply, Error) and applied.reply.code is ErrorCode.INVALID
             return
+        if seal:  # new producers under it are refused from now on (`producer_enqueue`)
+            self.sealed.setdefault(queue, {})[prefix] = self.now
         gone = [s for s in self.producer_last if s[0] == queue and s[1].startswith(prefix)]
         assert applied.reply == Forgotten(count=len(gone))
         for _, producer in gone:  # its next enqueue starts afresh, at seq 0

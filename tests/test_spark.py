@@ -648,6 +648,94 @@ def test_a_batch_write_whose_task_is_retried_lands_each_row_once(
     assert client.status()["queues"]["written-once"]["producers"] == 0  # forgotten at commit
 
 
+def test_an_attempt_that_starts_after_its_job_committed_writes_nothing(cluster: Cluster) -> None:
+    """A batch write's commit forgets its producers; an attempt of one of its tasks that
+    sends its first rows only then (a speculative copy, a zombie on an executor the
+    driver gave up on) opened the producer anew and wrote its rows a second time. The
+    commit seals the job's prefix now: that attempt is refused, and each row is there
+    once. The same for a streaming micro-batch once the next one committed. (The
+    sink's own functions, on a real cluster: Spark cannot be made to start an attempt
+    after its job committed.)"""
+    from pyspark.sql import Row
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from quorumq.client import ServerError
+    from spark_source.options import write_options
+    from spark_source.sink import (
+        PartitionWritten,
+        QuorumqBatchWriter,
+        QuorumqStreamWriter,
+        batch_prefix,
+        write_rows,
+    )
+
+    client = cluster.client()
+    client.declare("sealed")
+    options = write_options({"endpoints": endpoints(cluster), "queue": "sealed"})
+    schema = StructType([StructField("key", StringType()), StructField("value", StringType())])
+    rows = [Row(key="k", value=f"row-{i}") for i in range(3)]
+
+    writer = QuorumqBatchWriter(options, schema)
+    producer = f"spark-write-{writer.job}-0"
+    assert write_rows(options, producer, iter(rows)) == 3  # the task's first attempt
+    writer.commit([])
+    with pytest.raises(ServerError) as late:  # a late attempt of the same task
+        write_rows(options, producer, iter(rows))
+    assert late.value.code == "producer_sealed"
+    assert [m.body for m in client.read("sealed", 0, 100)] == [b"row-0", b"row-1", b"row-2"]
+
+    query = "0c5e2a6e-8a9f-4d0b-9a1e-3f6b2c1d4e5f"
+    stream = QuorumqStreamWriter(options, schema)
+    zombie = f"{batch_prefix(query, 4)}1"
+    assert write_rows(options, zombie, iter(rows[:1])) == 1  # batch 4, partition 1
+    stream.commit([PartitionWritten(query, f"{batch_prefix(query, 5)}0", 0)], 5)
+    with pytest.raises(ServerError) as zombie_refused:
+        write_rows(options, zombie, iter(rows[:1]))
+    assert zombie_refused.value.code == "producer_sealed"
+    assert len(client.read("sealed", 0, 100)) == 4
+
+
+def test_a_write_with_no_producer_room_left_fails_saying_to_use_fewer_partitions(
+    cluster: Cluster,
+) -> None:
+    """A queue that already remembers 10,000 producers, each active within the hour: a
+    sink task's first batch was refused "try again later, or reuse a producer", which
+    tells a Spark user nothing. It fails naming the limit and `coalesce` now."""
+    import trio
+
+    import quorumq.aio
+    from spark_source.options import write_options
+    from spark_source.sink import TooManyPartitionsError, write_rows
+
+    client = cluster.client()
+    client.declare("crowded")
+
+    async def fill() -> None:
+        async with quorumq.aio.connect(endpoints(cluster).split(",")) as aio:
+
+            async def one(first: int) -> None:
+                for i in range(first, 10_000, 50):
+                    await aio.publish_batch(
+                        "crowded", [b"x"], producer=f"p{i}", seqs=[0], opens=True
+                    )
+
+            async with trio.open_nursery() as nursery:
+                for first in range(50):
+                    nursery.start_soon(one, first)
+
+    trio.run(fill)
+    assert client.status()["queues"]["crowded"]["producers"] == 10_000
+    options = write_options({"endpoints": endpoints(cluster), "queue": "crowded"})
+    with pytest.raises(TooManyPartitionsError, match=r"coalesce"):
+        write_rows(options, "spark-write-0123456789abcdef0123456789abcdef-0", iter([_row()]))
+
+
+def _row() -> Any:
+    from pyspark.sql import Row
+
+    return Row(key="k", value="v")
+
+
 def test_a_batch_write_appends_and_refuses_overwrite(spark: Any, cluster: Cluster) -> None:
     client = cluster.client()
     client.declare("appended")

@@ -574,12 +574,16 @@ class AsyncClient:
             {"t": "commit_offset", "queue": queue, "group": group, "offset": offset}
         )
 
-    async def forget_producers(self, queue: str, prefix: str) -> int:
+    async def forget_producers(self, queue: str, prefix: str, *, seal: bool = False) -> int:
         """Forget the idempotent producers of `queue` whose id starts with `prefix` (not
         empty); return how many. Only for producers that will never resend: a forgotten
         producer is new again, so its next publish must have sequence number 0, and any
-        other is refused (`out_of_order`, expected 0)."""
-        frame = {"t": "forget_producers", "queue": queue, "prefix": prefix}
+        other is refused (`out_of_order`, expected 0). With `seal` (a prefix ending in
+        "-"), no new producer under the prefix is taken for 7 days either
+        (`producer_sealed`): what the Spark sink does once a job or batch committed."""
+        frame: dict[str, Any] = {"t": "forget_producers", "queue": queue, "prefix": prefix}
+        if seal:
+            frame["seal"] = True
         reply = await self._request(frame)
         return int(reply["forgotten"])
 

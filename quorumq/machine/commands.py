@@ -375,6 +375,12 @@ class ForgetProducers:
 
     queue: str = attrs.field(validator=_str)
     prefix: str = attrs.field(validator=_str)
+    seal: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    """And refuse, from now on, every new producer whose id starts with `prefix`
+    (`producer_sealed`): a late attempt of a Spark task whose job or micro-batch has
+    committed (the queue forgot its producer then) would otherwise open it anew and write
+    its rows a second time. The prefix must end with "-". A queue keeps its newest
+    `MAX_SEALED` seals, each for `PRODUCER_EXPIRY_MS` (7 days)."""
 
 
 @attrs.frozen(kw_only=True)

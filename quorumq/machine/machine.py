@@ -68,6 +68,10 @@ it makes room by forgetting producers silent for `EVICT_SILENT_MS` (the least re
 active tenth at most), or is refused (`too_many_producers`): a producer active within
 the hour is never forgotten to make room (one forgotten seconds after its first publish
 had that publish enqueued twice when its client resent it)."""
+MAX_SEALED = 1_000
+"""Most sealed producer-id prefixes a queue keeps (`ForgetProducers.seal`): one per Spark
+job or micro-batch committed within `PRODUCER_EXPIRY_MS`, about 100 bytes each; past it
+the oldest seal goes (a late attempt of that job's tasks could then write again)."""
 EVICT_SILENT_MS = 3600 * 1000
 """How long a producer must be silent before it may be forgotten to make room."""
 MAX_DELETED_NAMES = 10_000
@@ -106,7 +110,8 @@ again on restore; no generation was forgotten; nothing waits, options missing at
 end take their defaults, and no queue was deleted). 5: and then the disk alarms raised
 (none before). A snapshot with no alarm raised is written as version 4, which nodes of
 the version before read too (an upgraded leader's snapshot installs on an old
-follower)."""
+follower). A queue with sealed producer prefixes (`ForgetProducers.seal`) ends with
+them, in any version (a reader that knows no seals ignores them)."""
 _READABLE_VERSIONS = (1, 2, 3, 4, 5)
 _OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
 
@@ -331,6 +336,14 @@ class Machine:
             return _error(ErrorCode.INVALID, "producer and seq go together")
         state = q.producers.get(producer)
         if state is None:
+            sealed = q.sealed_prefix(producer, self._now, PRODUCER_EXPIRY_MS)
+            if sealed is not None:
+                return _error(
+                    ErrorCode.PRODUCER_SEALED,
+                    f"producer {producer!r} is sealed in {q.name!r} (prefix {sealed!r}): the "
+                    "Spark job or micro-batch that made it has committed or aborted, so a late "
+                    "attempt of its task writes nothing (its rows landed, or the job failed)",
+                )
             generation = producer_generation(producer)
             if generation is not None and generation <= q.forgotten_generation:
                 # forgotten, or made with a clock far behind: a resend of a forgotten
@@ -636,6 +649,10 @@ class Machine:
             return q
         if not cmd.prefix:
             return _error(ErrorCode.INVALID, "an empty prefix would forget every producer")
+        if cmd.seal:
+            if not cmd.prefix.endswith("-"):
+                return _error(ErrorCode.INVALID, "a sealed prefix must end with '-'")
+            q.seal(cmd.prefix, self._now, most=MAX_SEALED, lifetime_ms=PRODUCER_EXPIRY_MS)
         return Forgotten(count=q.forget_producers(cmd.prefix, self._now))
 
     def _purge_queue(self, cmd: PurgeQueue, effects: list[Any]) -> Reply:
@@ -945,6 +962,8 @@ def _encode_queue(q: QueueState) -> list[Any]:
         q.expiry_cursor,
         q.forgotten_generation,
         sorted([o, due] for o, due in q.waiting.items()),
+        # only when there are seals: without, the encoding is version 4's, byte for byte
+        *([[[p, at] for p, at in q.sealed.items()]] if q.sealed else []),  # oldest first
     ]
 
 
@@ -963,7 +982,7 @@ def _decode_queue(raw: list[Any], now: int) -> QueueState:
         producers,
         commits,
         expiry_cursor,
-        *later,  # version 3: the forgotten generation; version 4: and what waits
+        *later,  # version 3: the forgotten generation; 4: and what waits; 5: and seals
     ) = raw
     if len(options) > len(_OPTION_FIELDS):
         raise encoding.DecodeError(f"queue {name!r} has {len(options)} options")
@@ -1004,6 +1023,7 @@ def _decode_queue(raw: list[Any], now: int) -> QueueState:
     q.commits = {g: o for g, o in commits}
     q.expiry_cursor = expiry_cursor
     q.forgotten_generation = later[0] if later else 0
+    q.sealed = {p: at for p, at in later[2]} if len(later) > 2 else {}
     return q
 
 

@@ -225,6 +225,7 @@ class QueueState:
         "producers",
         "returned",
         "returns",
+        "sealed",
         "sq",
         "stream_base",
         "stream_bytes",
@@ -268,6 +269,9 @@ class QueueState:
         self.producers: dict[str, ProducerState] = {}
         self.forgotten_generation = forgotten_generation
         """The highest generation of a producer id this queue forgot (`producer_generation`)."""
+        self.sealed: dict[str, int] = {}
+        """Producer-id prefixes no new producer may start with -> log time sealed (oldest
+        first: `seal`)."""
         self.commits: dict[str, int] = {}
         self.expiry_cursor = first_offset
         self.outbox: list[tuple[Record, str, bool]] = []
@@ -303,6 +307,30 @@ class QueueState:
         for producer in gone:
             self.forget_producer(producer, now)
         return len(gone)
+
+    def seal(self, prefix: str, now: int, *, most: int, lifetime_ms: int) -> None:
+        """Refuse new producers whose id starts with `prefix` (ending in "-") from now on,
+        for `lifetime_ms`; keep the newest `most` seals."""
+        self.sealed.pop(prefix, None)
+        self.sealed[prefix] = now
+        for old, at in list(self.sealed.items()):
+            if len(self.sealed) > most or now - at >= lifetime_ms:
+                del self.sealed[old]
+            else:
+                break  # oldest first: the rest are newer
+
+    def sealed_prefix(self, producer: str, now: int, lifetime_ms: int) -> str | None:
+        """The live seal covering `producer`, if any: a seal ends with "-", so only the
+        id's starts that end with one are looked up."""
+        if not self.sealed:
+            return None
+        end = producer.find("-")
+        while end >= 0:
+            at = self.sealed.get(producer[: end + 1])
+            if at is not None and now - at < lifetime_ms:
+                return producer[: end + 1]
+            end = producer.find("-", end + 1)
+        return None
 
     # ------------------------------------------------------------- enqueueing
 

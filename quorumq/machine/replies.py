@@ -28,6 +28,9 @@ class ErrorCode(enum.StrEnum):
     PRODUCER_FORGOTTEN = "producer_forgotten"
     """The producer id names a producer the queue has forgotten: a resend of it could not
     be recognised, so it is refused (start a new id, of a generation above `generation`)."""
+    PRODUCER_SEALED = "producer_sealed"
+    """The producer id starts with a prefix sealed by `forget_producers(seal=True)`: its
+    Spark job or micro-batch committed, and a late attempt of its task writes nothing."""
     TOO_MANY_PRODUCERS = "too_many_producers"
     """The queue remembers as many producers as it may, each active within the hour."""
     QUEUE_IN_USE = "queue_in_use"

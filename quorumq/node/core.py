@@ -1169,7 +1169,9 @@ class NodeCore:
                 "'spark-<query id>-<batch>-'), or prove the admin token",
             )
             return
-        command = ForgetProducers(queue=frame["queue"], prefix=prefix)
+        command = ForgetProducers(
+            queue=frame["queue"], prefix=prefix, seal=frame.get("seal") is True
+        )
         self._propose_for(conn, frame["id"], command)
 
     def _purge_queue(self, conn: ConnectionCore, frame: Frame) -> None:
