@@ -209,12 +209,21 @@ _COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]
     _TICK: (0, Tick),
     _FORGET_PRODUCERS: (
         (2, 3),  # the third, `seal`, only when true
-        lambda q, p, s=False: ForgetProducers(queue=q, prefix=p, seal=s),
+        lambda q, p, s=None: ForgetProducers(queue=q, prefix=p, seal=_sealing(s)),
     ),
     _PURGE_QUEUE: (1, lambda q: PurgeQueue(queue=q)),
     _DELETE_QUEUE: (2, lambda q, f: DeleteQueue(queue=q, force=f)),
     _DISK_ALARM: (2, lambda n, r: DiskAlarm(node=n, raised=r)),
 }
+
+
+def _sealing(field: object) -> bool:
+    """`ForgetProducers`' third field: present only as `True` (canonical: one encoding)."""
+    if field is None:
+        return False
+    if field is not True:
+        raise CodecError(f"forget_producers' seal field must be true when present, not {field!r}")
+    return True
 
 
 def _build_command(fields: list[Any]) -> Command:

@@ -83,9 +83,12 @@ class Cluster:
         self.membership: set[str] = set(self.names)
         """The members, as the operator knows them (see the module's docstring)."""
         self.retired: set[str] = set()
+        """Hosts removed from the cluster whose node the operator stopped."""
         self._waiting_for_space: set[str] = set()
         """Hosts whose node waits for space on its data disk before starting."""
-        """Hosts removed from the cluster whose node the operator stopped."""
+        self.space_faults_until_us: dict[str, int] = {}
+        """When each host's latest disk space fault ends (`disk_alarm`, `disk_full`):
+        the workload expects publishes refused for a disk alarm only around these."""
         self.address: dict[str, str] = {name: name for name in self.hosts}
         """Each host's Raft address (see the module's docstring)."""
         self.first_peers: dict[str, dict[str, str]] = {}

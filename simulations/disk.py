@@ -16,8 +16,8 @@ durable once its directory is synced. So:
 * `fail_next_write` makes the next write write half and the one after it fail with
   ENOSPC (a filling disk); `fail_next_sync` makes the next `fdatasync` fail with EIO;
 * `free_bytes` is the free space the node measures (its disk alarm, and the wait for
-  space before it starts); at 0 every write fails with ENOSPC (a full disk) until
-  space returns.
+  space before it starts); while a space fault runs, what is written uses it up, and
+  at 0 every write fails with ENOSPC (a full disk) until space returns.
 
 The journal then decides what a real node would: cut a torn tail, refuse to open a
 damaged log, stop for good after a failed write or sync.
@@ -114,6 +114,8 @@ class SimFiles:
             data = bytes(data)[: len(data) // 2]
         f.dirty_from = min(f.dirty_from, len(f.data))
         f.data += data
+        if self.free_bytes < PLENTY:  # a space fault runs: what is written uses it up
+            self.free_bytes = max(0, self.free_bytes - len(data))
         self.writes += 1
         return len(data)
 

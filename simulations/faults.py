@@ -121,8 +121,8 @@ MEMBERSHIP_KINDS = ("remove_member", "remove_leader", "add_spare", "concurrent_c
 CLOCK_KINDS = ("clock_skew", "clock_jump")
 DISK_KINDS = ("torn_power_loss", "short_write", "sync_failure", "bit_flip", "meta_ahead")
 DAMAGE_KINDS = ("bit_flip", "meta_ahead")
-SPACE_KINDS = ("disk_alarm", "disk_full")
 """Disk faults a node must refuse to start from: it stays down for the rest of the run."""
+SPACE_KINDS = ("disk_alarm", "disk_full")
 DAY_MS = 86_400_000
 ONE_WAY_DELAY_S = (0.7, 1.8)
 """A one-way delay: past the longest election timeout (0.6 s), short of PySyncObj's
@@ -647,6 +647,7 @@ class Injector:
         files = self.cluster.disks[name].files
         files.free_bytes = int(fault.amount)
         self._space_until[name] = end
+        self.cluster.space_faults_until_us[name] = end
         self.world.at(end, self._space_back, name, end)
         self._done(fault)
         left = "no space" if fault.amount <= 0 else f"{fault.amount / (1 << 20):.1f} MiB free"

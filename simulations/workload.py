@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 QUEUE = "orders"
 DEAD_LETTER_QUEUE = "orders.dead"
 """Where `WorkloadConfig.dead_letter` sends what the queue dead-letters (nobody consumes it)."""
+ALARM_RETRIES = 60
+"""At most this many batches after the heal (30 s of them): an alarm that never clears
+shows as a liveness failure, not as a producer publishing to the run's end."""
+ALARM_MARGIN_S = 5.0
 ALARM_RETRY_S = 0.5
 """After the heal, a producer whose batch a disk alarm refused sends another this long
 after (an alarm clears within a second or two of the space coming back)."""
@@ -142,6 +146,9 @@ class SimProducer:
         self.producing = True
         self._alarm_refused = False
         """A disk alarm refused a publish since the last confirm."""
+        self._alarm_retries = 0
+        self._alarm_retry_due = False
+        """One batch after an alarm is due (one at a time, whatever refused how many)."""
         self.client = SimClient(
             cluster,
             request_timeout_s=config.request_timeout_s,
@@ -218,7 +225,7 @@ class SimProducer:
         elif isinstance(error, OutcomeUnknownError):
             for body, _ in records:
                 self.checker.outcome_unknown(body)
-            if "disk_alarm" in str(error):  # a resend the alarm refused: it may land later
+            if "disk_alarm" in str(error) and self._alarm_may_be_raised():  # may land later
                 self._alarm_refused = True
             self._again_after_alarm()
         else:
@@ -228,7 +235,11 @@ class SimProducer:
             )
             behind = isinstance(error, RefusedBeforeError)  # a full queue refused one before
             expected = (full or behind) and self.config.overflow == "reject-publish"
-            alarm = isinstance(error, ServerError) and error.code == ErrorCode.DISK_ALARM
+            alarm = (
+                isinstance(error, ServerError)
+                and error.code == ErrorCode.DISK_ALARM
+                and self._alarm_may_be_raised()
+            )  # (one with no space fault near is a violation: an alarm raised or kept wrongly)
             if alarm:
                 self._alarm_refused = True
             # publishes sent behind one a disk alarm refused are refused too (the queue
@@ -238,14 +249,38 @@ class SimProducer:
                 self.checker.refused(body, str(error), expected=expected)
             self._again_after_alarm()
 
+    def _alarm_may_be_raised(self) -> bool:
+        """Whether a disk alarm may be in the log now: a host's space fault runs, or
+        ended within the node-down grace period and `ALARM_MARGIN_S`, or the host's node
+        is down since (a node that went down with its alarm raised keeps it in the log
+        until it is back, or a leader marks it down: seed 8, B down for 12 s amid
+        leader changes, none marking it down)."""
+        now, cluster = self.world.now_us, self.cluster
+        margin = micros(cluster.grace_s + ALARM_MARGIN_S)
+        return any(
+            now <= end + margin or cluster.nodes[host] is None
+            for host, end in cluster.space_faults_until_us.items()
+        )
+
     def _again_after_alarm(self) -> None:
         """After the heal, a batch a disk alarm kept from landing (refused by it, behind
         publishes it parked, or a resend it refused whose outcome is now unknown) is
         followed by another a moment later, as an
         application told "publishes wait" does: the liveness check wants a confirm
         after the heal, and the last batch met an alarm not cleared yet."""
-        if self._alarm_refused and not self.producing:
-            self.world.after(micros(ALARM_RETRY_S), self._publish_batch)
+        if (
+            self._alarm_refused
+            and not self.producing
+            and not self._alarm_retry_due
+            and self._alarm_retries < ALARM_RETRIES
+        ):
+            self._alarm_retries += 1
+            self._alarm_retry_due = True
+            self.world.after(micros(ALARM_RETRY_S), self._publish_after_alarm)
+
+    def _publish_after_alarm(self) -> None:
+        self._alarm_retry_due = False
+        self._publish_batch()
 
 
 # ------------------------------------------------------------------ consumers

@@ -252,6 +252,28 @@ def test_no_prefix_a_client_may_forget_covers_more_than_one_spark_job(cluster: C
     assert admin.forget_producers("sparky", "spark-write-") == 0
 
 
+def test_a_client_seals_only_a_whole_spark_prefix_and_the_admin_any(cluster: Cluster) -> None:
+    """A seal refuses every new producer under its prefix for 7 days, and nothing undoes
+    it: a client holding only the token could have locked any id family out (say
+    `orders-api-`), or flooded a queue's 1,000 seals to push out the sink's. Without the
+    admin token, only a whole Spark job's or micro-batch's prefix may be sealed."""
+    client = cluster.client()
+    client.declare("sealing")
+    job = "0123456789abcdef0123456789abcdef"
+    for prefix in ("orders-api-", f"spark-write-{job}-0-", "spark-write-0123-"):
+        with pytest.raises(ServerError, match="admin_required"):
+            client.forget_producers("sealing", prefix, seal=True)
+    assert client.forget_producers("sealing", f"spark-write-{job}-", seal=True) == 0
+    with pytest.raises(ServerError, match="producer_sealed"):
+        client.publish_batch(
+            "sealing", [b"r"], producer=f"spark-write-{job}-3", seqs=[0], opens=True
+        )
+    admin = Client(cluster.endpoints, cluster.token, admin_token=cluster.admin_token)
+    assert admin.forget_producers("sealing", "orders-api-", seal=True) == 0
+    with pytest.raises(ServerError, match="producer_sealed"):
+        client.publish_batch("sealing", [b"r"], producer="orders-api-1", seqs=[0], opens=True)
+
+
 def test_an_oversized_message_is_refused_and_the_node_keeps_serving(cluster: Cluster) -> None:
     client = cluster.client()
     client.declare("big")

@@ -667,3 +667,35 @@ def test_a_snapshot_install_that_covers_a_waiting_read_answers_it() -> None:
     node.state_replaced()
     (reply,) = _frames(conn)
     assert reply["id"] == 2 and len(reply["messages"]) == 3
+
+
+def test_a_publish_a_disk_alarm_refuses_is_answered_without_a_log_entry() -> None:
+    """Refused in the log, every retry of a publish during a disk alarm was a journal
+    entry carrying its body, on every node, on the disk the alarm is for (clients retry
+    a refused resend every second). The node answers `disk_alarm` itself now; a resend
+    of what landed is still proposed (answered as a duplicate), and once the alarm
+    clears publishes are proposed again."""
+    from quorumq.machine import DiskAlarm, Enqueue
+
+    node, replica = _node_on_a_machine("q")
+    conn = node.connection_made()
+    _send(node, conn, {"t": "hello", "v": PROTOCOL_VERSION, "client": "t"})
+    landed = Enqueue(queue="q", body=b"m0", producer="p", seq=0)
+    replica.apply(landed)
+    replica.apply(DiskAlarm(node="B", raised=True))
+    node.disk_free(1 << 40)  # the measure that sees the alarm in the log
+    before = len(replica.proposed)
+
+    def publish(request_id: int, seq: int) -> dict[str, Any]:
+        frame = {"t": "publish", "id": request_id, "queue": "q", "body": b"m%d" % seq}
+        return {**frame, "key": None, "headers": None, "producer": "p", "seq": seq}
+
+    _send(node, conn, publish(1, 1))
+    _send(node, conn, {**publish(2, 0), "retry": True})  # landed already
+    proposed = [c for c, _ in replica.proposed[before:]]
+    assert [(c.seq, type(c).__name__) for c in proposed] == [(0, "Enqueue")]
+    (refused,) = [f for f in _frames(conn) if f.get("id") == 1]
+    assert refused["t"] == "error" and refused["code"] == "disk_alarm"
+    replica.apply(DiskAlarm(node="B", raised=False))
+    _send(node, conn, publish(3, 1))
+    assert [c.seq for c, _ in replica.proposed[before:]] == [0, 1]

@@ -72,6 +72,9 @@ MAX_SEALED = 1_000
 """Most sealed producer-id prefixes a queue keeps (`ForgetProducers.seal`): one per Spark
 job or micro-batch committed within `PRODUCER_EXPIRY_MS`, about 100 bytes each; past it
 the oldest seal goes (a late attempt of that job's tasks could then write again)."""
+MAX_SEALED_PREFIX = 128
+"""Longest sealed prefix (a Spark sink's is at most about 70 characters): a new producer's
+id is looked up at its dashes within this many characters, so a long id costs no more."""
 EVICT_SILENT_MS = 3600 * 1000
 """How long a producer must be silent before it may be forgotten to make room."""
 MAX_DELETED_NAMES = 10_000
@@ -100,7 +103,7 @@ def _is_resend(q: QueueState, producer: str | None, seq: int | None, count: int)
 
 
 _SNAPSHOT_FORMAT = "quorumq-machine"
-_SNAPSHOT_VERSION = 5
+_SNAPSHOT_VERSION = 6
 """2: retention counts keys, headers and an overhead per message (`message_cost`), and
 dead-lettered messages carry their death path. 3: each queue ends with the highest
 producer generation it forgot. 4: and then its messages waiting for a retry delay, its
@@ -110,9 +113,10 @@ again on restore; no generation was forgotten; nothing waits, options missing at
 end take their defaults, and no queue was deleted). 5: and then the disk alarms raised
 (none before). A snapshot with no alarm raised is written as version 4, which nodes of
 the version before read too (an upgraded leader's snapshot installs on an old
-follower). A queue with sealed producer prefixes (`ForgetProducers.seal`) ends with
-them, in any version (a reader that knows no seals ignores them)."""
-_READABLE_VERSIONS = (1, 2, 3, 4, 5)
+follower). 6: a queue may end with its sealed producer prefixes
+(`ForgetProducers.seal`); written only when one has some (a node of an earlier version
+restoring it would drop them silently, and then take producers the others refuse)."""
+_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 _OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
 
 
@@ -336,7 +340,7 @@ class Machine:
             return _error(ErrorCode.INVALID, "producer and seq go together")
         state = q.producers.get(producer)
         if state is None:
-            sealed = q.sealed_prefix(producer, self._now, PRODUCER_EXPIRY_MS)
+            sealed = q.sealed_prefix(producer[:MAX_SEALED_PREFIX], self._now, PRODUCER_EXPIRY_MS)
             if sealed is not None:
                 return _error(
                     ErrorCode.PRODUCER_SEALED,
@@ -405,11 +409,7 @@ class Machine:
         if self._disk_alarms and not _is_resend(q, producer, seq, len(messages)):
             # (before `_check_producer`, which may make room for a new producer by
             # forgetting silent ones; a resend of what landed is answered as a duplicate)
-            return _error(
-                ErrorCode.DISK_ALARM,
-                f"publishes wait: the data disk of {', '.join(sorted(self._disk_alarms))} is "
-                "below its free-space limit (deliveries, acks and reads go on)",
-            )
+            return self._disk_alarm_error()
         refusal = self._check_producer(q, producer, seq, len(messages))
         if refusal is not None:
             return refusal
@@ -650,8 +650,12 @@ class Machine:
         if not cmd.prefix:
             return _error(ErrorCode.INVALID, "an empty prefix would forget every producer")
         if cmd.seal:
-            if not cmd.prefix.endswith("-"):
-                return _error(ErrorCode.INVALID, "a sealed prefix must end with '-'")
+            if not cmd.prefix.endswith("-") or len(cmd.prefix) > MAX_SEALED_PREFIX:
+                return _error(
+                    ErrorCode.INVALID,
+                    f"a sealed prefix must end with '-' and be at most {MAX_SEALED_PREFIX} "
+                    "characters",
+                )
             q.seal(cmd.prefix, self._now, most=MAX_SEALED, lifetime_ms=PRODUCER_EXPIRY_MS)
         return Forgotten(count=q.forget_producers(cmd.prefix, self._now))
 
@@ -843,6 +847,35 @@ class Machine:
     def down_nodes(self) -> frozenset[str]:
         return frozenset(self._down_nodes)
 
+    def _disk_alarm_error(self) -> Error:
+        return _error(
+            ErrorCode.DISK_ALARM,
+            f"publishes wait: the data disk of {', '.join(sorted(self._disk_alarms))} is "
+            "below its free-space limit (deliveries, acks and reads go on)",
+        )
+
+    def disk_alarm_refusal(
+        self,
+        queue: str,
+        producer: str | None,
+        first_seq: int | None,
+        count: int,
+        seqs: tuple[int, ...] | None = None,
+    ) -> Error | None:
+        """The refusal a publish would meet now for a disk alarm (None: none), for a node
+        to answer before proposing: refused in the log, every retry of it was a journal
+        entry carrying its body, on every node, on the disk the alarm is for."""
+        q = self._queues.get(queue)
+        if not self._disk_alarms or q is None:
+            return None
+        if seqs is not None and producer is not None:
+            state = q.producers.get(producer)
+            if state is not None and max(seqs) <= state.last_seq:
+                return None  # wholly a resend: answered as a duplicate
+        elif _is_resend(q, producer, first_seq, count):
+            return None
+        return self._disk_alarm_error()
+
     def disk_alarms(self) -> frozenset[str]:
         """Nodes whose disk alarm is raised: publishes are refused while any is."""
         return frozenset(self._disk_alarms)
@@ -891,7 +924,7 @@ class Machine:
         return encoding.encode(
             [
                 _SNAPSHOT_FORMAT,
-                _SNAPSHOT_VERSION if self._disk_alarms else 4,
+                self._snapshot_version(),
                 self._last_index,
                 self._now,
                 sorted(self._down_nodes),
@@ -900,9 +933,16 @@ class Machine:
                     list(self._deleted_floor),
                     [[name, *ended] for name, ended in self._deleted.items()],  # oldest first
                 ],
-                *([sorted(self._disk_alarms)] if self._disk_alarms else []),
+                *([sorted(self._disk_alarms)] if self._snapshot_version() >= 5 else []),
             ]
         )
+
+    def _snapshot_version(self) -> int:
+        """6 with a sealed prefix in any queue, 5 with a disk alarm raised, else 4: a
+        snapshot an older node could install but not fully read it refuses instead."""
+        if any(q.sealed for q in self._queues.values()):
+            return _SNAPSHOT_VERSION
+        return 5 if self._disk_alarms else 4
 
     def digest(self) -> str:
         """A stable hash of the whole state: equal states give equal digests everywhere."""

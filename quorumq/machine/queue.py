@@ -321,7 +321,8 @@ class QueueState:
 
     def sealed_prefix(self, producer: str, now: int, lifetime_ms: int) -> str | None:
         """The live seal covering `producer`, if any: a seal ends with "-", so only the
-        id's starts that end with one are looked up."""
+        id's starts that end with one are looked up (callers cut `producer` to the
+        longest seal: `MAX_SEALED_PREFIX`)."""
         if not self.sealed:
             return None
         end = producer.find("-")

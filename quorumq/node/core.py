@@ -308,6 +308,8 @@ class NodeCore:
         self.free_disk_bytes: int | None = None
         """The data disk's free space as last measured (`disk_free`); None: not yet."""
         self.disk_alarm = False
+        self._alarms_in_log = False
+        """Whether a disk alarm was in the log at the last measure (`disk_free`)."""
         """This node's disk alarm: raised below `min_free_disk_bytes` of free space."""
         self._alarm_proposing = False
 
@@ -722,6 +724,10 @@ class NodeCore:
                 self._error(conn, f["id"], "invalid", str(e))
             return
         ids = [f["id"] for f in frames]
+        if self._refused_for_disk(
+            conn, ids, first["queue"], first["producer"], first["seq"], len(frames)
+        ):
+            return
         cost = sum(len(f["body"]) + PROPOSAL_COST for f in frames)
         conn.proposing_bytes += cost
 
@@ -774,8 +780,43 @@ class NodeCore:
             seqs=frame.get("seqs"),
             opens=bool(frame.get("opens")),
         )
+        if self._refused_for_disk(
+            conn,
+            [frame["id"]],
+            command.queue,
+            command.producer,
+            command.first_seq,
+            len(messages),
+            command.seqs,
+        ):
+            return
         cost = sum(len(m.body) + PROPOSAL_COST for m in messages)
         self._propose_for(conn, frame["id"], command, cost=cost)
+
+    def _refused_for_disk(
+        self,
+        conn: ConnectionCore,
+        ids: list[int],
+        queue: str,
+        producer: str | None,
+        first_seq: int | None,
+        count: int,
+        seqs: tuple[int, ...] | None = None,
+    ) -> bool:
+        """While a disk alarm is in the log, answer a publish it would refuse here,
+        without proposing it (a log entry each, on the disk that is filling: clients
+        retry a refused resend every second). Only looked up while this node saw an
+        alarm at its last measure (`disk_free`), or one is raised here."""
+        if not (self._alarms_in_log or self.disk_alarm):
+            return False
+        refusal = self.replica.query(
+            lambda m: m.disk_alarm_refusal(queue, producer, first_seq, count, seqs)
+        )
+        if refusal is None:
+            return False
+        for request_id in ids:
+            self._reply(conn, request_id, refusal, None)
+        return True
 
     def _subscribe(self, conn: ConnectionCore, frame: Frame) -> None:
         limit = self.config.max_consumers
@@ -1169,9 +1210,18 @@ class NodeCore:
                 "'spark-<query id>-<batch>-'), or prove the admin token",
             )
             return
-        command = ForgetProducers(
-            queue=frame["queue"], prefix=prefix, seal=frame.get("seal") is True
-        )
+        seal = frame.get("seal") is True
+        if seal and not conn.admin and SPARK_PREFIXES.fullmatch(prefix) is None:
+            self._error(
+                conn,
+                frame["id"],
+                "admin_required",
+                f"sealing the prefix {prefix!r} needs the admin token: without it, only a "
+                "whole Spark job's or batch's prefix ('spark-write-<job>-', "
+                "'spark-<query id>-<batch>-') may be sealed",
+            )
+            return
+        command = ForgetProducers(queue=frame["queue"], prefix=prefix, seal=seal)
         self._propose_for(conn, frame["id"], command)
 
     def _purge_queue(self, conn: ConnectionCore, frame: Frame) -> None:
@@ -1339,7 +1389,9 @@ class NodeCore:
                 _mib(free_bytes),
                 _mib(limit),
             )
-        in_log = self.node_id in self.replica.query(lambda m: m.disk_alarms())
+        alarms = self.replica.query(lambda m: m.disk_alarms())
+        self._alarms_in_log = bool(alarms)
+        in_log = self.node_id in alarms
         if in_log == raised or self._alarm_proposing:
             return
         self._alarm_proposing = True
