@@ -1,5 +1,6 @@
-"""Named mutations of the machine, the Raft rules and the node core, each run against the
-tests that claim to guard it: a mutation the tests let pass is a hole in the net.
+"""Named mutations of the machine, the Raft rules, the node core and the client session,
+each run against the tests that claim to guard it: a mutation the tests let pass is a
+hole in the net.
 
     python -m tests.mutation_run            # every mutation; prints the score
     python -m tests.mutation_run ttl_half   # some, by name
@@ -31,6 +32,7 @@ class Mutation(NamedTuple):
 
 MACHINE_TESTS = ("tests/test_machine_properties.py", "tests/test_machine.py")
 RAFT_TESTS = ("tests/test_raft_elections.py", "tests/test_raft_rules.py")
+SESSION_TESTS = ("tests/test_session.py", "tests/test_session_properties.py")
 CORE_TESTS = (
     "tests/test_node_core.py",
     "tests/test_memory_bounds.py",
@@ -82,6 +84,27 @@ MUTATIONS = (
         MACHINE_TESTS,
     ),
     Mutation(
+        "sealed_prefix_ignored",
+        "quorumq/machine/machine.py",
+        "            if sealed is not None:",
+        "            if False:",
+        MACHINE_TESTS,
+    ),
+    Mutation(
+        "forgotten_generation_ignored",
+        "quorumq/machine/machine.py",
+        "            if generation is not None and generation <= q.forgotten_generation:",
+        "            if False:",
+        MACHINE_TESTS,
+    ),
+    Mutation(
+        "new_producer_may_start_past_zero",
+        "quorumq/machine/machine.py",
+        "            if seq != 0:",
+        "            if False:",
+        MACHINE_TESTS,
+    ),
+    Mutation(
         "pre_vote_grants_a_stale_log",
         "quorumq/raft/rules.py",
         '            and self._log_up_to_date(message.get("last_log_index"), '
@@ -109,6 +132,57 @@ MUTATIONS = (
         "            and not (self.leader_stickiness and self.in_lease())",
         "            and True",
         RAFT_TESTS,
+    ),
+    Mutation(
+        "stale_leader_snapshot_installed",
+        "quorumq/raft/rules.py",
+        "    def accept_leader_snapshot(self, last_index: int, last_term: int) -> bool:\n",
+        "    def accept_leader_snapshot(self, last_index: int, last_term: int) -> bool:\n"
+        "        return True\n",
+        RAFT_TESTS,
+    ),
+    Mutation(
+        "silence_counted_across_a_stall",
+        "quorumq/raft/rules.py",
+        "        since = max(self._leader_since, self.awake_since if self.stall_aware_silence "
+        "else 0.0)",
+        "        since = self._leader_since",
+        RAFT_TESTS,
+    ),
+    Mutation(
+        "lease_ignores_the_majority",
+        "quorumq/raft/rules.py",
+        "            return self._majority(1 + heard)",
+        "            return True",
+        RAFT_TESTS,
+    ),
+    Mutation(
+        "disk_alarm_flaps_at_the_limit",
+        "quorumq/node/core.py",
+        "            raised = free_bytes < limit + limit // 8",
+        "            raised = free_bytes < limit",
+        CORE_TESTS,
+    ),
+    Mutation(
+        "any_spark_prefix_forgettable",
+        "quorumq/node/core.py",
+        "        return SPARK_PREFIXES.match(prefix) is None",
+        "        return False",
+        (*CORE_TESTS, "tests/test_broker.py"),
+    ),
+    Mutation(
+        "parked_publishes_wait_a_second_each",
+        "quorumq/client/session.py",
+        "            events += self._release_parked(queue)",
+        "            events += self._retry_parked_later(queue)",
+        SESSION_TESTS,
+    ),
+    Mutation(
+        "disk_alarm_retries_back_off",
+        "quorumq/client/session.py",
+        'steady=code == "disk_alarm"',
+        "steady=False",
+        SESSION_TESTS,
     ),
     Mutation(
         "cancelled_consumers_kept",

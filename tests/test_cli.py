@@ -590,6 +590,11 @@ def test_the_credential_and_log_flags_of_a_node_take_effect(tmp_path: Any) -> No
         admin = quorumq.connect(endpoint, "client-t0ken", admin_token="admin-t0ken")
         with admin, pytest.raises(ServerError, match="unknown_member"):
             admin.remove_member("Z")  # past the admin check: Z is no member
+        with quorumq.connect(endpoint, "client-t0ken") as client:
+            settings = client.status()["settings"]  # the timing flags, as the node took them
+        assert settings["election_timeout_s"] == [0.1, 0.2]
+        assert settings["node_down_grace_s"] == 2.0
+        assert settings["outbound_frames"] == 100
     finally:
         proc.terminate()
         proc.wait(timeout=30)

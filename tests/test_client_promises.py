@@ -214,7 +214,8 @@ def test_a_body_over_the_frame_limit_fails_at_once_and_leaves_the_client_usable(
         started = time.monotonic()
         with pytest.raises(ServerError, match="too_large"):
             client.publish("q", b"x" * (2 * 1024 * 1024), key="big")
-        assert time.monotonic() - started < 2
+        # at once, not after the client's 10 s timeout (a loaded CI may take seconds)
+        assert time.monotonic() - started < 8
         assert client.publish("q", b"small") == 0
 
 

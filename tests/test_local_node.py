@@ -255,7 +255,8 @@ def test_a_leader_leaving_the_block_hands_leadership_over(
         other = rest[0].client().subscribe("q", prefetch=1)
         stopping = time.monotonic()
         leader.stop()
-        assert time.monotonic() - stopping < 2.0
+        # bounded (its settle and handover waits are 2 s and 3 s; a loaded CI adds to them)
+        assert time.monotonic() - stopping < 10.0
         handed = [r for r in caplog.records if r.getMessage().startswith("handed leadership over")]
         assert len(handed) == 1 and handed[0].threadName == f"quorumq-node-{leader.id}"
         wait_for(lambda: _leader(rest) not in (None, leader.id), "a new leader", timeout=10)

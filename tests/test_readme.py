@@ -5,7 +5,9 @@ comments checked against what it printed; blocks that start their own cluster (o
 none) run as they are, and blocks written for "nodes you run yourself" run against a
 3-node cluster that requires a token: its endpoints replace 127.0.0.1:7001, :7002 and
 :7003, and the token is in QUORUMQ_TOKEN, where the README tells the reader to put it.
-Every ```sh block runs in bash in an empty directory. Other blocks are not run: output
+Every ```sh block runs in bash in an empty directory, each command's output checked
+against its comment when the comment says what it prints (`# prints: ...`, whole or up to
+its first ": ", "..." for anything; `# prints nothing`). Other blocks are not run: output
 (```text), configuration for other programs (```yaml), and plain ``` blocks of commands
 for hosts that are not here (10.0.0.x, /var/lib) or this checkout's own entry points
 (`./run`).
@@ -107,13 +109,59 @@ def test_readme_python_example_runs(line: int, code: str, cluster: Cluster, tmp_
         printed.pop(0)
 
 
+_PRINTS = re.compile(r"#\s*prints(?::\s*(?P<output>.+)|(?P<nothing> nothing\b.*))$")
+_MARK = "@@readme-line "
+
+
+def shell_promises(script: str) -> dict[int, str | None]:
+    """Line number in the block -> what that command promises to print (None: nothing)."""
+    promises: dict[int, str | None] = {}
+    for number, line in enumerate(script.splitlines()):
+        found = _PRINTS.search(line)
+        if found:
+            promises[number] = None if found["nothing"] else found["output"].strip()
+    return promises
+
+
+def marked(script: str) -> str:
+    """`script` with a marker printed before each command, to split its output by line
+    (not before a line that continues the one above it)."""
+    lines = script.splitlines()
+    return "\n".join(
+        f"printf '\\n{_MARK}{number}\\n'; {line}"
+        if line.strip() and not (number and lines[number - 1].endswith("\\"))
+        else line
+        for number, line in enumerate(lines)
+    )
+
+
+def outputs_by_line(stdout: str) -> dict[int, list[str]]:
+    by_line: dict[int, list[str]] = {}
+    current: list[str] = []
+    for text in stdout.splitlines():
+        if text.startswith(_MARK):
+            current = by_line.setdefault(int(text[len(_MARK) :]), [])
+        elif text.strip():
+            current.append(text)
+    return by_line
+
+
+def test_a_shell_blocks_promised_outputs_are_read_from_its_comments() -> None:
+    script = "a   # prints: x: why\nb  # prints nothing: done\nc  # a table\n"
+    assert shell_promises(script) == {0: "x: why", 1: None}
+    out = f"\n{_MARK}0\nx\n\n{_MARK}1\n\n{_MARK}2\nrow\n"
+    assert outputs_by_line(out) == {0: ["x"], 1: [], 2: ["row"]}
+    assert all(_MARK in line for line in marked(script).splitlines())
+    assert _MARK not in marked("a \\\n  --flag\n").splitlines()[1]  # a continued line
+
+
 @pytest.mark.parametrize(("line", "script"), readme_blocks("sh"))
 def test_readme_shell_example_runs(line: int, script: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUORUMQ_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     try:
         result = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", script],
+            ["bash", "-euo", "pipefail", "-c", marked(script)],
             capture_output=True,
             text=True,
             timeout=300,
@@ -122,6 +170,15 @@ def test_readme_shell_example_runs(line: int, script: str, tmp_path: Path) -> No
             env=env,
         )
         assert result.returncode == 0, f"README line {line}:\n{result.stdout}\n{result.stderr}"
+        printed = outputs_by_line(result.stdout)
+        for number, promised in shell_promises(script).items():
+            where = f"README line {line + 1 + number}"
+            if promised is None:
+                assert printed[number] == [], f"{where} printed {printed[number]}"
+            else:
+                assert any(prints_as_promised(out, promised) for out in printed[number]), (
+                    f"{where} did not print {promised!r}: {printed[number]}"
+                )
     finally:  # a dev cluster the script left running is stopped (by its pids)
         if (tmp_path / ".quorumq-cluster" / "cluster.json").exists():
             subprocess.run(

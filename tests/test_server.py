@@ -290,7 +290,7 @@ def test_a_nack_with_a_delay_comes_back_once_it_ran_out_with_its_key_in_order(
                 again = [await consumer.get() for _ in range(2)]
                 waited = trio.current_time() - nacked_at
                 assert [(d.offset, d.redelivered) for d in again if d] == [(0, True), (1, True)]
-                assert 0.3 <= waited < 5, waited
+                assert 0.3 <= waited < 9, waited  # its own 300 ms, not the queue's 10 s
                 for d in again:
                     await d.ack()  # type: ignore[union-attr]
                 await client.publish("q", b"k", key="k")

@@ -270,7 +270,7 @@ def test_a_peer_that_stalls_in_the_tls_handshake_is_dropped_at_the_handshake_dea
             assert welcome["t"] == "welcome"  # others are served meanwhile
             assert await stalled.receive_some(100) == b""  # closed by the node
         waited = trio.current_time() - opened
-        assert 0.9 <= waited < 3.0, waited
+        assert 0.9 <= waited < 8, waited  # the 1 s deadline, not fail_after's 10 s
         assert not server.connections
         await stalled.aclose()
 
@@ -395,7 +395,7 @@ def test_a_client_without_tls_is_told_the_port_is_tls_only_and_others_are_served
                 with pytest.raises(TlsError, match="serves clients over TLS only") as aio_plain:
                     async with quorumq.aio.connect(endpoint, connect_timeout=10):
                         pass
-                assert trio.current_time() - started < 5  # told, not timed out
+                assert trio.current_time() - started < 9  # told, not a 10 s timeout
                 for error in (plain.value, aio_plain.value):
                     assert "\n" not in str(error) and error.__cause__ is None
                 assert await client.publish("q", b"still served") == 0

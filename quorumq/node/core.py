@@ -1296,6 +1296,15 @@ class NodeCore:
         status["disk_alarms"] = sorted(self.replica.query(lambda m: m.disk_alarms()))
         status["clients"] = len(self.connections)
         status["max_clients"] = self.config.max_connections
+        config, replica = self.config, self.config.replica
+        status["settings"] = {  # what this node runs with (its flags, as it took them)
+            "election_timeout_s": list(replica.raft_timeouts),
+            "node_down_grace_s": replica.node_down_grace_s,
+            "max_body": config.max_body,
+            "outbound_frames": config.outbound_frames,
+            "outbound_bytes": config.outbound_bytes,
+            "min_free_disk_bytes": config.min_free_disk_bytes,
+        }
         return status
 
     # ------------------------------------------------------------- membership
