@@ -88,7 +88,7 @@ class Cluster:
         """Hosts whose node waits for space on its data disk before starting."""
         self.space_faults_until_us: dict[str, int] = {}
         """When each host's latest disk space fault ends (`disk_alarm`, `disk_full`):
-        the workload expects publishes refused for a disk alarm only around these."""
+        the workload expects publishes refused for a disk alarm only once one ran."""
         self.address: dict[str, str] = {name: name for name in self.hosts}
         """Each host's Raft address (see the module's docstring)."""
         self.first_peers: dict[str, dict[str, str]] = {}
