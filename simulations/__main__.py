@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from quorumq.cli import backoff_ms
+from quorumq.cli.args import backoff_ms
 from quorumq.scenarios import SCENARIOS
 from quorumq.scenarios import render as render_scenario
 

@@ -94,7 +94,7 @@ from quorumq.machine import (
     Subscribe,
 )
 
-from .workload import QUEUE
+from .names import QUEUE
 from .world import WALL_EPOCH_MS, World, seconds
 
 TIME_BOUND_MS = 2

@@ -19,16 +19,14 @@ the real queue machine, and the duties of the node's server towards its clients.
   (`RaftRules.check_stored_state`), loads its snapshot, then its journal. Its first
   configuration is recorded on the disk, and checked at every restart, by the real
   code (`quorumq.raft.first_configuration`).
-* `SimNode` is what `quorumq.replica.Replica` and `quorumq.server.node.NodeServer` do
-  for one node: apply committed entries to the machine, run only this node's effects
-  (`local_effects`), turn a delivery to a consumer it does not have into `Down`, and as
-  leader propose `NodeDown`/`NodeUp` (`failure_commands`). Entries replayed from the
-  node's own journal at start-up run no effects, nor do entries applied a second time.
-  The node keeps what it sent each consumer (`quorumq.deliveries`, the server's code);
-  after a snapshot load it sends what the machine says its consumers hold and were not
-  sent, and cancels those the machine removed (`_resync_consumers`, as
-  `NodeServer._resync_consumers`). A proposal PySyncObj never answers is answered
-  "unknown" after 15 s (`quorumq.replica.InFlight`, the replica's code).
+* `SimNode` is one run of a node: the real `quorumq.replica.Replica` (on a `SimMember`)
+  and the real `quorumq.node.NodeCore` serving its clients' connections, driven as the
+  node's trio shell and Raft thread drive them: the replica's effects and outcomes
+  handed to the core after each tick, the bytes clients sent read, what the core
+  queued written, the core's timers run, the data disk's free space measured every
+  second (the disk alarm). Nothing of the node is modelled: what the real node does
+  with an effect, a snapshot load or a lost proposal, the simulated one does by the
+  same code.
 
 `Variant` holds the test-only switches of the negative controls: another machine, or
 another effect filter. The default is the real thing.

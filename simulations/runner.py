@@ -36,10 +36,11 @@ from .faults import (
 )
 from .history import History
 from .liveness import Liveness, LivenessReport
+from .names import QUEUE
 from .node import REAL, SimNode, Variant
 from .operator import Operator
 from .pauses import Pauses, fault_pauses, pause_table
-from .workload import QUEUE, SimConsumer, SimProducer, WorkloadConfig, declare, start_workload
+from .workload import SimConsumer, SimProducer, WorkloadConfig, declare, start_workload
 from .world import US, World, micros, patched_pysyncobj, seconds
 
 STEP_S = 0.01

@@ -27,15 +27,13 @@ from quorumq.client.core import (
 from quorumq.machine import ErrorCode, QueueOptions
 
 from .clients import SimClient
+from .names import DEAD_LETTER_QUEUE, QUEUE
 from .world import micros
 
 if TYPE_CHECKING:
     from .checker import Checker
     from .cluster import Cluster
 
-QUEUE = "orders"
-DEAD_LETTER_QUEUE = "orders.dead"
-"""Where `WorkloadConfig.dead_letter` sends what the queue dead-letters (nobody consumes it)."""
 ALARM_RETRIES = 60
 """At most this many batches after the heal (30 s of them): an alarm that never clears
 shows as a liveness failure, not as a producer publishing to the run's end."""

@@ -35,6 +35,7 @@ RAFT_TESTS = ("tests/test_raft_elections.py", "tests/test_raft_rules.py")
 SESSION_TESTS = ("tests/test_session.py", "tests/test_session_properties.py")
 CORE_TESTS = (
     "tests/test_node_core.py",
+    "tests/test_node_parts.py",
     "tests/test_memory_bounds.py",
     "tests/test_server.py",
     "tests/test_server_bounds.py",
@@ -158,14 +159,14 @@ MUTATIONS = (
     ),
     Mutation(
         "disk_alarm_flaps_at_the_limit",
-        "quorumq/node/core.py",
+        "quorumq/node/disk.py",
         "            raised = free_bytes < limit + limit // 8",
         "            raised = free_bytes < limit",
         CORE_TESTS,
     ),
     Mutation(
         "any_spark_prefix_forgettable",
-        "quorumq/node/core.py",
+        "quorumq/node/admin.py",
         "        return SPARK_PREFIXES.match(prefix) is None",
         "        return False",
         (*CORE_TESTS, "tests/test_broker.py"),
@@ -186,14 +187,14 @@ MUTATIONS = (
     ),
     Mutation(
         "cancelled_consumers_kept",
-        "quorumq/node/core.py",
+        "quorumq/node/serving.py",
         "            if consumer in conn.cancelling and consumer not in placed:",
         "            if False:",
         CORE_TESTS,
     ),
     Mutation(
         "short_forget_prefix_allowed",
-        "quorumq/node/core.py",
+        "quorumq/node/admin.py",
         "    if len(prefix) < MIN_FORGET_PREFIX or may_start_generation_id(prefix):",
         "    if len(prefix) < 1:",
         CORE_TESTS,

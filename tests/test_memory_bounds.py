@@ -156,7 +156,7 @@ def test_a_node_keeps_no_record_of_cancelled_consumers(tmp_path: Path) -> None:
                 (conn,) = server.connections
                 assert conn.consumers == {} and conn.prefetches == {}
                 assert conn.prefetch_allowance == 0 and not conn.cancelling
-                assert len(server.core._downed) == 0
+                assert len(server.core.serving._downed) == 0
 
     _serve_with(server, body)
 
@@ -164,7 +164,7 @@ def test_a_node_keeps_no_record_of_cancelled_consumers(tmp_path: Path) -> None:
 def test_reads_waiting_to_be_applied_are_bounded_per_connection(tmp_path: Path) -> None:
     """Each read with `wait_ms` was a task waiting up to 30 s, with no bound."""
     from quorumq.client import ServerError
-    from quorumq.node.core import MAX_WAITING_READS
+    from quorumq.node.reading import MAX_WAITING_READS
 
     async def body(endpoint: str) -> None:
         async with quorumq.aio.connect(endpoint) as client:

@@ -166,7 +166,7 @@ def test_held_acks_go_after_a_while_even_if_the_ack_they_wait_for_is_never_answe
     """PySyncObj does not answer every proposal (a snapshot install can skip its entry;
     the replica's timeout answers after 15 s): acks held behind it go after
     `ACKS_HELD_S`, and at once past `ACKS_HELD_MAX` offsets (review of 74b7298)."""
-    from quorumq.node.core import ACKS_HELD_MAX, ACKS_HELD_S
+    from quorumq.node.settling import ACKS_HELD_MAX, ACKS_HELD_S
 
     clock = _Clock()
     node, replica = _node(clock)
@@ -187,7 +187,7 @@ def test_a_nack_does_not_overtake_an_ack_a_leader_change_made_wait() -> None:
     in between brings it forward, so the ack lands first (a requeueing nack of a keyed
     message takes back the key's later messages: an acked one came back; review of
     74b7298)."""
-    from quorumq.node.core import RETRY_EVERY_S
+    from quorumq.node.services import RETRY_EVERY_S
     from quorumq.replica import NotAppliedError
 
     clock = _Clock()
@@ -564,7 +564,7 @@ def test_a_read_whose_range_is_applied_as_its_time_runs_out_is_answered_with_it(
 def test_reads_past_the_nodes_bound_are_refused_with_a_reason() -> None:
     """128 connections at their bound of 64 fill the node's; one more read is refused
     (`node_reads_full`, ask another node), and room comes back as reads are answered."""
-    from quorumq.node.core import MAX_WAITING_READS, MAX_WAITING_READS_PER_NODE
+    from quorumq.node.reading import MAX_WAITING_READS, MAX_WAITING_READS_PER_NODE
 
     node, replica = _reads_node(lambda: 0.0, "q", "idle")
     conns = [_reader(node) for _ in range(MAX_WAITING_READS_PER_NODE // MAX_WAITING_READS)]
@@ -589,7 +589,7 @@ def test_reads_past_the_nodes_bound_are_refused_with_a_reason() -> None:
 
 
 def test_a_closed_connections_waiting_reads_leave_every_index() -> None:
-    from quorumq.node.core import MAX_WAITING_READS
+    from quorumq.node.reading import MAX_WAITING_READS
 
     node, replica = _reads_node(lambda: 0.0, "q", "p")
     gone, stays = _reader(node), _reader(node)
@@ -629,7 +629,7 @@ def test_reads_applied_while_their_connection_is_full_are_answered_once_it_has_r
 def _work_of_one_apply(unrelated: int) -> tuple[int, int]:
     """Heap steps and replica queries of an apply that answers one read, while
     `unrelated` others wait: on an idle queue, and on the same queue further on."""
-    from quorumq.node.core import MAX_WAITING_READS
+    from quorumq.node.reading import MAX_WAITING_READS
 
     node, replica = _reads_node(lambda: 0.0, "q", "idle")
     waiting = 0

@@ -475,14 +475,14 @@ def _kinds(config: RunConfig) -> set[str]:
 
 
 def test_consumers_served_nowhere_must_be_downed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the node core's sweep (`NodeCore._down_lost_consumers`), a consumer whose
+    """Without the node core's sweep (`Serving._down_lost_consumers`), a consumer whose
     node restarted within the grace period, or whose `Down` was lost with a leader,
     keeps its messages for good (seed 1; 17 of the first 40 seeds). Only that rule is
-    off (`NodeCore.down_lost_consumers`): the sweep still forgets removed consumers."""
-    from quorumq.node.core import NodeCore
+    off (`Serving.down_lost_consumers`): the sweep still forgets removed consumers."""
+    from quorumq.node.serving import Serving
 
     assert run(control_config(1)).ok
-    monkeypatch.setattr(NodeCore, "down_lost_consumers", False)
+    monkeypatch.setattr(Serving, "down_lost_consumers", False)
     assert _kinds(control_config(1)) & {"unsettled", "lost", "liveness"}
 
 
@@ -491,13 +491,13 @@ def test_an_ack_lost_to_a_leader_change_is_proposed_again(
 ) -> None:
     """An ack or nack whose proposal failed (leader change, timeout) is proposed again
     by the node core: without it the consumer's messages stay held. Only that rule is
-    off (`NodeCore.retry_lost_settles`); its control once also turned off the resettle
+    off (`Settling.retry_lost_settles`); its control once also turned off the resettle
     of a batch refused whole, and its seed caught that instead (seeds 5, 11 and 29 of
     0-29 catch the retry alone)."""
-    from quorumq.node.core import NodeCore
+    from quorumq.node.settling import Settling
 
     assert run(control_config(5)).ok
-    monkeypatch.setattr(NodeCore, "retry_lost_settles", False)
+    monkeypatch.setattr(Settling, "retry_lost_settles", False)
     assert _kinds(control_config(5)) & {"unsettled", "liveness"}
 
 
@@ -507,12 +507,12 @@ def test_a_gathered_ack_refused_for_one_offset_is_settled_again_for_the_rest(
     """Found by the simulator once it gathered acks as a node does: an `Ack` of two
     offsets, one of them returned by the consumer's own nack of an earlier message of
     its key, is refused whole (`not_held`); the node core must settle the other offset
-    again, or it stays held. Only that rule is off (`NodeCore.resettle_refused_batches`;
+    again, or it stays held. Only that rule is off (`Settling.resettle_refused_batches`;
     seeds 0, 2 and 6 of 0-6 catch it)."""
-    from quorumq.node.core import NodeCore
+    from quorumq.node.settling import Settling
 
     assert run(control_config(0)).ok
-    monkeypatch.setattr(NodeCore, "resettle_refused_batches", False)
+    monkeypatch.setattr(Settling, "resettle_refused_batches", False)
     assert _kinds(control_config(0)) & {"unsettled", "liveness"}
 
 
@@ -520,12 +520,12 @@ def test_an_ack_that_drops_an_offset_is_caught(monkeypatch: pytest.MonkeyPatch) 
     """The checker's own sensitivity: a node core that loses the last offset of an ack
     batch leaves a record unsettled (seeds 1, 2 and 3 of the first 4)."""
     from quorumq.machine import Ack
-    from quorumq.node.core import NodeCore
+    from quorumq.node.settling import Settling
 
-    real = NodeCore.settle
+    real = Settling.settle
 
     def settle(
-        self: NodeCore,
+        self: Settling,
         command: object,
         conn: object,
         attempt: int = 1,
@@ -535,7 +535,7 @@ def test_an_ack_that_drops_an_offset_is_caught(monkeypatch: pytest.MonkeyPatch) 
             command = attrs.evolve(command, offsets=command.offsets[:-1])
         real(self, command, conn, attempt, answered)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(NodeCore, "settle", settle)
+    monkeypatch.setattr(Settling, "settle", settle)
     assert _kinds(control_config(1)) & {"unsettled", "liveness"}
 
 
@@ -581,15 +581,15 @@ def _hot(seed: int) -> RunConfig:
 def test_a_node_that_installs_a_snapshot_must_send_what_it_skipped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Without the resync after a snapshot install (`NodeCore.state_replaced`), a
+    """Without the resync after a snapshot install (`Serving.state_replaced`), a
     consumer on a follower that caught up from the leader's snapshot holds messages it
     was never sent (seed 41, and 45, since pre-vote; seed 253, the only one of the first
     500, before it: rare since snapshot writes take up to 2 s of simulated time, and it
     moves whenever Raft's timing does)."""
-    from quorumq.node.core import NodeCore
+    from quorumq.node.serving import Serving
 
     assert run(control_config(41)).ok
-    monkeypatch.setattr(NodeCore, "resync_after_snapshot", False)
+    monkeypatch.setattr(Serving, "resync_after_snapshot", False)
     assert _kinds(control_config(41)) & {"lost", "liveness", "unsettled"}
 
 

@@ -15,9 +15,10 @@ from simulations.checker import Checker
 from simulations.clients import SimClient
 from simulations.cluster import Cluster
 from simulations.faults import MEMBERSHIP_KINDS, Fault, membership_schedule
+from simulations.names import QUEUE
 from simulations.node import ADMIN_TOKEN
 from simulations.runner import run
-from simulations.workload import QUEUE, declare
+from simulations.workload import declare
 from simulations.world import US, World, patched_pysyncobj
 
 from .test_sim import ci_config

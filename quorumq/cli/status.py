@@ -1,0 +1,146 @@
+"""`quorumq status` (tables of nodes and queues, `--json`, `--watch`) and `quorumq
+members` (list, add, remove)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from .args import UsageError, peer, secret_from
+from .connecting import connect_client, endpoints_of, make_console, tls_option
+
+
+def run_status(args: argparse.Namespace) -> int:
+
+    from ..client import ServerError  # noqa: PLC0415
+
+    if args.json:
+        if args.watch:
+            raise UsageError("--watch shows tables; for a program, run status --json each time")
+        with connect_client(args) as client:
+            try:
+                status = client.status(audit=args.audit)
+            except ServerError as e:
+                if e.code == "admin_required":
+                    raise UsageError(
+                        f"{e} (an audit needs the admin token: set QUORUMQ_ADMIN_TOKEN)"
+                    ) from None
+                raise
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    return _status_tables(args)
+
+
+def _status_tables(args: argparse.Namespace) -> int:
+    """Tables of every endpoint's node and of the queues, with rates over `--interval`;
+    with `--watch`, refreshed in place until Ctrl-C."""
+
+    from rich.console import Group  # noqa: PLC0415
+    from rich.live import Live  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    from ..client import Client, QuorumqError  # noqa: PLC0415
+    from ..status_view import read_cluster, status_view  # noqa: PLC0415
+
+    endpoints = endpoints_of(args)
+    token = secret_from(args.token_file, "QUORUMQ_TOKEN", "client token")
+    admin = secret_from(None, "QUORUMQ_ADMIN_TOKEN", "admin token")
+
+    def status_of(endpoint: str) -> dict[str, Any]:
+        timeout = 300.0 if args.audit else max(args.timeout, 1.0)
+        with Client(
+            [endpoint],
+            token,
+            connect_timeout=args.timeout,
+            timeout=timeout,
+            admin_token=admin,
+            tls=tls_option(args),
+        ) as client:
+            status: dict[str, Any] = client.status(audit=args.audit)
+            return status
+
+    def read() -> Any:
+        return read_cluster(endpoints, status_of, (QuorumqError, OSError, ValueError))
+
+    console = make_console()
+    before = read()
+    if not before.answered and not args.watch:
+        errors = "; ".join(f"{n.endpoint}: {n.error}" for n in before.nodes)
+        hint = " (set QUORUMQ_ADMIN_TOKEN)" if "admin_required" in errors else ""
+        raise UsageError(f"no node gave its status: {errors}{hint}")
+    if not args.watch:
+        if args.audit:  # an audit hashes every message: once is enough, and no rates
+            console.print(status_view(before, None, audit=True))
+            return 0
+        time.sleep(max(0.0, before.taken_at + args.interval - time.monotonic()))
+        console.print(status_view(read(), before))
+        return 0
+
+    def view(now: Any, earlier: Any) -> Any:
+        heading = Text(
+            f"quorumq status: every {args.interval:g} s, {time.strftime('%H:%M:%S')} "
+            "(Ctrl-C to stop)",
+            style="dim",
+        )
+        return Group(heading, status_view(now, earlier, audit=args.audit))
+
+    try:
+        with Live(view(before, None), console=console) as live:
+            while True:
+                time.sleep(max(0.0, before.taken_at + args.interval - time.monotonic()))
+                now = read()
+                live.update(view(now, before))
+                before = now
+    except KeyboardInterrupt:  # how --watch ends
+        return 0
+
+
+def run_members(args: argparse.Namespace) -> int:
+    from ..client import Client, QuorumqError  # noqa: PLC0415
+
+    if args.action == "list":
+        if args.member:
+            raise UsageError("list takes no member")
+        with connect_client(args) as client:
+            members = client.status()["members"]
+    elif args.action == "add":
+        try:
+            name, address = peer(args.member or "")
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"add takes NAME=HOST:PORT: {e}") from None
+        print(f"adding {name} ({address}); waiting for the change to commit...", flush=True)
+        with connect_client(args) as client:
+            try:
+                members = client.add_member(name, address)
+            except QuorumqError as e:
+                raise UsageError(str(e)) from None
+    else:
+        if not args.member or "=" in args.member:
+            raise UsageError("remove takes a member name, e.g. B")
+        token = secret_from(args.token_file, "QUORUMQ_TOKEN", "client token")
+        admin = secret_from(None, "QUORUMQ_ADMIN_TOKEN", "admin token")
+        members = {}
+        for endpoint in endpoints_of(args):  # a node does not remove itself: ask another
+            try:
+                with Client(
+                    [endpoint],
+                    token,
+                    connect_timeout=args.timeout,
+                    admin_token=admin,
+                    tls=tls_option(args),
+                ) as client:
+                    if client.node == args.member:
+                        continue
+                    print(f"removing {args.member} via {client.node}...", flush=True)
+                    members = client.remove_member(args.member)
+                    break
+            except QuorumqError as e:
+                raise UsageError(str(e)) from None
+        else:
+            raise UsageError(f"no endpoint other than {args.member}'s answered")
+        print(f"{args.member} removed: stop its process now (it no longer gets the log)")
+    for name, address in sorted(members.items()):
+        print(f"  {name}: raft {address}")
+    return 0
