@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from quorumq.client import QuorumqError
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 from simulations.chaos import RaftWatch, _agreement
 
 QUEUE = "chaos"

@@ -34,7 +34,7 @@ from importlib.metadata import version
 from typing import Any
 
 from quorumq.client import Client, Consumer, Delivery, QuorumqError
-from quorumq.embedded import Cluster, free_ports
+from quorumq.ops.local_cluster import Cluster, free_ports
 
 from .peers.common import (
     PAYLOAD,

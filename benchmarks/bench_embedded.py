@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import quorumq
-from quorumq.embedded import free_ports
+from quorumq.ops.local_cluster import free_ports
 
 BODY_BYTES = 100
 WINDOW = 1000

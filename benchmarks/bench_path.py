@@ -251,7 +251,7 @@ def main() -> None:
     os.environ["QUORUMQ_PATH_TIMING"] = str(marks)
     # imported after the variable is set: path timing is read once, at import
     from quorumq import pathtiming
-    from quorumq.embedded import Cluster
+    from quorumq.ops.local_cluster import Cluster
 
     from .bench_cluster import end_to_end, paced
 

@@ -36,7 +36,7 @@ import trio
 
 import quorumq.aio
 from quorumq.client import ServerError
-from quorumq.embedded import free_ports
+from quorumq.ops.local_cluster import free_ports
 
 HERE = Path(__file__).resolve().parent.parent
 WAIT_S = 30.0

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 
 VALUE_BYTES = 100
 KEYS = 1000

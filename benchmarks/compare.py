@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 
 from .bench_cluster import QuorumqSystem
 from .peers.common import PAYLOAD, Trace, cpu_seconds, latency_sample, peak_rss_mb

@@ -13,8 +13,8 @@ from typing import Any
 import attrs
 
 from quorumq.cli.args import backoff_ms
-from quorumq.scenarios import SCENARIOS
-from quorumq.scenarios import render as render_scenario
+from quorumq.ops.scenarios import SCENARIOS
+from quorumq.ops.scenarios import render as render_scenario
 
 from .faults import PROFILES, kinds_of
 from .liveness import LivenessReport

@@ -52,7 +52,7 @@ from typing import Any
 import attrs
 
 from quorumq.client import Client, Consumer, QuorumqError
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 
 QUEUE = "chaos"
 KEYS_PER_PRODUCER = 4

@@ -6,7 +6,7 @@ simulated connections.
   after a latency), and the node learns when the client closes it.
 * `SimClient` is what `quorumq.client.blocking` and `quorumq.client.aio` are around
   the session, on the simulated clock: the handshake (welcome, hello, reply), frames
-  encoded and decoded by `quorumq.protocol`, the session's events (answers, deliveries,
+  encoded and decoded by `quorumq.wire.protocol`, the session's events (answers, deliveries,
   consumers ended, resubscribes with backoff, rewinds, frames to send), timeouts
   (`outcome_unknown` for a publish, `abandon` for the rest), reconnects to another node
   after the connection breaks. So every rule of the session runs in every simulation:
@@ -42,7 +42,7 @@ from quorumq.client.session import (
     RewindLater,
     Send,
 )
-from quorumq.protocol import FrameDecoder, ProtocolError, encode_frame
+from quorumq.wire.protocol import FrameDecoder, ProtocolError, encode_frame
 
 from .world import WALL_EPOCH_MS, micros
 

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from quorumq import scenarios
 from quorumq.machine import (
     Applied,
     Cancel,
@@ -24,6 +23,7 @@ from quorumq.machine import (
     NodeUp,
     Subscribe,
 )
+from quorumq.ops import scenarios
 
 from .world import US, World, seconds
 

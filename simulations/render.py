@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from quorumq.scenarios import Scenario, describe, play
+from quorumq.ops.scenarios import Scenario, describe, play
 
 if TYPE_CHECKING:
     from .runner import Result

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from quorumq.embedded import free_ports
 from quorumq.machine import Applied, Command, Deliver, Machine, Meta
+from quorumq.ops.local_cluster import free_ports
 
 
 class Driver:

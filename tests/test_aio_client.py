@@ -13,8 +13,8 @@ import quorumq.aio
 from quorumq.client import QuorumqError, ServerError
 from quorumq.client.aio import AsyncClient, AsyncConsumer
 from quorumq.client.core import delivery_from
-from quorumq.embedded import Cluster
-from quorumq.protocol import FrameDecoder
+from quorumq.ops.local_cluster import Cluster
+from quorumq.wire.protocol import FrameDecoder
 
 from .helpers import wait_for
 
@@ -209,7 +209,7 @@ def test_a_consumer_waiting_to_subscribe_again_ends_when_the_client_closes() -> 
     waiting to be subscribed again: the session no longer held it, and its `get()`
     waited for good (second review, 5). A fake node: the second connection's hello is
     answered only once the client is closed."""
-    from quorumq.protocol import encode_frame
+    from quorumq.wire.protocol import encode_frame
 
     async def main() -> None:
         connections = 0

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quorumq.client import Client, ConnectionLostError, KeyPausedError, ServerError
-from quorumq.embedded import Cluster
-from quorumq.protocol import PROTOCOL_VERSION, SCHEMA, FrameDecoder, auth_proof, encode_frame
+from quorumq.ops.local_cluster import Cluster
+from quorumq.wire.protocol import PROTOCOL_VERSION, SCHEMA, FrameDecoder, auth_proof, encode_frame
 
 from .helpers import wait_for
 

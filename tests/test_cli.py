@@ -170,7 +170,7 @@ def test_cli_runs_a_dev_cluster_publishes_consumes_and_stops_it(tmp_path: object
 def test_a_node_whose_raft_port_is_taken_says_so_and_exits(tmp_path: object) -> None:
     import socket
 
-    from quorumq.embedded import free_ports
+    from quorumq.ops.local_cluster import free_ports
 
     (client_port,) = free_ports(1)
     with socket.socket() as taken:
@@ -207,7 +207,7 @@ def test_status_audit_needs_the_admin_token_and_says_so_in_one_line() -> None:
     import json
     import os
 
-    from quorumq.embedded import Cluster
+    from quorumq.ops.local_cluster import Cluster
 
     with Cluster(1, token="client-token") as cluster:
         cluster.leader()
@@ -246,7 +246,7 @@ def test_a_node_restarted_with_other_peers_or_a_damaged_record_is_refused_in_one
     """Issue 27: no first configuration was kept on disk, so a node restarted with another
     `--peer` list before its first snapshot counted votes over other voters."""
     import quorumq
-    from quorumq.embedded import free_ports
+    from quorumq.ops.local_cluster import free_ports
 
     client_port, raft_port, other_port = free_ports(3)
     data = tmp_path / "a"
@@ -308,7 +308,7 @@ def test_user_errors_are_one_line_and_a_stopped_cluster_says_where_its_data_is(
     """Each error found by trying the command as a user (before: tracebacks of 16 to 59
     lines, exit 1), then `cluster down`, `cluster status` (it said "no cluster" while
     the data was kept) and `cluster up` again on the same data."""
-    from quorumq.embedded import free_ports
+    from quorumq.ops.local_cluster import free_ports
 
     root = f"{tmp_path}/dev"
 
@@ -360,7 +360,7 @@ def test_user_errors_are_one_line_and_a_stopped_cluster_says_where_its_data_is(
 def test_a_wrong_or_missing_token_is_one_line() -> None:
     import os
 
-    from quorumq.embedded import Cluster
+    from quorumq.ops.local_cluster import Cluster
 
     with Cluster(1, token="right") as cluster:
         cluster.leader()
@@ -398,7 +398,7 @@ def test_status_tables_show_nodes_and_queue_rates_while_a_workload_runs() -> Non
     import json
     import threading
 
-    from quorumq.embedded import Cluster
+    from quorumq.ops.local_cluster import Cluster
 
     from .helpers import wait_for
 
@@ -473,7 +473,7 @@ def test_status_watch_refreshes_in_place_until_ctrl_c() -> None:
     import signal
     import time
 
-    from quorumq.embedded import Cluster
+    from quorumq.ops.local_cluster import Cluster
 
     with Cluster(1) as cluster:
         cluster.leader()
@@ -518,7 +518,7 @@ def _watch_headings(output: bytes) -> list[bytes]:
 
 
 def test_purge_and_delete_queue_say_what_they_removed_and_a_queue_in_use_needs_force() -> None:
-    from quorumq.embedded import Cluster
+    from quorumq.ops.local_cluster import Cluster
 
     with Cluster(1) as cluster:
         cluster.leader()
@@ -559,7 +559,7 @@ def test_the_credential_and_log_flags_of_a_node_take_effect(tmp_path: Any) -> No
     with both it goes through; --log-level info logs the node's election."""
     import quorumq
     from quorumq.client import QuorumqError, ServerError
-    from quorumq.embedded import free_ports
+    from quorumq.ops.local_cluster import free_ports
 
     client_port, raft_port = free_ports(2)
     files = {}

@@ -26,7 +26,7 @@ from quorumq.client import (
     ServerError,
 )
 from quorumq.client.wire import Wire
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 
 from .helpers import wait_for
 

@@ -15,7 +15,7 @@ import trio
 
 import quorumq.aio
 from quorumq.client import Client, Consumer, QuorumqError
-from quorumq.embedded import Cluster, free_ports
+from quorumq.ops.local_cluster import Cluster, free_ports
 from quorumq.replica import ReplicaConfig
 from quorumq.server import NodeConfig, NodeServer
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from quorumq.client import Client, Consumer, Delivery
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 
 from .helpers import wait_for
 

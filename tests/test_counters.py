@@ -1,8 +1,7 @@
-"""quorumq.counters: what a node counts per queue as its replica applies entries."""
+"""quorumq.server.counters: what a node counts per queue as its replica applies entries."""
 
 from __future__ import annotations
 
-from quorumq.counters import COUNTS, QueueCounters
 from quorumq.machine import (
     Ack,
     Applied,
@@ -15,6 +14,7 @@ from quorumq.machine import (
     Subscribe,
     Tick,
 )
+from quorumq.server.counters import COUNTS, QueueCounters
 
 from .helpers import Driver, delivered
 

@@ -1,9 +1,9 @@
-"""What a node sent its consumers (quorumq/deliveries.py), driven directly."""
+"""What a node sent its consumers (quorumq/node/deliveries.py), driven directly."""
 
 from __future__ import annotations
 
-from quorumq.deliveries import SENT_RECORD_MIN, SentDeliveries, missing
 from quorumq.machine import Deliver
+from quorumq.node.deliveries import SENT_RECORD_MIN, SentDeliveries, missing
 
 
 def deliver(offset: int, count: int = 0, *, redelivered: bool | None = None) -> Deliver:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from quorumq.client import ServerError
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 
 from .helpers import wait_for
 from .test_cluster import Recorder

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 
 from .helpers import wait_for
 from .test_cluster import converged

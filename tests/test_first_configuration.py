@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from quorumq.embedded import free_ports
 from quorumq.machine import encoding
+from quorumq.ops.local_cluster import free_ports
 from quorumq.raft.files import OS_FILES
 from quorumq.raft.first_configuration import (
     FILE_NAME,

@@ -7,8 +7,8 @@ import time
 
 import trio
 
-from quorumq.inprocess import FrameChannel, ThreadEnd, TrioEnd
-from quorumq.protocol import copy_frame
+from quorumq.wire.inprocess import FrameChannel, ThreadEnd, TrioEnd
+from quorumq.wire.protocol import copy_frame
 
 
 def test_a_full_channel_takes_nothing_more_until_its_reader_takes_what_waits() -> None:

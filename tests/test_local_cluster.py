@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import quorumq
-from quorumq.embedded import free_ports
+from quorumq.ops.local_cluster import free_ports
 
 from .embedded_program import TOKEN
 from .helpers import wait_for

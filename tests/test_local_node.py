@@ -18,7 +18,7 @@ import trio
 import quorumq
 import quorumq.aio
 from quorumq.client import ServerError
-from quorumq.embedded import free_ports
+from quorumq.ops.local_cluster import free_ports
 from quorumq.replica import ConfigError
 
 from .helpers import wait_for

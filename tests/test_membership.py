@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from quorumq.client import ServerError
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 
 from .helpers import wait_for
 from .test_cluster import Recorder, converged, kill_all_and_restart

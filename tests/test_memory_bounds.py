@@ -30,8 +30,8 @@ from quorumq.machine import (
 )
 from quorumq.machine.machine import EVICT_SILENT_MS, MAX_PRODUCERS, PRODUCER_EXPIRY_MS
 from quorumq.node import ConnectionCore
-from quorumq.protocol import PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
 from quorumq.server import NodeServer
+from quorumq.wire.protocol import PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
 
 from .test_server import _config, _serve_with
 from .test_server_bounds import _wait_for

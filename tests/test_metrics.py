@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 
 from .helpers import wait_for
 
@@ -198,7 +198,7 @@ def test_a_node_whose_metrics_port_is_taken_says_so_in_one_line(tmp_path: object
     import subprocess
     import sys
 
-    from quorumq.embedded import free_ports
+    from quorumq.ops.local_cluster import free_ports
 
     client_port, raft_port = free_ports(2)
     with socket.socket() as taken:

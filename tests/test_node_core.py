@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from quorumq.deliveries import SENT_RECORD_MIN
 from quorumq.machine import (
     OK,
     Ack,
@@ -31,8 +30,9 @@ from quorumq.machine import (
     ends_moved,
 )
 from quorumq.node import ConnectionCore, NodeConfig, NodeCore
-from quorumq.protocol import PROTOCOL_VERSION, copy_frame, encode_frame
+from quorumq.node.deliveries import SENT_RECORD_MIN
 from quorumq.replica import ReplicaConfig
+from quorumq.wire.protocol import PROTOCOL_VERSION, copy_frame, encode_frame
 
 
 class _Replica:
@@ -229,7 +229,7 @@ def test_nacks_read_together_go_in_one_command_per_delay_and_a_bad_delay_is_refu
 
 
 def _frames(conn: ConnectionCore) -> list[dict[str, Any]]:
-    from quorumq.protocol import FrameDecoder
+    from quorumq.wire.protocol import FrameDecoder
 
     decoder = FrameDecoder()
     data, _frames_count, _cost = conn.take_output(1 << 20)

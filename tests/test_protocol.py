@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from quorumq.protocol import (
+from quorumq.wire.protocol import (
     FrameDecoder,
     FrameQueue,
     ProtocolError,
@@ -123,7 +123,7 @@ def test_auth_proof_is_an_hmac_of_the_nonce() -> None:
 
 def test_read_columns_carry_the_same_messages_as_rows_and_pages_join() -> None:
     from quorumq.client.core import read_result
-    from quorumq.protocol import check_columns, encode_columns
+    from quorumq.wire.protocol import check_columns, encode_columns
 
     records = [
         (7, "k1", b"first", None, 1000),
@@ -159,7 +159,7 @@ def test_read_columns_carry_the_same_messages_as_rows_and_pages_join() -> None:
 def test_read_columns_that_do_not_add_up_are_a_bad_frame(
     change: dict[str, object], message: str
 ) -> None:
-    from quorumq.protocol import check_columns, encode_columns
+    from quorumq.wire.protocol import check_columns, encode_columns
 
     page = encode_columns(
         [(7, "k1", b"first", None, 1), (9, None, b"", None, 2), (12, "k2", b"x" * 300, None, 3)]

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from quorumq.embedded import Cluster
+from quorumq.ops.local_cluster import Cluster
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 _BLOCK = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```", re.S | re.M)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from quorumq.scenarios import (
+from quorumq.ops.scenarios import (
     RABBITMQ_POST_ALTERNATE,
     RABBITMQ_POST_MAIN,
     Scenario,

@@ -15,10 +15,10 @@ import quorumq.aio
 from quorumq.client import Client, QuorumqError, ServerError
 from quorumq.client.aio import StreamLink
 from quorumq.client.wire import Wire
-from quorumq.embedded import free_ports
-from quorumq.protocol import KEEPALIVE_IDLE_S
+from quorumq.ops.local_cluster import free_ports
 from quorumq.replica import ReplicaConfig
 from quorumq.server import NodeConfig, NodeServer
+from quorumq.wire.protocol import KEEPALIVE_IDLE_S
 
 
 def _config(root: Path) -> NodeConfig:

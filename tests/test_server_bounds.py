@@ -13,8 +13,8 @@ import attrs
 import trio
 
 import quorumq.aio
-from quorumq.protocol import FrameDecoder, encode_frame
 from quorumq.server import NodeServer
+from quorumq.wire.protocol import FrameDecoder, encode_frame
 
 from .test_server import _config, _serve_with
 

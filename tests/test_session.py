@@ -31,7 +31,7 @@ from quorumq.client.session import (
     Send,
     keys_of,
 )
-from quorumq.protocol import encode_frame
+from quorumq.wire.protocol import encode_frame
 
 
 @attrs.define

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from quorumq.embedded import Cluster
 from quorumq.machine.views import bucket_of
+from quorumq.ops.local_cluster import Cluster
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quorumq.status_view import _near_limits
+from quorumq.ops.status_view import _near_limits
 
 
 def test_a_node_near_its_file_limit_or_client_cap_has_a_note() -> None:

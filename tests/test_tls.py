@@ -7,7 +7,7 @@ over TLS, what a client without TLS, a wrong CA, a wrong host name and a node wi
 TLS give them, and the bytes a tap in front of the node sees). Then a real 3-node
 cluster with TLS on: a consumer on a follower, failover after SIGKILL of the leader, a
 plain client and a wrong CA refused while others are served, the tap again, and the
-CLI. Certificates come from throwaway CAs (`quorumq.embedded.make_certificates`).
+CLI. Certificates come from throwaway CAs (`quorumq.ops.local_cluster.make_certificates`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import trio
 import quorumq
 import quorumq.aio
 from quorumq.client import Client, TlsError
-from quorumq.embedded import Certificates, Cluster, free_ports, make_certificates
-from quorumq.protocol import FrameDecoder
+from quorumq.ops.local_cluster import Certificates, Cluster, free_ports, make_certificates
 from quorumq.replica import ConfigError, ReplicaConfig
 from quorumq.server import NodeConfig, NodeServer
 from quorumq.server.node import tls_context
+from quorumq.wire.protocol import FrameDecoder
 
 
 @pytest.fixture(scope="module")

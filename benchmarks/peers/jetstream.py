@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from quorumq.embedded import free_ports
+from quorumq.ops.local_cluster import free_ports
 
 from .common import (
     Trace,

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from quorumq.embedded import free_ports
+from quorumq.ops.local_cluster import free_ports
 
 from .common import (
     Trace,

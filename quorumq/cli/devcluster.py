@@ -56,7 +56,7 @@ def _cluster_up(root: Path, nodes: int) -> int:
     import secrets  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
-    from ..embedded import NODE_NAMES, free_ports  # noqa: PLC0415
+    from ..ops.local_cluster import NODE_NAMES, free_ports  # noqa: PLC0415
 
     again = (root / "cluster.json").exists()
     if again:

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..scenarios import SCENARIOS
+from ..ops.scenarios import SCENARIOS
 from .args import (
     Parser,
     UsageError,

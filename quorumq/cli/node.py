@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ..scenarios import SCENARIOS, render
+from ..ops.scenarios import SCENARIOS, render
 from .args import UsageError, secret_from
 
 
@@ -94,7 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "computed the same assignment and only the replica local to a consumer sent to it."
         )
         return 0
-    from ..demo import run  # noqa: PLC0415 - starts processes: only when asked
+    from ..ops.demo import run  # noqa: PLC0415 - starts processes: only when asked
 
     timeline = Path(args.timeline) if args.timeline else None
     result = run(messages=args.messages, timeline=timeline)

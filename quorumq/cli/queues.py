@@ -98,7 +98,7 @@ def run_consume(args: argparse.Namespace) -> int:
 
 def run_queues(args: argparse.Namespace) -> int:
 
-    from ..status_view import queue_list  # noqa: PLC0415
+    from ..ops.status_view import queue_list  # noqa: PLC0415
 
     with connect_client(args) as client:
         status = client.status()

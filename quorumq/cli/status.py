@@ -42,7 +42,7 @@ def _status_tables(args: argparse.Namespace) -> int:
     from rich.text import Text  # noqa: PLC0415
 
     from ..client import Client, QuorumqError  # noqa: PLC0415
-    from ..status_view import read_cluster, status_view  # noqa: PLC0415
+    from ..ops.status_view import read_cluster, status_view  # noqa: PLC0415
 
     endpoints = endpoints_of(args)
     token = secret_from(args.token_file, "QUORUMQ_TOKEN", "client token")

@@ -7,7 +7,7 @@
 
 The client runs a reader task in its own nursery for as long as the `async with` lasts.
 Its connection is a `Link`: a socket's (TCP or TLS), or, for `quorumq.aio.Node.client`,
-one to the node in the same trio loop (`quorumq.inprocess.TrioEnd`).
+one to the node in the same trio loop (`quorumq.wire.inprocess.TrioEnd`).
 Sends go through one lock held from the moment a sequence number is taken until the
 frame is written, so send order is sequence order. When the connection breaks, the
 reader connects to the next endpoint, resends every unconfirmed publish in order and
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import trio
 
-from ..protocol import FrameDecoder, ProtocolError, encode_frame, keep_alive
+from ..wire.protocol import FrameDecoder, ProtocolError, encode_frame, keep_alive
 from .blocking import MessageLike, batch_rows, landed_offsets
 from .core import (
     ConnectFailures,

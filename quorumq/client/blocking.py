@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from .. import pathtiming
-from ..protocol import ProtocolError
+from ..wire.protocol import ProtocolError
 from .core import (
     ConnectFailures,
     ConnectionLostError,

@@ -13,7 +13,7 @@ import attrs
 
 from ..machine.commands import MAX_RETRY_DELAY_MS
 from ..machine.views import StreamMessage
-from ..protocol import PROTOCOL_VERSION, READ_COLUMNS, ProtocolError, auth_proof, check_columns
+from ..wire.protocol import PROTOCOL_VERSION, READ_COLUMNS, ProtocolError, auth_proof, check_columns
 
 logger = logging.getLogger("quorumq.client")
 

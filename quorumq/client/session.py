@@ -57,7 +57,7 @@ from typing import Any, Protocol
 import attrs
 
 from ..machine.commands import MAX_SEQ, check_seqs
-from ..protocol import encode_frame
+from ..wire.protocol import encode_frame
 from .core import (
     MAX_GENERATION,
     RETRIABLE,

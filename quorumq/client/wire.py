@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
-from ..protocol import FrameDecoder, encode_frame, keep_alive
+from ..wire.protocol import FrameDecoder, encode_frame, keep_alive
 from .core import ConnectionLostError
 from .tls import handshake_failed
 
@@ -35,7 +35,7 @@ RECEIVE_BYTES = 262144
 
 class Link(Protocol):
     """A connection to a node, as the blocking client uses it: a socket's (`Wire`), or
-    one to a node in the same process (`quorumq.inprocess.ThreadEnd`)."""
+    one to a node in the same process (`quorumq.wire.inprocess.ThreadEnd`)."""
 
     def frames(self) -> Iterator[dict[str, Any]]:
         """The node's frames, checked, as they come (it blocks); ends once the

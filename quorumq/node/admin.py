@@ -18,11 +18,11 @@ from ..machine import (
     PurgeQueue,
 )
 from ..machine.queue import may_start_generation_id
-from ..protocol import Frame
 from ..replica import (
     AuditBusyError,
     AuditFailedError,
 )
+from ..wire.protocol import Frame
 from .connection import ConnectionCore
 from .disk import DiskWatch
 from .services import Services

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import attrs
 
-from ..protocol import DEFAULT_MAX_BODY, FRAME_OVERHEAD
 from ..raft.member import MAX_COMMAND_BYTES
 from ..replica import ConfigError, ReplicaConfig, is_loopback
+from ..wire.protocol import DEFAULT_MAX_BODY, FRAME_OVERHEAD
 
 MAX_BODY = MAX_COMMAND_BYTES - FRAME_OVERHEAD
 """The largest `--max-body` a node takes: a body must fit one Raft log entry."""

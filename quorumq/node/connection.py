@@ -26,8 +26,8 @@ import logging
 import os
 
 from .. import pathtiming
-from ..deliveries import SentDeliveries
-from ..protocol import Frame, FrameDecoder, FrameQueue, copy_frame, encode_frame
+from ..wire.protocol import Frame, FrameDecoder, FrameQueue, copy_frame, encode_frame
+from .deliveries import SentDeliveries
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class ConnectionCore:
         """Consumers the client cancelled (they may still ack what they hold)."""
         self._sent: dict[str, SentDeliveries] = {}
         """Per consumer, what it was sent and may still hold: after a snapshot load the
-        node sends what the machine says it holds and was not sent (`quorumq.deliveries`)."""
+        node sends what the machine says it holds and was not sent (`quorumq.node.deliveries`)."""
         self.nonce = os.urandom(16)
         self.greeted = False
         self.admin = False

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..machine import Declare, Effect, QueueOptions
-from ..protocol import (
+from ..wire.protocol import (
     PROTOCOL_VERSION,
     Frame,
     FrameDecoder,

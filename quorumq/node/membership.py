@@ -12,12 +12,12 @@ from ..machine import (
     Reply,
     Tick,
 )
-from ..protocol import Frame
 from ..replica import (
     OutcomeUnknownError,
     ProposalError,
     is_loopback,
 )
+from ..wire.protocol import Frame
 from .admin import Admin
 from .connection import ConnectionCore
 from .services import RETRY_EVERY_S, Services

@@ -18,10 +18,10 @@ from ..machine import (
     Message,
     Reply,
 )
-from ..protocol import Frame
 from ..replica import (
     ProposalError,
 )
+from ..wire.protocol import Frame
 from .connection import ConnectionCore
 from .disk import DiskWatch
 from .services import PROPOSAL_COST, Services

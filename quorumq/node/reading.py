@@ -14,7 +14,7 @@ from typing import Any
 from ..machine import (
     UnknownQueueError,
 )
-from ..protocol import Frame, encode_columns
+from ..wire.protocol import Frame, encode_columns
 from .config import READ_REPLY_BYTES
 from .connection import ConnectionCore
 from .reads import WaitingRead, WaitingReads

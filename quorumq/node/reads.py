@@ -27,7 +27,7 @@ from typing import Generic, TypeVar
 
 import attrs
 
-from ..protocol import Frame
+from ..wire.protocol import Frame
 
 Owner = TypeVar("Owner", bound=Hashable)
 """Who asked: a connection."""

@@ -25,8 +25,8 @@ from ..machine import (
     QueuePurged,
     Reply,
 )
-from ..protocol import Frame
 from ..replica import NotAppliedError, ProposalError
+from ..wire.protocol import Frame
 from .config import NodeConfig, check_node_config
 from .connection import ConnectionCore
 
@@ -132,7 +132,8 @@ class Services:
         self.consumers: dict[str, ConnectionCore] = {}
         self.connections: set[ConnectionCore] = set()
         self.queue_counts: Callable[[Iterable[str]], dict[str, dict[str, int]]] | None = None
-        """Per queue, what this node counted as it applied (`quorumq.counters`), for status."""
+        """Per queue, what this node counted as it applied (`quorumq.server.counters`), for
+        status."""
         self._timers: list[tuple[float, int, Timer]] = []
         self._timer_order = itertools.count()
 

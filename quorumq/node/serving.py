@@ -1,7 +1,7 @@
 """The consumers this node serves: subscribe and cancel; the effects its replica applied
 turned into frames (a delivery to a consumer of this node is sent, after its subscribe
 reply; one to a consumer it does not have is answered with that consumer's `Down`; what
-each consumer was sent is recorded, `quorumq.deliveries`); after a snapshot install,
+each consumer was sent is recorded, `quorumq.node.deliveries`); after a snapshot install,
 what the skipped entries would have sent (`state_replaced`); and, every second, `Down`
 for consumers the machine places on this node that no connection here serves (a `Down`
 lost to a leader change, consumers of an earlier run of this node)."""
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ..deliveries import missing as missing_deliveries
 from ..machine import (
     Cancel,
     ConsumerDown,
@@ -21,8 +20,9 @@ from ..machine import (
     Subscribe,
     UnknownQueueError,
 )
-from ..protocol import Frame
+from ..wire.protocol import Frame
 from .connection import ConnectionCore
+from .deliveries import missing as missing_deliveries
 from .reading import Reading
 from .services import Services
 from .settling import Settling

@@ -20,12 +20,12 @@ from ..machine import (
     UnknownQueueError,
 )
 from ..machine.commands import MAX_RETRY_DELAY_MS
-from ..protocol import Frame
 from ..replica import (
     NotAppliedError,
     OutcomeUnknownError,
     ProposalError,
 )
+from ..wire.protocol import Frame
 from .connection import ConnectionCore
 from .services import RETRY_EVERY_S, Services, Timer
 

@@ -9,7 +9,7 @@
 
 Three instances of a program, each with one node, replicate one log between them; each
 instance's consumers get their deliveries from the replica in their own process, over
-an in-process connection (`quorumq.inprocess`): no socket, no encoding, and the same
+an in-process connection (`quorumq.wire.inprocess`): no socket, no encoding, and the same
 prefetch, ack, redelivery and bounds as over TCP. `listen="host:port"` also opens a
 client port, so other programs use the node as any other (its token and TLS required
 as on a node process).
@@ -40,11 +40,11 @@ from ..client.aio import AsyncClient
 from ..client.aio import connect as aio_connect
 from ..client.blocking import Client
 from ..client.core import ConnectionLostError
-from ..inprocess import ThreadEnd, TrioEnd
 from ..node import NodeConfig, check_node_config
-from ..protocol import DEFAULT_MAX_BODY
 from ..raft.member import Fsync
 from ..replica import ConfigError, ReplicaConfig
+from ..wire.inprocess import ThreadEnd, TrioEnd
+from ..wire.protocol import DEFAULT_MAX_BODY
 from .node import NodeServer, in_own_thread, lock_data_dir, tls_context
 
 logger = logging.getLogger(__name__)

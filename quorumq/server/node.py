@@ -9,7 +9,7 @@ blocks it); the core only ever runs on the trio thread.
 
 Clients in the node's own process (`quorumq.Node`) connect with `open_local_connection`:
 the same reader and writer, over an in-process connection of frames
-(`quorumq.inprocess`) in place of a socket, under the same bounds.
+(`quorumq.wire.inprocess`) in place of a socket, under the same bounds.
 
 Stopping (cancelling `serve`) ends every connection (their consumers' `Down` proposed),
 waits for those to commit, hands leadership over if this node leads
@@ -42,16 +42,16 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from .. import pathtiming
-from ..counters import QueueCounters
-from ..inprocess import FrameChannel, open_connection
 from ..machine import Command, Effect, Machine, Reply
-from ..metrics import NodeMetrics
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.config import DISK_CHECK_EVERY_S, START_FREE_BYTES
 from ..node.core import ProposalCallback
-from ..protocol import Frame, SizedFrame, encode_frame, keep_alive
 from ..replica import ConfigError, ProposalError, Replica, file_usage
+from ..wire.inprocess import FrameChannel, open_connection
+from ..wire.protocol import Frame, SizedFrame, encode_frame, keep_alive
+from .counters import QueueCounters
 from .file_budget import client_caps, current_file_limit, raise_file_limit
+from .metrics import NodeMetrics
 from .metrics_http import MetricsServer
 
 logger = logging.getLogger(__name__)
@@ -542,7 +542,7 @@ class NodeServer:
     def open_local_connection(self) -> tuple[FrameChannel[Frame], FrameChannel[SizedFrame]]:
         """A connection for a client in this process (call on the node's trio loop): the
         channels of the client's end, frames to it and frames to the node
-        (`quorumq.inprocess`). `ConfigError` if the node is not serving."""
+        (`quorumq.wire.inprocess`). `ConfigError` if the node is not serving."""
         if self._nursery is None or self._token is None:
             raise ConfigError(f"node {self.node_id} is not serving")
         end, to_client, to_node = open_connection(self._token)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .machine import Deliver
+from ..machine import Deliver
 
 SENT_RECORD_MIN = 1024
 """A consumer's record of deliveries is trimmed to what it holds past this many (or

@@ -26,8 +26,8 @@ import attrs
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from .client import Delivery
-from .embedded import Cluster
+from ..client import Delivery
+from .local_cluster import Cluster
 
 KEYS = ("alice", "bob", "carol", "dave", "erin", "frank")
 

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from .machine import (
+from ..machine import (
     OK,
     Ack,
     Applied,

@@ -4,7 +4,7 @@ Two kinds, so that the hot path stays cheap:
 
 * read at scrape time, by a custom collector: every queue's figures (from the machine,
   under the replica's lock, O(queues)), what the node counted as it applied entries
-  (`quorumq.counters`), and the Raft member's term, role, indexes and log length. The
+  (`quorumq.server.counters`), and the Raft member's term, role, indexes and log length. The
   node does nothing for these between scrapes.
 * observed as they happen: the journal's fsync latency (a timing wrapper around the
   journal's file operations, `TimedFiles`) and the time from proposing a command to its
@@ -28,9 +28,9 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from ..machine import Command, Enqueue, EnqueueBatch
+from ..raft.files import Files
 from .counters import QueueCounters
-from .machine import Command, Enqueue, EnqueueBatch
-from .raft.files import Files
 
 FSYNC_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 PROPOSAL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 15.0)
@@ -46,7 +46,7 @@ QUEUE_COUNTERS = (
     ("dropped", "Messages that left undelivered and were not dead-lettered."),
     ("purged", "Ready messages removed by a purge."),
 )
-"""The per-queue counts of `quorumq.counters`, as `quorumq_queue_messages_<name>_total`."""
+"""The per-queue counts of `quorumq.server.counters`, as `quorumq_queue_messages_<name>_total`."""
 
 
 def _command_label(kind: type) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import attrs
 
-from .machine import (
+from ..machine import (
     Ack,
     Command,
     Declare,
