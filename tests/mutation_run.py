@@ -7,8 +7,9 @@ hole in the net.
 
 Each mutation replaces one exact piece of source text (it must occur once), runs the
 named tests in a fresh interpreter, and restores the file whatever happens. "killed":
-a test failed; "survived": every test passed (print it, add the missing test). The
-score is per package: killed / run.
+a test failed (pytest's exit status 1; any other but 0, say a test file that does not
+exist, stops the run: it would pass for a kill); "survived": every test passed (print
+it, add the missing test). The score is per package: killed / run.
 """
 
 from __future__ import annotations
@@ -219,7 +220,12 @@ def run(mutation: Mutation) -> tuple[bool, float]:
         )
     finally:
         path.write_text(original)
-    return result.returncode != 0, time.monotonic() - started
+    if result.returncode not in (0, 1):  # 2-5: interrupted, internal or usage error, no tests
+        raise SystemExit(
+            f"{mutation.name}: pytest exited {result.returncode} (not a test failing): "
+            + result.stdout.decode(errors="replace")[-2000:]
+        )
+    return result.returncode == 1, time.monotonic() - started
 
 
 def main(names: list[str]) -> int:

@@ -4,17 +4,20 @@ Deterministic and pure: the same commands in the same order give the same state,
 replies and effects on every replica. No clock (time is `meta.ts_ms`, clamped so it
 never runs back), no randomness, no I/O. A refused command gets an `Error` reply and
 changes nothing but the clock (messages whose TTL ran out still expire).
+
+`Machine` here is `apply` and each command's handler; its fields are `MachineState`
+(`state.py`), its read-only answers `Queries` (`queries.py`), its snapshot, digest and
+restore `Snapshots` (`snapshots.py`); a queue's own state and rules are `QueueState`
+(`queue.py`).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-from . import encoding
 from .commands import (
     DEFAULT_CONSUMER_TIMEOUT_MS,
     Ack,
@@ -33,17 +36,16 @@ from .commands import (
     NodeDown,
     NodeUp,
     PurgeQueue,
-    QueueOptions,
     Subscribe,
     Tick,
 )
-from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect, Purged
+from .effects import ConsumerDown, DeadLettered, Dropped, Effect, Purged
+from .queries import Queries
 from .queue import (
     ConsumerState,
     ProducerState,
     QueueState,
     Record,
-    message_cost,
     producer_generation,
 )
 from .replies import (
@@ -57,7 +59,8 @@ from .replies import (
     QueuePurged,
     Reply,
 )
-from .views import QueueStats, StreamMessage, bucket_of
+from .snapshots import Snapshots
+from .state import UnknownQueueError, _error, _is_resend
 
 PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
 """An idempotent producer silent this long is forgotten (its next seq starts afresh)."""
@@ -96,30 +99,6 @@ def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
     return len(q.producers) < MAX_PRODUCERS
 
 
-def _is_resend(q: QueueState, producer: str | None, seq: int | None, count: int) -> bool:
-    """Whether a publish is wholly a resend of what `producer` landed already."""
-    state = q.producers.get(producer) if producer is not None else None
-    return state is not None and seq is not None and seq + count - 1 <= state.last_seq
-
-
-_SNAPSHOT_FORMAT = "quorumq-machine"
-_SNAPSHOT_VERSION = 6
-"""2: retention counts keys, headers and an overhead per message (`message_cost`), and
-dead-lettered messages carry their death path. 3: each queue ends with the highest
-producer generation it forgot. 4: and then its messages waiting for a retry delay, its
-options end with `retry_backoff_ms`, and the machine ends with where deleted queues
-ended (`Machine._deleted`). Versions 1 to 3 are read too (the retained bytes are counted
-again on restore; no generation was forgotten; nothing waits, options missing at the
-end take their defaults, and no queue was deleted). 5: and then the disk alarms raised
-(none before). A snapshot with no alarm raised is written as version 4, which nodes of
-the version before read too (an upgraded leader's snapshot installs on an old
-follower). 6: a queue may end with its sealed producer prefixes
-(`ForgetProducers.seal`); written only when one has some (a node of an earlier version
-restoring it would drop them silently, and then take producers the others refuse)."""
-_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
-_OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
-
-
 @attrs.frozen
 class Meta:
     """Where a command sits in the log: its index, and the proposer's clock."""
@@ -147,14 +126,6 @@ def ends_moved(command: Command, applied: Applied) -> set[str]:
     return moved
 
 
-class UnknownQueueError(LookupError):
-    """A query named a queue that was never declared."""
-
-
-def _error(code: ErrorCode, message: str, expected_seq: int | None = None) -> Error:
-    return Error(code=code, message=message, expected_seq=expected_seq)
-
-
 MAX_DEATH_HOPS = 32
 """Most dead-letterings of one message with no rejection between them."""
 _PATH_SEPARATOR = "\x1f"
@@ -165,27 +136,8 @@ def _death_path(headers: dict[str, str]) -> list[str]:
     return raw.split(_PATH_SEPARATOR) if raw else []
 
 
-class Machine:
+class Machine(Queries, Snapshots):
     """The replicated state of every queue, changed only by `apply`."""
-
-    def __init__(self) -> None:
-        self._queues: dict[str, QueueState] = {}
-        self._now = 0
-        self._last_index = 0
-        self._down_nodes: set[str] = set()
-        self._disk_alarms: set[str] = set()
-        """Nodes whose data disk is below its free-space limit (`DiskAlarm`)."""
-        self._consumer_queues: dict[str, dict[str, None]] = {}
-        """Consumer id -> the queues it is on (derived, for `Down`)."""
-        self._deleted: dict[str, tuple[int, int]] = {}
-        """Names of deleted queues not declared again, oldest first -> (the offset after
-        the last one the queue gave, the highest producer generation it knew or forgot):
-        a queue declared again under the name starts there, so an offset a reader kept
-        never names a message of the other queue, and a resend of a publish to the
-        deleted queue is refused (`producer_forgotten`), not enqueued in the new one."""
-        self._deleted_floor = (0, 0)
-        """The highest of each over the names `_deleted` let go (`MAX_DELETED_NAMES`):
-        where every other new queue starts."""
 
     @property
     def last_index(self) -> int:
@@ -756,315 +708,7 @@ class Machine:
 
     # ---------------------------------------------------------------- queries
 
-    def _get(self, queue: str) -> QueueState:
-        q = self._queues.get(queue)
-        if q is None:
-            raise UnknownQueueError(f"no queue named {queue!r}")
-        return q
-
-    def queues(self) -> tuple[str, ...]:
-        return tuple(self._queues)
-
-    def options(self, queue: str) -> QueueOptions:
-        return self._get(queue).options
-
-    def ready(self, queue: str) -> tuple[int, ...]:
-        """Offsets of the ready messages (those waiting for a retry delay too, see
-        `waiting`), ascending."""
-        q = self._get(queue)
-        return tuple(sorted(o for o in q.msgs if o not in q.held))
-
-    def oldest_ready_ms(self, queue: str) -> int | None:
-        """When the oldest ready message of `queue` was enqueued (the machine's time, ms),
-        or None when none is ready. The queue keeps its messages in offset order and
-        time never runs back, so this looks only at the held messages ahead of it."""
-        q = self._get(queue)
-        held = q.held
-        for offset, msg in q.msgs.items():
-            if offset not in held:
-                return msg[4]
-        return None
-
-    def waiting(self, queue: str) -> dict[int, int]:
-        """Returned messages of `queue` held back by a retry delay: offset -> the log time
-        they are due (they count as ready, and keep their place)."""
-        return dict(self._get(queue).waiting)
-
-    def unacked(self, queue: str, consumer: str) -> tuple[int, ...]:
-        """Offsets `consumer` holds on `queue` (empty if it holds none or is not there)."""
-        c = self._get(queue).consumers.get(consumer)
-        return tuple(sorted(c.unacked)) if c is not None else ()
-
-    def held_deliveries(self, queue: str, consumer: str) -> tuple[Deliver, ...] | None:
-        """The deliveries `consumer` holds on `queue`, with the fields they were sent
-        with; None if it is not a consumer of `queue` (removed, or not there yet).
-
-        A replica that catches up by installing a snapshot skips the log entries that
-        made these deliveries: its node sends them from here."""
-        q = self._queues.get(queue)
-        c = None if q is None else q.consumers.get(consumer)
-        if q is None or c is None:
-            return None
-        return q.held_deliveries(c)
-
-    def consumers(self, queue: str) -> tuple[str, ...]:
-        """Consumers on `queue`, in subscription order (cancelled ones that still hold too)."""
-        return tuple(self._get(queue).consumers)
-
-    def consumers_on(self, node: str) -> tuple[str, ...]:
-        """Consumers, of any queue, that subscribed through `node`."""
-        return tuple(
-            consumer
-            for consumer, queues in self._consumer_queues.items()
-            if self._queues[next(iter(queues))].consumers[consumer].node == node
-        )
-
-    def service_queue(self, queue: str) -> tuple[str, ...]:
-        """Consumers that may receive now, in round-robin order."""
-        return tuple(c.id for c in self._get(queue).sq)
-
-    def stats(self, queue: str) -> QueueStats:
-        q = self._get(queue)
-        return QueueStats(
-            ready=q.ready_count,
-            unacked=len(q.held),
-            consumers=len(q.consumers),
-            next_offset=q.next_offset,
-            first_retained=q.first_retained,
-            producers=len(q.producers),
-        )
-
-    def producers(self, queue: str) -> tuple[str, ...]:
-        """Ids of the idempotent producers `queue` remembers, sorted."""
-        return tuple(sorted(self._get(queue).producers))
-
-    def committed_offset(self, queue: str, group: str) -> int | None:
-        return self._get(queue).commits.get(group)
-
-    def committed_offsets(self, queue: str) -> dict[str, int]:
-        return dict(self._get(queue).commits)
-
-    def down_nodes(self) -> frozenset[str]:
-        return frozenset(self._down_nodes)
-
-    def _disk_alarm_error(self) -> Error:
-        return _error(
-            ErrorCode.DISK_ALARM,
-            f"publishes wait: the data disk of {', '.join(sorted(self._disk_alarms))} is "
-            "below its free-space limit (deliveries, acks and reads go on)",
-        )
-
-    def disk_alarm_refusal(
-        self,
-        queue: str,
-        producer: str | None,
-        first_seq: int | None,
-        count: int,
-        seqs: tuple[int, ...] | None = None,
-    ) -> Error | None:
-        """The refusal a publish would meet now for a disk alarm (None: none), for a node
-        to answer before proposing: refused in the log, every retry of it was a journal
-        entry carrying its body, on every node, on the disk the alarm is for."""
-        q = self._queues.get(queue)
-        if not self._disk_alarms or q is None:
-            return None
-        if seqs is not None and producer is not None:
-            state = q.producers.get(producer)
-            if state is not None and max(seqs) <= state.last_seq:
-                return None  # wholly a resend: answered as a duplicate
-        elif _is_resend(q, producer, first_seq, count):
-            return None
-        return self._disk_alarm_error()
-
-    def disk_alarms(self) -> frozenset[str]:
-        """Nodes whose disk alarm is raised: publishes are refused while any is."""
-        return frozenset(self._disk_alarms)
-
-    def read(
-        self,
-        queue: str,
-        start: int,
-        end: int,
-        bucket: int | None = None,
-        buckets: int | None = None,
-    ) -> tuple[StreamMessage, ...]:
-        """Stream view: retained messages with offsets in [start, end), in offset order.
-
-        With `bucket` of `buckets`, only messages whose `bucket_of(key, offset, buckets)`
-        is `bucket`. Offsets below `stats(queue).first_retained` were trimmed by retention.
-        """
-        return tuple(
-            StreamMessage(offset=o, key=k, body=b, headers=h, ts_ms=t)
-            for o, k, b, h, t in self.read_records(queue, start, end, bucket, buckets)
-        )
-
-    def read_records(
-        self,
-        queue: str,
-        start: int,
-        end: int,
-        bucket: int | None = None,
-        buckets: int | None = None,
-    ) -> list[Record]:
-        """`read` as the stored (offset, key, body, headers, ts_ms) tuples: what a node
-        serves to readers, without building an object per message under the lock."""
-        if (bucket is None) != (buckets is None):
-            raise ValueError("bucket and buckets go together")
-        if buckets is not None and bucket is not None and not 0 <= bucket < buckets:
-            raise ValueError(f"bucket must be in [0, {buckets}), got {bucket}")
-        records = self._get(queue).read(start, end)
-        if buckets is not None:
-            return [r for r in records if bucket_of(r[1], r[0], buckets) == bucket]
-        return records
-
     # ------------------------------------------------------ snapshot / digest
-
-    def snapshot(self) -> bytes:
-        """The whole state in a canonical, versioned encoding (no pickle)."""
-        return encoding.encode(
-            [
-                _SNAPSHOT_FORMAT,
-                self._snapshot_version(),
-                self._last_index,
-                self._now,
-                sorted(self._down_nodes),
-                [_encode_queue(q) for q in self._queues.values()],
-                [
-                    list(self._deleted_floor),
-                    [[name, *ended] for name, ended in self._deleted.items()],  # oldest first
-                ],
-                *([sorted(self._disk_alarms)] if self._snapshot_version() >= 5 else []),
-            ]
-        )
-
-    def _snapshot_version(self) -> int:
-        """6 with a sealed prefix in any queue, 5 with a disk alarm raised, else 4: a
-        snapshot an older node could install but not fully read it refuses instead."""
-        if any(q.sealed for q in self._queues.values()):
-            return _SNAPSHOT_VERSION
-        return 5 if self._disk_alarms else 4
-
-    def digest(self) -> str:
-        """A stable hash of the whole state: equal states give equal digests everywhere."""
-        return hashlib.sha256(self.snapshot()).hexdigest()
-
-    @classmethod
-    def restore(cls, data: bytes) -> Machine:
-        value = encoding.decode(data)
-        if not (
-            isinstance(value, list) and len(value) in (6, 7, 8) and value[0] == _SNAPSHOT_FORMAT
-        ):
-            raise encoding.DecodeError("not a quorumq machine snapshot")
-        if value[1] not in _READABLE_VERSIONS:
-            raise encoding.DecodeError(f"unsupported snapshot version {value[1]}")
-        if len(value) != (8 if value[1] >= 5 else 7 if value[1] >= 4 else 6):
-            raise encoding.DecodeError(f"a version {value[1]} snapshot of {len(value)} parts")
-        m = cls()
-        m._last_index, m._now = value[2], value[3]
-        m._down_nodes = set(value[4])
-        for raw in value[5]:
-            q = _decode_queue(raw, m._now)
-            m._queues[q.name] = q
-            for consumer in q.consumers:
-                m._consumer_queues.setdefault(consumer, {})[q.name] = None
-        if len(value) >= 7:  # version 4: where deleted queues ended
-            floor, deleted = value[6]
-            m._deleted_floor = (floor[0], floor[1])
-            m._deleted = {name: (offset, generation) for name, offset, generation in deleted}
-        if len(value) == 8:  # version 5: the disk alarms raised
-            m._disk_alarms = set(value[7])
-        return m
-
-
-def _encode_queue(q: QueueState) -> list[Any]:
-    first = q.first_retained
-    early = sorted(o for o in q.msgs if o < first)
-    messages = [q.msgs[o] for o in early]
-    messages += q.read(first, q.next_offset)
-    return [
-        q.name,
-        [getattr(q.options, f) for f in _OPTION_FIELDS],
-        q.next_offset,
-        first,
-        q.stream_bytes,
-        messages,
-        sorted(q.msgs),
-        sorted([o, n] for o, n in q.returns.items()),
-        [
-            [c.id, c.node, c.prefetch, c.cancelled, sorted(c.unacked.items()), c.timeout_ms]
-            for c in q.consumers.values()
-        ],
-        [c.id for c in q.sq],
-        sorted(
-            [p, s.last_seq, s.last_ts, [list(r) for r in s.runs]] for p, s in q.producers.items()
-        ),
-        sorted([g, o] for g, o in q.commits.items()),
-        q.expiry_cursor,
-        q.forgotten_generation,
-        sorted([o, due] for o, due in q.waiting.items()),
-        # only when there are seals: without, the encoding is version 4's, byte for byte
-        *([[[p, at] for p, at in q.sealed.items()]] if q.sealed else []),  # oldest first
-    ]
-
-
-def _decode_queue(raw: list[Any], now: int) -> QueueState:
-    (
-        name,
-        options,
-        next_offset,
-        first,
-        stream_bytes,
-        messages,
-        in_queue,
-        returns,
-        consumers,
-        sq,
-        producers,
-        commits,
-        expiry_cursor,
-        *later,  # version 3: the forgotten generation; 4: and what waits; 5: and seals
-    ) = raw
-    if len(options) > len(_OPTION_FIELDS):
-        raise encoding.DecodeError(f"queue {name!r} has {len(options)} options")
-    # options added later (consumer_timeout_ms) take their defaults in older snapshots
-    q = QueueState(name, QueueOptions(**dict(zip(_OPTION_FIELDS, options, strict=False))))
-    q.next_offset = next_offset
-    by_offset: dict[int, Record] = {m[0]: tuple(m) for m in messages}
-    q.stream_items = [by_offset[o] for o in range(first, next_offset)]
-    q.stream_base = first
-    del stream_bytes  # counted again: version 1 counted bodies only
-    q.stream_bytes = sum(
-        message_cost(m[2], m[1], m[3]) for m in by_offset.values() if m[0] >= first
-    )
-    q.msgs = {o: by_offset[o] for o in in_queue}
-    q.returns = {o: n for o, n in returns}
-    q.waiting = {o: due for o, due in later[1]} if len(later) > 1 else {}
-    for cid, node, prefetch, cancelled, unacked, *rest in consumers:
-        c = ConsumerState(cid, node, prefetch, rest[0] if rest else None)
-        c.cancelled = cancelled
-        q.consumers[cid] = c
-        for held in unacked:  # [offset, delivered at]; version 1: the offset alone
-            off, at = (held, now) if type(held) is int else held
-            c.unacked[off] = at
-            q.held[off] = c
-            key = q.msgs[off][1]
-            if key is not None:
-                q.key_owner[key] = c
-                c.keys[key] = c.keys.get(key, 0) + 1
-    q.restore_ready(sorted(o for o in q.msgs if o not in q.held))
-    for cid in sq:
-        c = q.consumers[cid]
-        c.in_sq = True
-        q.sq.append(c)
-    for producer, last_seq, last_ts, runs in producers:
-        state = ProducerState(last_seq, last_ts)
-        state.runs.extend(runs)
-        q.producers[producer] = state
-    q.commits = {g: o for g, o in commits}
-    q.expiry_cursor = expiry_cursor
-    q.forgotten_generation = later[0] if later else 0
-    q.sealed = {p: at for p, at in later[2]} if len(later) > 2 else {}
-    return q
 
 
 _HANDLERS: dict[type, Callable[[Machine, Any, list[Any]], Reply]] = {

@@ -1,0 +1,51 @@
+"""The machine's state, as every part of `Machine` sees it (`MachineState`), and what
+they share: the refusal a command meets as an `Error`, a resend recognised, a query of a
+queue that does not exist (`UnknownQueueError`)."""
+
+from __future__ import annotations
+
+from .queue import (
+    QueueState,
+)
+from .replies import (
+    Error,
+    ErrorCode,
+)
+
+
+class UnknownQueueError(LookupError):
+    """A query named a queue that was never declared."""
+
+
+def _error(code: ErrorCode, message: str, expected_seq: int | None = None) -> Error:
+    return Error(code=code, message=message, expected_seq=expected_seq)
+
+
+def _is_resend(q: QueueState, producer: str | None, seq: int | None, count: int) -> bool:
+    """Whether a publish is wholly a resend of what `producer` landed already."""
+    state = q.producers.get(producer) if producer is not None else None
+    return state is not None and seq is not None and seq + count - 1 <= state.last_seq
+
+
+class MachineState:
+    """The replicated state of every queue: the fields `Machine`'s parts (`Queries`,
+    `Snapshots`) and its handlers share."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, QueueState] = {}
+        self._now = 0
+        self._last_index = 0
+        self._down_nodes: set[str] = set()
+        self._disk_alarms: set[str] = set()
+        """Nodes whose data disk is below its free-space limit (`DiskAlarm`)."""
+        self._consumer_queues: dict[str, dict[str, None]] = {}
+        """Consumer id -> the queues it is on (derived, for `Down`)."""
+        self._deleted: dict[str, tuple[int, int]] = {}
+        """Names of deleted queues not declared again, oldest first -> (the offset after
+        the last one the queue gave, the highest producer generation it knew or forgot):
+        a queue declared again under the name starts there, so an offset a reader kept
+        never names a message of the other queue, and a resend of a publish to the
+        deleted queue is refused (`producer_forgotten`), not enqueued in the new one."""
+        self._deleted_floor = (0, 0)
+        """The highest of each over the names `_deleted` let go (`MAX_DELETED_NAMES`):
+        where every other new queue starts."""
