@@ -356,7 +356,7 @@ def _start_slow_write(member: Any, seconds: float, state: bytes) -> None:
 def test_a_failed_compaction_is_one_log_line_and_shows_in_status(
     tmp_path: Any, caplog: Any, monkeypatch: Any
 ) -> None:
-    monkeypatch.setattr("quorumq.raft.member.SNAPSHOT_RETRY_S", (0.0, 0.0))
+    monkeypatch.setattr("quorumq.raft.snapshot_writer.SNAPSHOT_RETRY_S", (0.0, 0.0))
     member, _ = _member(tmp_path)
     try:
 
@@ -387,7 +387,7 @@ def test_a_failed_compaction_waits_longer_each_time_before_it_is_tried_again(
     re-encoded it at every tick, a core kept busy for as long as the failure lasted."""
     import time
 
-    from quorumq.raft.member import SNAPSHOT_RETRY_S
+    from quorumq.raft.snapshot_writer import SNAPSHOT_RETRY_S
 
     member, _ = _member(tmp_path)
     try:
@@ -469,7 +469,7 @@ def test_a_snapshot_writer_past_its_deadline_is_killed_and_the_compaction_failed
 ) -> None:
     import time
 
-    monkeypatch.setattr("quorumq.raft.member.SNAPSHOT_DEADLINE_S", 0.3)
+    monkeypatch.setattr("quorumq.raft.snapshot_writer.SNAPSHOT_DEADLINE_S", 0.3)
     member, _ = _member(tmp_path)
     try:
 
@@ -837,7 +837,7 @@ def test_what_an_unauthenticated_raft_peer_can_make_a_node_hold_is_bounded(
     import struct
     import time
 
-    from quorumq.raft.member import MAX_UNAUTHENTICATED, RAFT_HANDSHAKE_S
+    from quorumq.raft.transport import MAX_UNAUTHENTICATED, RAFT_HANDSHAKE_S
 
     from .helpers import wait_for
 

@@ -368,7 +368,7 @@ def test_a_node_with_the_wrong_secret_is_refused_and_says_why(
     cluster.executed = {n: [] for n in "ABC"}
     cluster.replicas = {}
     try:
-        with caplog.at_level(logging.WARNING, logger="quorumq.raft.member"):
+        with caplog.at_level(logging.WARNING, logger="quorumq.raft"):
             cluster.start("A")
             cluster.start("B")
             intruder = cluster.start("C", secret="not-the-secret")
