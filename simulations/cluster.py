@@ -30,7 +30,8 @@ from quorumq.node.config import DISK_CHECK_EVERY_S, START_FREE_BYTES
 from quorumq.raft.journal import DurableJournal, JournalDamagedError
 
 from .network import Network, name_at
-from .node import REAL, SimDisk, SimNode, SimSerializer, Variant
+from .node import REAL, SimNode, Variant
+from .storage import SimDisk, SimSerializer
 from .world import WALL_EPOCH_MS, World, micros
 
 SNAPSHOT_WRITE_MS = (5, 2000)

@@ -1,16 +1,15 @@
-# ruff: noqa: N802  (PySyncObj's camelCase Serializer and SyncObj methods)
 """One simulated quorumq node: a Raft member running the real rules on the real journal,
 the real queue machine, and the duties of the node's server towards its clients.
 
-* `SimMember` is `quorumq.raft.rules.RaftRules` (the same Raft rules a real node runs)
-  on the simulated network, ticked by the simulator.
-* `SimDisk` is the node's disk: its journal is the real `DurableJournal` on simulated
+* `SimMember` (`member.py`) is `quorumq.raft.rules.RaftRules` (the same Raft rules a
+  real node runs) on the simulated network, ticked by the simulator.
+* `SimDisk` (`storage.py`) is the node's disk: its journal is the real `DurableJournal` on simulated
   files (`simulations.disk.SimFiles`), which a power loss takes back to what was synced
   (torn, with the `torn_power_loss` fault), and which can flip bits, write short and
   fail syncs; its snapshot is stored whole, synced, as the real node stores it. A node
   whose journal refuses to open stays down; one whose journal fails stops, and is
   started again (`Cluster.on_fatal`).
-* `SimSerializer` is PySyncObj's snapshot store on that disk: log compaction
+* `SimSerializer` (`storage.py`) is PySyncObj's snapshot store on that disk: log compaction
   (`logCompactionMinEntries`) writes the machine's snapshot there, at once and on the
   tick (no fork), as the real node's serializer does; the leader sends it in chunks
   to a follower behind its compacted log, through the simulated network; the follower
@@ -34,15 +33,11 @@ another effect filter. The default is the real thing.
 
 from __future__ import annotations
 
-import random
 import zlib
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import attrs
-from pysyncobj import SyncObjConf
-from pysyncobj.config import SERIALIZER_STATE
 
 from quorumq.machine import (
     Applied,
@@ -55,18 +50,14 @@ from quorumq.machine import (
 from quorumq.node import ConnectionCore, NodeConfig, NodeCore
 from quorumq.node.config import DISK_CHECK_EVERY_S
 from quorumq.node.core import ProposalCallback
-from quorumq.raft.first_configuration import settle_first_configuration
-from quorumq.raft.journal import DurableJournal, JournalDamagedError, JournalFailedError
+from quorumq.raft.journal import JournalDamagedError, JournalFailedError
 from quorumq.raft.rules import (
-    Entry,
     LeaderClock,
-    RaftRules,
-    decode_snapshot,
 )
 from quorumq.replica import ProposalError, Replica, ReplicaConfig, local_effects
 
-from .disk import SimFiles
-from .network import Network, SimTransport
+from .member import ObservedLeaderClock, SimMember
+from .storage import SimDisk
 from .world import World, first_micros_at, micros
 
 T = TypeVar("T")
@@ -96,352 +87,6 @@ class Variant:
 
 
 REAL = Variant()
-
-
-# ---------------------------------------------------------------------- disk
-
-
-class SimDisk:
-    """A node's durable storage: what a restarted node finds. Its journal is the real
-    `DurableJournal` on `files` (this disk's `SimFiles`); its snapshot is stored whole
-    and synced before PySyncObj compacts the journal behind it, as the real node writes
-    its file."""
-
-    JOURNAL = "/raft.log"
-
-    def __init__(self, name: str, rng: random.Random) -> None:
-        self.name = name
-        self.files = SimFiles(rng)
-        self.snapshot: bytes | None = None
-        """The node's snapshot (`encode_snapshot` bytes)."""
-        self.damaged: str | None = None
-        """Why the node refused to start from this disk (it stays down), if it did."""
-        self.doomed = False
-        """A fault damaged this disk: the node will refuse to start from it (until its
-        operator wipes it)."""
-
-    def open_journal(self) -> DurableJournal:
-        """The journal a starting node opens: `JournalDamagedError` if it must refuse."""
-        return DurableJournal(self.JOURNAL, files=self.files)
-
-    def crash(self) -> None:
-        self.files.crash()
-
-    def power_loss(self, *, torn: bool = False) -> None:
-        self.files.power_loss(torn=torn)
-
-
-class SimSerializer:
-    """PySyncObj's `Serializer` (its snapshot store) for a simulated member, on the
-    node's `SimDisk`, behaving as `RaftMember`'s does:
-
-    * `serialize` takes the snapshot of the state as it is (the real node forks), and
-      the write ends later, after `write_ms` (a random span: encoding the real state
-      takes 0.25-1.9 s), while the node goes on. Only then is the snapshot on the disk
-      and does PySyncObj learn it is done (`checkSerializing`) and compact the journal.
-      A crash meanwhile loses the write; the previous snapshot stays.
-    * the leader sends a follower behind its compacted log the snapshot it has on its
-      disk (the previous one while a write runs), in chunks of
-      `logCompactionBatchSize` (the first flagged, then an empty last one); a new
-      snapshot starts every transfer over.
-    * the follower gathers the chunks in memory (lost if it crashes) and stores the
-      snapshot only once whole and taken by `accept` (the shared rule that refuses a
-      stale one), as `RaftMember` does with its ".incoming" file. A write of its own
-      still running then is dropped: it is behind what was installed.
-
-    `write(data)` turns PySyncObj's (last entry, previous entry, members) into the
-    snapshot's bytes; `read(bytes)` loads them and gives that triple back."""
-
-    def __init__(
-        self,
-        disk: SimDisk,
-        batch_size: int,
-        write: Callable[[Any], bytes],
-        read: Callable[[bytes], Any],
-        counts: Counter[str],
-        now_ms: Callable[[], int],
-        write_ms: Callable[[], int],
-    ) -> None:
-        self.disk = disk
-        self.batch_size = batch_size
-        self._write = write
-        self._read = read
-        self.counts = counts
-        self._now_ms = now_ms
-        self._write_ms = write_ms
-        self.accept: Callable[[bytes], bool] = lambda _data: True
-        self._writing: tuple[int, bytes, int] | None = None
-        """(log index, bytes, when the write ends) of the snapshot being written."""
-        self._sending: dict[Any, tuple[bytes, int]] = {}
-        """Per follower: the snapshot being sent to it and how many bytes are sent."""
-        self._receiving: bytearray | None = None
-
-    def checkSerializing(self) -> tuple[int, int | None]:
-        if self._writing is None:
-            return SERIALIZER_STATE.NOT_SERIALIZING, None
-        index, snapshot, ends_ms = self._writing
-        if self._now_ms() < ends_ms:
-            return SERIALIZER_STATE.SERIALIZING, index
-        self._writing = None
-        self.disk.snapshot = snapshot
-        self.counts["written"] += 1
-        self._sending = {}  # as PySyncObj's: transfers start over with the new snapshot
-        return SERIALIZER_STATE.SUCCESS, index
-
-    def serialize(self, data: Any, index: int) -> None:
-        if self._writing is not None:
-            return
-        self._writing = (index, self._write(data[1:]), self._now_ms() + self._write_ms())
-
-    def deserialize(self) -> Any:
-        assert self.disk.snapshot is not None
-        return (None, *self._read(self.disk.snapshot))
-
-    def getTransmissionData(self, follower: Any) -> tuple[bytes, bool, bool] | None:
-        if self.disk.snapshot is None:
-            # PySyncObj's would answer None (no snapshot file to open), and PySyncObj
-            # then sends empty snapshot messages until appendEntriesPeriod has passed:
-            # for ever on the simulated clock, which stands still during a tick. Say so.
-            raise RuntimeError(f"{self.disk.name} was asked to send a snapshot it does not have")
-        snapshot, sent = self._sending.get(follower) or (self.disk.snapshot, 0)
-        chunk = snapshot[sent : sent + self.batch_size]
-        last = not chunk
-        if last:
-            self._sending.pop(follower, None)
-            self.counts["sent"] += 1
-        else:
-            self._sending[follower] = (snapshot, sent + len(chunk))
-        return chunk, sent == 0, last
-
-    def setTransmissionData(self, data: tuple[bytes, bool, bool] | None) -> bool:
-        if data is None:
-            return False
-        chunk, first, last = data
-        if first:
-            self._receiving = bytearray()
-        elif self._receiving is None:
-            return False
-        self._receiving += chunk
-        if not last:
-            return False
-        snapshot, self._receiving = bytes(self._receiving), None
-        if not self.accept(snapshot):
-            self.counts["refused"] += 1
-            return False
-        if self._writing is not None:  # behind the snapshot installed: it must not land
-            self._writing = None
-            self.counts["write dropped"] += 1
-        self.disk.snapshot = snapshot
-        self.counts["installed"] += 1
-        return True
-
-    def cancelTransmisstion(self, follower: Any) -> None:  # sic: PySyncObj's spelling
-        self._sending.pop(follower, None)
-
-
-# -------------------------------------------------------------------- member
-
-
-class SimPoller:
-    """PySyncObj's poller for a simulated member: `poll`, at the end of each tick,
-    reads the messages that arrived since the last one. As a real node's poll, it
-    answers the AppendEntries it read after one sync (`RaftRules.hold_replies`)."""
-
-    def __init__(self, network: Network, address: str, member: RaftRules) -> None:
-        self.network = network
-        self.address = address
-        self.member = member
-        self.handled = 0
-
-    def poll(self, _timeout: float) -> None:
-        if self.member.duties_deferred:
-            self.handled = 0  # the tick stopped before its poll: it reads when resumed
-            return
-        self.handled = self.read()
-
-    def read(self) -> int:
-        self.member.hold_replies()
-        try:
-            return self.network.read(self.address)
-        finally:
-            self.member.release_replies()
-
-    def subscribe(self, *_args: Any) -> None:
-        raise NotImplementedError("a simulated member has no descriptors to poll")
-
-    def unsubscribe(self, *_args: Any) -> None:
-        raise NotImplementedError("a simulated member has no descriptors to poll")
-
-
-class SimMember(RaftRules):
-    """The real Raft rules on the simulated network and disk, ticked by the simulator."""
-
-    def __init__(
-        self,
-        network: Network,
-        name: str,
-        disk: SimDisk,
-        *,
-        apply: Callable[[int, bytes], Any],
-        snapshot: Callable[[], bytes],
-        restore: Callable[[bytes], None],
-        on_tick: Callable[[], None],
-        raft_timeouts: tuple[float, float],
-        compaction_entries: int | None = None,
-        peers: Mapping[str, str] | None = None,
-        on_change_cluster: Callable[[Any, bool], None] = lambda request, accepted: None,
-    ) -> None:
-        """`peers`: name -> Raft address of every member this node starts with, itself
-        included (by default every host of the network, at its name)."""
-        peers = settle_first_configuration(  # the real record, on this node's disk
-            disk.files,
-            "/",
-            peers or {n: n for n in network.names},
-            holds_raft_state=disk.snapshot is not None
-            or disk.files.read(disk.JOURNAL + ".meta") is not None,
-        )
-        self.name = name
-        self.address = address = peers[name]
-        self.network = network
-        self._on_change_cluster = on_change_cluster
-        self.disk = disk
-        self._apply = apply
-        self._snapshot = snapshot
-        self._restore = restore
-        self._on_tick = on_tick
-        self.transport = SimTransport(network, address, list(peers.values()))
-        conf = SyncObjConf(
-            autoTick=False,
-            journalFile=f"sim:{name}/raft.log",
-            fullDumpFile=f"sim:{name}/snapshot",
-            serializer=self._write_snapshot,
-            deserializer=self._read_snapshot,
-            logCompactionMinEntries=compaction_entries or 10**12,
-            logCompactionMinTime=10**12,
-            raftMinTimeout=raft_timeouts[0],
-            raftMaxTimeout=raft_timeouts[1],
-            appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
-            leaderFallbackTimeout=2 * raft_timeouts[1],  # check-quorum: see RaftRules
-            appendEntriesBatchSizeBytes=4 * 1024 * 1024,
-            commandsWaitLeader=True,
-            dynamicMembershipChange=True,
-        )
-        others = [network.node(a) for n, a in peers.items() if n != name]
-        super().__init__(network.node(address), others, conf, transport=self.transport)
-        self.journal: DurableJournal = self._SyncObj__raftLog
-        self.check_stored_state()
-        self.poller = SimPoller(network, address, self)
-        self._poller = self.poller
-        self.serializer: SimSerializer = self._SyncObj__serializer
-        self.serializer.accept = self._leader_snapshot_arrived
-        self.at_seam: Callable[[], bool] = lambda: False
-        """Asked in each tick between its Raft part and the node's duties: True if the
-        process stops there (`pause_mid_tick`); the tick's rest runs when it resumes."""
-        self.duties_deferred = False
-        self.addOnTickCallback(self._tick_callback)
-
-    def _onTick(self, time_to_wait: float = 0.0) -> None:
-        if self._SyncObj__needLoadDumpFile:
-            # PySyncObj looks for its snapshot file on the real disk at the first tick:
-            # this node's is on its simulated disk
-            self._SyncObj__needLoadDumpFile = False
-            if self.disk.snapshot is not None:
-                self._SyncObj__loadDumpFile(clearJournal=False)
-        super()._onTick(time_to_wait)
-
-    def _tick_callback(self) -> None:
-        self.journal.sync()  # the no-op of a new term, as RaftMember's tick syncs
-        self.push_commit_index()
-        self.keep_peer_connections_alive()
-        # The seam: PySyncObj's election and leader checks, applies, AppendEntries and
-        # commands are done; the node's duties (NodeDown, Tick) and the poll are not.
-        # A process stopped here wakes up believing what it believed before the stop,
-        # on a clock that jumped: the duties run first, the poll reads what came.
-        if self.at_seam():
-            self.duties_deferred = True
-            return
-        self._on_tick()
-
-    def finish_tick(self) -> int:
-        """The rest of a tick stopped at the seam: the duties, then the poll. Returns
-        how many messages the poll read."""
-        self.duties_deferred = False
-        self._on_tick()
-        self.poller.poll(0)
-        handled: int = self.poller.handled
-        return handled
-
-    def apply_raw(self, index: int, payload: bytes) -> Any:
-        return self._apply(index, payload)
-
-    def _SyncObj__changeCluster(self, request: Any) -> bool:
-        """The real rule (as leader: append a configuration change, or refuse it), told
-        to the simulation (the run counts changes accepted and refused)."""
-        accepted = bool(super()._SyncObj__changeCluster(request))
-        self._on_change_cluster(request, accepted)
-        return accepted
-
-    def make_durable(self) -> None:
-        self.journal.sync()
-
-    def make_node(self, name: str, address: str) -> Any:
-        return self.network.node(address)
-
-    def run_on_tick_thread(self, call: Callable[[], None]) -> None:
-        call()  # one thread: the simulator's
-
-    # -------------------------------------------------------------- snapshots
-
-    def _write_snapshot(self, data: tuple[Entry, Entry, Any]) -> bytes:
-        """As `RaftMember._write_snapshot`, to bytes."""
-        return self.snapshot_bytes(data)
-
-    def _read_snapshot(self, data: bytes) -> tuple[Entry, Entry, set[Any]]:
-        try:
-            stored = decode_snapshot(data, f"{self.name}'s snapshot")
-            self._restore(stored.machine)
-        except Exception as e:
-            self._snapshot_load_error = e  # PySyncObj swallows it: RaftRules raises it
-            raise
-        self.took_snapshot(stored)
-        return stored.last, stored.prev, {self.network.node(a) for a, _ in stored.members}
-
-    def stored_snapshot(self) -> tuple[Entry, Entry] | None:
-        if self.disk.snapshot is None:
-            return None
-        try:
-            stored = decode_snapshot(self.disk.snapshot, f"{self.name}'s snapshot")
-        except ValueError as e:
-            raise JournalDamagedError(str(e)) from None
-        return stored.last, stored.prev
-
-    def _leader_snapshot_arrived(self, data: bytes) -> bool:
-        try:
-            last = decode_snapshot(data, "the leader's snapshot").last
-        except ValueError:  # its chunks came out of order (the hostile `reorder` fault)
-            self.serializer.counts["garbled"] += 1
-            return False
-        return self.accept_leader_snapshot(last[1], last[2])
-
-
-class ObservedLeaderClock(LeaderClock):
-    """The real leader clock, telling the simulation every time it stamps (the checker
-    compares an applied time with the true time when it was stamped)."""
-
-    def __init__(
-        self,
-        wall_ms: Callable[[], int],
-        monotonic: Callable[[], float],
-        on_stamp: Callable[[int], None],
-    ) -> None:
-        super().__init__(wall_ms, monotonic)
-        self._on_stamp = on_stamp
-
-    def now(self, term: int) -> int | None:
-        ts = super().now(term)
-        if ts is not None:
-            self._on_stamp(ts)
-        return ts
 
 
 # ---------------------------------------------------------------------- node

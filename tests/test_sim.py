@@ -37,8 +37,9 @@ from quorumq.raft.rules import LeaderClock, RaftRules, encode_snapshot
 from simulations.__main__ import main
 from simulations.checker import Checker
 from simulations.faults import PROFILES, kinds_of, schedule
-from simulations.node import SimDisk, SimSerializer, Variant
+from simulations.node import Variant
 from simulations.runner import RunConfig, outcome, run
+from simulations.storage import SimDisk, SimSerializer
 from simulations.workload import WorkloadConfig
 from simulations.world import US, World, first_micros_at
 

@@ -16,8 +16,8 @@ from simulations.checker import Checker
 from simulations.cluster import Cluster
 from simulations.faults import LIVENESS_KINDS, PROFILES, Fault, kinds_of
 from simulations.liveness import ELECTIONS, HealBound, Liveness
+from simulations.member import SimMember
 from simulations.network import Network
-from simulations.node import SimMember
 from simulations.runner import RunConfig, run
 from simulations.workload import WorkloadConfig
 from simulations.world import US, World, micros, patched_pysyncobj
