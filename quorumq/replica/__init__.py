@@ -30,36 +30,34 @@ As leader, the replica turns time and failure into log commands: `NodeDown(node)
 a replica has not answered for `node_down_grace_s`, `NodeUp(node)` when it answers
 again, and `Tick()` while time must move (`Machine.needs_tick`: TTLs, producers), and as
 soon as a retry delay runs out (`Machine.next_retry_ms`).
+
+The replica's parts: `config` (its settings, `ReplicaConfig`), `outcomes` (what a
+proposal can come to, and the proposals waiting for one: `InFlight`), `duties` (the
+effects this node runs, and the leader's `NodeDown` / `NodeUp`); this module is the
+`Replica` itself.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import gc
 import hashlib
-import ipaddress
 import logging
-import math
 import os
-import resource
 import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Generic, NoReturn, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, NoReturn, Protocol, TypeVar
 
-import attrs
 from pysyncobj import FAIL_REASON
 
-from . import pathtiming
-from .codec import UNSTAMPED, CodecError, UnreadableEntryError, decode_entry, encode_entry
-from .machine import (
+from .. import pathtiming
+from ..codec import UNSTAMPED, CodecError, UnreadableEntryError, decode_entry, encode_entry
+from ..machine import (
     Applied,
     Command,
-    ConsumerDown,
-    Deliver,
     Effect,
     Enqueue,
     EnqueueBatch,
@@ -69,13 +67,23 @@ from .machine import (
     Machine,
     Meta,
     NodeDown,
-    NodeUp,
     Reply,
     Tick,
     ends_moved,
 )
-from .raft.member import MAX_COMMAND_BYTES, NOT_APPLIED, Fsync, RaftMember
-from .raft.rules import LeaderClock, RaftRules, wall_clock_ms
+from ..raft.member import MAX_COMMAND_BYTES, NOT_APPLIED, RaftMember
+from ..raft.rules import LeaderClock, RaftRules, wall_clock_ms
+from .config import PROPOSAL_TIMEOUT_S, ConfigError, ReplicaConfig, file_usage, is_loopback
+from .duties import failure_commands, local_effects
+from .outcomes import (
+    AuditBusyError,
+    AuditFailedError,
+    InFlight,
+    NotAppliedError,
+    OutcomeUnknownError,
+    ProposalError,
+    _membership_done,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,22 +101,6 @@ on every Raft tick, one per message under load, cost a tenth of a tick)."""
 AUDIT_DEADLINE_S = 300.0
 """An audit's child process that has not delivered the state by then is killed, and
 the audit fails (about 1.3 s per million 100-byte messages is expected)."""
-PROPOSAL_TIMEOUT_S = 15.0
-"""A proposal with no outcome after this long is answered "outcome unknown" (PySyncObj
-never calls back for some, e.g. when a snapshot install skips past their index)."""
-
-
-def local_effects(
-    effects: tuple[Effect, ...], node: str, *, proxy: bool, replicas: frozenset[str]
-) -> tuple[Effect, ...]:
-    """The effects node `node` runs: deliveries and consumer-down notices for its own
-    consumers and, when it leads (`proxy`), for consumers on nodes that host no replica."""
-    return tuple(
-        e
-        for e in effects
-        if type(e) in (Deliver, ConsumerDown)
-        and (e.node == node or (proxy and e.node not in replicas))  # type: ignore[union-attr]
-    )
 
 
 def _mark_applied(index: int, command: Command, reply: Reply) -> None:
@@ -124,128 +116,6 @@ def _mark_applied(index: int, command: Command, reply: Reply) -> None:
         if command.producer is not None and first_seq is not None:
             mapping = (index, command.producer, first_seq, reply.count, reply.offset)
             pathtiming.mark("map", mapping)
-
-
-def failure_commands(
-    leader: str,
-    silence_s: Mapping[str, float],
-    down: frozenset[str],
-    grace_s: float,
-    removed: Iterable[str] = (),
-    answered_s: Mapping[str, float] | None = None,
-) -> list[NodeDown | NodeUp]:
-    """What `leader` proposes about its peers: `NodeDown` for a node silent longer than
-    the grace period, `NodeUp` for a down node that answered within half of it
-    (`answered_s`, seconds since its last real answer; `silence_s` by default).
-    `silence_s` is counted only while the leader could hear (`RaftRules.peer_silence`),
-    so it restarts at the leader's election and after its stalls: a node down for good
-    looks silent for a moment then, and only a real answer may bring it up.
-
-    And about itself: an earlier leader may have marked it down while it was cut off,
-    and it may win an election before that leader's `NodeUp` is committed. Only a
-    leader proposes these, so without `NodeUp` for itself, consumers on the leader's
-    node could not subscribe until another node led.
-
-    And about the members `removed` from the cluster: they never answer, so they are
-    marked down. (A removed node was marked down only by the node that removed it, once,
-    from memory: a leader change or a restart lost that, and the removed node's
-    consumers kept their messages.)"""
-    commands: list[NodeDown | NodeUp] = []
-    never = {node: math.inf for node in removed if node not in silence_s and node != leader}
-    answered = silence_s if answered_s is None else answered_s
-    for node, silent_s in sorted({**never, **silence_s, leader: 0.0}.items()):
-        if silent_s > grace_s and node not in down:
-            commands.append(NodeDown(node=node))
-        elif node in down and (node == leader or answered.get(node, math.inf) < grace_s / 2):
-            commands.append(NodeUp(node=node))
-    return commands
-
-
-class _Once(Generic[E]):
-    """A proposal's callback, called at most once: by PySyncObj or by the timeout."""
-
-    __slots__ = ("callback", "deadline")
-
-    def __init__(self, callback: Callable[[Reply | None, E | None], None], deadline: float) -> None:
-        self.callback: Callable[[Reply | None, E | None], None] | None = callback
-        self.deadline = deadline
-
-    def __call__(self, reply: Reply | None, error: E | None) -> None:
-        callback, self.callback = self.callback, None
-        if callback is not None:
-            callback(reply, error)
-
-
-class InFlight(Generic[E]):
-    """Proposals waiting for an outcome, in submission order. Each is answered once: by
-    PySyncObj, or with an "outcome unknown" error once `timeout_s` has passed without
-    one (PySyncObj never answers some, e.g. when a snapshot install skips past their
-    index). Shared with the simulator's model of a node, which has its own clock and
-    error type."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._queue: collections.deque[_Once[E]] = collections.deque()
-
-    def track(
-        self, callback: Callable[[Reply | None, E | None], None], now: float
-    ) -> Callable[[Reply | None, E | None], None]:
-        """`callback`, to be called at most once, from now on watched for its deadline."""
-        once: _Once[E] = _Once(callback, now + self.timeout_s)
-        self._queue.append(once)
-        return once
-
-    def expire(self, now: float, error: Callable[[], E]) -> None:
-        """Answer `error()` to the proposals past their deadline (forget the answered)."""
-        queue = self._queue
-        while queue and (queue[0].callback is None or queue[0].deadline < now):
-            queue.popleft()(None, error())
-
-
-def _membership_done(
-    callback: Callable[[ProposalError | None], None],
-) -> Callable[[Any, int], None]:
-    def done(_result: Any, reason: int) -> None:
-        if reason == FAIL_REASON.SUCCESS:
-            callback(None)
-        elif reason == FAIL_REASON.REQUEST_DENIED:
-            callback(
-                NotAppliedError(
-                    "refused by the leader: another membership change is not yet committed, "
-                    "the node is already a member, or the leader was asked to remove itself"
-                )
-            )
-        elif reason in NOT_APPLIED:
-            callback(NotAppliedError(NOT_APPLIED[reason]))
-        else:
-            callback(OutcomeUnknownError(f"the leader changed before a reply ({reason})"))
-
-    return done
-
-
-class ConfigError(ValueError):
-    """The replica's configuration is unsafe or inconsistent."""
-
-
-class ProposalError(Exception):
-    """A command did not get a reply."""
-
-
-class NotAppliedError(ProposalError):
-    """The command is known not to be in the log: retrying cannot duplicate it."""
-
-
-class OutcomeUnknownError(ProposalError):
-    """The command may or may not have been applied: retry only if it is idempotent
-    (enqueues carry a producer id and sequence number for exactly this)."""
-
-
-class AuditBusyError(Exception):
-    """An audit is already running on this node: one at a time."""
-
-
-class AuditFailedError(Exception):
-    """The audit's child process did not deliver the state's encoding."""
 
 
 def _encode_in_child(machine: Machine, out: int) -> NoReturn:
@@ -285,67 +155,6 @@ def _sha256_of_stream(fd: int, deadline: float) -> str:
         if not chunk:
             return digest.hexdigest()
         digest.update(chunk)
-
-
-def is_loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def file_usage() -> dict[str, int | None]:
-    """Descriptors this process has open and may open (None where it cannot tell)."""
-    try:
-        open_now: int | None = len(os.listdir("/proc/self/fd")) - 1  # (the listing's own)
-    except OSError:
-        open_now = None
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return {"files_open": open_now, "files_limit": None if soft < 0 else int(soft)}
-
-
-@attrs.frozen(kw_only=True)
-class ReplicaConfig:
-    node_id: str
-    """This node's name, as consumers' `node` names it in the log."""
-    peers: Mapping[str, str]
-    """Every replica's node id -> Raft address ("host:port"), this node included."""
-    data_dir: str
-    secret: str | None
-    """The cluster secret: authenticates and encrypts Raft traffic."""
-    insecure: bool = False
-    """Allow no secret; only when every Raft address is loopback."""
-    fsync: Fsync = "always"
-    node_down_grace_s: float = 5.0
-    proposal_timeout_s: float = PROPOSAL_TIMEOUT_S
-    raft_timeouts: tuple[float, float] = (0.25, 0.6)
-    """Election timeout range in seconds. Measured here: failover 0.6-1.1 s, against
-    1.6-2.5 s with PySyncObj's 0.4-1.4, and no spurious elections under full load."""
-    compaction_entries: int = 50_000
-
-    def __attrs_post_init__(self) -> None:
-        if self.node_id not in self.peers:
-            raise ConfigError(f"node {self.node_id!r} is not among the peers {sorted(self.peers)}")
-        if self.fsync not in ("always", "batch", "never"):
-            raise ConfigError(f"fsync must be always, batch or never, not {self.fsync!r}")
-        if not self.secret:
-            if not self.insecure:
-                raise ConfigError(
-                    "a cluster secret is required: Raft traffic between nodes is authenticated "
-                    "with it (without one, anyone who reaches the Raft port runs code)"
-                )
-            public = [a for a in self.peers.values() if not is_loopback(a)]
-            if public:
-                raise ConfigError(
-                    f"insecure mode is for loopback only; these Raft addresses are not: {public}"
-                )
-
-    @property
-    def raft_address(self) -> str:
-        return self.peers[self.node_id]
 
 
 class ReplicaObserver(Protocol):
@@ -809,3 +618,22 @@ class Replica:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
         self.member.stop()
+
+
+__all__ = [
+    "PROPOSAL_TIMEOUT_S",
+    "AuditBusyError",
+    "AuditFailedError",
+    "ConfigError",
+    "InFlight",
+    "NotAppliedError",
+    "OutcomeUnknownError",
+    "ProposalError",
+    "Replica",
+    "ReplicaConfig",
+    "ReplicaObserver",
+    "failure_commands",
+    "file_usage",
+    "is_loopback",
+    "local_effects",
+]
