@@ -45,7 +45,8 @@ from ..raft.member import Fsync
 from ..replica import ConfigError, ReplicaConfig
 from ..wire.inprocess import ThreadEnd, TrioEnd
 from ..wire.protocol import DEFAULT_MAX_BODY
-from .node import NodeServer, in_own_thread, lock_data_dir, tls_context
+from .node import NodeServer
+from .startup import in_own_thread, lock_data_dir, tls_context
 
 logger = logging.getLogger(__name__)
 

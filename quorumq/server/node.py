@@ -21,45 +21,44 @@ With a certificate (`NodeConfig.tls_cert`) the client port speaks TLS only
 (`trio.SSLStream` over the standard library's `ssl`): each connection's handshake runs
 before its reader and writer start, within the core's handshake deadline, and a failed
 one ends that connection alone, with a log line.
+
+The replica as the core sees it and one connection's bytes are `links.py`; taking the
+data directory, threads of their own and the TLS context are `startup.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import logging
 import math
 import os
 import socket
-import ssl
 import threading
-import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import trio
 
 from .. import pathtiming
-from ..machine import Command, Effect, Machine, Reply
+from ..machine import Effect
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.config import DISK_CHECK_EVERY_S, START_FREE_BYTES
-from ..node.core import ProposalCallback
-from ..replica import ConfigError, ProposalError, Replica, file_usage
+from ..replica import ConfigError, Replica, file_usage
 from ..wire.inprocess import FrameChannel, open_connection
 from ..wire.protocol import Frame, SizedFrame, encode_frame, keep_alive
 from .counters import QueueCounters
 from .file_budget import client_caps, current_file_limit, raise_file_limit
+from .links import ClientStream, Link, LoopReplica, StreamTransport, peer_name
 from .metrics import NodeMetrics
 from .metrics_http import MetricsServer
+from .startup import in_own_thread, lock_data_dir, tls_context
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DISK_WAIT_LOG_S = 30.0
-RECEIVE_CHUNK = 256 * 1024
 WRITE_BYTES = 1024 * 1024
 """The writer joins queued frames into one write of about this many bytes at most."""
 CLOSE_FLUSH_SECONDS = 5.0
@@ -74,80 +73,8 @@ HANDOVER_S = 3.0
 TLS_HANDSHAKE_RECORD = 0x16
 """The first byte a TLS client sends (a handshake record): any other is not TLS."""
 
-ClientStream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
 
 __all__ = ["NodeConfig", "NodeServer", "check_node_config", "lock_data_dir", "tls_context"]
-
-
-def lock_data_dir(path: str) -> int:
-    """Take the data directory for this process (a lock file in it, with this process's
-    id), or `ConfigError` saying which process has it: two nodes writing one journal
-    damage it (found by hand: a second `quorumq node` on a running node's directory
-    started, and the first one's journal was refused at its restart). Returns the lock's
-    descriptor: closing it lets the directory go."""
-    directory = Path(path)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise ConfigError(f"cannot use the data directory {path}: {e}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise ConfigError(
-            f"the data directory {path} is in use by another quorumq node (pid {holder})"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
-
-
-async def in_own_thread(work: Callable[[], T], *, name: str) -> T:
-    """`work()` in a thread of its own, joined before this returns (the caller's
-    cancellation waits for it, as `trio.to_thread.run_sync`'s does). Not trio's worker
-    threads: they outlive their call, idle, for 10 s, and a node embedded in a program
-    leaves no thread behind when it stops."""
-    token = trio.lowlevel.current_trio_token()
-    finished = trio.Event()
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(work())
-        except BaseException as e:
-            error.append(e)
-        finally:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(finished.set)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    with trio.CancelScope(shield=True):
-        await finished.wait()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
-
-
-def tls_context(config: NodeConfig) -> ssl.SSLContext | None:
-    """The client port's TLS context (TLS 1.2 at least), or None without a certificate;
-    `ConfigError` (one line) if the certificate or its key cannot be loaded."""
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.options |= ssl.OP_NO_RENEGOTIATION
-    try:
-        context.load_cert_chain(config.tls_cert, config.tls_key)
-    except (OSError, ssl.SSLError) as e:
-        raise ConfigError(
-            f"cannot load the TLS certificate {config.tls_cert} with the key {config.tls_key}: {e}"
-        ) from None
-    return context
 
 
 _TLS_REQUIRED = {
@@ -158,129 +85,6 @@ _TLS_REQUIRED = {
     "tls= the CA file that signed its certificate; quorumq --tls or --tls-ca FILE)",
 }
 """What a client without TLS is told, in plain text, in place of a `welcome`."""
-
-
-def _peer_name(stream: trio.SocketStream) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]
-    except OSError:
-        return "a peer gone already"
-    return f"{host}:{port}"
-
-
-class _LoopReplica:
-    """The replica as the core sees it: outcomes arrive on the trio thread."""
-
-    def __init__(
-        self,
-        replica: Replica,
-        soon: Callable[..., None],
-        timed: Callable[[Command, float], None] | None = None,
-    ) -> None:
-        """`timed(command, seconds)`: told how long each proposal with a callback took
-        to commit and apply (the metrics' histogram), if given."""
-        self._replica = replica
-        self._soon = soon
-        self._timed = timed
-        self.node_id = replica.node_id
-
-    def propose(self, command: Command, callback: ProposalCallback | None = None) -> None:
-        if callback is None:
-            self._replica.propose(command)
-        elif self._timed is None:
-            self._replica.propose(command, lambda reply, error: self._soon(callback, reply, error))
-        else:
-            timed, started = self._timed, time.perf_counter()
-
-            def done(reply: Reply | None, error: ProposalError | None) -> None:
-                if error is None:
-                    timed(command, time.perf_counter() - started)
-                self._soon(callback, reply, error)
-
-            self._replica.propose(command, done)
-
-    def query(self, read: Callable[[Machine], T]) -> T:
-        return self._replica.query(read)
-
-    def members(self) -> dict[str, str]:
-        return self._replica.members()
-
-    def status(self, *, audit: bool = False) -> dict[str, Any]:
-        return self._replica.status(audit=audit)
-
-    def add_member(
-        self, name: str, address: str, callback: Callable[[ProposalError | None], None]
-    ) -> None:
-        self._replica.add_member(name, address, lambda error: self._soon(callback, error))
-
-    def remove_member(self, name: str, callback: Callable[[ProposalError | None], None]) -> None:
-        self._replica.remove_member(name, lambda error: self._soon(callback, error))
-
-    def ask_leader_to_step_down(self) -> None:
-        self._replica.ask_leader_to_step_down()
-
-    def membership_settled(self) -> bool:
-        return self._replica.membership_settled()
-
-    def watch_ends(self, queues: frozenset[str]) -> None:
-        self._replica.watch_ends(queues)
-
-    def take_ends_moved(self) -> set[str]:
-        return self._replica.take_ends_moved()
-
-
-class _Transport(Protocol):
-    """What a connection's reader and writer use: a socket's stream, or the node's end
-    of an in-process connection (`inprocess.TrioEnd`)."""
-
-    async def receive(self) -> bytes | bytearray | list[SizedFrame]:
-        """What came (empty once the peer is gone)."""
-        ...
-
-    async def send(self, data: Any, cost: int) -> None:
-        """Write `data` (what `ConnectionCore.take_output` gave), which counts for `cost`."""
-
-    async def aclose(self) -> None: ...
-
-
-class _StreamTransport:
-    def __init__(self, stream: ClientStream) -> None:
-        self.stream = stream
-
-    async def receive(self) -> bytes | bytearray:
-        return await self.stream.receive_some(RECEIVE_CHUNK)
-
-    async def send(self, data: Any, cost: int) -> None:
-        await self.stream.send_all(data)
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-class _Link:
-    """One connection's trio side: its transport, and what wakes its reader and writer."""
-
-    def __init__(self, transport: _Transport) -> None:
-        self.transport = transport
-        self.reader_event = trio.Event()
-        self.writer_event = trio.Event()
-        self.handshaking = trio.CancelScope()
-        """The TLS handshake: the core ending the connection (its handshake deadline, an
-        eviction) cancels it."""
-        self.reading = trio.CancelScope()
-        self.scope = trio.CancelScope()
-
-    def poke(self) -> None:
-        self.reader_event.set()
-        self.writer_event.set()
-
-    async def reader_waits(self) -> None:
-        await self.reader_event.wait()
-        self.reader_event = trio.Event()
-
-    async def writer_waits(self) -> None:
-        await self.writer_event.wait()
-        self.writer_event = trio.Event()
 
 
 class NodeServer:
@@ -314,7 +118,7 @@ class NodeServer:
         self._token: trio.lowlevel.TrioToken | None = None
         self._replica: Replica | None = None
         self._core: NodeCore | None = None
-        self._links: dict[ConnectionCore, _Link] = {}
+        self._links: dict[ConnectionCore, Link] = {}
         self._timers_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.listeners: list[trio.SocketListener] = []
@@ -408,7 +212,7 @@ class NodeServer:
                 timed = self.metrics.observe_proposal if self.metrics is not None else None
                 self._core = NodeCore(
                     self.config,
-                    _LoopReplica(self.replica, self._soon, timed),
+                    LoopReplica(self.replica, self._soon, timed),
                     self,
                     trio.current_time,
                 )
@@ -537,7 +341,7 @@ class NodeServer:
         conn = self.core.connection_made()
         conn.transport = stream
         tls = stream if isinstance(stream, trio.SSLStream) else None
-        await self._serve_connection(conn, _Link(_StreamTransport(stream)), tls)
+        await self._serve_connection(conn, Link(StreamTransport(stream)), tls)
 
     def open_local_connection(self) -> tuple[FrameChannel[Frame], FrameChannel[SizedFrame]]:
         """A connection for a client in this process (call on the node's trio loop): the
@@ -547,13 +351,13 @@ class NodeServer:
             raise ConfigError(f"node {self.node_id} is not serving")
         end, to_client, to_node = open_connection(self._token)
         conn = self.core.connection_made(local=True)
-        self._nursery.start_soon(self._serve_connection, conn, _Link(end), None)
+        self._nursery.start_soon(self._serve_connection, conn, Link(end), None)
         return to_client, to_node
 
     async def _serve_connection(
         self,
         conn: ConnectionCore,
-        link: _Link,
+        link: Link,
         tls: trio.SSLStream[trio.SocketStream] | None,
     ) -> None:
         """Run `conn`'s reader and writer until it ends (after the TLS handshake, if
@@ -582,7 +386,7 @@ class NodeServer:
                 await link.transport.aclose()
 
     async def _start_tls(
-        self, conn: ConnectionCore, link: _Link, stream: trio.SSLStream[trio.SocketStream]
+        self, conn: ConnectionCore, link: Link, stream: trio.SSLStream[trio.SocketStream]
     ) -> bool:
         """The TLS handshake, before the connection's reader and writer start (its
         `welcome` waits in the outbox). It counts against the core's handshake deadline:
@@ -591,7 +395,7 @@ class NodeServer:
         whose first byte cannot begin TLS, is a client without TLS: it gets a plain
         `tls_required` error frame. False, with a log line, if there is no TLS session."""
         raw = stream.transport_stream
-        peer = _peer_name(raw)
+        peer = peer_name(raw)
         why = None
         with link.handshaking:
             first = None
@@ -630,7 +434,7 @@ class NodeServer:
         logger.warning("client connection %d from %s: %s; closing it", conn.number, peer, why)
         return False
 
-    async def _read(self, conn: ConnectionCore, link: _Link) -> None:
+    async def _read(self, conn: ConnectionCore, link: Link) -> None:
         """Bytes to the core while it wants them (a client whose replies wait unread, or
         whose commands wait to commit, is not read: back-pressure)."""
         core = self.core
@@ -649,7 +453,7 @@ class NodeServer:
                 return
             feed(conn, data)
 
-    async def _write(self, conn: ConnectionCore, link: _Link) -> None:
+    async def _write(self, conn: ConnectionCore, link: Link) -> None:
         core = self.core
         while not conn.aborted:
             if conn.outbox:
