@@ -8,20 +8,17 @@ from typing import Any
 import pytest
 
 from quorumq.client import ServerError
-from simulations.chaos import (
+from simulations.chaos import RaftWatch, _agreement, run_chaos
+from simulations.chaos_checks import (
     Agreement,
     ChaosReport,
     Down,
     FaultLog,
-    Producer,
-    RaftWatch,
-    Received,
-    _agreement,
     check,
     decide,
     false_downs,
-    run_chaos,
 )
+from simulations.chaos_clients import Producer, Received
 
 
 def producer(number: int, sent: int, confirmed: set[int], unconfirmed: set[int]) -> Producer:
