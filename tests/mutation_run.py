@@ -59,7 +59,7 @@ MUTATIONS = (
     ),
     Mutation(
         "delivery_limit_one_early",
-        "quorumq/machine/queue.py",
+        "quorumq/machine/consumers.py",
         "            if limit is not None and count > limit:",
         "            if limit is not None and count >= limit:",
         MACHINE_TESTS,
@@ -108,7 +108,7 @@ MUTATIONS = (
     ),
     Mutation(
         "pre_vote_grants_a_stale_log",
-        "quorumq/raft/rules.py",
+        "quorumq/raft/elections.py",
         '            and self._log_up_to_date(message.get("last_log_index"), '
         'message.get("last_log_term"))',
         "            and True",
@@ -116,28 +116,28 @@ MUTATIONS = (
     ),
     Mutation(
         "learner_added_at_once",
-        "quorumq/raft/rules.py",
+        "quorumq/raft/membership.py",
         "        if round_s <= self._SyncObj__conf.raftMaxTimeout:",
         "        if True:",
         RAFT_TESTS,
     ),
     Mutation(
         "outsider_votes_for_anyone",
-        "quorumq/raft/rules.py",
+        "quorumq/raft/elections.py",
         "        return type(added_at) is int and added_at > self._SyncObj__getCurrentLogIndex()",
         "        return True",
         RAFT_TESTS,
     ),
     Mutation(
         "stickiness_ignores_the_lease",
-        "quorumq/raft/rules.py",
+        "quorumq/raft/elections.py",
         "            and not (self.leader_stickiness and self.in_lease())",
         "            and True",
         RAFT_TESTS,
     ),
     Mutation(
         "stale_leader_snapshot_installed",
-        "quorumq/raft/rules.py",
+        "quorumq/raft/proposing.py",
         "    def accept_leader_snapshot(self, last_index: int, last_term: int) -> bool:\n",
         "    def accept_leader_snapshot(self, last_index: int, last_term: int) -> bool:\n"
         "        return True\n",
@@ -153,7 +153,7 @@ MUTATIONS = (
     ),
     Mutation(
         "lease_ignores_the_majority",
-        "quorumq/raft/rules.py",
+        "quorumq/raft/elections.py",
         "            return self._majority(1 + heard)",
         "            return True",
         RAFT_TESTS,
@@ -174,14 +174,14 @@ MUTATIONS = (
     ),
     Mutation(
         "parked_publishes_wait_a_second_each",
-        "quorumq/client/session.py",
+        "quorumq/client/publishing.py",
         "            events += self._release_parked(queue)",
         "            events += self._retry_parked_later(queue)",
         SESSION_TESTS,
     ),
     Mutation(
         "disk_alarm_retries_back_off",
-        "quorumq/client/session.py",
+        "quorumq/client/publishing.py",
         'steady=code == "disk_alarm"',
         "steady=False",
         SESSION_TESTS,
