@@ -5,10 +5,13 @@ replies and effects on every replica. No clock (time is `meta.ts_ms`, clamped so
 never runs back), no randomness, no I/O. A refused command gets an `Error` reply and
 changes nothing but the clock (messages whose TTL ran out still expire).
 
-`Machine` here is `apply` and each command's handler; its fields are `MachineState`
-(`state.py`), its read-only answers `Queries` (`queries.py`), its snapshot, digest and
-restore `Snapshots` (`snapshots.py`); a queue's own state and rules are `QueueState`
-(`queue.py`).
+`Machine` here is `apply` and the handlers of the commands that declare, subscribe,
+settle, mark nodes down and up, and delete, purge and tick queues. Its parts: its
+fields and limits are `MachineState` (`state.py`); running what a command changed
+(delivery, dead-lettering) is `Dispatching` (`dispatch.py`); the publishes are
+`Enqueueing` (`enqueueing.py`); its read-only answers are `Queries` (`queries.py`); its
+snapshot, digest and restore are `Snapshots` (`snapshots.py`). A queue's own state and
+rules are `QueueState` (`queue.py`).
 """
 
 from __future__ import annotations
@@ -39,19 +42,16 @@ from .commands import (
     Subscribe,
     Tick,
 )
-from .effects import ConsumerDown, DeadLettered, Dropped, Effect, Purged
+from .effects import ConsumerDown, DeadLettered, Effect, Purged
+from .enqueueing import Enqueueing
 from .queries import Queries
 from .queue import (
     ConsumerState,
-    ProducerState,
     QueueState,
-    Record,
-    producer_generation,
 )
 from .replies import (
     OK,
     Declared,
-    Enqueued,
     Error,
     ErrorCode,
     Forgotten,
@@ -60,43 +60,21 @@ from .replies import (
     Reply,
 )
 from .snapshots import Snapshots
-from .state import UnknownQueueError, _error, _is_resend
+from .state import (
+    EVICT_SILENT_MS,
+    MAX_PRODUCERS,
+    MAX_SEALED,
+    MAX_SEALED_PREFIX,
+    PRODUCER_EXPIRY_MS,
+    UnknownQueueError,
+    _error,
+)
 
-PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
-"""An idempotent producer silent this long is forgotten (its next seq starts afresh)."""
-MAX_PRODUCERS = 10_000
-"""Most idempotent producers a queue remembers (without a bound, every client's producer
-was kept for 7 days: 100,000 short-lived producers, 100,000 states). A new producer past
-it makes room by forgetting producers silent for `EVICT_SILENT_MS` (the least recently
-active tenth at most), or is refused (`too_many_producers`): a producer active within
-the hour is never forgotten to make room (one forgotten seconds after its first publish
-had that publish enqueued twice when its client resent it)."""
-MAX_SEALED = 1_000
-"""Most sealed producer-id prefixes a queue keeps (`ForgetProducers.seal`): one per Spark
-job or micro-batch committed within `PRODUCER_EXPIRY_MS`, about 100 bytes each; past it
-the oldest seal goes (a late attempt of that job's tasks could then write again)."""
-MAX_SEALED_PREFIX = 128
-"""Longest sealed prefix (a Spark sink's is at most about 70 characters): a new producer's
-id is looked up at its dashes within this many characters, so a long id costs no more."""
-EVICT_SILENT_MS = 3600 * 1000
-"""How long a producer must be silent before it may be forgotten to make room."""
 MAX_DELETED_NAMES = 10_000
 """Most names of deleted queues the machine remembers where their offsets ended (a queue
 declared again under one carries on from there). Past it the oldest is folded into one
 floor that every other new queue starts from, so memory stays bounded as queues come
 and go, and no name ever gives an offset or takes a producer id twice."""
-
-
-def _make_room_for_a_producer(q: QueueState, now: int) -> bool:
-    """Forget up to a tenth of `q`'s producers, least recently active first (ties by id,
-    so every replica forgets the same ones), of those silent for `EVICT_SILENT_MS`;
-    whether there is room for one more now."""
-    silent = sorted(
-        (s.last_ts, p) for p, s in q.producers.items() if now - s.last_ts >= EVICT_SILENT_MS
-    )
-    for _, producer in silent[: max(1, len(q.producers) // 10)]:
-        q.forget_producer(producer, now)
-    return len(q.producers) < MAX_PRODUCERS
 
 
 @attrs.frozen
@@ -126,17 +104,7 @@ def ends_moved(command: Command, applied: Applied) -> set[str]:
     return moved
 
 
-MAX_DEATH_HOPS = 32
-"""Most dead-letterings of one message with no rejection between them."""
-_PATH_SEPARATOR = "\x1f"
-
-
-def _death_path(headers: dict[str, str]) -> list[str]:
-    raw = headers.get("x-death-path")
-    return raw.split(_PATH_SEPARATOR) if raw else []
-
-
-class Machine(Queries, Snapshots):
+class Machine(Enqueueing, Queries, Snapshots):
     """The replicated state of every queue, changed only by `apply`."""
 
     @property
@@ -167,102 +135,6 @@ class Machine(Queries, Snapshots):
         reply = handler(self, command, effects)
         return Applied(reply, tuple(effects))
 
-    def _queue(self, name: str) -> QueueState | Error:
-        q = self._queues.get(name)
-        if q is None:
-            return _error(ErrorCode.UNKNOWN_QUEUE, f"no queue named {name!r}")
-        return q
-
-    def _consumer(self, q: QueueState, consumer: str) -> ConsumerState | Error:
-        c = q.consumers.get(consumer)
-        if c is None:
-            return _error(
-                ErrorCode.UNKNOWN_CONSUMER, f"no consumer {consumer!r} on queue {q.name!r}"
-            )
-        return c
-
-    def _run(self, queues: list[QueueState], effects: list[Any]) -> None:
-        """Deliver what can be delivered, then dead-letter or drop what left undelivered.
-
-        Dead-lettering adds to another queue, which then runs too. It terminates: a
-        dead-lettered message arrives fresh (TTL >= 1 ms) and drop-head only drops.
-        """
-        work = list(queues)
-        now = self._now
-        while work:
-            q = work.pop(0)
-            if q.options.message_ttl_ms is not None:
-                q.expire(now)
-            if q.sq:
-                q.dispatch(now, effects)
-            if q.options.max_length is not None:
-                before, had_waiting = len(q.msgs), bool(q.waiting)
-                q.enforce_max_length()
-                if q.sq and had_waiting and len(q.msgs) != before:
-                    # a dropped waiting message may unblock its key or the queue: what it
-                    # frees is delivered after its drop (the effects say so in order)
-                    self._empty_outbox(q, work, effects)
-                    q.dispatch(now, effects)
-            self._empty_outbox(q, work, effects)
-
-    def _empty_outbox(self, q: QueueState, work: list[QueueState], effects: list[Any]) -> None:
-        """Dead-letter or drop what left `q` undelivered; a dead-letter queue that got
-        something joins `work`."""
-        if not q.outbox:
-            return
-        for msg, reason, dead_letter in q.take_outbox():
-            target = self._dead_letter(q, msg, reason, dead_letter, effects)
-            if target is not None and target not in work:
-                work.append(target)
-
-    def _dead_letter(
-        self, q: QueueState, msg: Record, reason: str, dead_letter: bool, effects: list[Any]
-    ) -> QueueState | None:
-        source_offset, key, body, old_headers, _ = msg
-        name = q.options.dead_letter_queue
-        target = self._queues.get(name) if (dead_letter and name is not None) else None
-        if target is None:
-            effects.append(Dropped(queue=q.name, offset=source_offset, reason=reason))
-            return None
-        opts = target.options
-        if (
-            opts.overflow == "reject-publish"
-            and opts.max_length is not None
-            and target.ready_count >= opts.max_length
-        ):
-            effects.append(Dropped(queue=q.name, offset=source_offset, reason="dead_letter_full"))
-            return None
-        headers = dict(old_headers or {})
-        # Cycles (A -> B -> A with a TTL on both bounced a message for ever, taking a new
-        # offset each time): as in RabbitMQ, a message that would be dead-lettered into a
-        # queue it already died in, with no rejection by a consumer since, is dropped.
-        # `x-death-path` lists those queues; `x-death-hops` bounds it anyway.
-        path = [] if reason == "rejected" else [*_death_path(headers), q.name]
-        if target.name in path or len(path) > MAX_DEATH_HOPS:
-            effects.append(Dropped(queue=q.name, offset=source_offset, reason="dead_letter_cycle"))
-            return None
-        headers["x-death-reason"] = reason
-        headers["x-death-queue"] = q.name
-        headers["x-death-offset"] = str(source_offset)
-        if path:
-            headers["x-death-path"] = _PATH_SEPARATOR.join(path)
-            headers["x-death-hops"] = str(len(path))
-        else:  # a consumer rejected it: a new path starts
-            headers.pop("x-death-path", None)
-            headers.pop("x-death-hops", None)
-        offset = target.append(body, key, headers, self._now)
-        target.trim_stream()
-        effects.append(
-            DeadLettered(
-                queue=q.name,
-                offset=source_offset,
-                reason=reason,
-                target_queue=target.name,
-                target_offset=offset,
-            )
-        )
-        return target
-
     # --------------------------------------------------------------- handlers
 
     def _declare(self, cmd: Declare, effects: list[Any]) -> Reply:
@@ -281,179 +153,6 @@ class Machine(Queries, Snapshots):
             cmd.queue, cmd.options, first_offset=first_offset, forgotten_generation=generation
         )
         return Declared(created=True)
-
-    def _check_producer(
-        self, q: QueueState, producer: str | None, seq: int | None, count: int
-    ) -> Reply | None:
-        """None to go ahead; else the reply for a duplicate or out-of-order enqueue."""
-        if producer is None and seq is None:
-            return None
-        if producer is None or seq is None:
-            return _error(ErrorCode.INVALID, "producer and seq go together")
-        state = q.producers.get(producer)
-        if state is None:
-            sealed = q.sealed_prefix(producer[:MAX_SEALED_PREFIX], self._now, PRODUCER_EXPIRY_MS)
-            if sealed is not None:
-                return _error(
-                    ErrorCode.PRODUCER_SEALED,
-                    f"producer {producer!r} is sealed in {q.name!r} (prefix {sealed!r}): the "
-                    "Spark job or micro-batch that made it has committed or aborted, so a late "
-                    "attempt of its task writes nothing (its rows landed, or the job failed)",
-                )
-            generation = producer_generation(producer)
-            if generation is not None and generation <= q.forgotten_generation:
-                # forgotten, or made with a clock far behind: a resend of a forgotten
-                # producer's first publish would otherwise be enqueued a second time
-                return Error(
-                    code=ErrorCode.PRODUCER_FORGOTTEN,
-                    message=(
-                        f"producer {producer!r} is unknown to {q.name!r}, and its generation "
-                        f"{generation} is not above {q.forgotten_generation}, the highest this "
-                        "queue forgot: if it was forgotten, a resend could not be recognised. "
-                        "Publish under a new producer id of a higher generation"
-                    ),
-                    generation=q.forgotten_generation,
-                )
-            if seq != 0:
-                # a producer starts at 0: a later batch that overtook its first (forwarded
-                # through another node across a leader change) would make the first look
-                # like a duplicate, confirmed and never enqueued (simulator seed 215)
-                return _error(
-                    ErrorCode.OUT_OF_ORDER,
-                    f"producer {producer!r} is new to {q.name!r} (or forgotten): its first "
-                    f"seq must be 0, not {seq}",
-                    0,
-                )
-            if len(q.producers) >= MAX_PRODUCERS and not _make_room_for_a_producer(q, self._now):
-                return _error(
-                    ErrorCode.TOO_MANY_PRODUCERS,
-                    f"queue {q.name!r} remembers {len(q.producers)} producers, each active "
-                    "within the hour: try again later, or reuse a producer",
-                )
-            return None
-        if seq == state.last_seq + 1:
-            return None
-        last = state.last_seq
-        if seq + count - 1 <= last:
-            return Enqueued(offset=state.offset_of(seq), count=count, duplicate=True)
-        expected = last + 1
-        if seq <= last:
-            return _error(
-                ErrorCode.OUT_OF_ORDER,
-                f"producer {producer!r}: seqs {seq}..{seq + count - 1} overlap the last "
-                f"accepted {last}; expected {expected}",
-                expected,
-            )
-        return _error(
-            ErrorCode.OUT_OF_ORDER,
-            f"producer {producer!r}: seq {seq} skips ahead; expected {expected}",
-            expected,
-        )
-
-    def _enqueue_many(
-        self,
-        q: QueueState,
-        messages: list[tuple[bytes, str | None, Any]],
-        producer: str | None,
-        seq: int | None,
-        effects: list[Any],
-    ) -> Reply:
-        if self._disk_alarms and not _is_resend(q, producer, seq, len(messages)):
-            # (before `_check_producer`, which may make room for a new producer by
-            # forgetting silent ones; a resend of what landed is answered as a duplicate)
-            return self._disk_alarm_error()
-        refusal = self._check_producer(q, producer, seq, len(messages))
-        if refusal is not None:
-            return refusal
-        now = self._now
-        opts = q.options
-        if opts.message_ttl_ms is not None:
-            self._run([q], effects)  # what expired leaves first, and does not count as ready
-        if (
-            opts.overflow == "reject-publish"
-            and opts.max_length is not None
-            and len(messages) > opts.max_length
-        ):
-            return _error(
-                ErrorCode.OVER_MAX_LENGTH,
-                f"a batch of {len(messages)} messages can never fit queue {q.name!r}: "
-                f"max_length {opts.max_length}; publish fewer at a time",
-            )
-        if (
-            opts.overflow == "reject-publish"
-            and opts.max_length is not None
-            and q.ready_count + len(messages) > opts.max_length
-        ):
-            return _error(
-                ErrorCode.QUEUE_FULL,
-                f"queue {q.name!r} is full: {q.ready_count} ready, max_length {opts.max_length}",
-            )
-        first = q.append_many(messages, now)
-        q.trim_stream()
-        if producer is not None and seq is not None:
-            state = q.producers.get(producer)
-            if state is None:  # room was made for it (`_check_producer`)
-                state = q.producers[producer] = ProducerState(seq - 1, now)
-            state.record(seq, first, len(messages), now)
-        self._run([q], effects)
-        return Enqueued(offset=first, count=len(messages))
-
-    def _enqueue(self, cmd: Enqueue, effects: list[Any]) -> Reply:
-        q = self._queue(cmd.queue)
-        if isinstance(q, Error):
-            return q
-        return self._enqueue_many(
-            q, [(cmd.body, cmd.key, cmd.headers)], cmd.producer, cmd.seq, effects
-        )
-
-    def _enqueue_batch(self, cmd: EnqueueBatch, effects: list[Any]) -> Reply:
-        q = self._queue(cmd.queue)
-        if isinstance(q, Error):
-            return q
-        if not cmd.messages:
-            return _error(ErrorCode.INVALID, "an enqueue batch needs at least one message")
-        messages = [(m.body, m.key, m.headers) for m in cmd.messages]
-        if cmd.seqs is not None and cmd.producer is not None:
-            return self._enqueue_numbered(q, messages, cmd.producer, cmd.seqs, cmd.opens, effects)
-        return self._enqueue_many(q, messages, cmd.producer, cmd.first_seq, effects)
-
-    def _enqueue_numbered(
-        self,
-        q: QueueState,
-        messages: list[tuple[bytes, str | None, Any]],
-        producer: str,
-        seqs: tuple[int, ...],
-        opens: bool,
-        effects: list[Any],
-    ) -> Reply:
-        """Messages that carry their own sequence numbers: those above the producer's
-        last land (all of them or none), the others are duplicates. A producer the queue
-        does not know starts only with the batch that `opens` it."""
-        state = q.producers.get(producer)
-        if state is None:
-            refusal = self._check_producer(q, producer, 0, len(messages))
-            if refusal is not None:
-                return refusal
-            if not opens:
-                # a later batch resent after the queue forgot the producer would land
-                # again (review D: a zombie Spark task after its batch was forgotten)
-                return _error(
-                    ErrorCode.OUT_OF_ORDER,
-                    f"producer {producer!r} is new to {q.name!r} (or forgotten): its first "
-                    "batch must be the one that opens it",
-                    seqs[0],
-                )
-        last = -1 if state is None else state.last_seq
-        new = [m for m, seq in zip(messages, seqs, strict=True) if seq > last]
-        if not new:
-            return Enqueued(offset=None, count=0, duplicate=True)
-        landed = self._enqueue_many(q, new, None, None, effects)
-        if isinstance(landed, Enqueued):
-            if state is None:
-                state = q.producers[producer] = ProducerState(-1, self._now)
-            state.last_seq = seqs[-1]
-            state.last_ts = self._now
-        return landed
 
     def _subscribe(self, cmd: Subscribe, effects: list[Any]) -> Reply:
         q = self._queue(cmd.queue)
@@ -730,4 +429,15 @@ _HANDLERS: dict[type, Callable[[Machine, Any, list[Any]], Reply]] = {
     Tick: Machine._tick,
 }
 
-__all__ = ["Applied", "Machine", "Message", "Meta", "UnknownQueueError"]
+__all__ = [
+    "EVICT_SILENT_MS",
+    "MAX_PRODUCERS",
+    "MAX_SEALED",
+    "MAX_SEALED_PREFIX",
+    "PRODUCER_EXPIRY_MS",
+    "Applied",
+    "Machine",
+    "Message",
+    "Meta",
+    "UnknownQueueError",
+]

@@ -14,9 +14,8 @@ from .queue import (
 )
 from .replies import (
     Error,
-    ErrorCode,
 )
-from .state import MachineState, UnknownQueueError, _error, _is_resend
+from .state import MachineState, UnknownQueueError, _is_resend
 from .views import QueueStats, StreamMessage, bucket_of
 
 
@@ -113,13 +112,6 @@ class Queries(MachineState):
 
     def down_nodes(self) -> frozenset[str]:
         return frozenset(self._down_nodes)
-
-    def _disk_alarm_error(self) -> Error:
-        return _error(
-            ErrorCode.DISK_ALARM,
-            f"publishes wait: the data disk of {', '.join(sorted(self._disk_alarms))} is "
-            "below its free-space limit (deliveries, acks and reads go on)",
-        )
 
     def disk_alarm_refusal(
         self,

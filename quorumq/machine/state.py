@@ -27,6 +27,26 @@ def _is_resend(q: QueueState, producer: str | None, seq: int | None, count: int)
     return state is not None and seq is not None and seq + count - 1 <= state.last_seq
 
 
+PRODUCER_EXPIRY_MS = 7 * 24 * 3600 * 1000
+"""An idempotent producer silent this long is forgotten (its next seq starts afresh)."""
+MAX_PRODUCERS = 10_000
+"""Most idempotent producers a queue remembers (without a bound, every client's producer
+was kept for 7 days: 100,000 short-lived producers, 100,000 states). A new producer past
+it makes room by forgetting producers silent for `EVICT_SILENT_MS` (the least recently
+active tenth at most), or is refused (`too_many_producers`): a producer active within
+the hour is never forgotten to make room (one forgotten seconds after its first publish
+had that publish enqueued twice when its client resent it)."""
+MAX_SEALED = 1_000
+"""Most sealed producer-id prefixes a queue keeps (`ForgetProducers.seal`): one per Spark
+job or micro-batch committed within `PRODUCER_EXPIRY_MS`, about 100 bytes each; past it
+the oldest seal goes (a late attempt of that job's tasks could then write again)."""
+MAX_SEALED_PREFIX = 128
+"""Longest sealed prefix (a Spark sink's is at most about 70 characters): a new producer's
+id is looked up at its dashes within this many characters, so a long id costs no more."""
+EVICT_SILENT_MS = 3600 * 1000
+"""How long a producer must be silent before it may be forgotten to make room."""
+
+
 class MachineState:
     """The replicated state of every queue: the fields `Machine`'s parts (`Queries`,
     `Snapshots`) and its handlers share."""
@@ -49,3 +69,10 @@ class MachineState:
         self._deleted_floor = (0, 0)
         """The highest of each over the names `_deleted` let go (`MAX_DELETED_NAMES`):
         where every other new queue starts."""
+
+    def _disk_alarm_error(self) -> Error:
+        return _error(
+            ErrorCode.DISK_ALARM,
+            f"publishes wait: the data disk of {', '.join(sorted(self._disk_alarms))} is "
+            "below its free-space limit (deliveries, acks and reads go on)",
+        )
