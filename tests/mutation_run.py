@@ -137,7 +137,7 @@ MUTATIONS = (
     ),
     Mutation(
         "stale_leader_snapshot_installed",
-        "quorumq/raft/proposing.py",
+        "quorumq/raft/membership.py",
         "    def accept_leader_snapshot(self, last_index: int, last_term: int) -> bool:\n",
         "    def accept_leader_snapshot(self, last_index: int, last_term: int) -> bool:\n"
         "        return True\n",

@@ -22,6 +22,8 @@ from .base import (
     Entry,
     Learner,
     RaftFields,
+    encode_snapshot,
+    entries_after,
     node_name,
 )
 from .journal import JournalDamagedError
@@ -329,3 +331,40 @@ class MembershipRules(RaftFields):
             change = self._SyncObj__parseChangeClusterRequest(entry[0])
             if change is not None:  # the snapshot's configuration is older than these
                 self._SyncObj__doChangeCluster(change)
+
+    def snapshot_bytes(self, data: tuple[Entry, Entry, Any]) -> bytes:
+        """The snapshot PySyncObj asks for (its last entry, the one before, its
+        configuration), in our encoding: the machine's state, the members as of its
+        last entry, the removed members. For the subclasses' serializers."""
+        last, prev, cluster = data
+        members = [(str(n.id), node_name(n)) for n in self.configuration_at(last[1], cluster)]
+        return encode_snapshot(last, prev, members, self._snapshot(), self.removed_members)
+
+    def accept_leader_snapshot(self, last_index: int, last_term: int) -> bool:
+        """The leader's snapshot, up to entry (`last_index`, `last_term`), has arrived
+        whole: whether to install it. One not ahead of what this node applied is refused
+        and answered.
+
+        Installed the Raft way: if this log holds the snapshot's last entry (same index,
+        same term), the entries after it are kept (`_SyncObj__loadDumpFile`); only a log
+        that does not hold it is discarded. PySyncObj cleared the whole journal, so a
+        follower that had acknowledged more than it had applied lost entries that may be
+        committed (a crash then lost them for good).
+
+        A late refusal can send the leader back below what a follower holds, and the
+        leader then sends its snapshot again; a follower that installed it applied the
+        entries after it a second time, and ran their effects again: deliveries its
+        consumers had had. A stale snapshot is answered as what it is: this node holds,
+        committed, everything up to what it applied. The caller keeps its own snapshot
+        as it is (and the commit index stays: `_SyncObj__onMessageReceived`)."""
+        applied = self.raftLastApplied
+        if last_index > applied:
+            self._kept_after_snapshot = entries_after(self._SyncObj__raftLog, last_index, last_term)
+            return True
+        logger.info(
+            "not installing the leader's snapshot at index %d: applied up to %d already",
+            last_index,
+            applied,
+        )
+        self._SyncObj__sendNextNodeIdx(self._message_from, nextNodeIdx=applied + 1, success=True)
+        return False

@@ -61,9 +61,10 @@
   appended only by the leader of the term that judged it, never forwarded to another.
 
 The rules live in parts, each a mixin over PySyncObj's `SyncObj`: `proposing`
-(proposing, sending, answering, durability, snapshots written aside), `elections`
-(everything about terms, votes and stalls), `membership` (configurations, learners,
-removed members, snapshots accepted and loaded); `base` holds the fields they share
+(proposing, sending, answering, durability), `receiving` (every Raft message read,
+through the rules first), `elections` (everything about terms, votes and stalls),
+`membership` (configurations, learners, removed members, snapshots made, accepted and
+loaded); `base` holds the fields they share
 (`RaftFields`), the message keys, the helper types and the snapshot encoding.
 `RaftRules` here is their sum, with applying and status.
 
@@ -126,11 +127,12 @@ from .base import (
 from .elections import Elections
 from .membership import MembershipRules
 from .proposing import Proposing
+from .receiving import Receiving
 
 logger = logging.getLogger(__name__)
 
 
-class RaftRules(Proposing, Elections, MembershipRules):
+class RaftRules(Proposing, Receiving, Elections, MembershipRules):
     """PySyncObj with quorumq's Raft rules. Subclasses give `apply_raw` and
     `make_durable`, call `push_commit_index` and `keep_peer_connections_alive` from a tick
     callback, and ask
