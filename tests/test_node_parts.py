@@ -1,5 +1,6 @@
-"""The node core's parts on their own (`quorumq.node`: `DiskWatch`, `Publishes`, the
-admin rule for forgetting producers), each driven through its inputs with the shared
+"""The node core's parts on their own (`quorumq.node`: `DiskWatch`, `Publishes`,
+`Settling`, `Serving`, `Reading`, `Membership`, the admin rule for forgetting
+producers), each driven through its inputs with the shared
 `Services` over a replica that records what is proposed and reads a real machine; the
 core that routes to them is tested in `test_node_core`."""
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import random
 from typing import Any
+
+import pytest
 
 from quorumq.machine import Declare, DiskAlarm, EnqueueBatch
 from quorumq.node import NodeConfig
@@ -90,3 +93,92 @@ def test_a_client_forgets_only_long_prefixes_of_no_client_id_and_whole_spark_one
     assert needs_admin("spark-write-")  # every batch write's producers
     assert not needs_admin("spark-write-0123456789abcdef0123456789abcdef-")
     assert not needs_admin("spark-01234567-89ab-cdef-0123-456789abcdef-7-")
+
+
+def _greeted(services: Services, *, admin: bool = False) -> Any:
+    conn = _connection(services)
+    conn.greeted = True
+    conn.admin = admin
+    return conn
+
+
+def test_settling_holds_a_consumers_acks_behind_the_one_proposed_and_sends_them_together() -> None:
+    """`Settling` on its own: the first ack is proposed at once; acks that come while it
+    is being proposed wait, and go as one `Ack` once it is answered."""
+    from quorumq.machine import Ack
+    from quorumq.node.settling import Settling
+
+    replica = _MachineReplica()
+    settling = Settling(_services(replica))
+    conn = _greeted(settling.core)
+    conn.consumers["c1"] = "q"
+    for offsets in ([0], [1], [2, 3]):
+        settling.flush_acks(conn, {("c1", False, False, None): offsets})
+    acks = [c for c, _ in replica.proposed if isinstance(c, Ack)]
+    assert [a.offsets for a in acks] == [(0,)]  # the rest wait for it
+    replica.proposed[0][1](None, None)  # answered
+    acks = [c for c, _ in replica.proposed if isinstance(c, Ack)]
+    assert [a.offsets for a in acks] == [(0,), (1, 2, 3)]
+
+
+def test_serving_answers_a_delivery_to_a_consumer_it_does_not_have_with_its_down() -> None:
+    """`Serving` on its own: a delivery the replica hands this node for a consumer no
+    connection here has (an earlier run's, a replayed entry's) is answered with that
+    consumer's `Down`, so its messages go back to the queue."""
+    from quorumq.machine import Deliver, Down
+    from quorumq.node.reading import Reading
+    from quorumq.node.serving import Serving
+    from quorumq.node.settling import Settling
+
+    replica = _MachineReplica()
+    services = _services(replica)
+    serving = Serving(services, Settling(services), Reading(services))
+    ghost = Deliver(
+        queue="q",
+        consumer="A.x.1",
+        offset=0,
+        body=b"m",
+        key=None,
+        headers=None,
+        node="A",
+        redelivered=False,
+        delivery_count=1,
+    )
+    serving.effects_applied(5, [ghost])
+    assert [c for c, _ in replica.proposed] == [Down(consumer="A.x.1")]
+
+
+def test_reading_refuses_a_wait_longer_than_it_allows() -> None:
+    """`Reading` on its own: a read may ask its node to wait `MAX_READ_WAIT_MS` at most;
+    a longer wait is refused (the core answers it `invalid`, with this message), and
+    nothing is held."""
+    from quorumq.node.reading import MAX_READ_WAIT_MS, Reading
+
+    replica = _MachineReplica()
+    replica.apply(Declare(queue="q"))
+    reading = Reading(_services(replica))
+    conn = _greeted(reading.core)
+    frame = {"t": "read", "id": 7, "queue": "q", "start": 0, "end": 10}
+    with pytest.raises(
+        ValueError, match=f"wait_ms must be an integer from 0 to {MAX_READ_WAIT_MS}"
+    ):
+        reading.read(
+            conn, {**frame, "bucket": None, "buckets": None, "wait_ms": MAX_READ_WAIT_MS + 1}
+        )
+    assert len(reading.waiting) == 0
+
+
+def test_membership_refuses_a_change_without_the_admin_token() -> None:
+    """`Membership` on its own: adding or removing a member is an administrative verb;
+    a connection without the admin token is refused and nothing is proposed."""
+    from quorumq.node.admin import Admin
+    from quorumq.node.membership import Membership
+
+    replica = _MachineReplica()
+    services = _services(replica)
+    membership = Membership(services, Admin(services, DiskWatch(services)))
+    conn = _greeted(services, admin=False)
+    membership.remove_member(conn, {"t": "remove_member", "id": 3, "node": "B"})
+    (error,) = [f for f in _frames(conn) if f["t"] == "error"]
+    assert (error["id"], error["code"]) == (3, "admin_required")
+    assert replica.proposed == []
