@@ -13,7 +13,8 @@ Keys say which message a mark is about, as each layer knows it:
 * `("p", producer, seq)`: a publish, in the client and the node core;
 * `("i", index)`: a Raft log entry, in the Raft layer and where effects cross to trio;
 * `("o", offset)`: a message in the queue, in confirm and delivery frames.
-A leader's `map` mark ties them: `(index, producer, first seq, count, first offset)`.
+Each replica's `map` mark (as it applies the entry) ties them:
+`(index, producer, first seq, count, first offset)`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""quorumq simulate (or python -m simulations) run | sweep | scenario (see `--help`)."""
+"""quorumq simulate (or python -m simulations) run | replay | sweep | scenario (see `--help`)."""
 
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ At the end (Jepsen's total-queue counts, after heal and drain):
   changes, "every replica" is every running member (a removed node is cut off, and
   stopped by its operator).
 
-The replica-side checks (everything above that is checked as entries are applied) are
+The replica-side checks (everything checked as entries are applied and as nodes tick,
+and nodes refused or stopped) are
 `ReplicaChecks` (`replica_checks.py`), with the checker's state; `Checker` here adds
 what the clients report and the end of the run.
 """

@@ -6,7 +6,7 @@ from an older epoch is lost, like the bytes of a closed socket. On an up connect
 messages arrive in order (unless the hostile `reorder` fault is on).
 
 * A crashed node's connections drop at once: its peers see the socket close.
-* A partition stalls traffic on the cut connections; after `connection_timeout` of
+* A partition stalls traffic on the cut connections; after `connection_timeout_s` of
   silence they drop (what was stalled is lost). A partition healed sooner lets the
   stalled messages through, late, as TCP's retransmissions would. A node can also be
   isolated (`isolate`: cut from every other, whatever partition is in force, until
@@ -16,7 +16,7 @@ messages arrive in order (unless the hostile `reorder` fault is on).
 * Arriving messages wait in the node's socket buffer until its next tick reads them
   (`poll`, called by PySyncObj at the end of each tick, as its real poller is). A
   paused node (SIGSTOP) does not tick: its messages wait, and its connections drop
-  after `connection_timeout`.
+  after `connection_timeout_s`.
 * Dropped connections come back after a retry delay, once both ends are running and
   not cut off.
 * Membership, as PySyncObj's TCP transport has it: a connection comes up only between

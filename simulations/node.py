@@ -10,8 +10,8 @@ the real queue machine, and the duties of the node's server towards its clients.
   whose journal refuses to open stays down; one whose journal fails stops, and is
   started again (`Cluster.on_fatal`).
 * `SimSerializer` (`storage.py`) is PySyncObj's snapshot store on that disk: log compaction
-  (`logCompactionMinEntries`) writes the machine's snapshot there, at once and on the
-  tick (no fork), as the real node's serializer does; the leader sends it in chunks
+  (`logCompactionMinEntries`) takes the machine's snapshot at once and stores it
+  `write_ms` later, as the real node's forked child does; the leader sends it in chunks
   to a follower behind its compacted log, through the simulated network; the follower
   installs it only if the shared Raft rules take it (`accept_leader_snapshot`). A
   restarted node checks that its snapshot and journal belong together

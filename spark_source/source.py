@@ -1,11 +1,12 @@
 """The `quorumq` data source: `spark.readStream`, `spark.read`, `writeStream` and `write`.
 
-Offsets are JSON dicts `{"group": ..., "offset": n}`: the next offset to read, and the
-query's group id. The group id is made once, by `initialOffset` when a new query starts
-without a checkpoint, and from then on travels inside every offset Spark stores in the
-checkpoint. So it names the checkpoint: a restarted query gets it back from its offset
-log, and `commit(end)` records the query's progress under it with `commit_offset`, where
-`quorumq status` shows it.
+Offsets are JSON dicts `{"group": ..., "offset": n, "buckets": k}`: the next offset to
+read, the query's group id, and the number of key buckets the batch was planned with.
+The group id is made once, by `initialOffset` when a new query starts without a
+checkpoint, and from then on travels inside every offset Spark stores in the checkpoint.
+So it names the checkpoint: a restarted query gets it back from its offset log, and
+`commit(end)` records the query's progress under it with `commit_offset`, where `quorumq
+status` shows it.
 
 A micro-batch is an offset range [start, end) of committed messages (`end` is what some
 node has applied), split into one input partition per key bucket. A restarted query

@@ -1,4 +1,4 @@
-"""quorumq clients: `connect` (blocking); `quorumq.aio` for trio comes later."""
+"""quorumq clients: `connect` (blocking); `quorumq.aio` is the trio client."""
 
 from ..machine.views import StreamMessage
 from .blocking import Client, Consumer, connect

@@ -14,8 +14,8 @@ a keyed message takes the key's later messages it holds back with it and deliver
 them again, to the same consumer as often as not, with the same delivery count (and
 marked redelivered). Those go out again like any other delivery.
 
-Shared by the trio server (`quorumq.server.node`) and the simulator's model of it
-(`simulations.node`), so the simulator runs this code. No I/O here.
+Used by the node core (`connection`, `serving`), which the trio server and the simulator
+both drive, so the simulator runs this code. No I/O here.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 nodes and queues, from readings of every node's status.
 
 A reading asks each endpoint for its node's status, all at once (a node that does not
-answer is a row saying so, not an error). Rates need two readings: `queue_table` takes
+answer is a row saying so, not an error). Rates need two readings: `queues_table` takes
 the earlier one and divides what grew by the time between them, both of one node (a
 queue's next offset is the same on every replica once applied, but the delivery counts
 are each node's own since its process started).

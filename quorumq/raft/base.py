@@ -1,4 +1,5 @@
-"""What quorumq's Raft rules share (`rules`, `proposing`, `elections`, `membership`):
+"""What quorumq's Raft rules share (`rules`, `proposing`, `receiving`,
+`elections`, `membership`):
 the message keys and bounds, helper types (`LeaderClock`, the stamping queue, learners,
 pre-vote rounds) and the snapshot encoding. PySyncObj 0.3.17 only."""
 

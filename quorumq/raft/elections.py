@@ -1,6 +1,6 @@
 """Elections that do not disrupt a working cluster: pre-vote, leader stickiness, the
 stale-term answer, check-quorum, votes refused to nodes outside the configuration,
-stalls noticed and not counted against peers (`_look`, `peer_silence`), leadership
+stalls noticed and not counted against peers (`_look`; `RaftRules.peer_silence`), leadership
 transfer, votes for a node added by an entry past this node's log (`_elects_outsider`).
 
 A part of `RaftRules` (see `rules`): a mixin over PySyncObj's `SyncObj`."""

@@ -247,7 +247,7 @@ class MembershipRules(RaftFields):
 
     def stored_snapshot(self) -> tuple[Entry, Entry] | None:
         """The last and the previous entry of the snapshot this node has stored, or None
-        (subclasses read their snapshot store; `SnapshotDamagedError` if it is damaged)."""
+        (subclasses read their snapshot store; `JournalDamagedError` if it is damaged)."""
         return None
 
     def check_stored_state(self) -> None:

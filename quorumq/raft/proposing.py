@@ -1,8 +1,8 @@
-"""Proposing, sending and answering: raw commands stamped by the leader's clock (`LeaderClock`),
-prompt sends and commit notices, the stale-reply fixes, truncation only where logs
-conflict, durability before an answer, holding proposals while no leader is reachable,
-fast catch-up (`_SyncObj__sendNextNodeIdx`), keepalives, snapshots written while the
-node goes on.
+"""Proposing, sending and answering: raw commands and the leader clock anchored at a
+leader's first tick (`LeaderClock`), prompt sends and commit notices, durability before
+an answer (replies held for one sync), fast catch-up (`_SyncObj__sendNextNodeIdx`),
+keepalives, and a leader lost or gained. (Stale replies and trimming what the log
+holds: `receiving`; snapshots: `membership`; stamping and holding proposals: `rules`.)
 
 A part of `RaftRules` (see `rules`): a mixin over PySyncObj's `SyncObj`."""
 

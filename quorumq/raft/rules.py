@@ -55,10 +55,11 @@
   follower's last index + 1), not one index back, and the leader sends again at once
   instead of on its next heartbeat (`_SyncObj__sendNextNodeIdx`, `_send_to`).
 * silence judged only while awake: `peer_silence` counts a peer silent only from the
-  later of its last answer and the end of this node's own last stall (`stalled_s`), so a
-  leader paused past the node-down grace does not judge every peer down from
-  timestamps taken before its pause; and a leader's duty (`propose_as_leader`) is
-  appended only by the leader of the term that judged it, never forwarded to another.
+  later of its last answer and the end of this node's own last stall (`awake_since`,
+  set by `_look`), so a leader paused past the node-down grace does not judge every
+  peer down from timestamps taken before its pause; and a leader's duty
+  (`propose(..., leader_only=True)`) is appended only by the leader of the term that
+  judged it, never forwarded to another.
 
 The rules live in parts, each a mixin over PySyncObj's `SyncObj`: `proposing`
 (proposing, sending, answering, durability), `receiving` (every Raft message read,

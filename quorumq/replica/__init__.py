@@ -1,7 +1,7 @@
 """One node's replica: the queue machine behind a hardened Raft member.
 
 Every committed log entry is decoded and applied to this node's `Machine` with the
-entry's Raft index and the time the leader stamped on it (`raft.rules.LeaderClock`:
+entry's Raft index and the time the leader stamped on it (`raft.base.LeaderClock`:
 the leader's monotonic clock from the replicated time it took over, following its wall
 clock within a second, so one node's wrong clock cannot move queue time). Of the
 effects, the replica keeps those that are its own to run and hands them to
