@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import tomllib
@@ -12,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from quorumq.cli.args import backoff_ms
+from quorumq.cli.args import Parser, backoff_ms
 from quorumq.ops.scenarios import SCENARIOS
 from quorumq.ops.scenarios import render as render_scenario
 
@@ -73,17 +74,38 @@ def _setup_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
 
 
 def _seeds(text: str) -> range:
-    start, _, end = text.partition(":")
-    return range(int(start), int(end)) if end else range(int(start), int(start) + 1)
+    """An argparse type: `start:end` (end excluded) or one seed; a range with no seed in
+    it is refused (it "passed" every one of none)."""
+    start, sep, end = text.partition(":")
+    try:
+        seeds = range(int(start), int(end)) if sep else range(int(start), int(start) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not START:END or SEED (whole numbers, END excluded)"
+        ) from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no seed (END must be above START)")
+    return seeds
+
+
+def _writable_path(text: str) -> Path:
+    """An argparse type: a file this run can write (checked before the run, not after)."""
+    path = Path(text)
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: no directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{path}: {folder} is not writable")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="quorumq simulate",
         description="Deterministic failover simulations of a quorumq cluster.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--nodes", type=int, default=3)
     common.add_argument(
         "--faults",
@@ -173,27 +195,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     one = sub.add_parser("run", parents=[common], help="run one seed and print a summary")
     one.add_argument("--seed", type=int, required=True)
-    one.add_argument("--render", type=Path, help="write an HTML timeline of the run here")
+    one.add_argument("--render", type=_writable_path, help="write an HTML timeline of the run here")
     one.add_argument("--schedule", action="store_true", help="print the fault schedule too")
     again = sub.add_parser(
         "replay", parents=[common], help="run one seed again and print every event of it"
     )
     again.add_argument("--seed", type=int, required=True)
-    again.add_argument("--out", type=Path, help="write the events here (default: print)")
+    again.add_argument("--out", type=_writable_path, help="write the events here (default: print)")
     many = sub.add_parser(
         "sweep", parents=[common], help="run many seeds; report the first failure"
     )
-    many.add_argument("--seeds", default="0:100", help="start:end (end excluded)")
+    many.add_argument(
+        "--seeds", type=_seeds, default=range(0, 100), help="start:end (end excluded)"
+    )
     many.add_argument("--jobs", type=int, default=1, help="worker processes")
     many.add_argument(
         "--keep-going", action="store_true", help="run every seed; list every failing one"
     )
     many.add_argument(
-        "--json", type=Path, metavar="FILE", help="write failing seeds and recoveries here"
+        "--json",
+        type=_writable_path,
+        metavar="FILE",
+        help="write failing seeds and recoveries here",
     )
     scenario = sub.add_parser("scenario", help="replay the RabbitMQ post's event sequences")
     scenario.add_argument("name", choices=["rabbitmq-post"])
-    scenario.add_argument("--render", type=Path, help="write the HTML rendering here")
+    scenario.add_argument("--render", type=_writable_path, help="write the HTML rendering here")
     args = parser.parse_args(argv)
     if getattr(args, "setup", None):
         subparser = {"run": one, "replay": again}.get(args.command, many)
@@ -239,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.render}")
         return 0 if result.ok else 1
 
-    seeds = _seeds(args.seeds)
+    seeds = args.seeds
     started = time.perf_counter()
     passed = faults = 0
     failed: list[Outcome] = []

@@ -37,6 +37,29 @@ def test_simulate_runs_the_simulator_with_its_own_options() -> None:
     assert helped.returncode == 0 and "sweep" in helped.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("sweep", "--seeds", "abc"), "'abc' is not START:END or SEED"),
+        (("sweep", "--seeds", "5:0"), "'5:0' holds no seed"),
+        (("run", "--seed", "1", "--faults", "kil_leader"), "unknown fault kinds ['kil_leader']"),
+        (("run", "--seed", "1", "--render", "/nonexistent/x.html"), "no directory /nonexistent"),
+        (("run", "--seed", "1", "--nodes", "9"), "--nodes must be 1 to 7"),
+    ],
+)
+def test_simulate_refuses_bad_options_in_one_line_before_it_runs(
+    args: tuple[str, ...], said: str
+) -> None:
+    """A misspelt fault kind or seed range printed a traceback; an empty range "passed"
+    all of its 0 seeds; an unwritable --render failed only after the whole run. Each is
+    one line on stderr now, exit status 2, before anything runs."""
+    result = _quorumq("simulate", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert said in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stdout == ""
+
+
 def test_simulate_takes_the_users_setup_from_a_toml_file(tmp_path: Any) -> None:
     """Nodes, faults and their intensity, producers, consumers, keys, prefetch: from
     options or a TOML file (options given win); an unknown setting is named."""
