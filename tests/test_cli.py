@@ -20,6 +20,14 @@ def _quorumq(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_the_command_says_its_version() -> None:
+    import quorumq
+
+    result = _quorumq("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"quorumq {quorumq.__version__}"
+
+
 def test_demo_post_replays_both_sequences_of_the_post() -> None:
     result = _quorumq("demo", "--post")
     assert result.returncode == 0, result.stderr

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .. import __version__
 from ..ops.scenarios import SCENARIOS
 from .args import (
     Parser,
@@ -48,6 +49,7 @@ def _simulate(arguments: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="quorumq", description="A Raft-replicated, ordered message queue.")
+    parser.add_argument("--version", action="version", version=f"quorumq {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
