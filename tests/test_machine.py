@@ -75,9 +75,13 @@ def test_declare_is_idempotent_with_same_options(d: Driver) -> None:
     assert d(Declare(queue="q")).reply == Declared(created=False)
 
 
-def test_declare_with_other_options_is_refused(d: Driver) -> None:
+def test_declare_with_other_options_is_refused_naming_the_options_that_differ(d: Driver) -> None:
+    """The refusal printed the whole `QueueOptions(...)`, every field of it; it names
+    the options that differ now, what the queue has and what was asked."""
     reply = d(Declare(queue="q", options=QueueOptions(max_length=3))).reply
     assert _error_code(reply) is ErrorCode.OPTIONS_MISMATCH
+    assert isinstance(reply, Error)
+    assert reply.message == "queue 'q' exists with max_length None (asked 3)"
     assert d.machine.options("q") == QueueOptions()
 
 

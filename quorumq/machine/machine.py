@@ -39,6 +39,7 @@ from .commands import (
     NodeDown,
     NodeUp,
     PurgeQueue,
+    QueueOptions,
     Subscribe,
     Tick,
 )
@@ -142,10 +143,13 @@ class Machine(Enqueueing, Queries, Snapshots):
         if existing is not None:
             if existing.options == cmd.options:
                 return Declared(created=False)
-            return _error(
-                ErrorCode.OPTIONS_MISMATCH,
-                f"queue {cmd.queue!r} exists with other options: {existing.options}",
+            differ = ", ".join(
+                f"{f.name} {getattr(existing.options, f.name)!r} (asked "
+                f"{getattr(cmd.options, f.name)!r})"
+                for f in attrs.fields(QueueOptions)
+                if getattr(existing.options, f.name) != getattr(cmd.options, f.name)
             )
+            return _error(ErrorCode.OPTIONS_MISMATCH, f"queue {cmd.queue!r} exists with {differ}")
         if cmd.options.dead_letter_queue == cmd.queue:
             return _error(ErrorCode.INVALID, "a queue cannot be its own dead_letter_queue")
         first_offset, generation = self._deleted.pop(cmd.queue, self._deleted_floor)
