@@ -388,6 +388,40 @@ def test_user_errors_are_one_line_and_a_stopped_cluster_says_where_its_data_is(
         assert q("cluster", "down").returncode == 0
 
 
+def test_consume_of_a_queue_deleted_under_it_says_so_and_fails() -> None:
+    """`quorumq consume` whose queue was deleted (with force) under it exited 0, silently,
+    as though the queue had merely gone quiet. It exits 2 saying the consumer was ended,
+    and why."""
+    from quorumq.ops.local_cluster import Cluster
+
+    from .helpers import wait_for
+
+    with Cluster(1) as cluster:
+        cluster.leader()
+        client = cluster.client()
+        client.declare("gone")
+        endpoint = cluster.endpoint("A")
+        command = [sys.executable, "-m", "quorumq.cli", "consume", "gone", "--wait", "60"]
+        consume = subprocess.Popen(
+            [*command, "--endpoints", endpoint], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            wait_for(
+                lambda: client.status()["queues"]["gone"]["consumers"] == 1,
+                "the consumer subscribed",
+                timeout=30,
+            )
+            client.delete_queue("gone", force=True)
+            _, stderr = consume.communicate(timeout=30)
+        finally:
+            if consume.poll() is None:
+                consume.kill()
+                consume.wait()
+        assert consume.returncode == 2, stderr
+        said = stderr.decode()
+        assert "ended: queue_deleted (the queue was deleted)" in said and said.count("\n") == 1
+
+
 def test_a_wrong_or_missing_token_is_one_line() -> None:
     import os
 

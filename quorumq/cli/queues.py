@@ -76,6 +76,15 @@ def run_consume(args: argparse.Namespace) -> int:
         while args.count == 0 or seen < args.count:
             d = consumer.get(timeout=args.wait)
             if d is None:
+                if consumer.cancel_reason:  # ended by the queue, not by a quiet --wait
+                    raise UsageError(
+                        f"the consumer of {args.queue!r} was ended: {consumer.cancel_reason}"
+                        + (
+                            " (the queue was deleted)"
+                            if consumer.cancel_reason == "queue_deleted"
+                            else ""
+                        )
+                    )
                 break
             print(
                 json.dumps(
