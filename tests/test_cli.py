@@ -422,6 +422,75 @@ def test_consume_of_a_queue_deleted_under_it_says_so_and_fails() -> None:
         assert "ended: queue_deleted (the queue was deleted)" in said and said.count("\n") == 1
 
 
+def test_publish_from_stdin_is_pipelined_and_keeps_the_lines_order() -> None:
+    """`quorumq publish` sent one line at a time, a round trip and a commit each (about
+    100 a second). It keeps up to `PUBLISH_WINDOW` in flight now; the offsets it prints
+    and the queue's order are still the lines' order."""
+    from quorumq.ops.local_cluster import Cluster
+
+    with Cluster(1) as cluster:
+        cluster.leader()
+        client = cluster.client()
+        client.declare("lines")
+        lines = "".join(f"line {i}\n" for i in range(3000))
+        command = [sys.executable, "-m", "quorumq.cli", "publish", "lines", "--quiet"]
+        published = subprocess.run(
+            [*command, "--endpoints", cluster.endpoint("A")],
+            input=lines,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert published.returncode == 0, published.stderr
+        assert published.stdout.split() == [str(i) for i in range(3000)]
+        bodies = [m.body for m in client.read("lines", 0, 3000)]
+        assert bodies == [f"line {i}".encode() for i in range(3000)]
+
+
+def test_an_interrupted_publish_says_what_was_confirmed_and_what_is_unknown() -> None:
+    """Ctrl-C during `quorumq publish` said nothing of the publishes in flight. It says
+    how many were confirmed and that the others' outcome is unknown, and exits 130."""
+    import signal
+    import threading
+
+    from quorumq.ops.local_cluster import Cluster
+
+    from .helpers import wait_for
+
+    with Cluster(1) as cluster:
+        cluster.leader()
+        cluster.client().declare("stopped")
+        command = [sys.executable, "-m", "quorumq.cli", "publish", "stopped", "--quiet"]
+        with subprocess.Popen(
+            [*command, "--endpoints", cluster.endpoint("A")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        ) as publish:
+            try:
+                assert publish.stdin is not None and publish.stdout is not None
+                publish.stdin.write(b"one\ntwo\n")
+                publish.stdin.flush()  # stdin stays open: the command waits for more lines
+                printed: list[bytes] = []
+                reader = threading.Thread(
+                    target=lambda: printed.append(publish.stdout.readline())  # type: ignore[union-attr]
+                )
+                reader.start()  # (a command that waited for stdin to end would print nothing)
+                wait_for(lambda: bool(printed), "the first offset printed", timeout=30)
+                reader.join()
+                assert printed[0].strip() in (b"0", b"1")
+                assert publish.poll() is None  # still reading stdin
+                publish.send_signal(signal.SIGINT)
+                _, stderr = publish.communicate(timeout=30)
+            finally:
+                if publish.poll() is None:
+                    publish.kill()
+                    publish.wait()
+        assert publish.returncode == 130, stderr
+        assert b"interrupted: " in stderr and b"outcome is unknown" in stderr, stderr
+
+
 def test_a_wrong_or_missing_token_is_one_line() -> None:
     import os
 
