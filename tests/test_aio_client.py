@@ -28,6 +28,27 @@ def cluster() -> Any:
         yield c
 
 
+def test_an_error_inside_the_block_comes_out_as_itself(cluster: Cluster) -> None:
+    """trio's nursery wrapped every exception raised inside `async with connect()` in an
+    `ExceptionGroup`, a `ServerError` of a request and the caller's own `ValueError`
+    included, so `except ServerError` around the block missed them."""
+
+    async def refused() -> None:
+        async with quorumq.aio.connect(cluster.endpoints) as client:
+            await client.declare("aio-mismatch", max_length=3)
+            await client.declare("aio-mismatch", max_length=4)
+
+    async def mine() -> None:
+        async with quorumq.aio.connect(cluster.endpoints):
+            raise ValueError("the caller's own")
+
+    with pytest.raises(ServerError) as mismatch:
+        trio.run(refused)
+    assert mismatch.value.code == "options_mismatch"
+    with pytest.raises(ValueError, match="the caller's own"):
+        trio.run(mine)
+
+
 def test_publish_subscribe_ack_read_and_status(cluster: Cluster) -> None:
     async def main() -> None:
         async with quorumq.aio.connect(cluster.endpoints) as client:

@@ -637,15 +637,38 @@ async def connect(
     """A trio client connected to one of `endpoints`, for the `async with` block. It
     connects before its nursery opens, so that a failure to connect (`TlsError`, a wrong
     token's `ServerError`, `ConnectionLostError`) is raised as itself, not in an
-    exception group."""
+    exception group. An exception raised inside the block, the caller's own or a
+    `ServerError` of a request, comes out as itself too (trio's nursery wrapped each in
+    an `ExceptionGroup`, so `except ServerError` around the block missed them); only
+    several at once stay a group."""
     client = AsyncClient(endpoints, token, None, **options)
     link = await client._connect(client._connect_timeout)
-    async with trio.open_nursery() as nursery:
-        client._nursery = nursery
-        await client._install(link)
-        nursery.start_soon(client._run, link)
-        try:
-            yield client
-        finally:
-            await client.aclose()
-            nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            client._nursery = nursery
+            await client._install(link)
+            nursery.start_soon(client._run, link)
+            try:
+                yield client
+            finally:
+                await client.aclose()
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        only = _the_only_one(group)
+        if only is None:
+            raise
+        raise only from None
+
+
+def _the_only_one(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception in `group` (nested groups flattened), or None if there are
+    several."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending and len(leaves) < 2:
+        exc = pending.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    return leaves[0] if len(leaves) == 1 and not pending else None
