@@ -110,6 +110,9 @@ def test_bad_arguments_get_a_one_line_error_and_nonzero_exit() -> None:
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
     assert "Traceback" not in result.stderr
+    # (a demo of 0 messages reported a leader killed halfway that never was)
+    few = _quorumq("demo", "--messages", "0")
+    assert few.returncode == 2 and "--messages: must be at least 2" in few.stderr, few.stderr
 
 
 def test_demo_runs_a_real_cluster_through_a_leader_kill_and_checks_itself(

@@ -55,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run a 3-node cluster, kill its leader mid-stream, and show what every node delivered",
     )
-    demo.add_argument("--messages", type=int, default=600, help="how many to publish")
+    demo.add_argument(
+        "--messages",
+        type=whole_number(2),
+        default=600,
+        help="how many to publish (at least 2: the leader is killed halfway)",
+    )
     demo.add_argument("--timeline", help="where to write the HTML timeline")
     demo.add_argument(
         "--post",
