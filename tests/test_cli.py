@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -371,6 +373,14 @@ def test_user_errors_are_one_line_and_a_stopped_cluster_says_where_its_data_is(
         _one_line_error(q(*node, f"{root}/A"), f"the data directory {root}/A is in use")
         _one_line_error(
             q(*node, f"{tmp_path}/z", "--compaction-entries", "0"), "must be at least 1"
+        )
+        # a client port in use named no address ("Address already in use" alone)
+        taken = json.loads((Path(root) / "cluster.json").read_text())["nodes"]["A"]
+        busy = ["node", "--id", "Z", "--insecure", "--raft", "127.0.0.1:0"]
+        busy += ["--listen", f"127.0.0.1:{taken['client_port']}", "--data-dir"]
+        _one_line_error(
+            q(*busy, f"{tmp_path}/busy"),
+            f"the client port, 127.0.0.1:{taken['client_port']}: Address already in use",
         )
     finally:
         down = q("cluster", "down")

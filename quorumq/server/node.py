@@ -183,12 +183,12 @@ class NodeServer:
         )
         try:
             if self.config.listen_port is not None:
-                self.listeners = await trio.open_tcp_listeners(
-                    self.config.listen_port, host=self.config.listen_host
+                self.listeners = await _listen(
+                    self.config.listen_host, self.config.listen_port, "the client port"
                 )
             if self.metrics is not None and self._metrics_address is not None:
                 host, port = self._metrics_address
-                self._metrics_listeners = await trio.open_tcp_listeners(port, host=host)
+                self._metrics_listeners = await _listen(host, port, "the metrics port")
                 bound = self._metrics_listeners[0].socket.getsockname()
                 self.metrics.address = (str(bound[0]), int(bound[1]))
         except BaseException:
@@ -534,3 +534,12 @@ class NodeServer:
     def _state_replaced(self) -> None:
         if self._core is not None:  # the node's own snapshot at start-up: nobody is connected
             self._core.state_replaced()
+
+
+async def _listen(host: str | None, port: int, what: str) -> list[trio.SocketListener]:
+    """Listen on `host:port`; a port taken or refused says which address, and for what
+    (the error said only "Address already in use")."""
+    try:
+        return await trio.open_tcp_listeners(port, host=host)
+    except OSError as e:
+        raise OSError(e.errno, f"{what}, {host or '*'}:{port}: {e.strerror}") from None
