@@ -87,9 +87,9 @@ class Cluster:
         """Hosts removed from the cluster whose node the operator stopped."""
         self._waiting_for_space: set[str] = set()
         """Hosts whose node waits for space on its data disk before starting."""
-        self.space_faults_until_us: dict[str, int] = {}
-        """When each host's latest disk space fault ends (`disk_alarm`, `disk_full`):
-        the workload expects publishes refused for a disk alarm only once one ran."""
+        self.space_fault_ran = False
+        """Whether a disk space fault (`disk_alarm`, `disk_full`) has run: the workload
+        expects publishes refused for a disk alarm only once one has."""
         self.address: dict[str, str] = {name: name for name in self.hosts}
         """Each host's Raft address (see the module's docstring)."""
         self.first_peers: dict[str, dict[str, str]] = {}

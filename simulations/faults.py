@@ -647,7 +647,7 @@ class Injector:
         files = self.cluster.disks[name].files
         files.free_bytes = int(fault.amount)
         self._space_until[name] = end
-        self.cluster.space_faults_until_us[name] = end
+        self.cluster.space_fault_ran = True
         self.world.at(end, self._space_back, name, end)
         self._done(fault)
         left = "no space" if fault.amount <= 0 else f"{fault.amount / (1 << 20):.1f} MiB free"

@@ -254,7 +254,7 @@ class SimProducer:
         refusal for an alarm is a violation only if no space fault ever ran; an alarm
         that does not clear after the heal fails the liveness check instead (each
         producer publishes until one is confirmed, `_again_after_alarm`)."""
-        return bool(self.cluster.space_faults_until_us)
+        return self.cluster.space_fault_ran
 
     def _again_after_alarm(self) -> None:
         """After the heal, a batch a disk alarm kept from landing (refused by it, behind
