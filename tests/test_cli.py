@@ -611,6 +611,46 @@ def test_status_tables_show_nodes_and_queue_rates_while_a_workload_runs() -> Non
         assert len(dead) == 1 and "unreachable" in dead[0], shown.stdout
 
 
+def test_a_raft_port_given_as_a_client_port_says_it_is_not_one_soon() -> None:
+    """Issue 31: a node's Raft port waits in silence for its peer's secret (5 s, then it
+    closes the connection), and the client waited as long to say only "timed out" (its
+    connect timeout, 5 s by default) or, here, "the node closed the connection". Now no
+    welcome within 2.5 s says: not a quorumq client port."""
+    import time
+
+    from quorumq.ops.local_cluster import Cluster
+
+    with Cluster(1) as cluster:
+        cluster.leader()
+        raft = f"127.0.0.1:{cluster.raft_ports['A']}"
+        started = time.monotonic()
+        result = _quorumq("publish", "q", "x", "--endpoints", raft, "--timeout", "10")
+        took = time.monotonic() - started
+    _one_line_error(result, f"{raft}: took the connection but sent no quorumq welcome within")
+    assert "not a quorumq client port (a node's Raft port" in result.stderr
+    assert took < 7.0, f"took {took:.1f} s"
+
+
+def test_endpoints_that_all_refuse_the_connection_are_named_at_once() -> None:
+    """Issue 31: nothing listening took the whole connect timeout (5.3 s by default, here
+    10 s) to report; now a few rounds of refusals, 0.1 s apart, and one line."""
+    import time
+
+    from quorumq.ops.local_cluster import free_ports
+
+    ports = free_ports(2)
+    endpoints = ",".join(f"127.0.0.1:{port}" for port in ports)
+    started = time.monotonic()
+    result = _quorumq("publish", "q", "x", "--endpoints", endpoints, "--timeout", "10")
+    took = time.monotonic() - started
+    _one_line_error(
+        result,
+        f"no quorumq node answered: {endpoints.replace(',', ', ')}: connection refused "
+        "(is a quorumq node running there?)",
+    )
+    assert took < 3.5, f"took {took:.1f} s"
+
+
 def test_status_watch_refreshes_in_place_until_ctrl_c() -> None:
     """On a terminal (a pseudo-terminal here), `--watch` redraws the tables every
     `--interval` seconds, and Ctrl-C ends it with exit status 0."""

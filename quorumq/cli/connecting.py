@@ -32,20 +32,32 @@ def tls_option(args: argparse.Namespace) -> bool | str | None:
 
 
 def connect_client(args: argparse.Namespace) -> Any:
-    from ..client import Client, QuorumqError  # noqa: PLC0415
+    """A client of the endpoints (`--endpoints`, or the dev cluster's); a `UsageError` if
+    none can be used."""
+    from ..client import QuorumqError  # noqa: PLC0415
 
-    token = secret_from(args.token_file, "QUORUMQ_TOKEN", "client token")
-    admin = secret_from(None, "QUORUMQ_ADMIN_TOKEN", "admin token")  # for `members`
     try:
-        return Client(
-            endpoints_of(args),
-            token,
-            connect_timeout=args.timeout,
-            admin_token=admin,
-            tls=tls_option(args),
-        )
+        return client_of(args, endpoints_of(args))
     except (QuorumqError, ValueError) as e:
         raise UsageError(str(e)) from None
+
+
+def client_of(args: argparse.Namespace, endpoints: list[str], **options: Any) -> Any:
+    """A client of `endpoints`, with the command's token, admin token (for `members` and
+    `status --audit`), TLS and `--timeout`. It does not wait for nodes: endpoints that
+    all refuse the connection, or are no client port, are an error at once (a user waits
+    for the answer; `--timeout` bounds a connection that hangs)."""
+    from ..client import Client  # noqa: PLC0415
+
+    return Client(
+        endpoints,
+        secret_from(args.token_file, "QUORUMQ_TOKEN", "client token"),
+        connect_timeout=args.timeout,
+        admin_token=secret_from(None, "QUORUMQ_ADMIN_TOKEN", "admin token"),
+        tls=tls_option(args),
+        wait_for_nodes=False,
+        **options,
+    )
 
 
 def client_error(args: argparse.Namespace, error: Exception) -> str:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .args import UsageError, peer, secret_from
-from .connecting import connect_client, endpoints_of, make_console, tls_option
+from .connecting import client_of, connect_client, endpoints_of, make_console, tls_option
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -98,7 +98,7 @@ def _status_tables(args: argparse.Namespace) -> int:
 
 
 def run_members(args: argparse.Namespace) -> int:
-    from ..client import Client, QuorumqError  # noqa: PLC0415
+    from ..client import QuorumqError  # noqa: PLC0415
 
     if args.action == "list":
         if args.member:
@@ -119,18 +119,10 @@ def run_members(args: argparse.Namespace) -> int:
     else:
         if not args.member or "=" in args.member:
             raise UsageError("remove takes a member name, e.g. B")
-        token = secret_from(args.token_file, "QUORUMQ_TOKEN", "client token")
-        admin = secret_from(None, "QUORUMQ_ADMIN_TOKEN", "admin token")
         members = {}
         for endpoint in endpoints_of(args):  # a node does not remove itself: ask another
             try:
-                with Client(
-                    [endpoint],
-                    token,
-                    connect_timeout=args.timeout,
-                    admin_token=admin,
-                    tls=tls_option(args),
-                ) as client:
+                with client_of(args, [endpoint]) as client:
                     if client.node == args.member:
                         continue
                     print(f"removing {args.member} via {client.node}...", flush=True)

@@ -13,6 +13,7 @@ from .core import (
     ServerError,
     TlsError,
     TooManyUnconfirmedError,
+    UnreachableError,
 )
 
 __all__ = [
@@ -29,5 +30,6 @@ __all__ = [
     "StreamMessage",
     "TlsError",
     "TooManyUnconfirmedError",
+    "UnreachableError",
     "connect",
 ]

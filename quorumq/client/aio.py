@@ -28,9 +28,11 @@ import trio
 from ..wire.protocol import FrameDecoder, ProtocolError, encode_frame, keep_alive
 from .blocking import MessageLike, batch_rows, landed_offsets
 from .core import (
+    WELCOME_S,
     ConnectFailures,
     ConnectionLostError,
     Delivery,
+    NoWelcomeError,
     QuorumqError,
     ReadResult,
     check_hello_answer,
@@ -215,8 +217,10 @@ class AsyncClient:
         max_unconfirmed: int = MAX_UNCONFIRMED,
         max_unconfirmed_bytes: int = MAX_UNCONFIRMED_BYTES,
         tls: TlsOption = None,
+        wait_for_nodes: bool = True,
     ) -> None:
         """As the blocking client's options (`tls`: over TLS, every connection;
+        `wait_for_nodes`: for the first connection only;
         `endpoints` may be a `Dialer`, as `quorumq.aio.Node.client`'s). The client's tasks
         run in `nursery` (`connect` gives it one once connected)."""
         self._dialer: Dialer = (
@@ -229,6 +233,7 @@ class AsyncClient:
         self._nursery = nursery
         self.timeout = timeout
         self._connect_timeout = connect_timeout
+        self._wait_for_nodes = wait_for_nodes
         self._session = ClientSession(
             self._settle,
             max_unconfirmed=max_unconfirmed,
@@ -246,11 +251,11 @@ class AsyncClient:
 
     # -------------------------------------------------------------- connecting
 
-    async def _connect(self, within: float) -> Link:
+    async def _connect(self, within: float, *, wait_for_nodes: bool = True) -> Link:
         """A handshaken connection to the next endpoint that answers, trying them in turn
-        for up to `within` seconds."""
+        for up to `within` seconds (see `ConnectFailures` for `wait_for_nodes`)."""
         targets = self._dialer.targets
-        failures = ConnectFailures(len(targets))
+        failures = ConnectFailures(len(targets), wait_for_nodes=wait_for_nodes)
         with trio.move_on_after(within):
             while True:
                 for _ in range(len(targets)):
@@ -280,7 +285,12 @@ class AsyncClient:
                     raise ConnectionLostError("the node closed the connection")
                 return frame
 
-            welcome = await receive()
+            within = min(self._connect_timeout, WELCOME_S)
+            try:
+                with trio.fail_after(within):
+                    welcome = await receive()
+            except trio.TooSlowError:
+                raise NoWelcomeError(within) from None
             await link.send_frame(hello_frame(welcome, self._token, self._admin_token))
             check_hello_answer(await receive())
         except BaseException:
@@ -642,7 +652,7 @@ async def connect(
     an `ExceptionGroup`, so `except ServerError` around the block missed them); only
     several at once stay a group."""
     client = AsyncClient(endpoints, token, None, **options)
-    link = await client._connect(client._connect_timeout)
+    link = await client._connect(client._connect_timeout, wait_for_nodes=client._wait_for_nodes)
     try:
         async with trio.open_nursery() as nursery:
             client._nursery = nursery

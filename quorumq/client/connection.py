@@ -17,9 +17,11 @@ from typing import Any, Self
 from .. import pathtiming
 from ..wire.protocol import ProtocolError
 from .core import (
+    WELCOME_S,
     ConnectFailures,
     ConnectionLostError,
     Delivery,
+    NoWelcomeError,
     QuorumqError,
     check_hello_answer,
     hello_frame,
@@ -53,7 +55,8 @@ def handshake(
     link: Link, token: str | None, admin_token: str | None = None, *, timeout: float = 5.0
 ) -> dict[str, Any]:
     """Welcome, hello (with proof), reply, on a new connection (whose reads still time
-    out); the welcome."""
+    out: a socket's after `min(timeout, WELCOME_S)`, `TcpDialer.dial`); the welcome.
+    `NoWelcomeError` if none came by then."""
     frames = link.frames()
 
     def receive() -> dict[str, Any]:
@@ -62,7 +65,10 @@ def handshake(
             raise ConnectionLostError("the node closed the connection")
         return frame
 
-    welcome = receive()
+    try:
+        welcome = receive()
+    except TimeoutError:
+        raise NoWelcomeError(min(timeout, WELCOME_S)) from None
     hello = hello_frame(welcome, token, admin_token)
     if link.send_frame_by(hello, time.monotonic() + timeout) is not None:
         raise ConnectionLostError("the node did not take the hello")
@@ -138,8 +144,17 @@ class ClientConnection:
         max_unconfirmed: int = MAX_UNCONFIRMED,
         max_unconfirmed_bytes: int = MAX_UNCONFIRMED_BYTES,
         tls: TlsOption = None,
+        wait_for_nodes: bool = True,
     ) -> None:
-        """`admin_token`: for administrative verbs (`add_member`, `remove_member`).
+        """`connect_timeout`: how long to keep trying the endpoints in turn, and each
+        step of one (connect, TLS, the node's welcome: `WELCOME_S` at most).
+        `wait_for_nodes=False`: give up connecting at once when every endpoint refused
+        the connection a few times in a row, or refused it or sent no welcome (not a
+        quorumq client port), with one line saying so (`UnreachableError`); the command
+        line's choice, where a user waits for the answer. By default the client keeps
+        trying for `connect_timeout`: a node being started refuses until it listens.
+        Reconnects always keep trying, for the client's `timeout`.
+        `admin_token`: for administrative verbs (`add_member`, `remove_member`).
         `max_unconfirmed`, `max_unconfirmed_bytes`: how many publishes, and how many
         bytes of them, may wait for their confirms at once; past either, a publish fails
         before anything is sent (`TooManyUnconfirmedError`; its key is not paused).
@@ -183,15 +198,15 @@ class ClientConnection:
         self._deadline_changed = threading.Condition(self._lock)
         self._watching_until = math.inf
         self._reader: threading.Thread | None = None
-        self._connect(deadline=time.monotonic() + connect_timeout)
+        self._connect(deadline=time.monotonic() + connect_timeout, wait_for_nodes=wait_for_nodes)
         self._watcher = threading.Thread(
             target=self._watch_deadlines, daemon=True, name="quorumq-client-deadlines"
         )
         self._watcher.start()
 
-    def _connect(self, deadline: float) -> None:
+    def _connect(self, deadline: float, *, wait_for_nodes: bool = True) -> None:
         targets = self._dialer.targets
-        failures = ConnectFailures(len(targets))
+        failures = ConnectFailures(len(targets), wait_for_nodes=wait_for_nodes)
         while True:
             for _ in range(len(targets)):
                 if self._session.closed:

@@ -63,6 +63,29 @@ class TlsError(QuorumqError):
     does not mend it: the client or the nodes need another configuration."""
 
 
+class NoWelcomeError(ConnectionLostError):
+    """The endpoint took the connection but sent no `welcome` within `WELCOME_S`: not a
+    quorumq client port (a node's Raft port waits in silence for its peer's secret), or
+    a node too stalled to answer."""
+
+    def __init__(self, within: float) -> None:
+        super().__init__(
+            f"took the connection but sent no quorumq welcome within {within:g} s: not a "
+            "quorumq client port (a node's Raft port, or another service?), or a stalled node"
+        )
+
+
+class UnreachableError(ConnectionLostError):
+    """Every endpoint refused the connection, or took it and said nothing: what a client
+    made with `wait_for_nodes=False` raises at once instead of trying until its
+    `connect_timeout`. `refused`, `silent`: those endpoints ("host:port")."""
+
+    def __init__(self, message: str, *, refused: list[str], silent: list[str]) -> None:
+        super().__init__(message)
+        self.refused = refused
+        self.silent = silent
+
+
 class OutcomeUnknownError(ConnectionLostError):
     """No confirm came in time (or the waiting caller was cancelled), and the publish is
     still live: the client keeps resending it, so it may yet land, exactly once.
@@ -404,24 +427,64 @@ def read_continues_at(reply: dict[str, Any], position: int, end: int) -> int | N
     return covered
 
 
+WELCOME_S = 2.5
+"""How long a new connection waits for the node's `welcome` (at most its connect
+timeout). A node sends it as it takes the connection, and a node that serves TLS only
+answers a plain client's silence with `tls_required` after 1 s (`tls_silence_s`); an
+endpoint silent past this is no quorumq client port (`NoWelcomeError`)."""
+REFUSED_ROUNDS = 3
+"""With `wait_for_nodes=False`: the rounds in which every endpoint refused the connection
+before the client gives up (0.1 s apart: about 0.2 s)."""
+
+
+def refused(error: BaseException) -> bool:
+    """Whether `error` is a refused connection (trio's: every address it tried refused)."""
+    if isinstance(error, ConnectionRefusedError):
+        return True
+    cause = error.__cause__
+    return (
+        isinstance(error, OSError)
+        and isinstance(cause, BaseExceptionGroup)
+        and all(isinstance(e, ConnectionRefusedError) for e in cause.exceptions)
+    )
+
+
 class ConnectFailures:
     """Why the endpoints could not be connected to, in one attempt to connect (both
-    clients): what trying again cannot mend ends it at once."""
+    clients): what trying again cannot mend ends it at once. With `wait_for_nodes=False`
+    so does what will not mend soon: every endpoint refusing the connection
+    (`REFUSED_ROUNDS` rounds in a row), or a round of refusals and silences, one of them
+    an endpoint that took the connection and sent no welcome (`UnreachableError`).
+    Otherwise a node being started, which refuses until it listens, is waited for."""
 
-    def __init__(self, endpoints: int) -> None:
+    def __init__(self, endpoints: int, *, wait_for_nodes: bool = True) -> None:
         self._endpoints = endpoints
-        self._errors: list[str] = []
+        self._wait_for_nodes = wait_for_nodes
+        self._errors: list[tuple[str, str]] = []
+        """(endpoint, why) of each failure, in order."""
         self._tls: dict[str, list[str]] = {}
         """TLS failures in a row, since the last failure of another kind: the endpoints
         that failed, by what went wrong."""
         self._tls_count = 0
+        self._stuck: list[tuple[str, bool]] = []
+        """Refusals and silences in a row, since the last failure of another kind:
+        (endpoint, silent)."""
 
     def add(self, where: str, error: Exception) -> None:
         """Note that the endpoint `where` ("host:port") failed with `error`; raise it (a
-        wrong token), or a `TlsError` once every endpoint in a row failed TLS."""
+        wrong token), a `TlsError` once every endpoint in a row failed TLS, or (not
+        waiting for nodes) an `UnreachableError` once every endpoint refused or was
+        silent."""
         if isinstance(error, ServerError) and error.code == "auth_failed":
             raise error
-        self._errors.append(f"{where}: {error}")
+        was_refused = refused(error)
+        self._errors.append((where, "connection refused" if was_refused else str(error)))
+        if was_refused or isinstance(error, NoWelcomeError):
+            self._stuck.append((where, not was_refused))
+            if not self._wait_for_nodes:
+                self._give_up_if_stuck()
+        else:
+            self._stuck.clear()
         if not isinstance(error, TlsError):
             self._tls.clear()
             self._tls_count = 0
@@ -435,10 +498,40 @@ class ConnectFailures:
                 )
             ) from None
 
+    def _give_up_if_stuck(self) -> None:
+        stuck = self._stuck
+        if len(stuck) < self._endpoints:
+            return
+        last_round = stuck[-self._endpoints :]
+        if not any(silent for _, silent in last_round) and len(stuck) < (
+            REFUSED_ROUNDS * self._endpoints
+        ):
+            return
+        silent = list(dict.fromkeys(w for w, s in last_round if s))
+        refusing = list(dict.fromkeys(w for w, s in last_round if not s))
+        raise UnreachableError(self._message(last_round), refused=refusing, silent=silent) from None
+
+    def _message(self, failures: list[tuple[str, bool]] | None = None) -> str:
+        """Why no node answered, the endpoints that failed alike together: of the last
+        few failures, or of `failures`."""
+        if failures is None:
+            errors = self._errors[-6 * max(self._endpoints, 1) :]
+        else:
+            errors = self._errors[-len(failures) :]
+        by_why: dict[str, list[str]] = {}
+        for where, why in errors:
+            endpoints = by_why.setdefault(why, [])
+            if where not in endpoints:
+                endpoints.append(where)
+        parts = []
+        for why, endpoints in list(by_why.items())[-6:]:
+            hint = " (is a quorumq node running there?)" if why == "connection refused" else ""
+            parts.append(f"{', '.join(endpoints)}: {why}{hint}")
+        return "no quorumq node answered: " + "; ".join(parts)
+
     def give_up(self) -> ConnectionLostError:
         """The error once the time to connect is over."""
-        distinct = list(dict.fromkeys(self._errors))
-        return ConnectionLostError("no quorumq node answered: " + "; ".join(distinct[-6:]))
+        return ConnectionLostError(self._message())
 
 
 def parse_endpoints(endpoints: str | list[str] | tuple[str, ...]) -> list[tuple[str, int]]:

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from ..wire.protocol import FrameDecoder, encode_frame, keep_alive
-from .core import ConnectionLostError
+from .core import WELCOME_S, ConnectionLostError
 from .tls import handshake_failed
 
 SendFailure = type[TimeoutError] | type[OSError] | None
@@ -73,8 +73,12 @@ class TcpDialer:
         self.context = context
 
     def dial(self, target: int, timeout: float) -> Wire:
+        """The connection, its reads timing out after `min(timeout, WELCOME_S)` from now
+        on: the handshake waits no longer for the node's welcome."""
         host, port = self.endpoints[target]
-        return Wire.open(host, port, timeout=timeout, context=self.context)
+        wire = Wire.open(host, port, timeout=timeout, context=self.context)
+        wire.settimeout(min(timeout, WELCOME_S))
+        return wire
 
 
 class Wire:

@@ -1,0 +1,133 @@
+"""Connecting: why the endpoints could not be used (`ConnectFailures`, driven with
+errors alone), and the clients over real sockets: an endpoint that takes the
+connection and says nothing (a node's Raft port), one that refuses it."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+import quorumq.aio
+from quorumq.client import Client, ConnectionLostError, UnreachableError
+from quorumq.client.core import REFUSED_ROUNDS, ConnectFailures, NoWelcomeError, TlsError
+from quorumq.ops.local_cluster import free_ports
+
+REFUSED = ConnectionRefusedError(111, "Connection refused")
+
+
+def test_refusals_end_the_attempt_after_a_few_rounds_when_not_waiting_for_nodes() -> None:
+    failures = ConnectFailures(2, wait_for_nodes=False)
+    for _ in range(REFUSED_ROUNDS - 1):
+        failures.add("h:1", REFUSED)
+        failures.add("h:2", REFUSED)
+    failures.add("h:1", REFUSED)
+    with pytest.raises(UnreachableError) as given_up:
+        failures.add("h:2", REFUSED)
+    assert str(given_up.value) == (
+        "no quorumq node answered: h:1, h:2: connection refused (is a quorumq node running there?)"
+    )
+    assert given_up.value.refused == ["h:1", "h:2"] and given_up.value.silent == []
+
+
+def test_trio_refusals_count_as_refusals() -> None:
+    """trio's `open_tcp_stream` raises an OSError caused by a group of the refusals of
+    every address it tried."""
+    failures = ConnectFailures(1, wait_for_nodes=False)
+    group = ExceptionGroup("all attempts failed", [REFUSED, REFUSED])
+    trio_refused = OSError("all attempts to connect to h:1 failed")
+    trio_refused.__cause__ = group
+    with pytest.raises(UnreachableError):
+        for _ in range(REFUSED_ROUNDS):
+            failures.add("h:1", trio_refused)
+
+
+def test_a_silent_endpoint_ends_the_attempt_with_the_first_round() -> None:
+    failures = ConnectFailures(2, wait_for_nodes=False)
+    failures.add("h:1", NoWelcomeError(2.5))
+    with pytest.raises(UnreachableError) as given_up:
+        failures.add("h:2", REFUSED)
+    message = str(given_up.value)
+    assert "h:1: took the connection but sent no quorumq welcome within 2.5 s" in message
+    assert "h:2: connection refused" in message
+    assert given_up.value.silent == ["h:1"] and given_up.value.refused == ["h:2"]
+
+
+def test_another_failure_between_refusals_starts_the_count_again() -> None:
+    """One endpoint that answers in some other way (a timeout: a host that may come
+    back) keeps the client trying until its connect timeout."""
+    failures = ConnectFailures(2, wait_for_nodes=False)
+    for _ in range(3 * REFUSED_ROUNDS):
+        failures.add("h:1", REFUSED)
+        failures.add("h:2", TimeoutError("timed out"))
+    message = str(failures.give_up())
+    assert message == "no quorumq node answered: h:1: connection refused " + (
+        "(is a quorumq node running there?); h:2: timed out"
+    )
+
+
+def test_waiting_for_nodes_never_gives_up_on_refusals_or_silence() -> None:
+    """The default: a node being started refuses until it listens."""
+    failures = ConnectFailures(1)
+    for _ in range(10 * REFUSED_ROUNDS):
+        failures.add("h:1", REFUSED)
+        failures.add("h:1", NoWelcomeError(2.5))
+    assert isinstance(failures.give_up(), ConnectionLostError)
+
+
+def test_tls_failures_still_end_the_attempt_as_before() -> None:
+    failures = ConnectFailures(1, wait_for_nodes=False)
+    with pytest.raises(TlsError):
+        failures.add("h:1", TlsError("TLS handshake failed: unknown ca"))
+
+
+@pytest.fixture
+def silent_port() -> Iterator[str]:
+    """A port that takes connections and says nothing, as a node's Raft port does with
+    a client's (it waits for its peer's secret, for 5 s)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+def _aio_connect(endpoints: list[str], **options: object) -> None:
+    async def run() -> None:
+        async with quorumq.aio.connect(endpoints, **options):
+            pass
+
+    trio.run(run)
+
+
+@pytest.mark.parametrize("connect", [Client, _aio_connect], ids=["blocking", "aio"])
+def test_an_endpoint_that_sends_no_welcome_is_not_a_client_port(
+    silent_port: str, connect: object
+) -> None:
+    """Issue 31: the client waited its whole connect timeout (10 s here), then said
+    "timed out"; now 2.5 s, and what it may be."""
+    started = time.monotonic()
+    with pytest.raises(UnreachableError) as given_up:
+        connect([silent_port], connect_timeout=10.0, wait_for_nodes=False)  # type: ignore[operator]
+    took = time.monotonic() - started
+    assert f"{silent_port}: took the connection but sent no quorumq welcome" in str(given_up.value)
+    assert "not a quorumq client port (a node's Raft port" in str(given_up.value)
+    assert took < 6.0, f"took {took:.1f} s"
+
+
+@pytest.mark.parametrize("connect", [Client, _aio_connect], ids=["blocking", "aio"])
+def test_endpoints_that_refuse_are_given_up_on_at_once(connect: object) -> None:
+    """Issue 31: 5 s (the whole connect timeout; here 10 s) for a port nothing listens
+    on; now a few rounds, 0.1 s apart."""
+    endpoints = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    started = time.monotonic()
+    with pytest.raises(UnreachableError) as given_up:
+        connect(endpoints, connect_timeout=10.0, wait_for_nodes=False)  # type: ignore[operator]
+    took = time.monotonic() - started
+    assert sorted(given_up.value.refused) == sorted(endpoints)
+    assert took < 2.0, f"took {took:.1f} s"
