@@ -367,7 +367,10 @@ def test_user_errors_are_one_line_and_a_stopped_cluster_says_where_its_data_is(
         _one_line_error(q("declare", "orders", "--max-length", "5"), "options_mismatch")
         _one_line_error(q("cluster", "up"), "a cluster already runs")
         (port,) = free_ports(1)
-        _one_line_error(q("status", "--endpoints", f"127.0.0.1:{port}"), "no quorumq node answered")
+        _one_line_error(
+            q("status", "--endpoints", f"127.0.0.1:{port}"),
+            f"no node gave its status: 127.0.0.1:{port}: connection refused (is a quorumq node",
+        )
         node = ["node", "--id", "A", "--insecure", "--listen", "127.0.0.1:0"]
         node += ["--raft", "127.0.0.1:0", "--data-dir"]
         _one_line_error(q(*node, f"{root}/A"), f"the data directory {root}/A is in use")
@@ -609,6 +612,31 @@ def test_status_tables_show_nodes_and_queue_rates_while_a_workload_runs() -> Non
         assert shown.returncode == 0, shown.stderr
         dead = [line for line in shown.stdout.splitlines() if cluster.endpoint(follower) in line]
         assert len(dead) == 1 and "unreachable" in dead[0], shown.stdout
+
+
+def test_status_with_a_node_down_shows_it_once_and_answers_quickly() -> None:
+    """Issue 31: with one node of three killed, `quorumq status` showed it twice ("C not
+    asked" and "? unreachable") and took 10.4 to 10.9 s (5 s of connect retries to the
+    refused port, in each of its two readings); now one row per node, in about 1.5 s
+    (the 1 s between its readings, and a refusal given up on in 0.2 s)."""
+    import time
+
+    from quorumq.ops.local_cluster import Cluster
+
+    with Cluster(3) as cluster:
+        leader = cluster.leader()
+        down = next(n for n in cluster.nodes if n != leader)
+        cluster.kill(down)
+        started = time.monotonic()
+        shown = _quorumq("status", "--endpoints", ",".join(cluster.endpoints))
+        took = time.monotonic() - started
+    assert shown.returncode == 0, shown.stderr
+    rows = [line.split() for line in shown.stdout.splitlines()]
+    nodes = [cells for cells in rows if cells and cells[0] in {"A", "B", "C", "?"}]
+    assert sorted(cells[0] for cells in nodes) == ["A", "B", "C"], shown.stdout
+    row = next(cells for cells in nodes if cells[0] == down)
+    assert row[1] == "unreachable" and row[-2:] == ["connection", "refused"], shown.stdout
+    assert took < 6.0, f"took {took:.1f} s"
 
 
 def test_a_raft_port_given_as_a_client_port_says_it_is_not_one_soon() -> None:

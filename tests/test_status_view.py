@@ -12,3 +12,90 @@ def test_a_node_near_its_file_limit_or_client_cap_has_a_note() -> None:
     assert _near_limits({"files_open": 230, "files_limit": 256}) == ["open files: 230 of 256"]
     assert _near_limits({"clients": 60, "max_clients": 64}) == ["clients: 60 of 64"]
     assert _near_limits({"files_open": None, "files_limit": 256}) == []
+
+
+def _status(node: str, *, leader: bool = False) -> dict[str, object]:
+    return {
+        "node": node,
+        "is_leader": leader,
+        "leader": "A",
+        "term": 1,
+        "commit_index": 5,
+        "last_applied": 5,
+        "clients": 1,
+        "members": {"A": "10.0.0.1:7000", "B": "10.0.0.2:7000", "C": "10.0.0.3:7000"},
+        "queues": {},
+    }
+
+
+def _rows(reading: object) -> list[list[str]]:
+    """The printed nodes table's rows, cells split on blanks of two or more (so that a
+    note stays one cell)."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from quorumq.ops.status_view import nodes_table
+
+    out = io.StringIO()
+    Console(file=out, width=200).print(nodes_table(reading))  # type: ignore[arg-type]
+    lines = out.getvalue().splitlines()
+    body = lines[next(i for i, line in enumerate(lines) if "───" in line) + 1 :]
+    return [re.split(r"\s{2,}", line.strip()) for line in body if line.strip()]
+
+
+def _read(
+    answers: dict[str, str], down: dict[str, str], **options: object
+) -> tuple[object, list[str]]:
+    """A reading of endpoints that answer as `answers` (endpoint -> node; "A" leads)
+    and of `down` ones (endpoint -> the error); and the endpoints asked."""
+    from quorumq.ops.status_view import read_cluster
+
+    asked: list[str] = []
+
+    def status_of(endpoint: str) -> dict[str, object]:
+        asked.append(endpoint)
+        if endpoint in down:
+            raise OSError(down[endpoint])
+        return _status(answers[endpoint], leader=answers[endpoint] == "A")
+
+    endpoints = [*answers, *down]
+    return read_cluster(endpoints, status_of, (OSError,), **options), asked  # type: ignore[arg-type]
+
+
+def test_a_node_that_does_not_answer_is_one_row_named_as_the_caller_knew_it() -> None:
+    """Issue 31: a node of three down was two rows, "C not asked" and "? unreachable"."""
+    answers = {"a:1": "A", "b:1": "B"}
+    reading, _ = _read(answers, {"c:1": "connection refused"}, names={"c:1": "C"})
+    rows = _rows(reading)
+    assert [row[0] for row in rows] == ["A", "B", "C"], rows
+    assert rows[2][1] == "unreachable" and rows[2][-2:] == ["c:1", "connection refused"]
+
+
+def test_an_unknown_endpoint_that_does_not_answer_is_the_member_on_its_host() -> None:
+    """The members' Raft addresses tell which node an unreachable endpoint is: the one
+    member on its host, or, one endpoint and one member left over, that member."""
+    answers = {"10.0.0.1:9000": "A", "10.0.0.2:9000": "B"}
+    reading, _ = _read(answers, {"10.0.0.3:9000": "timed out"})
+    assert [row[0] for row in _rows(reading)] == ["A", "B", "C"]
+    by_elimination, _ = _read({"a:1": "A", "b:1": "B"}, {"c:1": "timed out"})
+    assert [row[0] for row in _rows(by_elimination)] == ["A", "B", "C"]
+
+
+def test_endpoints_that_cannot_be_told_apart_say_which_nodes_they_may_be() -> None:
+    reading, _ = _read({"h:1": "A"}, {"h:2": "connection refused", "h:3": "timed out"})
+    rows = _rows(reading)
+    assert [row[0] for row in rows] == ["A", "?", "?"], rows  # not B and C "not asked" too
+    assert rows[1][-1] == "one of B, C: connection refused"
+    assert rows[2][-1] == "one of B, C: timed out"
+
+
+def test_a_second_reading_does_not_ask_again_an_endpoint_that_did_not_answer() -> None:
+    """Rates need a second reading: an unreachable node cost its connect timeout twice."""
+    answers = {"a:1": "A", "b:1": "B"}
+    first, asked = _read(answers, {"c:1": "timed out"})
+    second, asked_again = _read(answers, {"c:1": "timed out"}, carry=first)
+    assert sorted(asked) == ["a:1", "b:1", "c:1"]
+    assert sorted(asked_again) == ["a:1", "b:1"]
+    assert second.nodes[2] == first.nodes[2]  # type: ignore[attr-defined]

@@ -24,6 +24,15 @@ def endpoints_of(args: argparse.Namespace) -> list[str]:
     return [f"127.0.0.1:{n['client_port']}" for n in state["nodes"].values()]
 
 
+def endpoint_names(args: argparse.Namespace) -> dict[str, str]:
+    """The node behind each endpoint, where known before it answers: the dev cluster's
+    (from its file), none for `--endpoints`."""
+    if args.endpoints:
+        return {}
+    state = cluster_state(Path(args.dir))
+    return {f"127.0.0.1:{n['client_port']}": name for name, n in state["nodes"].items()}
+
+
 def tls_option(args: argparse.Namespace) -> bool | str | None:
     """The clients' `tls=`: `--tls-ca FILE`, or `--tls` (the system's CAs), or None."""
     if args.tls_ca is not None:

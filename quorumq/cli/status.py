@@ -8,8 +8,8 @@ import json
 import time
 from typing import Any
 
-from .args import UsageError, peer, secret_from
-from .connecting import client_of, connect_client, endpoints_of, make_console, tls_option
+from .args import UsageError, peer
+from .connecting import client_of, connect_client, endpoint_names, endpoints_of, make_console
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -41,41 +41,49 @@ def _status_tables(args: argparse.Namespace) -> int:
     from rich.live import Live  # noqa: PLC0415
     from rich.text import Text  # noqa: PLC0415
 
-    from ..client import Client, QuorumqError  # noqa: PLC0415
+    from ..client import QuorumqError  # noqa: PLC0415
     from ..ops.status_view import read_cluster, status_view  # noqa: PLC0415
 
     endpoints = endpoints_of(args)
-    token = secret_from(args.token_file, "QUORUMQ_TOKEN", "client token")
-    admin = secret_from(None, "QUORUMQ_ADMIN_TOKEN", "admin token")
+    names = endpoint_names(args)
 
     def status_of(endpoint: str) -> dict[str, Any]:
         timeout = 300.0 if args.audit else max(args.timeout, 1.0)
-        with Client(
-            [endpoint],
-            token,
-            connect_timeout=args.timeout,
-            timeout=timeout,
-            admin_token=admin,
-            tls=tls_option(args),
-        ) as client:
-            status: dict[str, Any] = client.status(audit=args.audit)
-            return status
+        try:
+            with client_of(args, [endpoint], timeout=timeout) as client:
+                status: dict[str, Any] = client.status(audit=args.audit)
+                return status
+        except QuorumqError as e:
+            raise QuorumqError(_why(endpoint, e)) from None
 
-    def read() -> Any:
-        return read_cluster(endpoints, status_of, (QuorumqError, OSError, ValueError))
+    def read(earlier: Any = None, *, again: bool = True) -> Any:
+        """A reading; `again=False`: endpoints that gave no status in `earlier` keep
+        that reading, not asked again (an unreachable node costs its timeout once)."""
+        known = dict(names)
+        if earlier is not None:
+            known.update({n.endpoint: n.node for n in earlier.nodes if n.node is not None})
+        return read_cluster(
+            endpoints,
+            status_of,
+            (QuorumqError, OSError, ValueError),
+            names=known,
+            carry=None if again else earlier,
+        )
 
     console = make_console()
     before = read()
     if not before.answered and not args.watch:
         errors = "; ".join(f"{n.endpoint}: {n.error}" for n in before.nodes)
         hint = " (set QUORUMQ_ADMIN_TOKEN)" if "admin_required" in errors else ""
+        if "connection refused" in errors:
+            hint += " (is a quorumq node running there?)"
         raise UsageError(f"no node gave its status: {errors}{hint}")
     if not args.watch:
         if args.audit:  # an audit hashes every message: once is enough, and no rates
             console.print(status_view(before, None, audit=True))
             return 0
         time.sleep(max(0.0, before.taken_at + args.interval - time.monotonic()))
-        console.print(status_view(read(), before))
+        console.print(status_view(read(before, again=False), before))
         return 0
 
     def view(now: Any, earlier: Any) -> Any:
@@ -90,11 +98,25 @@ def _status_tables(args: argparse.Namespace) -> int:
         with Live(view(before, None), console=console) as live:
             while True:
                 time.sleep(max(0.0, before.taken_at + args.interval - time.monotonic()))
-                now = read()
+                now = read(before)
                 live.update(view(now, before))
                 before = now
     except KeyboardInterrupt:  # how --watch ends
         return 0
+
+
+def _why(endpoint: str, error: Exception) -> str:
+    """Why `endpoint` gave no status, short: its row names the endpoint already."""
+    from ..client import UnreachableError  # noqa: PLC0415
+
+    if isinstance(error, UnreachableError):
+        if error.refused:
+            return "connection refused"
+        return "sent no welcome: stalled, or not a quorumq client port (a Raft port?)"
+    text = str(error)
+    for prefix in ("no quorumq node answered: ", f"{endpoint}: "):
+        text = text.removeprefix(prefix)
+    return text
 
 
 def run_members(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 nodes and queues, from readings of every node's status.
 
 A reading asks each endpoint for its node's status, all at once (a node that does not
-answer is a row saying so, not an error). Rates need two readings: `queues_table` takes
+answer is a row saying so, not an error: one row per node, named where it is known, or
+told by the members no endpoint answered for). Rates need two readings: `queues_table` takes
 the earlier one and divides what grew by the time between them, both of one node (a
 queue's next offset is the same on every replica once applied, but the delivery counts
 are each node's own since its process started).
@@ -24,9 +25,12 @@ from rich.text import Text
 
 @attrs.frozen(kw_only=True)
 class NodeReading:
-    """One endpoint's answer: its node's status, or why there is none."""
+    """One endpoint's answer: its node's status, or why there is none. `node`: the node
+    behind the endpoint, as its status says, else as the caller knew it (None if
+    unknown)."""
 
     endpoint: str
+    node: str | None = None
     status: Mapping[str, Any] | None = None
     error: str | None = None
 
@@ -58,20 +62,75 @@ def read_cluster(
     endpoints: Sequence[str],
     status_of: Callable[[str], Mapping[str, Any]],
     errors: tuple[type[BaseException], ...],
+    *,
+    names: Mapping[str, str] | None = None,
+    carry: ClusterReading | None = None,
 ) -> ClusterReading:
     """Ask every endpoint at once (`status_of(endpoint)`); an exception of `errors`
-    is that endpoint's error."""
+    is that endpoint's error. `names`: the node behind an endpoint, where known before
+    it answers. An endpoint that gave no status in `carry` is not asked again: its
+    reading is carried over (an unreachable node costs its connect timeout once)."""
+    names = names or {}
+    kept = {n.endpoint: n for n in carry.nodes if n.status is None} if carry else {}
 
     def one(endpoint: str) -> NodeReading:
+        if endpoint in kept:
+            return kept[endpoint]
         try:
-            return NodeReading(endpoint=endpoint, status=status_of(endpoint))
+            status = status_of(endpoint)
         except errors as e:
-            return NodeReading(endpoint=endpoint, error=str(e) or type(e).__name__)
+            error = str(e) or type(e).__name__
+            return NodeReading(endpoint=endpoint, node=names.get(endpoint), error=error)
+        node = status.get("node")
+        return NodeReading(
+            endpoint=endpoint,
+            node=str(node) if node is not None else names.get(endpoint),
+            status=status,
+        )
 
     taken_at = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(endpoints))) as pool:
         nodes = tuple(pool.map(one, endpoints))
     return ClusterReading(taken_at=taken_at, nodes=nodes)
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0]
+
+
+@attrs.frozen(kw_only=True)
+class Unreached:
+    """Who the endpoints that gave no status are: `names` (endpoint -> node) where it is
+    known or told; `among`: the members left over when as many endpoints are, each of
+    them one of those."""
+
+    names: Mapping[str, str]
+    among: tuple[str, ...] = ()
+
+
+def unreached(reading: ClusterReading) -> Unreached:
+    """The node behind each endpoint that gave no status: as known, else told by the
+    members (of the reference status) no endpoint answered for: the one member on the
+    endpoint's host, or, one endpoint and one member left, that member. As many
+    endpoints as members left: each is one of them (`among`)."""
+    members: Mapping[str, str] = (reading.reference or {}).get("members", {})
+    named = {n.node for n in reading.nodes if n.node is not None}
+    left = {m: address for m, address in members.items() if m not in named}
+    found: dict[str, str] = {
+        n.endpoint: n.node for n in reading.nodes if n.status is None and n.node is not None
+    }
+    unknown = [n.endpoint for n in reading.nodes if n.status is None and not n.node]
+    for endpoint in list(unknown):
+        on_host = [m for m, address in left.items() if _host(address) == _host(endpoint)]
+        if len(on_host) == 1:
+            found[endpoint] = on_host[0]
+            del left[on_host[0]]
+            unknown.remove(endpoint)
+    if len(unknown) == 1 and len(left) == 1:
+        found[unknown[0]] = next(iter(left))
+        left.clear()
+    among = tuple(sorted(left)) if unknown and len(unknown) == len(left) else ()
+    return Unreached(names=found, among=among)
 
 
 def _number(value: Any) -> str:
@@ -128,13 +187,18 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
     commits = [s.get("commit_index") for s in reading.answered]
     top = (leader or {}).get("commit_index", max((c for c in commits if c is not None), default=0))
     rows: list[tuple[str, list[Any]]] = []
+    who = unreached(reading)
     for node in reading.nodes:
         status = node.status
         if status is None:
-            cells: list[Any] = ["?", Text("unreachable", style="bold red")] + ["-"] * 5
+            known = who.names.get(node.endpoint)
+            cells: list[Any] = [known or "?", Text("unreachable", style="bold red")] + ["-"] * 5
             if audit:
                 cells += ["-", "-"]
-            rows.append(("~", [*cells, node.endpoint, node.error or ""]))
+            note = node.error or ""
+            if known is None and who.among:
+                note = f"one of {', '.join(who.among)}: {note}"
+            rows.append((known or "~", [*cells, node.endpoint, note]))
             continue
         notes = []
         down = status.get("down_nodes") or []
@@ -163,7 +227,7 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
         if audit:
             cells += [_number(status.get("machine_index")), str(status.get("digest", "-"))[:16]]
         rows.append((str(status.get("node")), [*cells, node.endpoint, "; ".join(notes)]))
-    named = {name for name, _ in rows}
+    named = {name for name, _ in rows} | set(who.among)
     for member in sorted((reference or {}).get("members", {})):
         if member not in named:
             cells = [member, Text("not asked", style="dim")] + ["-"] * 5
@@ -245,9 +309,11 @@ def queue_list(status: Mapping[str, Any]) -> Table:
 __all__ = [
     "ClusterReading",
     "NodeReading",
+    "Unreached",
     "nodes_table",
     "queue_list",
     "queues_table",
     "read_cluster",
     "status_view",
+    "unreached",
 ]
