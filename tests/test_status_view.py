@@ -42,7 +42,12 @@ def _rows(reading: object) -> list[list[str]]:
     Console(file=out, width=200).print(nodes_table(reading))  # type: ignore[arg-type]
     lines = out.getvalue().splitlines()
     body = lines[next(i for i, line in enumerate(lines) if "───" in line) + 1 :]
-    return [re.split(r"\s{2,}", line.strip()) for line in body if line.strip()]
+    rows = []
+    for line in body:
+        if not line.strip():  # the table's end; its caption follows
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows
 
 
 def _read(
@@ -99,3 +104,36 @@ def test_a_second_reading_does_not_ask_again_an_endpoint_that_did_not_answer() -
     assert sorted(asked) == ["a:1", "b:1", "c:1"]
     assert sorted(asked_again) == ["a:1", "b:1"]
     assert second.nodes[2] == first.nodes[2]  # type: ignore[attr-defined]
+
+
+def test_the_nodes_table_says_what_its_columns_are_and_counts_other_clients_only() -> None:
+    """Issue 31, read as a newcomer: every node showed "clients 1" with nothing
+    connected (the status command's own connection), and nothing said what term,
+    commit, applied or lag were."""
+    reading, _ = _read({"a:1": "A", "b:1": "B", "c:1": "C"}, {})
+    rows = _rows(reading)
+    assert [row[6] for row in rows] == ["0", "0", "0"], rows
+
+    import io
+
+    from rich.console import Console
+
+    from quorumq.ops.status_view import nodes_table
+
+    out = io.StringIO()
+    Console(file=out, width=200).print(nodes_table(reading))  # type: ignore[arg-type]
+    for column in ("term:", "commit:", "applied:", "lag:", "clients:"):
+        assert column in out.getvalue(), out.getvalue()
+
+
+def test_with_no_queues_the_queues_table_says_how_to_make_one() -> None:
+    import io
+
+    from rich.console import Console
+
+    from quorumq.ops.status_view import queues_table
+
+    reading, _ = _read({"a:1": "A"}, {})
+    out = io.StringIO()
+    Console(file=out, width=200).print(queues_table(reading, None))  # type: ignore[arg-type]
+    assert "no queues yet (quorumq declare NAME makes one)" in out.getvalue()

@@ -161,7 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--endpoints", help="host:port,... (default: the local dev cluster)")
         p.add_argument("--dir", default=DEFAULT_CLUSTER_DIR, help="the local dev cluster's dir")
         p.add_argument("--token-file", help="file with the client token (or QUORUMQ_TOKEN)")
-        p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to connect")
+        p.add_argument(
+            "--timeout",
+            type=seconds,
+            default=5.0,
+            metavar="SECONDS",
+            help="to connect (default 5); endpoints that all refuse the connection fail at once",
+        )
         p.add_argument(
             "--tls",
             action="store_true",
@@ -273,15 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="tables of the cluster's nodes and queues (--json: one node's status as JSON)",
         description="Asks every endpoint's node for its status: a table of nodes (role, "
-        "Raft term, commit and applied index, lag behind the leader's commit) and one of "
-        "queues (ready, unacked, consumers, publish and deliver rates from two readings "
-        "--interval apart).",
+        "Raft term, commit and applied index, lag behind the leader's commit, clients; a "
+        "node that does not answer is a row saying why) and one of queues (ready, "
+        "unacked, consumers, publish and deliver rates from two readings --interval "
+        "apart).",
     )
     client_options(status)
     status.add_argument(
         "--json",
         action="store_true",
-        help="print one node's status as JSON, for programs (what status printed before)",
+        help="print one node's status as JSON, for programs (every field, raw)",
     )
     status.add_argument(
         "--watch", action="store_true", help="refresh the tables in place until Ctrl-C"

@@ -169,10 +169,30 @@ def _near_limits(status: Mapping[str, Any]) -> list[str]:
     return notes
 
 
+NODES_CAPTION = (
+    "term: the Raft election term. commit: the last log entry the node knows is "
+    "committed (on a majority); applied: the last one its queues reflect; lag: "
+    "entries the leader committed that the node has not applied. clients: client "
+    "connections, this command's not counted."
+)
+
+
+def _others(clients: Any) -> Any:
+    """A node's client count less the connection its status was read over."""
+    return max(clients - 1, 0) if isinstance(clients, int) else clients
+
+
 def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
-    """One row per node: role, Raft term, commit and applied index, and its lag (entries
-    the leader has committed that it has not applied yet)."""
-    table = Table(title="nodes", box=box.SIMPLE_HEAD, title_justify="left")
+    """One row per node: role, Raft term, commit and applied index, its lag (entries
+    the leader has committed that it has not applied yet) and its client connections
+    besides the one its status was read over; a caption says what the columns are."""
+    table = Table(
+        title="nodes",
+        caption=NODES_CAPTION,
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+        caption_justify="left",
+    )
     table.add_column("node")
     table.add_column("role")
     for name in ("term", "commit", "applied", "lag", "clients"):
@@ -222,7 +242,7 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
             _number(status.get("commit_index")),
             _number(applied),
             _number(max(lag, 0)) if lag is not None else "-",
-            _number(status.get("clients")),
+            _number(_others(status.get("clients"))),
         ]
         if audit:
             cells += [_number(status.get("machine_index")), str(status.get("digest", "-"))[:16]]
@@ -252,6 +272,8 @@ def queues_table(reading: ClusterReading, before: ClusterReading | None) -> Tabl
     caption = f"as node {node} applied them" if node else "no node answered"
     if before is not None:
         caption += f"; rates per second over the last {seconds:.1f} s"
+    if node and not reference.get("queues"):
+        caption = "no queues yet (quorumq declare NAME makes one)"
     table = Table(title="queues", caption=caption, box=box.SIMPLE_HEAD, title_justify="left")
     table.add_column("queue")
     for name in (*QUEUE_COLUMNS, "publish/s", "deliver/s"):
@@ -272,7 +294,7 @@ def status_view(
     reading: ClusterReading, before: ClusterReading | None, *, audit: bool = False
 ) -> Group:
     """The nodes table, then the queues table."""
-    return Group(nodes_table(reading, audit=audit), queues_table(reading, before))
+    return Group(nodes_table(reading, audit=audit), Text(""), queues_table(reading, before))
 
 
 def queue_list(status: Mapping[str, Any]) -> Table:
