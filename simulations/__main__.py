@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.render}")
         return 0 if result.ok else 1
 
+    return _sweep(args)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """`sweep`: the seeds in `--jobs` processes, a summary of them all. Ctrl-C (or a
+    SIGTERM) stops the workers and says how far the sweep got (exit status 130, 143)."""
     seeds = args.seeds
     started = time.perf_counter()
     passed = faults = 0
@@ -278,30 +288,45 @@ def main(argv: list[str] | None = None) -> int:
     records: dict[str, int] = {}
     reports: list[tuple[int, LivenessReport]] = []
     progress = _Progress(len(seeds))
-    for outcome in sweep((_config(args, s) for s in seeds), jobs=args.jobs):
-        if not outcome.ok:
-            progress.done()
-            print(outcome.summary)
-            if not args.keep_going:
-                print(f"first failing seed: {outcome.seed} (after {passed} passing)")
-                _write_json(args.json, [outcome], passed, pauses, slowest, reports)
-                return 1
-            failed.append(outcome)
-        else:
-            passed += 1
-        faults += outcome.faults
-        sim_s += outcome.sim_s
-        for kind, n in outcome.fault_kinds.items():
-            kinds[kind] = kinds.get(kind, 0) + n
-        for kind, pause in outcome.confirm_pauses.items():
-            pauses.setdefault(kind, []).append(pause)
-            if pause.max is not None and pause.max > slowest.get(kind, (-1.0, 0))[0]:
-                slowest[kind] = (pause.max, outcome.seed)
-        for name, n in outcome.records.items():
-            records[name] = records.get(name, 0) + n
-        if outcome.liveness is not None:
-            reports.append((outcome.seed, outcome.liveness))
-        progress.show(passed, len(failed), time.perf_counter() - started)
+    try:
+        with (
+            _interruptible(),
+            contextlib.closing(sweep((_config(args, s) for s in seeds), jobs=args.jobs)) as runs,
+        ):
+            for outcome in runs:
+                if not outcome.ok:
+                    progress.done()
+                    print(outcome.summary)
+                    if not args.keep_going:
+                        print(f"first failing seed: {outcome.seed} (after {passed} passing)")
+                        _write_json(args.json, [outcome], passed, pauses, slowest, reports)
+                        return 1
+                    failed.append(outcome)
+                else:
+                    passed += 1
+                faults += outcome.faults
+                sim_s += outcome.sim_s
+                for kind, n in outcome.fault_kinds.items():
+                    kinds[kind] = kinds.get(kind, 0) + n
+                for kind, pause in outcome.confirm_pauses.items():
+                    pauses.setdefault(kind, []).append(pause)
+                    if pause.max is not None and pause.max > slowest.get(kind, (-1.0, 0))[0]:
+                        slowest[kind] = (pause.max, outcome.seed)
+                for name, n in outcome.records.items():
+                    records[name] = records.get(name, 0) + n
+                if outcome.liveness is not None:
+                    reports.append((outcome.seed, outcome.liveness))
+                progress.show(passed, len(failed), time.perf_counter() - started)
+    except Interrupted as e:
+        progress.done()
+        done = passed + len(failed)
+        rest = f"; the rest: --seeds {seeds[done]}:{seeds.stop}" if done < len(seeds) else ""
+        print(
+            f"interrupted ({e.name}): {done} of {len(seeds)} seeds finished ({passed} pass, "
+            f"{len(failed)} fail){rest}",
+            file=sys.stderr,
+        )
+        return 128 + e.signum
     progress.done()
     wall = time.perf_counter() - started
     verdict = (
@@ -415,6 +440,39 @@ def _write_json(
         "recovery": recovery,
     }
     path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+class Interrupted(KeyboardInterrupt):
+    """A SIGINT (Ctrl-C) or a SIGTERM, while `_interruptible`."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGINT and SIGTERM raise `Interrupted` inside the block (the caller stops its
+    workers and says how far it got); a second one ends the process at once, as if
+    nothing caught them (its workers die with it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupted(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in before:
+        signal.signal(s, interrupted)
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 class _Progress:

@@ -15,8 +15,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, TextIO
 
 import attrs
@@ -40,6 +39,7 @@ from .names import QUEUE
 from .node import REAL, SimNode, Variant
 from .operator import Operator
 from .pauses import Pauses, fault_pauses, pause_table
+from .workers import Workers
 from .workload import SimConsumer, SimProducer, WorkloadConfig, declare, start_workload
 from .world import US, World, micros, patched_pysyncobj, seconds
 
@@ -521,12 +521,12 @@ def outcome(config: RunConfig) -> Outcome:
     )
 
 
-def sweep(configs: Iterable[RunConfig], jobs: int = 1) -> Iterator[Outcome]:
-    """Run configs, yielding outcomes in config order (in `jobs` processes). The caller
-    stops at the first failure."""
+def sweep(configs: Iterable[RunConfig], jobs: int = 1) -> Generator[Outcome, None, None]:
+    """Run configs, yielding outcomes in config order (in `jobs` processes, which end
+    when the caller closes the generator: at the first failure, or an interrupt)."""
     if jobs <= 1:
         for config in configs:
             yield outcome(config)
         return
-    with ProcessPoolExecutor(jobs) as pool:
-        yield from pool.map(outcome, configs)
+    with Workers(jobs, outcome) as workers:
+        yield from workers.map(configs)

@@ -1,0 +1,171 @@
+"""`quorumq simulate` (`python -m simulations`) as a user runs it: interrupting a sweep,
+fault kinds and switches from flags and setup files, the summary's counts, replay, the
+timeline (issue 31)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from simulations.workers import WorkerError, Workers
+from tests.helpers import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------- interrupting a sweep
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot), None if it is gone or a
+    zombie: a pid with another start time is another process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def _children(pid: int) -> dict[int, int]:
+    """The live children of `pid`, with their start times."""
+    found: dict[int, int] = {}
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/children") as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+        for child in pids:
+            started = _start_time(child)
+            if started is not None:
+                found[child] = started
+    return found
+
+
+def _alive(processes: dict[int, int]) -> list[int]:
+    return [pid for pid, started in processes.items() if _start_time(pid) == started]
+
+
+class _Sweep:
+    """A `simulate sweep` subprocess, its workers once they run; `stop()` ends whatever
+    of them is left (by pid, checked by start time)."""
+
+    def __init__(self, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "simulations", "sweep", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.workers: dict[int, int] = {}
+
+    def wait_for_workers(self, jobs: int) -> dict[int, int]:
+        def running() -> bool:
+            self.workers = _children(self.process.pid)
+            return len(self.workers) >= jobs or self.process.poll() is not None
+
+        wait_for(running, "the sweep's workers", timeout=60)
+        assert self.process.poll() is None, self.process.communicate()
+        return self.workers
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        for pid in _alive(self.workers):
+            os.kill(pid, signal.SIGKILL)
+        self.process.communicate()  # (the workers hold its output's pipes too)
+
+
+@pytest.fixture
+def sweep() -> Iterator[Callable[..., _Sweep]]:
+    """Starts sweeps; stops what is left of them after the test."""
+    started: list[_Sweep] = []
+
+    def start(*args: str) -> _Sweep:
+        started.append(_Sweep(*args))
+        return started[-1]
+
+    yield start
+    for one in started:
+        one.stop()
+
+
+def _ended(process: subprocess.Popen[str], within_s: float) -> tuple[str, str]:
+    began = time.monotonic()
+    out, err = process.communicate(timeout=within_s)
+    assert time.monotonic() - began < within_s
+    return out, err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_stops_a_sweep_and_its_workers_and_says_how_far_it_got(
+    sweep: Callable[..., _Sweep],
+) -> None:
+    """A terminal's Ctrl-C (SIGINT to the sweep and to each of its workers, the
+    foreground group): one line, exit status 130 within seconds, no worker left. It
+    printed a traceback, and waited for the seeds already queued (a hang at 0% CPU in
+    the issue); red before `simulations.workers` (checked)."""
+    run = sweep("--seeds", "0:40", "--jobs", "2")
+    workers = run.wait_for_workers(2)
+    for pid in [run.process.pid, *workers]:
+        os.kill(pid, signal.SIGINT)
+    out, err = _ended(run.process, within_s=10)
+    assert run.process.returncode == 130, out + err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("interrupted (Ctrl-C): 0 of 40 seeds"), err
+    assert "the rest: --seeds 0:40" in lines[0]
+    wait_for(lambda: not _alive(workers), "the workers to end", timeout=5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigterm_of_the_sweep_alone_ends_its_workers(sweep: Callable[..., _Sweep]) -> None:
+    """A SIGTERM of the sweep's process alone (its workers not signalled) ends them too;
+    before, a SIGTERM left them running their seeds (red, checked)."""
+    run = sweep("--seeds", "0:40", "--jobs", "2")
+    workers = run.wait_for_workers(2)
+    run.process.send_signal(signal.SIGTERM)
+    out, err = _ended(run.process, within_s=10)
+    assert run.process.returncode == 143, out + err
+    assert err.strip().startswith("interrupted (SIGTERM): 0 of 40 seeds"), err
+    wait_for(lambda: not _alive(workers), "the workers to end", timeout=5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_workers_of_a_killed_sweep_end_with_it(sweep: Callable[..., _Sweep]) -> None:
+    """SIGKILL of the sweep: nothing of it runs to stop the workers; they notice
+    (PR_SET_PDEATHSIG) and end. Before, they were orphaned (red, checked)."""
+    run = sweep("--seeds", "0:40", "--jobs", "2")
+    workers = run.wait_for_workers(2)
+    run.process.kill()
+    run.process.wait(timeout=10)
+    wait_for(lambda: not _alive(workers), "the orphaned workers to end", timeout=5)
+
+
+def _square(n: int) -> int:
+    if n < 0:
+        raise ValueError(f"no square of {n} today")
+    return n * n
+
+
+def test_workers_answer_in_the_items_order_and_name_the_item_that_failed() -> None:
+    with Workers(2, _square) as workers:
+        assert list(workers.map(range(7))) == [0, 1, 4, 9, 16, 25, 36]
+    with (
+        Workers(2, _square) as workers,
+        pytest.raises(WorkerError, match=r"running -3:\n(.|\n)*no square of -3 today"),
+    ):
+        list(workers.map([1, 2, -3, 4]))
