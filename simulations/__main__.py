@@ -21,7 +21,17 @@ from quorumq.cli.args import Parser, backoff_ms
 from quorumq.ops.scenarios import SCENARIOS
 from quorumq.ops.scenarios import render as render_scenario
 
-from .faults import PROFILES, kinds_of
+from .faults import (
+    DISK_KINDS,
+    GROUPS,
+    KINDS,
+    MEMBERSHIP_KINDS,
+    PROFILES,
+    SPACE_KINDS,
+    Selection,
+    kinds_of,
+    select,
+)
 from .liveness import LivenessReport
 from .node import REAL
 from .pauses import Pauses, quantile
@@ -61,20 +71,54 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
     )
 
 
+def _selection(args: argparse.Namespace) -> Selection:
+    return select(
+        args.faults,
+        disk=not args.no_disk_faults,
+        space=not args.no_disk_space_faults,
+        membership=not args.no_membership_faults,
+    )
+
+
 def _setup_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """A run's setup from a TOML file: the same names as the options, with `_` for
-    `-` (`nodes = 5`, `faults = "kill_leader,partition"`, `fault_interval = 10`,
-    `rate = 1000`, `producers = 4`, ...). Options given on the command line win."""
+    `-` (`nodes = 5`, `faults = "kill_leader,partition"` or a list of kinds,
+    `fault_interval = 10`, `rate = 1000`, `no_membership_faults = true`, ...). Options
+    given on the command line win. A value goes through the option's own checks, as if
+    typed (`nodes = "five"` is refused as `--nodes five` is), a switch must be `true` or
+    `false` (a string `"false"` switched it on)."""
     try:
         with open(path, "rb") as f:
             setup = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         parser.error(f"--setup {path}: {e}")
-    known = {a.dest for a in parser._actions} - {"help", "setup", "command", "seed", "seeds"}
+    actions = {a.dest: a for a in parser._actions}
+    known = set(actions) - {"help", "setup", "command", "seed", "seeds"}
     unknown = sorted(set(setup) - known)
     if unknown:
         parser.error(f"--setup {path}: unknown settings {unknown}; known: {sorted(known)}")
-    return setup
+    where = f"--setup {path}"
+    return {name: _setting(where, parser, actions[name], v) for name, v in setup.items()}
+
+
+def _setting(
+    where: str, parser: argparse.ArgumentParser, action: argparse.Action, value: Any
+) -> Any:
+    """A setup file's value for `action`, as the command line would give it."""
+    name = action.dest
+    if name == "faults" and isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    if action.nargs == 0:  # a switch
+        if not isinstance(value, bool):
+            parser.error(f"{where}: {name} must be true or false, not {value!r}")
+        return value
+    if isinstance(value, bool | list | dict):
+        parser.error(f"{where}: {name} = {value!r} is not a value of {name}")
+    text = str(value)  # converted and checked by the option's type, as if typed
+    if action.choices is not None and text not in action.choices:
+        choices = ", ".join(str(c) for c in action.choices)
+        parser.error(f"{where}: {name} must be one of {choices}, not {text!r}")
+    return text
 
 
 def _seeds(text: str) -> range:
@@ -114,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument(
         "--faults",
         default="default",
-        help=f"a profile ({', '.join(sorted(PROFILES))}) or fault kinds separated by commas "
-        f"({', '.join(sorted(set(PROFILES['hostile'])))})",
+        help=f"a profile ({', '.join(sorted(PROFILES))}): its kinds, the clock faults and, "
+        "but for none, the disk, disk space and membership faults; or fault kinds separated "
+        f"by commas, and only those run ({', '.join(KINDS)}; or a group of them: "
+        f"{', '.join(GROUPS)}; crash alone is the profile)",
     )
     common.add_argument(
         "--steps", type=int, default=3000, help="fault phase, in 10 ms steps (default 30 s)"
@@ -182,14 +228,21 @@ def main(argv: list[str] | None = None) -> int:
         help="the queue's retry backoff in ms (doubling per failure); consumers then nack "
         "with a delay of their own half the time",
     )
-    common.add_argument("--no-disk-faults", action="store_true", help="leave out the disk faults")
+    common.add_argument(
+        "--no-disk-faults",
+        action="store_true",
+        help="leave out the disk faults (and the disk space faults)",
+    )
     common.add_argument(
         "--no-disk-space-faults",
         action="store_true",
         help="leave out the disk space faults (a disk alarm, a full disk)",
     )
     common.add_argument(
-        "--no-membership-faults", action="store_true", help="leave out the membership changes"
+        "--no-membership-faults",
+        action="store_true",
+        help="leave out the membership changes (a member whose disk a bit_flip or "
+        "meta_ahead damaged is still removed and added back empty at the heal)",
     )
     common.add_argument(
         "--spares",
@@ -238,9 +291,19 @@ def main(argv: list[str] | None = None) -> int:
         except (TypeError, ValueError) as e:
             parser.error(f"queue options: {e}")
         try:
-            kinds_of(args.faults)
+            named = kinds_of(args.faults)
         except ValueError as e:
             parser.error(f"--faults: {e}")
+        left_out = sorted(set(named) - _selection(args).kinds)
+        if left_out:
+            space = "--no-disk-space-faults" if args.no_disk_space_faults else "--no-disk-faults"
+            by = {
+                **dict.fromkeys(DISK_KINDS, "--no-disk-faults"),
+                **dict.fromkeys(SPACE_KINDS, space),
+                **dict.fromkeys(MEMBERSHIP_KINDS, "--no-membership-faults"),
+            }
+            switches = " and ".join(sorted({by[k] for k in left_out}))
+            parser.error(f"--faults: {', '.join(left_out)} named, and left out by {switches}")
 
     if args.command == "scenario":
         scenarios = list(SCENARIOS.values())

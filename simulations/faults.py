@@ -34,8 +34,10 @@ and, for liveness (how fast the cluster comes back, whom it marks down):
 * hostile, TCP never does this and PySyncObj assumes it does not happen:
   `duplicate`, `reorder`, `drop` of single Raft messages for `duration`.
 
-Disk faults (`disk_schedule`) and clock faults come on top of every schedule, each from
-a random stream of its own (so they leave the other faults of a seed as they were).
+Disk faults (`disk_schedule`) and clock faults come on top of every profile's schedule,
+each from a random stream of its own (so they leave the other faults of a seed as they
+were). A list of kinds (`--faults kill_leader,partition`) runs those kinds and no other:
+`select` says which kinds each schedule draws from.
 Disk faults: `torn_power_loss` (the host loses power: what was not synced is lost,
 part of it may stay, torn), `short_write` (the next journal write is short, the next
 fails: the node stops, and is started again), `sync_failure` (the next fdatasync
@@ -208,15 +210,76 @@ def _span_ms(ms: float) -> str:
     return f"{sign}{ms:g} ms"
 
 
+DRAWN_KINDS = TCP_KINDS + LIVENESS_KINDS + HOSTILE_KINDS
+"""The kinds `schedule` draws (one every `--fault-interval` on average); the others come
+from schedules of their own."""
+GROUPS = {
+    "clock": CLOCK_KINDS,
+    "disk": DISK_KINDS,
+    "disk_space": SPACE_KINDS,
+    "membership": MEMBERSHIP_KINDS,
+}
+"""In a list of kinds, a name for every kind of one of those schedules."""
+KINDS = DRAWN_KINDS + CLOCK_KINDS + DISK_KINDS + SPACE_KINDS + MEMBERSHIP_KINDS
+
+
 def kinds_of(profile: str) -> tuple[str, ...]:
-    """A profile name, or kinds separated by commas."""
+    """A profile name, or kinds (and `GROUPS`) separated by commas: the kinds named."""
     if profile in PROFILES:
         return PROFILES[profile]
-    kinds = tuple(k.strip() for k in profile.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in TCP_KINDS + LIVENESS_KINDS + HOSTILE_KINDS]
+    names = [k.strip() for k in profile.split(",") if k.strip()]
+    unknown = [k for k in names if k not in KINDS and k not in GROUPS]
     if unknown:
-        raise ValueError(f"unknown fault kinds {unknown}; profiles: {sorted(PROFILES)}")
-    return kinds
+        raise ValueError(
+            f"unknown fault kinds {unknown}; profiles: {sorted(PROFILES)}; groups: {sorted(GROUPS)}"
+        )
+    return tuple(kind for k in names for kind in GROUPS.get(k, (k,)))
+
+
+@attrs.frozen(kw_only=True)
+class Selection:
+    """The kinds each of a run's schedules draws from (none: it is not drawn)."""
+
+    drawn: tuple[str, ...]
+    clock: tuple[str, ...]
+    disk: tuple[str, ...]
+    space: tuple[str, ...]
+    membership: tuple[str, ...]
+
+    @property
+    def kinds(self) -> set[str]:
+        return {*self.drawn, *self.clock, *self.disk, *self.space, *self.membership}
+
+
+def select(
+    faults: str, *, disk: bool = True, space: bool = True, membership: bool = True
+) -> Selection:
+    """Which faults a run plays. A profile: its kinds, the clock faults, and but for
+    `none` the disk, disk space and membership faults (what a switch leaves out
+    aside). A list of kinds: those kinds and no other (the same switches apply, and the
+    disk space faults go with the disk faults)."""
+    named = kinds_of(faults)
+    space = space and disk
+    if faults in PROFILES:
+        more = faults != "none"
+        return Selection(
+            drawn=named,
+            clock=CLOCK_KINDS,
+            disk=DISK_KINDS if disk and more else (),
+            space=SPACE_KINDS if space and more else (),
+            membership=MEMBERSHIP_KINDS if membership and more else (),
+        )
+
+    def of(kinds: tuple[str, ...], wanted: bool = True) -> tuple[str, ...]:
+        return tuple(k for k in kinds if k in named) if wanted else ()
+
+    return Selection(
+        drawn=tuple(k for k in named if k in DRAWN_KINDS),
+        clock=of(CLOCK_KINDS),
+        disk=of(DISK_KINDS, disk),
+        space=of(SPACE_KINDS, space),
+        membership=of(MEMBERSHIP_KINDS, membership),
+    )
 
 
 def _another(names: Sequence[str], node: str, other: str) -> str:
@@ -291,14 +354,21 @@ def schedule(
 
 
 def clock_schedule(
-    rng: random.Random, names: Sequence[str], *, duration_s: float, mean_interval_s: float = 3.0
+    rng: random.Random,
+    names: Sequence[str],
+    *,
+    duration_s: float,
+    mean_interval_s: float = 3.0,
+    kinds: Sequence[str] = CLOCK_KINDS,
 ) -> list[Fault]:
-    """Wall-clock faults at random times in [0.5 s, duration]: skews and jumps."""
+    """Wall-clock faults at random times in [0.5 s, duration]: skews and jumps (of
+    `kinds`)."""
     count = max(1, round(duration_s / mean_interval_s))
     faults = []
     for at in sorted(rng.uniform(0.5, duration_s) for _ in range(count)):
         node = names[rng.randrange(len(names))]
-        if rng.random() < 0.5:
+        skew = rng.random() < 0.5 if len(kinds) > 1 else kinds[0] == "clock_skew"
+        if skew:
             amount = rng.choice([0, rng.randint(-30 * DAY_MS, 30 * DAY_MS)])
             faults.append(Fault(at_s=at, kind="clock_skew", nodes=(node,), amount=amount))
         else:
@@ -340,14 +410,20 @@ def _times(rng: random.Random, duration_s: float, mean_interval_s: float) -> lis
 
 
 def disk_schedule(
-    rng: random.Random, names: Sequence[str], *, duration_s: float, mean_interval_s: float = 6.0
+    rng: random.Random,
+    names: Sequence[str],
+    *,
+    duration_s: float,
+    mean_interval_s: float = 6.0,
+    kinds: Sequence[str] = DISK_KINDS,
 ) -> list[Fault]:
-    """Disk faults at random times in [1 s, duration - 1 s]: torn power losses, short
-    writes and failed syncs (the node stops, and is started again), and damage a
-    restarting node must refuse (a flipped bit, a meta file ahead of its journal)."""
+    """Disk faults (of `kinds`) at random times in [1 s, duration - 1 s]: torn power
+    losses, short writes and failed syncs (the node stops, and is started again), and
+    damage a restarting node must refuse (a flipped bit, a meta file ahead of its
+    journal)."""
     faults = []
     for at in _times(rng, duration_s, mean_interval_s):
-        kind = DISK_KINDS[rng.randrange(len(DISK_KINDS))]
+        kind = kinds[rng.randrange(len(kinds))]
         node = names[rng.randrange(len(names))]
         duration = rng.uniform(0.2, 4) if kind in (*DAMAGE_KINDS, "torn_power_loss") else 0.0
         faults.append(Fault(at_s=at, kind=kind, nodes=(node,), duration_s=duration))
@@ -355,14 +431,19 @@ def disk_schedule(
 
 
 def disk_space_schedule(
-    rng: random.Random, names: Sequence[str], *, duration_s: float, mean_interval_s: float = 15.0
+    rng: random.Random,
+    names: Sequence[str],
+    *,
+    duration_s: float,
+    mean_interval_s: float = 15.0,
+    kinds: Sequence[str] = SPACE_KINDS,
 ) -> list[Fault]:
-    """Disk space faults at random times in [1 s, duration - 1 s]: a host's free space
-    below the disk alarm's limit (`amount`: the bytes left, 4-64 MiB, enough to write),
-    or none at all, for 0.5-5 s."""
+    """Disk space faults (of `kinds`) at random times in [1 s, duration - 1 s]: a host's
+    free space below the disk alarm's limit (`amount`: the bytes left, 4-64 MiB, enough
+    to write), or none at all, for 0.5-5 s."""
     faults = []
     for at in _times(rng, duration_s, mean_interval_s):
-        kind = SPACE_KINDS[rng.randrange(len(SPACE_KINDS))]
+        kind = kinds[rng.randrange(len(kinds))]
         node = names[rng.randrange(len(names))]
         left = rng.randint(4 << 20, (64 << 20) - 1) if kind == "disk_alarm" else 0
         faults.append(
@@ -378,18 +459,19 @@ def membership_schedule(
     *,
     duration_s: float,
     mean_interval_s: float = 3.0,
+    kinds: Sequence[str] = MEMBERSHIP_KINDS,
 ) -> list[Fault]:
-    """Membership changes at random times in [1 s, duration - 2 s]: a member removed (any
-    host, or whoever leads then) and added back `duration` after, a spare added and
-    removed again `duration` after, two changes sent to the leader at once (both
-    undone `duration` after)."""
+    """Membership changes (of `kinds`) at random times in [1 s, duration - 2 s]: a
+    member removed (any host, or whoever leads then) and added back `duration` after, a
+    spare added and removed again `duration` after, two changes sent to the leader at
+    once (both undone `duration` after)."""
     if duration_s <= 3:
         return []
     hosts = [*names, *spares]
     count = max(1, round((duration_s - 3) / mean_interval_s))
     faults = []
     for at in sorted(rng.uniform(1.0, duration_s - 2.0) for _ in range(count)):
-        kind = MEMBERSHIP_KINDS[rng.randrange(len(MEMBERSHIP_KINDS))]
+        kind = kinds[rng.randrange(len(kinds))]
         duration = rng.uniform(1.0, 6.0)
         if kind == "remove_member":
             nodes: tuple[str, ...] = (hosts[rng.randrange(len(hosts))],)

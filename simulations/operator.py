@@ -355,7 +355,8 @@ class Operator:
         cluster = self.cluster
         for name in cluster.names:
             if name in cluster.membership and cluster.disks[name].doomed:
-                self.remove(name, then_add_after_s=0.5, restore=True)
+                if self.remove(name, then_add_after_s=0.5, restore=True):
+                    self.counts["rebuilt"] += 1
             else:
                 self._add_back(name)
 

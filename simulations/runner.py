@@ -29,9 +29,9 @@ from .faults import (
     disk_schedule,
     disk_space_schedule,
     genesis,
-    kinds_of,
     membership_schedule,
     schedule,
+    select,
 )
 from .history import History
 from .liveness import Liveness, LivenessReport
@@ -185,8 +185,14 @@ class Result:
             f"membership: {self.membership.get('accepted', 0)} changes accepted and "
             f"{self.membership.get('refused', 0)} refused by leaders; the operator sent "
             f"{self.membership.get('sent', 0)}, {self.membership.get('confirmed', 0)} "
-            f"confirmed, {self.membership.get('failed', 0)} failed (sent again); members "
-            f"at the end {','.join(self.members)}",
+            f"confirmed, {self.membership.get('failed', 0)} failed (sent again)"
+            + (
+                f"; {rebuilt} rebuilt at the heal (a disk damaged beyond repair: the "
+                "member removed, and added back empty)"
+                if (rebuilt := self.membership.get("rebuilt", 0))
+                else ""
+            )
+            + f"; members at the end {','.join(self.members)}",
             (
                 f"drained {self.drained_after_s:.1f} s after heal"
                 if self.drained_after_s is not None
@@ -272,31 +278,48 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         operator = Operator(cluster, world.stream("operator"))
         injector = Injector(cluster, consumers, history, operator)
         fault_phase_s = config.steps * STEP_S
+        chosen = select(
+            config.faults,
+            disk=config.disk_faults,
+            space=config.disk_space_faults,
+            membership=config.membership_faults,
+        )
         faults = schedule(
             world.stream("faults"),
-            kinds_of(config.faults),
+            chosen.drawn,
             cluster.names,
             len(consumers),
             duration_s=fault_phase_s,
             mean_interval_s=config.fault_interval_s,
         )
-        faults += clock_schedule(
-            world.stream("clock-faults"), cluster.names, duration_s=fault_phase_s
-        )
-        if config.disk_faults and config.faults != "none":
-            faults += disk_schedule(
-                world.stream("disk-faults"), cluster.names, duration_s=fault_phase_s
+        if chosen.clock:
+            faults += clock_schedule(
+                world.stream("clock-faults"),
+                cluster.names,
+                duration_s=fault_phase_s,
+                kinds=chosen.clock,
             )
-            if config.disk_space_faults:
-                faults += disk_space_schedule(
-                    world.stream("disk-space-faults"), cluster.names, duration_s=fault_phase_s
-                )
-        if config.membership_faults and config.faults != "none":
+        if chosen.disk:
+            faults += disk_schedule(
+                world.stream("disk-faults"),
+                cluster.names,
+                duration_s=fault_phase_s,
+                kinds=chosen.disk,
+            )
+        if chosen.space:
+            faults += disk_space_schedule(
+                world.stream("disk-space-faults"),
+                cluster.names,
+                duration_s=fault_phase_s,
+                kinds=chosen.space,
+            )
+        if chosen.membership:
             faults += membership_schedule(
                 world.stream("membership-faults"),
                 cluster.names,
                 cluster.spares,
                 duration_s=fault_phase_s,
+                kinds=chosen.membership,
             )
         faults += config.scripted
         start = world.now_us

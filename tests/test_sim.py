@@ -570,10 +570,11 @@ def _before_the_learner_stage(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _hot(seed: int) -> RunConfig:
     """Leaders killed, nodes crashed, partitioned and paused, 60 records/s: where the
-    rare controls' cases are less rare."""
+    rare controls' cases are less rare (with the clock, disk and membership faults a
+    list of kinds ran with them before it ran only the kinds it names)."""
     return ci_config(
         seed,
-        faults="kill_leader,crash,partition,pause",
+        faults="kill_leader,crash,partition,pause,clock,disk,membership",
         workload=WorkloadConfig(rate=60),
         disk_space_faults=False,  # (found before them: see `control_config`)
     )

@@ -14,6 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from simulations.__main__ import main
+from simulations.faults import (
+    CLOCK_KINDS,
+    HOSTILE_KINDS,
+    KINDS,
+    PROFILES,
+    Selection,
+    kinds_of,
+    select,
+)
 from simulations.workers import WorkerError, Workers
 from tests.helpers import wait_for
 
@@ -169,3 +179,106 @@ def test_workers_answer_in_the_items_order_and_name_the_item_that_failed() -> No
         pytest.raises(WorkerError, match=r"running -3:\n(.|\n)*no square of -3 today"),
     ):
         list(workers.map([1, 2, -3, 4]))
+
+
+# ------------------------------------------------------- fault kinds and switches
+
+
+def _simulate(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    code = main(list(args))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return out
+
+
+def _line(out: str, start: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(start))
+
+
+def _fault_kinds(out: str) -> set[str]:
+    """The kinds in the summary's `faults (N): kind n, ...` line."""
+    listed = _line(out, "faults (").split(": ", 1)[1]
+    return {part.split()[0] for part in listed.split(", ")}
+
+
+@pytest.mark.parametrize("given", ["flags", "setup file"])
+def test_the_fault_kinds_named_are_the_only_ones_that_run(
+    given: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`faults = "kill_leader,partition"` ran clock skews and jumps, disk faults (a bit
+    flip, a meta file ahead), disk space faults and membership changes besides; and
+    with a bit flip, `no_membership_faults` still saw the members change (the heal
+    rebuilds a member whose disk is damaged). A list of kinds runs those kinds alone,
+    from a setup file as from flags (red before `faults.select`, checked)."""
+    args = ["run", "--seed", "7", "--steps", "1500"]
+    if given == "flags":
+        args += ["--faults", "kill_leader,partition", "--no-membership-faults"]
+    else:
+        setup = tmp_path / "setup.toml"
+        setup.write_text('faults = "kill_leader,partition"\nno_membership_faults = true\n')
+        args += ["--setup", str(setup)]
+    out = _simulate(capsys, *args)
+    assert _fault_kinds(out) == {"kill_leader", "partition"}, out
+    assert _line(out, "membership: ").startswith("membership: 0 changes accepted"), out
+    assert _line(out, "disk: ").startswith("disk: 0 starts refused"), out
+
+
+def test_groups_of_kinds_can_be_named_and_a_profile_runs_what_it_did() -> None:
+    assert kinds_of("partition,clock") == ("partition", "clock_skew", "clock_jump")
+    only = select("partition,clock,bit_flip,add_spare", membership=False)
+    assert only == Selection(
+        drawn=("partition",),
+        clock=("clock_skew", "clock_jump"),
+        disk=("bit_flip",),
+        space=(),
+        membership=(),
+    )
+    default = select("default")  # every schedule, as before
+    assert default.drawn == PROFILES["default"]
+    assert default.kinds == set(KINDS) - set(HOSTILE_KINDS)
+    assert select("none", disk=False).kinds == set(CLOCK_KINDS)  # (as before, too)
+
+
+def test_a_kind_named_and_switched_off_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["run", "--seed", "1", "--faults", "crash,bit_flip", "--no-disk-faults"])
+    assert exit.value.code == 2
+    assert "bit_flip named, and left out by --no-disk-faults" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "switch", ["no_disk_faults", "no_disk_space_faults", "no_membership_faults"]
+)
+def test_a_setup_files_switch_acts_as_its_flag(
+    switch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    setup = tmp_path / "setup.toml"
+    setup.write_text(f"{switch} = true\nsteps = 600\n")
+    run = ["run", "--seed", "5"]
+    from_file = _line(_simulate(capsys, *run, "--setup", str(setup)), "trace ")
+    flag = "--" + switch.replace("_", "-")
+    from_flag = _line(_simulate(capsys, *run, "--steps", "600", flag), "trace ")
+    without = _line(_simulate(capsys, *run, "--steps", "600"), "trace ")
+    assert from_file == from_flag != without
+
+
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ('no_membership_faults = "false"', "no_membership_faults must be true or false"),
+        ('nodes = "five"', "argument --nodes: invalid int value: 'five'"),
+        ('overflow = "drop-tail"', "overflow must be one of drop-head, reject-publish"),
+    ],
+)
+def test_a_setup_files_values_are_checked_as_the_options_are(
+    setting: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A switch given as the string "false" switched it on, and a value was not
+    checked against the option's choices (red before `_setting`, checked; a number
+    given as a string was converted and checked already)."""
+    setup = tmp_path / "setup.toml"
+    setup.write_text(setting + "\n")
+    with pytest.raises(SystemExit) as exit:
+        main(["run", "--seed", "1", "--setup", str(setup)])
+    assert exit.value.code == 2
+    assert said in capsys.readouterr().err
