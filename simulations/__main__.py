@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         result = run(_config(args, args.seed))
         if args.schedule:
-            print("\n".join(f.describe() for f in result.schedule))
+            print("\n".join(result.schedule_lines()))
         print(result.summary())
         if args.render:
             args.render.write_text(run_html(result))
@@ -341,7 +341,7 @@ def _sweep(args: argparse.Namespace) -> int:
     SIGTERM) stops the workers and says how far the sweep got (exit status 130, 143)."""
     seeds = args.seeds
     started = time.perf_counter()
-    passed = faults = 0
+    passed = faults = skipped = 0
     failed: list[Outcome] = []
     sim_s = 0.0
     kinds: dict[str, int] = {}
@@ -368,6 +368,7 @@ def _sweep(args: argparse.Namespace) -> int:
                 else:
                     passed += 1
                 faults += outcome.faults
+                skipped += outcome.skipped
                 sim_s += outcome.sim_s
                 for kind, n in outcome.fault_kinds.items():
                     kinds[kind] = kinds.get(kind, 0) + n
@@ -396,7 +397,8 @@ def _sweep(args: argparse.Namespace) -> int:
         f"all {passed} seeds pass" if not failed else f"{len(failed)} of {len(seeds)} seeds fail"
     )
     print(
-        f"{verdict}: {faults} faults, {sim_s / 3600:.2f} simulated hours "
+        f"{verdict}: {faults} faults injected ({skipped} skipped when due, with no target "
+        f"then), {sim_s / 3600:.2f} simulated hours "
         f"in {wall:.0f} s wall ({sim_s / max(wall, 1e-9):.0f}x)"
     )
     for outcome in failed:
@@ -434,8 +436,9 @@ def recovery_table(
     and the seed of the slowest (`slowest`: to replay it)."""
     slowest = slowest or {}
     lines = [
-        "confirm recovery after a fault (s from its end, from its start for a crash or a "
-        "membership change; only faults with no other fault active meanwhile are charged):",
+        "confirm recovery after a fault (faults: those injected of the kind, over the seeds; "
+        "s from its end, from its start for a crash or a membership change; only faults "
+        "with no other fault active meanwhile are charged):",
         "| fault kind | faults | charged | overlapped | p50 | p99 | max | max in seed |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]

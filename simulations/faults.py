@@ -503,6 +503,8 @@ class Injector:
         self.skipped: Counter[str] = Counter()
         self.fired: list[Fault] = []
         """The faults injected (not skipped), at the times they fired."""
+        self.passed_over: list[tuple[Fault, str]] = []
+        """The faults skipped when due (no target then), and why."""
         self._down_until: dict[str, int] = {}
         self._space_until: dict[str, int] = {}
         self._partitions = 0
@@ -519,6 +521,17 @@ class Injector:
         if self.history is not None:
             self.history.fault(fault, detail)
 
+    def _skip(self, fault: Fault, why: str) -> None:
+        self.skipped[fault.kind] += 1
+        self.passed_over.append((fault, why))
+
+    @staticmethod
+    def _unready(fault: Fault, node: SimNode | None) -> str:
+        """Why `node` (the fault's, or the leader's) could take no fault."""
+        if node is None:
+            return "no leader" if not fault.nodes else f"{fault.nodes[0]} was down"
+        return f"{node.name} was {'paused' if node.paused else 'about to pause'}"
+
     def _fire(self, fault: Fault) -> None:
         if self._healed:
             return
@@ -533,7 +546,9 @@ class Injector:
             elif cluster.nodes[fault.nodes[0]] is not None:
                 target = fault.nodes[0]
             if target is None:
-                self.skipped[kind] += 1
+                self._skip(
+                    fault, "no leader" if kind == "kill_leader" else f"{fault.nodes[0]} was down"
+                )
                 return
             cluster.crash(target)
             self._down_until[target] = end
@@ -559,7 +574,7 @@ class Injector:
         elif kind == "slow_host":
             node = self._node_or_leader(fault)
             if node is None or node.paused:
-                self.skipped[kind] += 1
+                self._skip(fault, self._unready(fault, node))
                 return
             node.stall(end)
             self._done(fault, node.name)
@@ -567,7 +582,7 @@ class Injector:
         elif kind == "pause_mid_tick":
             node = self._node_or_leader(fault)
             if node is None or node.paused or node.pause_at_seam_us is not None:
-                self.skipped[kind] += 1
+                self._skip(fault, self._unready(fault, node))
                 return
             node.pause_at_seam_us = micros(fault.duration_s)
             self._done(fault, node.name)
@@ -575,7 +590,7 @@ class Injector:
         elif kind == "lone_candidate":
             target = self._follower(fault.nodes[0])
             if target is None:
-                self.skipped[kind] += 1
+                self._skip(fault, "no follower running")
                 return
             address = cluster.address[target]
             network.isolate(address)
@@ -586,7 +601,7 @@ class Injector:
             name = fault.nodes[0]
             node = cluster.nodes[name]
             if node is None or node.paused:
-                self.skipped[kind] += 1
+                self._skip(fault, self._unready(fault, node))
                 return
             cluster.pause(name)
             self.world.at(end, cluster.resume, name)
@@ -595,7 +610,7 @@ class Injector:
         elif kind == "consumer_death":
             consumer = self.consumers[int(fault.amount)] if self.consumers else None
             if consumer is None or not consumer.die():
-                self.skipped[kind] += 1
+                self._skip(fault, "its consumer was not running")
                 return
             self._done(fault, consumer.id or "")
         elif kind == "duplicate":
@@ -666,7 +681,10 @@ class Injector:
             or changes is None
             or not operator.submit(changes, together=together, then_s=fault.duration_s)
         ):
-            self.skipped[kind] += 1
+            self._skip(
+                fault,
+                "not safe then (a change in flight, no leader, or no working majority after it)",
+            )
             return
         self._done(fault, ", ".join(f"{c.kind} {c.node}" for c in changes))
 
@@ -692,7 +710,7 @@ class Injector:
         node = cluster.nodes[name]
         disk = cluster.disks[name]
         if node is None or node.paused:
-            self.skipped[kind] += 1
+            self._skip(fault, self._unready(fault, node))
             return
         if kind == "short_write":
             disk.files.fail_next_write()
@@ -707,7 +725,8 @@ class Injector:
         if kind in DAMAGE_KINDS and (
             damaged or (operator is not None and not operator.feasible(damaged=[name]))
         ):
-            self.skipped[kind] += 1  # one node beyond repair is enough: a majority must live
+            # one node beyond repair is enough: a majority must live
+            self._skip(fault, "a disk beyond repair already, or no working majority after it")
             return
         last_index = node.member.journal[-1][1] if len(node.member.journal) else 0
         cluster.crash(name, torn=True)

@@ -139,9 +139,10 @@ def _seconds(value: float | None) -> str:
 def pause_table(confirms: dict[str, Pauses], deliveries: dict[str, Pauses]) -> list[str]:
     """The summary's lines: one per fault kind."""
     lines = [
-        "recovery after faults (s from a fault's end, from its start for a crash or a "
-        "membership change, to the next confirm / first delivery; p50 / p99 / max over "
-        "the faults with no other fault active meanwhile):"
+        "recovery after the faults injected (xN: of the kind, as counted above; charged: "
+        "those with no other fault active meanwhile, the others overlapped; s from a "
+        "fault's end, from its start for a crash or a membership change, to the next "
+        "confirm / first delivery, p50 / p99 / max over the charged):"
     ]
     for kind in sorted(confirms):
         c, d = confirms[kind], deliveries.get(kind)

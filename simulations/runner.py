@@ -119,6 +119,8 @@ class Result:
     wall_s: float
     faults: dict[str, int]
     skipped_faults: dict[str, int]
+    """Faults skipped when due, by kind: they had no target then (their node down or
+    paused, no leader, a membership change not safe then)."""
     counts: dict[str, int]
     violations: tuple[Violation, ...]
     violation_count: int
@@ -130,6 +132,12 @@ class Result:
     events: int
     drained_after_s: float | None
     schedule: tuple[Fault, ...]
+    """Every fault scheduled (at simulated seconds, as in the rest of the summary),
+    injected or skipped: `schedule_lines` says which."""
+    fired: tuple[Fault, ...]
+    """The faults injected (`faults` counts them by kind)."""
+    passed_over: tuple[tuple[Fault, str], ...]
+    """The faults skipped when due, and why (`skipped_faults` counts them by kind)."""
     end_state: tuple[str, ...]
     raft_log: dict[str, int]
     """PySyncObj's and the journal's warnings during the run, by message (kept out of
@@ -163,6 +171,21 @@ class Result:
     def fault_count(self) -> int:
         return sum(self.faults.values())
 
+    def schedule_lines(self) -> list[str]:
+        """The schedule, a line per fault, each skipped one saying why (and any the run
+        did not reach: it stopped at a violation)."""
+        fired = {id(f) for f in self.fired}
+        why = {id(f): reason for f, reason in self.passed_over}
+        lines = []
+        for fault in self.schedule:
+            if id(fault) in fired:
+                lines.append(fault.describe())
+            elif id(fault) in why:
+                lines.append(f"{fault.describe()}  (skipped: {why[id(fault)]})")
+            else:
+                lines.append(f"{fault.describe()}  (not reached: the run stopped)")
+        return lines
+
     def summary(self) -> str:
         c = self.counts
         faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
@@ -172,7 +195,13 @@ class Result:
             f"simulated {self.sim_s:.1f} s in {self.wall_s:.1f} s wall "
             f"({self.sim_s / max(self.wall_s, 1e-9):.0f}x), {self.events} events, "
             f"{self.raft_messages} Raft messages, {self.leader_changes} leaderships",
-            f"faults ({self.fault_count}): {faults}",
+            f"faults injected ({self.fault_count}): {faults}"
+            + (
+                "; skipped when due, with no target then (run --schedule says why): "
+                + ", ".join(f"{k} {v}" for k, v in self.skipped_faults.items())
+                if self.skipped_faults
+                else ""
+            ),
             f"records: published {c['published']}, confirmed {c['confirmed']}, "
             f"received {c['received']}, acked {c['acked']}; deliveries {self.deliveries} "
             f"({self.redeliveries} redelivered)",
@@ -323,7 +352,8 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
             )
         faults += config.scripted
         start = world.now_us
-        injector.play([attrs.evolve(f, at_s=f.at_s + seconds(start)) for f in faults])
+        played = [attrs.evolve(f, at_s=f.at_s + seconds(start)) for f in faults]
+        injector.play(played)
         heal_at = start + micros(fault_phase_s)
         world.run_until(heal_at, stop)
         injector.heal()
@@ -389,7 +419,9 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         raft_messages=cluster.network.sent,
         events=world.events_run,
         drained_after_s=None if drained_at is None else seconds(drained_at - heal_at),
-        schedule=tuple(faults),
+        schedule=tuple(played),
+        fired=tuple(injector.fired),
+        passed_over=tuple(injector.passed_over),
         end_state=end_state,
         raft_log=dict(sorted(raft_log.counts.items())),
         converged_after_s=converged_after,
@@ -510,6 +542,8 @@ class Outcome:
     summary: str
     fault_kinds: dict[str, int] = attrs.field(factory=dict)
     """Faults injected, by kind."""
+    skipped: int = 0
+    """Faults skipped when due (no target then)."""
     records: dict[str, int] = attrs.field(factory=dict)
     """published, confirmed, lost, duplicated, redelivered."""
     confirm_pauses: dict[str, Pauses] = attrs.field(factory=dict)
@@ -531,6 +565,7 @@ def outcome(config: RunConfig) -> Outcome:
         trace_hash=result.trace_hash,
         summary=result.summary(),
         fault_kinds=dict(result.faults),
+        skipped=sum(result.skipped_faults.values()),
         records={
             "published": c["published"],
             "confirmed": c["confirmed"],

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -196,9 +197,9 @@ def _line(out: str, start: str) -> str:
 
 
 def _fault_kinds(out: str) -> set[str]:
-    """The kinds in the summary's `faults (N): kind n, ...` line."""
-    listed = _line(out, "faults (").split(": ", 1)[1]
-    return {part.split()[0] for part in listed.split(", ")}
+    """The kinds in the summary's `faults injected (N): kind n, ...` line."""
+    injected = _line(out, "faults injected (").split("; skipped")[0]
+    return set(_counts(injected.split(": ", 1)[1]))
 
 
 @pytest.mark.parametrize("given", ["flags", "setup file"])
@@ -282,3 +283,39 @@ def test_a_setup_files_values_are_checked_as_the_options_are(
         main(["run", "--seed", "1", "--setup", str(setup)])
     assert exit.value.code == 2
     assert said in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ what is counted
+
+
+def _counts(text: str) -> dict[str, int]:
+    """`crash 3, pause 4` -> {"crash": 3, "pause": 4}."""
+    return {kind: int(n) for kind, n in (part.split() for part in text.split(", "))}
+
+
+def test_the_summary_the_pause_table_and_the_schedule_count_the_same_faults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The schedule (`--schedule`) listed 8 pauses where the summary counted 4 (the
+    others were skipped: their node was down or paused already; once, the pause table
+    counted the schedule too), and nothing said so. The summary counts the faults
+    injected, as the pause table does, and names the skipped ones; the schedule says
+    why each was skipped (red before, checked: no `faults injected`, no mark)."""
+    out = _simulate(
+        capsys, "run", "--seed", "3", "--faults", "crash,pause", "--steps", "1500", "--schedule"
+    )
+    lines = out.splitlines()
+    schedule = lines[: lines.index(_line(out, "seed 3: "))]
+    injected_text, _, skipped_text = _line(out, "faults injected (").partition("; skipped")
+    injected = _counts(injected_text.split(": ", 1)[1])
+    skipped = _counts(skipped_text.split(": ", 1)[1])
+    table = {
+        line.split()[0]: int(line.split()[1][1:])
+        for line in lines
+        if line.startswith("  ") and " charged " in line
+    }
+    played = Counter(line.split()[2] for line in schedule if "(skipped: " not in line)
+    passed_over = [line for line in schedule if "(skipped: " in line]
+    assert injected == table == dict(played), out
+    assert skipped == dict(Counter(line.split()[2] for line in passed_over)) == {"pause": 4}
+    assert all(line.endswith(("was down)", "was paused)")) for line in passed_over), out

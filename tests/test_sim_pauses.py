@@ -107,4 +107,4 @@ def test_a_killed_leader_pauses_confirms_and_the_summary_says_how_long() -> None
     assert isinstance(kill, Pauses) and kill.count >= 2
     assert kill.charged and 0.1 < max(kill.charged) < 5  # an election, not 10 ms
     assert (result.delivery_pauses["kill_leader"].max or 0) > 0.1
-    assert "recovery after faults" in result.summary()
+    assert "recovery after the faults injected" in result.summary()
