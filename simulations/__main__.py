@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -147,7 +148,9 @@ def _writable_path(text: str) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line's parser, and its parsers by command (`common`: the options of
+    a run)."""
     parser = Parser(
         prog="quorumq simulate",
         description="Deterministic failover simulations of a quorumq cluster.",
@@ -250,12 +253,23 @@ def main(argv: list[str] | None = None) -> int:
         default=attrs.fields(RunConfig).spares.default,
         help="hosts that are no members at first, for the operator to add",
     )
-    one = sub.add_parser("run", parents=[common], help="run one seed and print a summary")
+    one = sub.add_parser(
+        "run",
+        parents=[common],
+        help="run one seed and print a summary (its options recorded for `replay`)",
+    )
     one.add_argument("--seed", type=int, required=True)
     one.add_argument("--render", type=_writable_path, help="write an HTML timeline of the run here")
     one.add_argument("--schedule", action="store_true", help="print the fault schedule too")
     again = sub.add_parser(
-        "replay", parents=[common], help="run one seed again and print every event of it"
+        "replay",
+        parents=[common],
+        help="run one seed again, as `run` last ran it here, and print every event of it",
+        description="Run one seed again and print every event of it. Given only --seed "
+        "(and --out), it replays the seed as `run --seed N` last ran it here, with the "
+        "same options (`run` records them under $XDG_CACHE_HOME/quorumq/simulate, "
+        "~/.cache by default; a sweep records its failing seeds), and says whether the "
+        "trace is the recorded one. Given options of a run too, it runs exactly those.",
     )
     again.add_argument("--seed", type=int, required=True)
     again.add_argument("--out", type=_writable_path, help="write the events here (default: print)")
@@ -278,9 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     scenario = sub.add_parser("scenario", help="replay the RabbitMQ post's event sequences")
     scenario.add_argument("name", choices=["rabbitmq-post"])
     scenario.add_argument("--render", type=_writable_path, help="write the HTML rendering here")
+    return parser, {"run": one, "replay": again, "sweep": many, "common": common}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The arguments, the setup file's settings with them, all checked (one line on
+    standard error and exit status 2 for anything wrong)."""
+    parser, subparsers = _parsers()
     args = parser.parse_args(argv)
     if getattr(args, "setup", None):
-        subparser = {"run": one, "replay": again}.get(args.command, many)
+        subparser = subparsers[args.command]
         subparser.set_defaults(**_setup_file(args.setup, subparser))
         args = parser.parse_args(argv)
     if args.command != "scenario" and not 1 <= args.nodes <= 7:
@@ -304,6 +325,26 @@ def main(argv: list[str] | None = None) -> int:
             }
             switches = " and ".join(sorted({by[k] for k in left_out}))
             parser.error(f"--faults: {', '.join(left_out)} named, and left out by {switches}")
+    return args
+
+
+def config_of(argv: list[str]) -> RunConfig:
+    """The run that `run` or `replay` with these arguments plays."""
+    args = _parse(argv)
+    return _config(args, args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parse(argv)
+    try:
+        return _command(argv, args)
+    except BrokenPipeError:  # `quorumq simulate replay --seed 7 | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _command(argv: list[str], args: argparse.Namespace) -> int:
 
     if args.command == "scenario":
         scenarios = list(SCENARIOS.values())
@@ -314,17 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "replay":
-        if args.out is not None:
-            with args.out.open("w") as history:
-                result = run(_config(args, args.seed), history)
-            print(f"wrote every event of the run to {args.out}")
-        else:
-            result = run(_config(args, args.seed), sys.stdout)
-        print(result.summary())
-        return 0 if result.ok else 1
+        return _replay(argv, args)
 
     if args.command == "run":
         result = run(_config(args, args.seed))
+        _record(result.config, result.trace_hash)
         if args.schedule:
             print("\n".join(result.schedule_lines()))
         print(result.summary())
@@ -334,6 +369,78 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result.ok else 1
 
     return _sweep(args)
+
+
+def _replay(argv: list[str], args: argparse.Namespace) -> int:
+    """`replay`: the seed as `run` last ran it here (given only --seed and --out), or
+    with the options given; every event, the summary, and whether the trace is the
+    recorded run's."""
+    recorded = None
+    if not _run_options_in(argv):
+        recorded = _recorded(args.seed)
+        if recorded is not None:
+            args = _parse(["replay", *recorded["args"], *argv[1:]])
+    config = _config(args, args.seed)
+    options = shlex.join(config.replay_args())
+    if recorded is not None:
+        print(f"replaying seed {args.seed} as `run` last ran it here: {options}")
+    elif _run_options_in(argv):
+        print(f"replaying seed {args.seed} with the options given: {options}")
+    else:
+        print(
+            f"no run of seed {args.seed} recorded in {_records()}: replaying it with the "
+            f"default options: {options}"
+        )
+    if args.out is not None:
+        with args.out.open("w") as history:
+            result = run(config, history)
+        print(f"wrote every event of the run to {args.out}")
+    else:
+        result = run(config, sys.stdout)
+    print(result.summary())
+    if recorded is not None and recorded["trace"] != result.trace_hash:
+        print(
+            f"not the run recorded: its trace was {recorded['trace']} (the simulator or "
+            "the code it runs changed since?)"
+        )
+        return 1
+    if recorded is not None:
+        print("the same run as recorded (the same trace)")
+    return 0 if result.ok else 1
+
+
+def _run_options_in(argv: list[str]) -> bool:
+    """Whether `argv` gives a run's options (those of `run` but --seed, and --setup),
+    or a prefix of one (argparse takes `--node 5` for `--nodes 5`)."""
+    _, subparsers = _parsers()
+    options = {o for a in subparsers["common"]._actions for o in a.option_strings}
+    names = [arg.split("=")[0] for arg in argv if arg.startswith("--")]
+    return any(o.startswith(name) for name in names for o in options - {"--help"})
+
+
+def _records() -> Path:
+    """Where `run` records the options of each seed it ran, for `replay`."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "quorumq" / "simulate"
+
+
+def _record(config: RunConfig, trace: str) -> None:
+    """Record how `config`'s seed ran (the last run of a seed replaces the one before;
+    a cache that cannot be written records nothing)."""
+    path = _records() / f"seed-{config.seed}.json"
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"args": config.replay_args(), "trace": trace}) + "\n")
+
+
+def _recorded(seed: int) -> dict[str, Any] | None:
+    try:
+        record = json.loads((_records() / f"seed-{seed}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("args"), list):
+        return None
+    return record
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -358,6 +465,7 @@ def _sweep(args: argparse.Namespace) -> int:
         ):
             for outcome in runs:
                 if not outcome.ok:
+                    _record(_config(args, outcome.seed), outcome.trace_hash)
                     progress.done()
                     print(outcome.summary)
                     if not args.keep_going:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import shlex
 import time
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -81,30 +82,34 @@ class RunConfig:
     variant: Variant = REAL
     stop_at_violation: bool = True
 
-    def replay_command(self) -> str:
-        command = (
-            f"quorumq simulate replay --seed {self.seed} --nodes {self.nodes} "
-            f"--faults {self.faults} --steps {self.steps}"
-        )
+    def replay_args(self) -> list[str]:
+        """The options of `quorumq simulate replay` (or `run`) that give this config
+        (but its variant and scripted faults, which no option gives)."""
+        args = ["--seed", str(self.seed), "--nodes", str(self.nodes)]
+        args += ["--faults", self.faults, "--steps", str(self.steps)]
         if self.fault_interval_s != attrs.fields(RunConfig).fault_interval_s.default:
-            command += f" --fault-interval {self.fault_interval_s:g}"
-        if self.workload.rate != WorkloadConfig().rate:
-            command += f" --rate {self.workload.rate:g}"
-        if self.compaction_entries is not None:
-            command += f" --compaction {self.compaction_entries}"
+            args += ["--fault-interval", f"{self.fault_interval_s!r}"]
         defaults = WorkloadConfig()
+        if self.workload.rate != defaults.rate:
+            args += ["--rate", f"{self.workload.rate!r}"]
+        if self.compaction_entries is not None:
+            args += ["--compaction", str(self.compaction_entries)]
         for name in ("producers", "consumers", "keys", "prefetch"):
             if getattr(self.workload, name) != getattr(defaults, name):
-                command += f" --{name} {getattr(self.workload, name)}"
-        command += self.workload.queue_option_flags()
+                args += [f"--{name}", str(getattr(self.workload, name))]
+        args += shlex.split(self.workload.queue_option_flags())
         if not self.disk_faults:
-            command += " --no-disk-faults"
+            args.append("--no-disk-faults")
         elif not self.disk_space_faults:
-            command += " --no-disk-space-faults"
+            args.append("--no-disk-space-faults")
         if not self.membership_faults:
-            command += " --no-membership-faults"
+            args.append("--no-membership-faults")
         if self.spares != attrs.fields(RunConfig).spares.default:
-            command += f" --spares {self.spares}"
+            args += ["--spares", str(self.spares)]
+        return args
+
+    def replay_command(self) -> str:
+        command = f"quorumq simulate replay {shlex.join(self.replay_args())}"
         if self.variant is not REAL:
             command += f"  (variant: {self.variant.name})"
         if self.scripted:

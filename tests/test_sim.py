@@ -348,8 +348,9 @@ def test_the_followers_of_a_killed_leader_elect_at_once() -> None:
 
 
 def test_cli_run_prints_the_summary_and_renders(
-    tmp_path: object, capsys: pytest.CaptureFixture[str]
+    tmp_path: object, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # (where it records the run)
     out = os.path.join(str(tmp_path), "timeline.html")
     code = main(["run", "--seed", "2", "--steps", "300", "--rate", "20", "--render", out])
     printed = capsys.readouterr().out

@@ -4,6 +4,7 @@ timeline (issue 31)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.__main__ import main
+from simulations.__main__ import config_of, main
 from simulations.faults import (
     CLOCK_KINDS,
     HOSTILE_KINDS,
@@ -25,10 +26,19 @@ from simulations.faults import (
     kinds_of,
     select,
 )
+from simulations.runner import RunConfig
 from simulations.workers import WorkerError, Workers
+from simulations.workload import WorkloadConfig
 from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where runs record their options for `replay`: a cache of the test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "quorumq" / "simulate"
 
 
 # ------------------------------------------------------------- interrupting a sweep
@@ -319,3 +329,97 @@ def test_the_summary_the_pause_table_and_the_schedule_count_the_same_faults(
     assert injected == table == dict(played), out
     assert skipped == dict(Counter(line.split()[2] for line in passed_over)) == {"pause": 4}
     assert all(line.endswith(("was down)", "was paused)")) for line in passed_over), out
+
+
+# ------------------------------------------------------------------------ replay
+
+
+def test_replay_after_a_run_replays_that_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`replay --seed 7` after `run --seed 7 --nodes 5` replayed a 3-node run of seed 7
+    (the defaults), saying nothing. It replays the run of seed 7 recorded here, with its
+    options, and says so, and that the trace is the same (red before, checked)."""
+    ran = _simulate(capsys, "run", "--seed", "7", "--nodes", "5", "--steps", "300")
+    events = tmp_path / "events.txt"
+    replayed = _simulate(capsys, "replay", "--seed", "7", "--out", str(events))
+    assert replayed.startswith("replaying seed 7 as `run` last ran it here: --seed 7 --nodes 5")
+    assert _line(replayed, "seed 7: ").startswith("seed 7: 5 nodes")
+    assert _line(replayed, "trace ") == _line(ran, "trace ")
+    assert replayed.rstrip().endswith("the same run as recorded (the same trace)")
+    assert "start E 1" in events.read_text()
+
+
+def test_replay_with_options_of_its_own_runs_exactly_those(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _simulate(capsys, "run", "--seed", "7", "--nodes", "5", "--steps", "300")
+    replayed = _simulate(capsys, "replay", "--seed", "7", "--steps", "300", "--out", os.devnull)
+    assert replayed.startswith("replaying seed 7 with the options given: --seed 7 --nodes 3")
+    assert _line(replayed, "seed 7: ").startswith("seed 7: 3 nodes")
+
+
+def test_a_replay_that_is_not_the_recorded_run_says_so_and_fails(
+    records: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records.mkdir(parents=True)
+    (records / "seed-4.json").write_text(
+        json.dumps({"args": ["--seed", "4", "--steps", "200"], "trace": "0" * 64})
+    )
+    assert main(["replay", "--seed", "4", "--out", os.devnull]) == 1
+    out = capsys.readouterr().out
+    assert f"not the run recorded: its trace was {'0' * 64}" in out
+
+
+def test_a_replay_command_gives_back_the_config_it_was_made_from() -> None:
+    """The replay command a failing run prints (and `run` records) names every option
+    of its run: read back, the same config (`--fault-interval 0.123456789` was printed
+    as 0.123457: another run)."""
+    config = RunConfig(
+        seed=12,
+        nodes=5,
+        faults="kill_leader,partition,disk",
+        steps=1234,
+        fault_interval_s=0.123456789,
+        compaction_entries=30,
+        disk_space_faults=False,
+        membership_faults=False,
+        spares=2,
+        workload=WorkloadConfig(
+            rate=33.3,
+            producers=3,
+            consumers=5,
+            keys=7,
+            prefetch=9,
+            message_ttl_ms=4000,
+            max_length=100,
+            overflow="reject-publish",
+            delivery_limit=3,
+            dead_letter=True,
+            single_active_consumer=True,
+            consumer_timeout_ms=5000,
+            retry_backoff_ms=(100, 1000),
+        ),
+    )
+    assert config_of(["replay", *config.replay_args()]) == config
+    assert config_of(["run", *RunConfig(seed=3).replay_args()]) == RunConfig(seed=3)
+
+
+def test_a_replay_piped_into_a_reader_that_leaves_ends_quietly() -> None:
+    """`quorumq simulate replay --seed 7 | head` printed a BrokenPipeError traceback."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "simulations", "replay", "--seed", "2", "--steps", "300"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as replay:
+        assert replay.stdout is not None and replay.stderr is not None
+        try:
+            assert replay.stdout.readline().startswith("replaying seed 2 with the options")
+            replay.stdout.close()  # as `head -1` does
+            assert replay.wait(timeout=60) == 1
+            assert "Traceback" not in replay.stderr.read()
+        finally:
+            if replay.poll() is None:
+                replay.kill()
