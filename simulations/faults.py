@@ -183,7 +183,7 @@ class Fault:
             parts.append("-".join(self.nodes))
         elif kind in ("clock_skew", "clock_jump"):
             parts.append(
-                f"{nodes} {'off by' if kind == 'clock_skew' else 'by'} {_span_ms(self.amount)}"
+                f"{nodes} {'off by' if kind == 'clock_skew' else 'by'} {span_ms(self.amount)}"
             )
         elif kind in ("duplicate", "drop"):
             parts.append(f"p={self.amount:g}")
@@ -200,7 +200,16 @@ class Fault:
         return " ".join(parts)
 
 
-def _span_ms(ms: float) -> str:
+def human_s(seconds: float) -> str:
+    """A duration in the unit that reads best: `160 ms`, `4.85 s`, `2.5 min`."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.2f} s"
+    return f"{seconds / 60:.1f} min"
+
+
+def span_ms(ms: float) -> str:
     """Milliseconds, in the unit that reads best: `+3.2 h`, `-12.0 d`, `+250 ms`."""
     sign = "-" if ms < 0 else "+"
     ms = abs(ms)
@@ -570,7 +579,8 @@ class Injector:
             network.delay(a, b, micros(fault.amount))
             self.world.at(end, network.undelay, a, b, micros(fault.amount))
             self._done(fault)
-            self._period(fault.nodes[0], fault, f"-> {fault.nodes[1]} +{fault.amount:.3g} s")
+            to = f"{fault.kind.replace('_', ' ')} to {fault.nodes[1]}"
+            self._period(fault.nodes[0], fault, f"{to}: +{human_s(fault.amount)}")
         elif kind == "slow_host":
             node = self._node_or_leader(fault)
             if node is None or node.paused:

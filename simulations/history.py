@@ -3,8 +3,8 @@
 Per replica: its applied log index over time, when it led, how many deliveries it sent
 itself (its consumers are local) and how many it only tracked (another replica sends
 them), per second; the service queue after each consumer change. For the whole run:
-the faults and the failure commands the leaders proposed. Sizes are bounded so a long
-run does not keep everything.
+the faults, the nodes that refused to start or stopped, and the failure commands the
+leaders proposed. Sizes are bounded so a long run does not keep everything.
 """
 
 from __future__ import annotations
@@ -65,7 +65,10 @@ class History:
         self.queue = queue
         self.lanes = {n: Lane() for n in names}
         self.sq_changes: list[SqChange] = []
-        self.faults: list[tuple[float, str]] = []
+        self.faults: list[tuple[Any, str]] = []
+        """The faults injected, and what each hit (a node, a consumer, the changes)."""
+        self.node_events: list[tuple[float, str, str]] = []
+        """(when, node, what): a node that refused to start, or stopped."""
         self.failure_commands: list[tuple[float, str, str]] = []
         self.leader_changes = 0
 
@@ -116,7 +119,7 @@ class History:
 
     def fault(self, fault: Any, detail: str) -> None:
         if len(self.faults) < MAX_EVENTS:
-            self.faults.append((fault.at_s, f"{fault.describe()} {detail}".strip()))
+            self.faults.append((fault, detail))
 
     def period(self, name: str, start_s: float, end_s: float, what: str) -> None:
         lane = self.lanes.get(name)
@@ -127,12 +130,13 @@ class History:
         pass
 
     def on_refused(self, name: str, reason: str) -> None:
-        if len(self.faults) < MAX_EVENTS:
-            self.faults.append((seconds(self.world.now_us), f"{name} refused to start: {reason}"))
+        if len(self.node_events) < MAX_EVENTS:
+            now = seconds(self.world.now_us)
+            self.node_events.append((now, name, f"refused to start: {reason}"))
 
     def on_fatal(self, name: str, reason: str) -> None:
-        if len(self.faults) < MAX_EVENTS:
-            self.faults.append((seconds(self.world.now_us), f"{name} stopped: {reason}"))
+        if len(self.node_events) < MAX_EVENTS:
+            self.node_events.append((seconds(self.world.now_us), name, f"stopped: {reason}"))
 
     def on_ticked(self, node: SimNode) -> None:
         pass

@@ -4,8 +4,10 @@ timeline (issue 31)."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,10 +24,12 @@ from simulations.faults import (
     HOSTILE_KINDS,
     KINDS,
     PROFILES,
+    Fault,
     Selection,
     kinds_of,
     select,
 )
+from simulations.render import fault_text
 from simulations.runner import RunConfig
 from simulations.workers import WorkerError, Workers
 from simulations.workload import WorkloadConfig
@@ -423,3 +427,71 @@ def test_a_replay_piped_into_a_reader_that_leaves_ends_quietly() -> None:
         finally:
             if replay.poll() is None:
                 replay.kill()
+
+
+# ---------------------------------------------------------------------- timeline
+
+_NUMBER = re.compile(r"(?<![\w.@-])[-+]?\d+(?:\.\d+)?(?![\w.])")
+_UNIT = re.compile(r"( (ms|s|min|h|d|MiB)\b|%)")
+
+
+def _bare_numbers(text: str) -> list[str]:
+    """Numbers in `text` with no unit after them (a slot number aside)."""
+    return [
+        m.group()
+        for m in _NUMBER.finditer(text)
+        if not _UNIT.match(text, m.end()) and not text[: m.start()].endswith("slot ")
+    ]
+
+
+def _one_of_each_kind() -> list[Fault]:
+    amounts = {"slow_link": 0.273, "one_way_delay": 1.2, "duplicate": 0.05, "drop": 0.1}
+    amounts |= {"clock_skew": 2_516_650, "clock_jump": -13_320_000, "disk_alarm": 19 << 20}
+    two = ("slow_link", "one_way_delay", "link_reset")
+    return [
+        Fault(
+            at_s=12.3,
+            kind=kind,
+            nodes=("C", "A") if kind in two else ("B",),
+            duration_s=0.242 if kind == "slow_host" else 4.85,
+            amount=amounts.get(kind, 0.0),
+        )
+        for kind in KINDS
+    ]
+
+
+def test_every_fault_reads_in_words_with_units_at_a_human_scale() -> None:
+    """The timeline listed `clock_skew B (2.51665e+06)`-like details: every fault now
+    says what it did, each quantity with its unit, at a scale that reads (red before:
+    no `fault_text`, checked)."""
+    texts = {
+        f.kind: fault_text(f, "B" if f.kind == "kill_leader" else "") for f in _one_of_each_kind()
+    }
+    assert texts["clock_skew"] == "clock skew on B: wall clock off by +41.9 min"
+    assert texts["clock_jump"] == "clock jump on B: wall clock moves -3.7 h"
+    assert texts["slow_link"] == "slow link C to A: +273 ms for 4.85 s"
+    assert texts["slow_host"] == "slow host B: its Raft thread stalls 242 ms"
+    assert texts["disk_alarm"] == "disk alarm on B: 19.0 MiB free for 4.85 s"
+    assert texts["duplicate"] == "duplicated Raft messages: 5% of them for 4.85 s"
+    for kind, text in texts.items():
+        assert not _bare_numbers(text), (kind, text)
+        assert "e+" not in text and "e-0" not in text, text
+
+
+def test_the_timeline_wraps_its_summary_and_lists_each_fault_in_words(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The summary ran off the right edge of the page (a <pre> that never wraps); the
+    faults were listed as the trace's terse lines, the nodes that refused to start
+    among them. Red before (checked)."""
+    page = tmp_path / "timeline.html"
+    out = _simulate(capsys, "run", "--seed", "7", "--steps", "1500", "--render", str(page))
+    text = page.read_text()
+    assert "white-space: pre-wrap" in text and "viewBox=" in text
+    injected = int(_line(out, "faults injected (").split("(")[1].split(")")[0])
+    table = text.split(f"<h2>Faults injected ({injected})</h2>")[1].split("</table>")[0]
+    rows = re.findall(r"<tr><td class='s'>([\d.]+)</td><td>(.*?)</td></tr>", table)
+    assert len(rows) == injected
+    for _, fault in rows:
+        assert not _bare_numbers(html.unescape(fault)), fault
+    assert ">0 s</text>" in text and ">10 s</text>" in text  # a time axis
