@@ -73,8 +73,8 @@ def test_removing_the_leader_hands_leadership_over_and_marks_it_down() -> None:
     fault phase the operator adds it back (empty, at a new address)."""
     result = _scripted("remove_leader")
     assert result.ok, result.summary()
-    (at_s, what), *_ = [f for f in result.history.faults if "remove_leader" in f[1]]
-    removed = what.rsplit(" ", 1)[1]
+    (fault, what), *_ = [f for f in result.history.faults if f[0].kind == "remove_leader"]
+    at_s, removed = fault.at_s, what.rsplit(" ", 1)[1]
     led = result.history.lanes[removed].led
     assert any(start < at_s and (at_s <= end or end < 0) for start, end in led), "it led"
     assert result.leader_changes >= 2
@@ -91,7 +91,7 @@ def test_two_changes_sent_together_one_is_refused_while_the_other_is_uncommitted
     result = _scripted("concurrent_changes")
     assert result.ok, result.summary()
     assert result.membership["refused"] >= 1
-    (_, what), *_ = [f for f in result.history.faults if "concurrent_changes" in f[1]]
+    (_, what), *_ = [f for f in result.history.faults if f[0].kind == "concurrent_changes"]
     assert "add D" in what and "remove" in what  # sent together to the leader
     # both made, and the removed member added back after the fault phase
     assert result.membership["accepted"] == result.membership["confirmed"] == 3
