@@ -20,6 +20,19 @@ hypothesis.settings.register_profile("derandomized", derandomize=True, database=
 """`./run test` runs the property tests a second time under it (see `run`)."""
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """`quorumq simulate run` records each run under $XDG_CACHE_HOME for `replay`: the
+    tests' runs go to a directory of their own, not the user's ~/.cache."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache-home"))
+    yield
+    if before is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     """One local SparkSession for every Spark test (start-up takes 12-20 s here), with
