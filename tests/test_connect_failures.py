@@ -4,17 +4,26 @@ connection and says nothing (a node's Raft port), one that refuses it."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import trio
 
 import quorumq.aio
 from quorumq.client import Client, ConnectionLostError, UnreachableError
-from quorumq.client.core import REFUSED_ROUNDS, ConnectFailures, NoWelcomeError, TlsError
-from quorumq.ops.local_cluster import free_ports
+from quorumq.client.core import (
+    REFUSED_ROUNDS,
+    WELCOME_S,
+    ConnectFailures,
+    NoWelcomeError,
+    TlsError,
+)
+from quorumq.ops.local_cluster import Cluster, free_ports
 
 REFUSED = ConnectionRefusedError(111, "Connection refused")
 
@@ -131,3 +140,94 @@ def test_endpoints_that_refuse_are_given_up_on_at_once(connect: object) -> None:
     took = time.monotonic() - started
     assert sorted(given_up.value.refused) == sorted(endpoints)
     assert took < 2.0, f"took {took:.1f} s"
+
+
+class SlowWelcome:
+    """A proxy on 127.0.0.1 in front of a real node's client port that holds back what
+    the node sends for `delay` seconds on each new connection: a node too loaded to
+    send its welcome at once."""
+
+    def __init__(self, target: tuple[str, int], delay: float) -> None:
+        self.target = target
+        self.delay = delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets: list[socket.socket] = [self.listener]
+        self.threads: list[threading.Thread] = []
+        self._closed = False
+        self._spawn(self._accept)
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            node = socket.create_connection(self.target)
+            self.sockets += [client, node]
+            self._spawn(self._pipe, client, node, 0.0)
+            self._spawn(self._pipe, node, client, self.delay)
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket, delay: float) -> None:
+        time.sleep(delay)  # the proxy's own behaviour, not a test's wait
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._closed = True
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def slow_node() -> Iterator[SlowWelcome]:
+    """One real node, reached through a proxy that delays its welcome by 3.5 s: longer
+    than `WELCOME_S`, shorter than the connect timeouts below."""
+    with Cluster(1) as cluster:
+        host, port = cluster.endpoint("A").rsplit(":", 1)
+        proxy = SlowWelcome((host, int(port)), delay=WELCOME_S + 1.0)
+        try:
+            yield proxy
+        finally:
+            proxy.close()
+
+
+def test_a_client_waiting_for_nodes_takes_a_late_welcome(slow_node: SlowWelcome) -> None:
+    """A loaded node slow to welcome is still a node: the default client waits for it up
+    to its connect timeout, not `WELCOME_S` (which cut every attempt, for good)."""
+    with Client(slow_node.endpoint, connect_timeout=10) as client:
+        assert client.node == "A"
+
+
+def test_a_trio_client_waiting_for_nodes_takes_a_late_welcome(slow_node: SlowWelcome) -> None:
+    async def main() -> str | None:
+        async with quorumq.aio.connect(slow_node.endpoint, connect_timeout=10) as client:
+            return client.node
+
+    assert trio.run(main) == "A"
+
+
+def test_a_client_not_waiting_for_nodes_gives_up_on_a_late_welcome(
+    slow_node: SlowWelcome,
+) -> None:
+    """The command line's client: an endpoint silent past `WELCOME_S` is reported."""
+    started = time.monotonic()
+    with pytest.raises(UnreachableError) as given_up:
+        Client(slow_node.endpoint, connect_timeout=10, wait_for_nodes=False)
+    assert given_up.value.silent == [slow_node.endpoint]
+    assert time.monotonic() - started < WELCOME_S + 2.0

@@ -263,7 +263,7 @@ class AsyncClient:
                     self._endpoint_index += 1
                     try:
                         with trio.fail_after(self._connect_timeout):
-                            return await self._handshake(target)
+                            return await self._handshake(target, wait_for_nodes=wait_for_nodes)
                     except (
                         OSError,
                         trio.TooSlowError,
@@ -275,7 +275,10 @@ class AsyncClient:
                 await trio.sleep(0.1)
         raise failures.give_up()
 
-    async def _handshake(self, target: int) -> Link:
+    async def _handshake(self, target: int, *, wait_for_nodes: bool) -> Link:
+        """Welcome, hello, reply. A client that waits for nodes waits for the welcome as
+        long as for the rest (a loaded node may be slow to send it); one that does not
+        gives up on a silent endpoint after `WELCOME_S`."""
         link = await self._dialer.dial(target)
         try:
 
@@ -285,7 +288,9 @@ class AsyncClient:
                     raise ConnectionLostError("the node closed the connection")
                 return frame
 
-            within = min(self._connect_timeout, WELCOME_S)
+            within = self._connect_timeout
+            if not wait_for_nodes:
+                within = min(within, WELCOME_S)
             try:
                 with trio.fail_after(within):
                     welcome = await receive()

@@ -52,11 +52,16 @@ their connection is gone, and the session closed)."""
 
 
 def handshake(
-    link: Link, token: str | None, admin_token: str | None = None, *, timeout: float = 5.0
+    link: Link,
+    token: str | None,
+    admin_token: str | None = None,
+    *,
+    timeout: float = 5.0,
+    welcome_s: float | None = None,
 ) -> dict[str, Any]:
     """Welcome, hello (with proof), reply, on a new connection (whose reads still time
-    out: a socket's after `min(timeout, WELCOME_S)`, `TcpDialer.dial`); the welcome.
-    `NoWelcomeError` if none came by then."""
+    out: a socket's after `timeout`, or `welcome_s` if shorter, `TcpDialer.dial`); the
+    welcome. `NoWelcomeError` if none came by then."""
     frames = link.frames()
 
     def receive() -> dict[str, Any]:
@@ -68,7 +73,7 @@ def handshake(
     try:
         welcome = receive()
     except TimeoutError:
-        raise NoWelcomeError(min(timeout, WELCOME_S)) from None
+        raise NoWelcomeError(timeout if welcome_s is None else min(timeout, welcome_s)) from None
     hello = hello_frame(welcome, token, admin_token)
     if link.send_frame_by(hello, time.monotonic() + timeout) is not None:
         raise ConnectionLostError("the node did not take the hello")
@@ -147,11 +152,12 @@ class ClientConnection:
         wait_for_nodes: bool = True,
     ) -> None:
         """`connect_timeout`: how long to keep trying the endpoints in turn, and each
-        step of one (connect, TLS, the node's welcome: `WELCOME_S` at most).
+        step of one (connect, TLS, the node's welcome).
         `wait_for_nodes=False`: give up connecting at once when every endpoint refused
-        the connection a few times in a row, or refused it or sent no welcome (not a
-        quorumq client port), with one line saying so (`UnreachableError`); the command
-        line's choice, where a user waits for the answer. By default the client keeps
+        the connection a few times in a row, or refused it or sent no welcome within
+        `WELCOME_S` (not a quorumq client port), with one line saying so
+        (`UnreachableError`); the command line's choice, where a user waits for the
+        answer. By default the client keeps
         trying for `connect_timeout`: a node being started refuses until it listens.
         Reconnects always keep trying, for the client's `timeout`.
         `admin_token`: for administrative verbs (`add_member`, `remove_member`).
@@ -207,6 +213,7 @@ class ClientConnection:
     def _connect(self, deadline: float, *, wait_for_nodes: bool = True) -> None:
         targets = self._dialer.targets
         failures = ConnectFailures(len(targets), wait_for_nodes=wait_for_nodes)
+        welcome_s = None if wait_for_nodes else WELCOME_S
         while True:
             for _ in range(len(targets)):
                 if self._session.closed:
@@ -214,10 +221,14 @@ class ClientConnection:
                 target = self._endpoint_index % len(targets)
                 self._endpoint_index += 1
                 try:
-                    link = self._dialer.dial(target, self._connect_timeout)
+                    link = self._dialer.dial(target, self._connect_timeout, welcome_s)
                     try:
                         welcome = handshake(
-                            link, self._token, self._admin_token, timeout=self._connect_timeout
+                            link,
+                            self._token,
+                            self._admin_token,
+                            timeout=self._connect_timeout,
+                            welcome_s=welcome_s,
                         )
                     except BaseException:
                         link.hang_up()

@@ -64,7 +64,8 @@ class TlsError(QuorumqError):
 
 
 class NoWelcomeError(ConnectionLostError):
-    """The endpoint took the connection but sent no `welcome` within `WELCOME_S`: not a
+    """The endpoint took the connection but sent no `welcome` in time (`WELCOME_S` for a
+    client that does not wait for nodes, its connect timeout otherwise): not a
     quorumq client port (a node's Raft port waits in silence for its peer's secret), or
     a node too stalled to answer."""
 
@@ -428,8 +429,10 @@ def read_continues_at(reply: dict[str, Any], position: int, end: int) -> int | N
 
 
 WELCOME_S = 2.5
-"""How long a new connection waits for the node's `welcome` (at most its connect
-timeout). A node sends it as it takes the connection, and a node that serves TLS only
+"""How long a new connection of a client made with `wait_for_nodes=False` (the command
+line's) waits for the node's `welcome` (at most its connect timeout); other clients,
+and every reconnect, wait their connect timeout, as a loaded node may be slow to send
+it. A node sends it as it takes the connection, and a node that serves TLS only
 answers a plain client's silence with `tls_required` after 1 s (`tls_silence_s`); an
 endpoint silent past this is no quorumq client port (`NoWelcomeError`)."""
 REFUSED_ROUNDS = 3

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from ..wire.protocol import FrameDecoder, encode_frame, keep_alive
-from .core import WELCOME_S, ConnectionLostError
+from .core import ConnectionLostError
 from .tls import handshake_failed
 
 SendFailure = type[TimeoutError] | type[OSError] | None
@@ -61,7 +61,7 @@ class Dialer(Protocol):
     @property
     def targets(self) -> Sequence[str]: ...
 
-    def dial(self, target: int, timeout: float) -> Link: ...
+    def dial(self, target: int, timeout: float, welcome_s: float | None = None) -> Link: ...
 
 
 class TcpDialer:
@@ -72,12 +72,12 @@ class TcpDialer:
         self.targets = [f"{host}:{port}" for host, port in endpoints]
         self.context = context
 
-    def dial(self, target: int, timeout: float) -> Wire:
-        """The connection, its reads timing out after `min(timeout, WELCOME_S)` from now
-        on: the handshake waits no longer for the node's welcome."""
+    def dial(self, target: int, timeout: float, welcome_s: float | None = None) -> Wire:
+        """The connection, its reads timing out after `timeout` from now on, or
+        `welcome_s` if shorter: the handshake waits no longer for the node's welcome."""
         host, port = self.endpoints[target]
         wire = Wire.open(host, port, timeout=timeout, context=self.context)
-        wire.settimeout(min(timeout, WELCOME_S))
+        wire.settimeout(timeout if welcome_s is None else min(timeout, welcome_s))
         return wire
 
 

@@ -383,7 +383,9 @@ class _ThreadDialer:
         self.node = node
         self.targets = [f"node {node.id} (in this process)"]
 
-    def dial(self, target: int, timeout: float) -> ThreadEnd:
+    def dial(self, target: int, timeout: float, welcome_s: float | None = None) -> ThreadEnd:
+        """`welcome_s` does not apply: a node in this process has no port that could be
+        another service's, and its welcome is waited for up to `timeout`."""
         token = self.node._token
         if token is None:
             raise ConnectionLostError(f"node {self.node.id} is not running")
