@@ -301,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="between the two readings rates come from, and between refreshes (default 1)",
     )
     status.add_argument(
+        "--wait",
+        type=seconds,
+        metavar="SECONDS",
+        help="first wait until every endpoint's node answers, one leads and none lags "
+        "behind (for scripts that start nodes); exit status 2 if not within SECONDS",
+    )
+    status.add_argument(
         "--audit",
         action="store_true",
         help="also the state digest and the log index it is of (needs the admin token, "

@@ -16,6 +16,8 @@ def run_status(args: argparse.Namespace) -> int:
 
     from ..client import ServerError  # noqa: PLC0415
 
+    if args.wait is not None:
+        _wait_until_ready(args)
     if args.json:
         if args.watch:
             raise UsageError("--watch shows tables; for a program, run status --json each time")
@@ -33,16 +35,10 @@ def run_status(args: argparse.Namespace) -> int:
     return _status_tables(args)
 
 
-def _status_tables(args: argparse.Namespace) -> int:
-    """Tables of every endpoint's node and of the queues, with rates over `--interval`;
-    with `--watch`, refreshed in place until Ctrl-C."""
-
-    from rich.console import Group  # noqa: PLC0415
-    from rich.live import Live  # noqa: PLC0415
-    from rich.text import Text  # noqa: PLC0415
-
+def _reader(args: argparse.Namespace) -> Any:
+    """`read(earlier=None, again=True)`: one reading of every endpoint's node, at once."""
     from ..client import QuorumqError  # noqa: PLC0415
-    from ..ops.status_view import read_cluster, status_view  # noqa: PLC0415
+    from ..ops.status_view import read_cluster  # noqa: PLC0415
 
     endpoints = endpoints_of(args)
     names = endpoint_names(args)
@@ -70,6 +66,39 @@ def _status_tables(args: argparse.Namespace) -> int:
             carry=None if again else earlier,
         )
 
+    return read
+
+
+def _wait_until_ready(args: argparse.Namespace) -> None:
+    """`--wait SECONDS`: until every endpoint's node answers, one leads and none lags
+    (for scripts that start nodes); one line saying what is missing if not in time."""
+    from ..ops.status_view import not_ready  # noqa: PLC0415
+
+    read = _reader(args)
+    deadline = time.monotonic() + args.wait
+    earlier = None
+    while True:
+        reading = read()
+        why = not_ready(reading, earlier)
+        if why is None:
+            return
+        if time.monotonic() > deadline:
+            raise UsageError(f"the cluster was not ready within {args.wait:g} s: {why}")
+        time.sleep(0.2)
+        earlier = reading
+
+
+def _status_tables(args: argparse.Namespace) -> int:
+    """Tables of every endpoint's node and of the queues, with rates over `--interval`;
+    with `--watch`, refreshed in place until Ctrl-C."""
+
+    from rich.console import Group  # noqa: PLC0415
+    from rich.live import Live  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    from ..ops.status_view import status_view  # noqa: PLC0415
+
+    read = _reader(args)
     console = make_console()
     before = read()
     if not before.answered and not args.watch:

@@ -94,6 +94,30 @@ def read_cluster(
     return ClusterReading(taken_at=taken_at, nodes=nodes)
 
 
+def not_ready(reading: ClusterReading, earlier: ClusterReading | None) -> str | None:
+    """Why the cluster is not ready yet (None: it is): every endpoint's node answered,
+    one of them leads, and each has applied what the leader had committed at the
+    `earlier` reading (so a cluster under load is ready too, once nobody lags)."""
+    missing = [n.endpoint for n in reading.nodes if n.status is None]
+    if missing:
+        return f"no status from {', '.join(missing)}"
+    leader = next((s for s in reading.answered if s.get("is_leader")), None)
+    if leader is None:
+        return "no node leads yet"
+    before = earlier.of(str(leader.get("node"))) if earlier is not None else None
+    target = (before or {}).get("commit_index")
+    if not isinstance(target, int):
+        return "waiting for a second reading"
+    behind = [
+        str(s.get("node"))
+        for s in reading.answered
+        if not isinstance(s.get("last_applied"), int) or s["last_applied"] < target
+    ]
+    if behind:
+        return f"{', '.join(sorted(behind))} still catching up with the leader"
+    return None
+
+
 def _host(address: str) -> str:
     return address.rpartition(":")[0]
 
@@ -106,6 +130,9 @@ class Unreached:
 
     names: Mapping[str, str]
     among: tuple[str, ...] = ()
+    guessed: frozenset[str] = frozenset()
+    """Endpoints named from the members left over, not known: a stale or mistyped
+    endpoint is named so too, so the table marks the name as a guess."""
 
 
 def unreached(reading: ClusterReading) -> Unreached:
@@ -120,17 +147,20 @@ def unreached(reading: ClusterReading) -> Unreached:
         n.endpoint: n.node for n in reading.nodes if n.status is None and n.node is not None
     }
     unknown = [n.endpoint for n in reading.nodes if n.status is None and not n.node]
+    guessed = set()
     for endpoint in list(unknown):
         on_host = [m for m, address in left.items() if _host(address) == _host(endpoint)]
         if len(on_host) == 1:
             found[endpoint] = on_host[0]
+            guessed.add(endpoint)
             del left[on_host[0]]
             unknown.remove(endpoint)
     if len(unknown) == 1 and len(left) == 1:
         found[unknown[0]] = next(iter(left))
+        guessed.add(unknown[0])
         left.clear()
     among = tuple(sorted(left)) if unknown and len(unknown) == len(left) else ()
-    return Unreached(names=found, among=among)
+    return Unreached(names=found, among=among, guessed=frozenset(guessed))
 
 
 def _number(value: Any) -> str:
@@ -212,12 +242,15 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
         status = node.status
         if status is None:
             known = who.names.get(node.endpoint)
-            cells: list[Any] = [known or "?", Text("unreachable", style="bold red")] + ["-"] * 5
+            shown = f"{known}?" if known and node.endpoint in who.guessed else known
+            cells: list[Any] = [shown or "?", Text("unreachable", style="bold red")] + ["-"] * 5
             if audit:
                 cells += ["-", "-"]
             note = node.error or ""
             if known is None and who.among:
                 note = f"one of {', '.join(who.among)}: {note}"
+            elif shown != known:
+                note = f"{known}, if this is its endpoint: {note}"
             rows.append((known or "~", [*cells, node.endpoint, note]))
             continue
         notes = []
@@ -333,6 +366,7 @@ __all__ = [
     "NodeReading",
     "Unreached",
     "nodes_table",
+    "not_ready",
     "queue_list",
     "queues_table",
     "read_cluster",
