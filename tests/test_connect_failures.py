@@ -231,3 +231,14 @@ def test_a_client_not_waiting_for_nodes_gives_up_on_a_late_welcome(
         Client(slow_node.endpoint, connect_timeout=10, wait_for_nodes=False)
     assert given_up.value.silent == [slow_node.endpoint]
     assert time.monotonic() - started < WELCOME_S + 2.0
+
+
+def test_a_client_that_keeps_trying_keeps_only_the_last_failures() -> None:
+    """A hostile review: every failed attempt of a client that keeps trying (for its
+    `timeout`, which may be hours) was kept, about ten a second per endpoint."""
+    failures = ConnectFailures(2)
+    for _ in range(10_000):
+        failures.add("h:1", REFUSED)
+        failures.add("h:2", OSError("timed out"))
+    assert len(failures._errors) <= 12 and len(failures._stuck) <= REFUSED_ROUNDS * 2
+    assert "h:2: timed out" in failures._message()

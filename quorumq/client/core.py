@@ -6,6 +6,7 @@ import functools
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -463,15 +464,17 @@ class ConnectFailures:
     def __init__(self, endpoints: int, *, wait_for_nodes: bool = True) -> None:
         self._endpoints = endpoints
         self._wait_for_nodes = wait_for_nodes
-        self._errors: list[tuple[str, str]] = []
-        """(endpoint, why) of each failure, in order."""
+        kept = max(endpoints, 1)
+        self._errors: deque[tuple[str, str]] = deque(maxlen=6 * kept)
+        """(endpoint, why) of the last failures, in order (a client that keeps trying for
+        hours keeps only these)."""
         self._tls: dict[str, list[str]] = {}
         """TLS failures in a row, since the last failure of another kind: the endpoints
         that failed, by what went wrong."""
         self._tls_count = 0
-        self._stuck: list[tuple[str, bool]] = []
-        """Refusals and silences in a row, since the last failure of another kind:
-        (endpoint, silent)."""
+        self._stuck: deque[tuple[str, bool]] = deque(maxlen=REFUSED_ROUNDS * kept)
+        """Refusals and silences in a row, since the last failure of another kind, the
+        last `REFUSED_ROUNDS` rounds of them: (endpoint, silent)."""
 
     def add(self, where: str, error: Exception) -> None:
         """Note that the endpoint `where` ("host:port") failed with `error`; raise it (a
@@ -505,7 +508,7 @@ class ConnectFailures:
         stuck = self._stuck
         if len(stuck) < self._endpoints:
             return
-        last_round = stuck[-self._endpoints :]
+        last_round = list(stuck)[-self._endpoints :]
         if not any(silent for _, silent in last_round) and len(stuck) < (
             REFUSED_ROUNDS * self._endpoints
         ):
@@ -517,10 +520,9 @@ class ConnectFailures:
     def _message(self, failures: list[tuple[str, bool]] | None = None) -> str:
         """Why no node answered, the endpoints that failed alike together: of the last
         few failures, or of `failures`."""
-        if failures is None:
-            errors = self._errors[-6 * max(self._endpoints, 1) :]
-        else:
-            errors = self._errors[-len(failures) :]
+        errors = list(self._errors)
+        if failures is not None:
+            errors = errors[-len(failures) :]
         by_why: dict[str, list[str]] = {}
         for where, why in errors:
             endpoints = by_why.setdefault(why, [])
