@@ -18,9 +18,11 @@ group. Other blocks are not run: output (```text), configuration for other progr
 from __future__ import annotations
 
 import os
+import random
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -177,13 +179,35 @@ def test_a_shell_blocks_promised_outputs_are_read_from_its_comments() -> None:
 _HAND_PORT = re.compile(r"\b(700[1-3]|800[1-3])\b")
 
 
+def ports_outside_the_ephemeral_range(n: int) -> list[int]:
+    """`n` ports on 127.0.0.1 free a moment ago, below the kernel's range for outgoing
+    connections' local ports: a block restarts nodes on their ports while the others
+    dial out, and a port of that range, free while its node is down, could become the
+    local port of such a connection."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_ports(n)
+    chosen: list[int] = []
+    while len(chosen) < n:
+        port = random.randrange(10_000, max(low, 10_001))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in chosen:
+            chosen.append(port)
+    return chosen
+
+
 def with_free_ports(script: str) -> str:
     """`script` with the ports of nodes started by hand (7001-7003 for clients, 8001-8003
     for Raft) swapped for free ones, each the same everywhere in the block."""
     named = sorted(set(_HAND_PORT.findall(script)))
     if not named:
         return script
-    ports = dict(zip(named, map(str, free_ports(len(named))), strict=True))
+    ports = dict(zip(named, map(str, ports_outside_the_ephemeral_range(len(named))), strict=True))
     return _HAND_PORT.sub(lambda m: ports[m[1]], script)
 
 
