@@ -108,6 +108,8 @@ def _setting(
     """A setup file's value for `action`, as the command line would give it."""
     name = action.dest
     if name == "faults" and isinstance(value, list):
+        if not value:
+            parser.error(f"{where}: faults = [] names no fault kind")
         return ",".join(str(v) for v in value)
     if action.nargs == 0:  # a switch
         if not isinstance(value, bool):

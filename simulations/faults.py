@@ -233,10 +233,16 @@ KINDS = DRAWN_KINDS + CLOCK_KINDS + DISK_KINDS + SPACE_KINDS + MEMBERSHIP_KINDS
 
 
 def kinds_of(profile: str) -> tuple[str, ...]:
-    """A profile name, or kinds (and `GROUPS`) separated by commas: the kinds named."""
+    """A profile name, or kinds (and `GROUPS`) separated by commas: the kinds named. A
+    list that names no kind (`""`, `","`) is refused: it ran no fault and passed."""
     if profile in PROFILES:
         return PROFILES[profile]
     names = [k.strip() for k in profile.split(",") if k.strip()]
+    if not names:
+        raise ValueError(
+            f"{profile!r} names no fault kind; a profile ({', '.join(sorted(PROFILES))}) "
+            "or fault kinds separated by commas (`none` runs the clock faults alone)"
+        )
     unknown = [k for k in names if k not in KINDS and k not in GROUPS]
     if unknown:
         raise ValueError(

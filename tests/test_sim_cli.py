@@ -282,6 +282,32 @@ def test_a_kind_named_and_switched_off_is_refused(capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (["--faults", ","], "--faults: ',' names no fault kind"),
+        (["--faults", ""], "--faults: '' names no fault kind"),
+        (["--faults", " , "], "--faults: ' , ' names no fault kind"),
+        ("faults = []", "faults = [] names no fault kind"),
+        ('faults = ","', "--faults: ',' names no fault kind"),
+    ],
+)
+def test_a_list_of_fault_kinds_that_names_none_is_refused(
+    given: list[str] | str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--faults ,`, `--faults ""` and `faults = []` ran no fault at all and said PASS;
+    they are refused in one line, exit status 2 (red before, checked: exit 0)."""
+    if isinstance(given, str):
+        setup = tmp_path / "setup.toml"
+        setup.write_text(given + "\n")
+        given = ["--setup", str(setup)]
+    with pytest.raises(SystemExit) as exit:
+        main(["run", "--seed", "1", "--steps", "100", *given])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
     "switch", ["no_disk_faults", "no_disk_space_faults", "no_membership_faults"]
 )
 def test_a_setup_files_switch_acts_as_its_flag(
