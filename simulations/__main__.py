@@ -108,9 +108,7 @@ def _setting(
     """A setup file's value for `action`, as the command line would give it."""
     name = action.dest
     if name == "faults" and isinstance(value, list):
-        if not value:
-            parser.error(f"{where}: faults = [] names no fault kind")
-        return ",".join(str(v) for v in value)
+        return _fault_list(where, parser, value)
     if action.nargs == 0:  # a switch
         if not isinstance(value, bool):
             parser.error(f"{where}: {name} must be true or false, not {value!r}")
@@ -122,6 +120,31 @@ def _setting(
         choices = ", ".join(str(c) for c in action.choices)
         parser.error(f"{where}: {name} must be one of {choices}, not {text!r}")
     return text
+
+
+def _fault_list(where: str, parser: argparse.ArgumentParser, value: list[Any]) -> str:
+    """A setup file's list of fault kinds as `--faults` takes it. A list names kinds
+    (and groups of them) only: `["crash"]` is the kind crash alone (`--faults crash,`),
+    not the profile `crash`; a profile is a string (`faults = "crash"`), and a profile
+    named in a list is refused, as are an empty list and a kind named twice."""
+    if not value:
+        parser.error(f"{where}: faults = [] names no fault kind")
+    others = [v for v in value if not isinstance(v, str) or (v not in KINDS and v not in GROUPS)]
+    if others:
+        profiles = [v for v in others if isinstance(v, str) and v in PROFILES]
+        why = (
+            f"{', '.join(profiles)}: a profile, not a kind (a profile is a string: "
+            f'faults = "{profiles[0]}")'
+            if profiles
+            else f"not fault kinds: {others!r}"
+        )
+        parser.error(f"{where}: faults = {value!r} is a list of kinds; {why}")
+    text = ",".join(value)
+    try:
+        kinds_of(text)
+    except ValueError as e:
+        parser.error(f"{where}: faults = {value!r}: {e}")
+    return text + "," if text in PROFILES else text
 
 
 def _seeds(text: str) -> range:
@@ -165,8 +188,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         default="default",
         help=f"a profile ({', '.join(sorted(PROFILES))}): its kinds, the clock faults and, "
         "but for none, the disk, disk space and membership faults; or fault kinds separated "
-        f"by commas, and only those run ({', '.join(KINDS)}; or a group of them: "
-        f"{', '.join(GROUPS)}; crash alone is the profile)",
+        f"by commas, each once, and only those run ({', '.join(KINDS)}; or a group of "
+        f"them: {', '.join(GROUPS)}). 'crash' alone is the profile, 'crash,' the kind "
+        "alone; a setup file's list names kinds only: faults = ['crash'] is the kind",
     )
     common.add_argument(
         "--steps", type=int, default=3000, help="fault phase, in 10 ms steps (default 30 s)"

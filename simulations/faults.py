@@ -234,7 +234,9 @@ KINDS = DRAWN_KINDS + CLOCK_KINDS + DISK_KINDS + SPACE_KINDS + MEMBERSHIP_KINDS
 
 def kinds_of(profile: str) -> tuple[str, ...]:
     """A profile name, or kinds (and `GROUPS`) separated by commas: the kinds named. A
-    list that names no kind (`""`, `","`) is refused: it ran no fault and passed."""
+    list that names no kind (`""`, `","`) is refused: it ran no fault and passed; so
+    is one that names a kind twice (itself, or in a group). A name with a comma after
+    it is a list even alone: `crash,` is the kind crash, `crash` the profile."""
     if profile in PROFILES:
         return PROFILES[profile]
     names = [k.strip() for k in profile.split(",") if k.strip()]
@@ -248,7 +250,11 @@ def kinds_of(profile: str) -> tuple[str, ...]:
         raise ValueError(
             f"unknown fault kinds {unknown}; profiles: {sorted(PROFILES)}; groups: {sorted(GROUPS)}"
         )
-    return tuple(kind for k in names for kind in GROUPS.get(k, (k,)))
+    kinds = tuple(kind for k in names for kind in GROUPS.get(k, (k,)))
+    twice = list(dict.fromkeys(k for k in kinds if kinds.count(k) > 1))
+    if twice:
+        raise ValueError(f"{', '.join(twice)} named more than once in {profile!r}")
+    return kinds
 
 
 @attrs.frozen(kw_only=True)

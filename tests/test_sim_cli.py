@@ -307,6 +307,52 @@ def test_a_list_of_fault_kinds_that_names_none_is_refused(
     assert said in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_setup_files_list_of_one_kind_runs_that_kind_not_the_profile_of_its_name(
+    tmp_path: Path,
+) -> None:
+    """`faults = ["crash"]` was joined into "crash", the profile (crash and kill_leader,
+    the clock, disk and membership faults); a list names kinds, so it is the kind crash
+    alone, `--faults crash,`, and so it replays (red before, checked)."""
+    setup = tmp_path / "setup.toml"
+    setup.write_text('faults = ["crash"]\n')
+    config = config_of(["run", "--seed", "1", "--setup", str(setup)])
+    assert config.faults == "crash,"
+    assert select(config.faults).kinds == {"crash"}
+    assert config_of(["replay", *config.replay_args()]) == config
+    assert config_of(["run", "--seed", "1", "--faults", "crash,"]) == config
+    assert (
+        select(config_of(["run", "--seed", "1", "--faults", "crash"]).faults).drawn
+        == (PROFILES["crash"])
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ('faults = ["network"]', "network: a profile, not a kind"),
+        ('faults = ["crash", "crash"]', "crash named more than once"),
+        ('faults = ["clock", "clock_skew"]', "clock_skew named more than once"),
+        ('faults = ["crash,pause"]', "not fault kinds: ['crash,pause']"),
+        ("faults = [1]", "not fault kinds: [1]"),
+        (["--faults", "pause,crash,pause"], "--faults: pause named more than once"),
+    ],
+)
+def test_a_list_of_fault_kinds_with_a_profile_or_a_kind_twice_is_refused(
+    given: list[str] | str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A profile's name in a setup file's list ran the profile (`["network"]`), a kind
+    named twice ran as if named once (red before, checked)."""
+    if isinstance(given, str):
+        setup = tmp_path / "setup.toml"
+        setup.write_text(given + "\n")
+        given = ["--setup", str(setup)]
+    with pytest.raises(SystemExit) as exit:
+        config_of(["run", "--seed", "1", *given])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize(
     "switch", ["no_disk_faults", "no_disk_space_faults", "no_membership_faults"]
 )
