@@ -14,7 +14,7 @@ import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
 import attrs
 
@@ -363,11 +363,42 @@ def config_of(argv: list[str]) -> RunConfig:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
+    stdout = sys.stdout
+    sys.stdout = cast(TextIO, _Stdout(stdout))
     try:
         return _command(argv, args)
-    except BrokenPipeError:  # `quorumq simulate replay --seed 7 | head`: the reader left
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except _StdoutClosedError:  # `quorumq simulate replay --seed 7 | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
         return 1
+    finally:
+        sys.stdout = stdout
+
+
+class _StdoutClosedError(Exception):
+    """Standard output's reader left (`| head`): the command ends quietly."""
+
+
+class _Stdout:
+    """Standard output, whose BrokenPipeError alone means that its reader left: one
+    from any other pipe (a worker's) is an error like any other."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise _StdoutClosedError from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise _StdoutClosedError from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _command(argv: list[str], args: argparse.Namespace) -> int:
@@ -491,7 +522,8 @@ def _sweep(args: argparse.Namespace) -> int:
         ):
             for outcome in runs:
                 if not outcome.ok:
-                    _record(_config(args, outcome.seed), outcome.trace_hash)
+                    if outcome.worker_died is None:  # (a seed with no trace is not recorded)
+                        _record(_config(args, outcome.seed), outcome.trace_hash)
                     progress.done()
                     print(outcome.summary)
                     if not args.keep_going:
@@ -537,6 +569,8 @@ def _sweep(args: argparse.Namespace) -> int:
     )
     for outcome in failed:
         reasons = ", ".join(f"{k} {n}" for k, n in outcome.violation_kinds.items())
+        if outcome.worker_died is not None:
+            reasons = f"its worker died ({outcome.worker_died})"
         print(f"  seed {outcome.seed} fails: {reasons}")
     print(", ".join(f"{name} {n}" for name, n in records.items()))
     print(liveness_line([r for _, r in reports]))
@@ -635,7 +669,13 @@ def _write_json(
             for seed, r in reports
         ],
         "failed": [
-            {"seed": o.seed, "violations": o.violation_kinds, "summary": o.summary} for o in failed
+            {
+                "seed": o.seed,
+                "violations": o.violation_kinds,
+                "worker_died": o.worker_died,
+                "summary": o.summary,
+            }
+            for o in failed
         ],
         "recovery": recovery,
     }

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import shlex
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -556,6 +558,9 @@ class Outcome:
     violation_kinds: dict[str, int] = attrs.field(factory=dict)
     """Violations by kind (a failing run's reasons)."""
     liveness: LivenessReport | None = None
+    worker_died: str | None = None
+    """How the worker running this seed died (`signal 9, SIGKILL`): a failed seed
+    with no result, no trace."""
 
 
 def outcome(config: RunConfig) -> Outcome:
@@ -584,12 +589,40 @@ def outcome(config: RunConfig) -> Outcome:
     )
 
 
+def died(config: RunConfig, how: str) -> Outcome:
+    """The outcome of a seed whose worker died while running it (`how`)."""
+    return Outcome(
+        seed=config.seed,
+        ok=False,
+        sim_s=0.0,
+        wall_s=0.0,
+        faults=0,
+        trace_hash="",
+        summary=f"worker died while running seed {config.seed} ({how}): no result\n"
+        f"replay: {config.replay_command()}",
+        worker_died=how,
+    )
+
+
+TEST_DIE_ON_SEED = "QUORUMQ_SIM_TEST_DIE_ON_SEED"
+"""For tests only: a sweep's worker handed this seed kills itself (SIGKILL, as the OOM
+killer would) instead of running it. Read in the workers alone: a sweep of one job
+runs its seeds in its own process, and ignores it."""
+
+
+def _worker_outcome(config: RunConfig) -> Outcome:
+    if os.environ.get(TEST_DIE_ON_SEED) == str(config.seed):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return outcome(config)
+
+
 def sweep(configs: Iterable[RunConfig], jobs: int = 1) -> Generator[Outcome, None, None]:
     """Run configs, yielding outcomes in config order (in `jobs` processes, which end
-    when the caller closes the generator: at the first failure, or an interrupt)."""
+    when the caller closes the generator: at the first failure, or an interrupt). A
+    seed whose worker dies fails (`died`); another worker takes the next seeds."""
     if jobs <= 1:
         for config in configs:
             yield outcome(config)
         return
-    with Workers(jobs, outcome) as workers:
+    with Workers(jobs, _worker_outcome, died=died) as workers:
         yield from workers.map(configs)

@@ -18,6 +18,10 @@ A worker
 (`concurrent.futures.ProcessPoolExecutor` did this before: on Ctrl-C it printed a
 traceback and waited for the seeds in its queue, its workers orphaned by a SIGKILL of
 the sweep waited forever for more.)
+
+A worker that dies (a SIGKILL, the OOM killer) is reaped and another started in its
+place; the item it was running gives `died(item, how)` (a sweep reports the seed as
+failed and goes on), or without `died` a `WorkerError` naming the item.
 """
 
 from __future__ import annotations
@@ -48,30 +52,61 @@ STOP_S = 5.0
 
 
 class WorkerError(RuntimeError):
-    """A worker's `fn` raised: its traceback, and the item."""
+    """A worker's `fn` raised (its traceback, and the item), or a worker died while it
+    ran an item and no `died` says what to make of that."""
+
+
+def _how(exitcode: int | None) -> str:
+    """How a process ended, in words: `signal 9, SIGKILL`, `exit code 1`."""
+    if exitcode is None:
+        return "unknown"
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {-exitcode}, {signal.Signals(-exitcode).name}"
+        return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class _Worker:
+    """One worker process and the parent's end of its pipe."""
+
+    def __init__(self, pipe: Connection, process: BaseProcess) -> None:
+        self.pipe = pipe
+        self.process = process
 
 
 class Workers(Generic[T, R]):
-    def __init__(self, jobs: int, fn: Callable[[T], R]) -> None:
+    def __init__(
+        self, jobs: int, fn: Callable[[T], R], died: Callable[[T, str], R] | None = None
+    ) -> None:
+        """`jobs` workers running `fn`. `died(item, how)`: what `map` yields for an item
+        whose worker died while it ran it (`how`: "signal 9, SIGKILL", "exit code 1"),
+        the dead worker reaped and a new one started; without it, `map` raises
+        `WorkerError` naming the item."""
         # fork: a worker's parent is this process (what PR_SET_PDEATHSIG watches), and
         # it starts at once; spawn where there is no fork
-        context = (
+        self._context = (
             multiprocessing.get_context("fork")
             if "fork" in multiprocessing.get_all_start_methods()
             else multiprocessing.get_context("spawn")
         )
-        self._pipes: list[Connection] = []
-        self._processes: list[BaseProcess] = []
-        parent = os.getpid()
+        self._fn = fn
+        self._died = died
+        self._parent = os.getpid()
+        self._workers: list[_Worker] = []
         for _ in range(jobs):
-            mine, theirs = context.Pipe()
-            self._pipes.append(mine)
-            process = context.Process(
-                target=_serve, args=(theirs, fn, parent, list(self._pipes)), daemon=True
-            )
-            process.start()
-            theirs.close()
-            self._processes.append(process)
+            self._start()
+
+    def _start(self) -> _Worker:
+        mine, theirs = self._context.Pipe()
+        others = [w.pipe for w in self._workers] + [mine]
+        process = self._context.Process(
+            target=_serve, args=(theirs, self._fn, self._parent, others), daemon=True
+        )
+        process.start()
+        theirs.close()
+        self._workers.append(_Worker(mine, process))
+        return self._workers[-1]
 
     def __enter__(self) -> Workers[T, R]:
         return self
@@ -87,55 +122,91 @@ class Workers(Generic[T, R]):
     def stop(self, kill: bool) -> None:
         """End the workers: close their pipes (an idle worker exits), kill those still
         working if `kill`; wait for them (up to `STOP_S`), then kill any left."""
-        for pipe in self._pipes:
-            pipe.close()
+        for worker in self._workers:
+            worker.pipe.close()
+        processes = [w.process for w in self._workers]
         if kill:
-            for process in self._processes:
+            for process in processes:
                 if process.is_alive():
                     process.kill()
         deadline = time.monotonic() + STOP_S
-        for process in self._processes:
+        for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join(1.0)
 
     def map(self, items: Iterable[T]) -> Iterator[R]:
-        """`fn(item)` for each item, in order, each run in the next idle worker."""
+        """`fn(item)` for each item, in order, each run in the next idle worker. A
+        worker that dies is reaped and replaced (while items are left); the item it
+        was running gives `died(item, how)`."""
         todo = enumerate(items)
-        idle = list(self._pipes)
-        busy: dict[Connection, tuple[int, T]] = {}
-        sentinels = {p.sentinel: pipe for p, pipe in zip(self._processes, self._pipes, strict=True)}
+        left = True
+        idle = list(self._workers)
+        busy: dict[_Worker, tuple[int, T]] = {}
         results: dict[int, R] = {}
         given = 0
         while True:
-            while idle:
+            while idle and left:
                 item = next(todo, None)
                 if item is None:
+                    left = False
                     break
-                pipe = idle.pop()
-                pipe.send(item[1])
-                busy[pipe] = item
+                worker = idle.pop()
+                busy[worker] = item
+                # a worker that died idle: its sentinel says so below, and its item
+                # counts as the one it died running
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    worker.pipe.send(item[1])
             while given in results:
                 yield results.pop(given)
                 given += 1
             if not busy:
                 return
-            ready = wait([*busy, *sentinels])
-            for pipe in [r for r in ready if r in busy]:
-                index, ran = busy.pop(pipe)
-                try:
-                    failed, value = pipe.recv()
-                except EOFError:
-                    raise WorkerError(f"a worker ended while it ran {ran!r}") from None
-                if failed:
-                    raise WorkerError(f"a worker failed running {ran!r}:\n{value}")
-                results[index] = value
-                idle.append(pipe)
-            for sentinel in ready:
-                if sentinel in sentinels and sentinels[sentinel] not in ready:
-                    process = self._processes[self._pipes.index(sentinels[sentinel])]
-                    raise WorkerError(f"worker {process.pid} ended (exit code {process.exitcode})")
+            ready = wait([*(w.pipe for w in busy), *(w.process.sentinel for w in self._workers)])
+            for worker in list(self._workers):
+                if worker in busy and (worker.pipe in ready or worker.process.sentinel in ready):
+                    answer = _answer(worker.pipe)
+                    if answer is not None:
+                        index, ran = busy.pop(worker)
+                        failed, value = answer
+                        if failed:
+                            raise WorkerError(f"a worker failed running {ran!r}:\n{value}")
+                        results[index] = value
+                        idle.append(worker)
+                if worker.process.sentinel not in ready:
+                    continue
+                how = self._reap(worker)
+                if worker in idle:
+                    idle.remove(worker)
+                if left:
+                    idle.append(self._start())
+                if worker in busy:
+                    index, ran = busy.pop(worker)
+                    if self._died is None:
+                        raise WorkerError(f"a worker died running {ran!r} ({how})")
+                    results[index] = self._died(ran, how)
+
+    def _reap(self, worker: _Worker) -> str:
+        """Wait for a worker that ended (its sentinel is ready); how it ended."""
+        self._workers.remove(worker)
+        worker.pipe.close()
+        worker.process.join(STOP_S)
+        if worker.process.is_alive():  # (its sentinel closed, and it lives on)
+            worker.process.kill()
+            worker.process.join(1.0)
+        return _how(worker.process.exitcode)
+
+
+def _answer(pipe: Connection) -> tuple[bool, Any] | None:
+    """A worker's answer, if its pipe holds one (None: it ended without one)."""
+    try:
+        if not pipe.poll():
+            return None
+        answer: tuple[bool, Any] = pipe.recv()
+    except (EOFError, OSError):
+        return None
+    return answer
 
 
 def _serve(pipe: Connection, fn: Callable[[Any], Any], parent: int, others: list[Any]) -> None:

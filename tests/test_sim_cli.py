@@ -216,6 +216,89 @@ def test_workers_answer_in_the_items_order_and_name_the_item_that_failed() -> No
         list(workers.map([1, 2, -3, 4]))
 
 
+def _square_or_die_on_2(n: int) -> int:
+    if n == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return n * n
+
+
+def _zombies(pid: int) -> list[int]:
+    """The children of `pid` that ended and were not waited for."""
+    children = PROC / str(pid) / "task" / str(pid) / "children"
+    return [c for c in map(int, children.read_text().split()) if _start_time(c) is None]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_worker_that_dies_is_reaped_and_replaced_and_its_item_named() -> None:
+    """A worker killed while it ran an item (SIGKILL, the OOM killer) ended the whole
+    map: `WorkerError: worker N ended (exit code None)`, the item unnamed, the items
+    after it lost. Its item now gives `died(item, how)`, the dead worker is reaped and
+    another takes the next items (one job here: the rest ran, so a new worker ran
+    them). Red before (checked)."""
+    _children(os.getpid())  # (skips where the kernel lists no children)
+    with Workers(1, _square_or_die_on_2, died=lambda n, how: f"{n}: {how}") as workers:
+        assert list(workers.map(range(5))) == [0, 1, "2: signal 9, SIGKILL", 9, 16]
+        assert not _zombies(os.getpid())
+    with (
+        Workers(2, _square_or_die_on_2) as workers,
+        pytest.raises(WorkerError, match=r"a worker died running 2 \(signal 9, SIGKILL\)"),
+    ):
+        list(workers.map(range(5)))
+
+
+@pytest.mark.parametrize("keep_going", [True, False])
+def test_a_sweep_whose_worker_dies_reports_its_seed_as_failed_and_goes_on(
+    keep_going: bool, tmp_path: Path
+) -> None:
+    """A worker dying mid-seed aborted the sweep with a traceback (`WorkerError: worker
+    N ended (exit code None)`): no summary, no --json, the seed unnamed, and with
+    --keep-going every seed left was lost. The seed fails, with its replay command, and
+    the sweep goes on as after any failing seed: to the end with --keep-going, else it
+    stops there with the usual lines. Red before (checked: a traceback, exit 1, no
+    json)."""
+    report = tmp_path / "sweep.json"
+    args = ["--seeds", "0:4", "--jobs", "2", "--steps", "100", "--json", str(report)]
+    swept = subprocess.run(
+        [sys.executable, "-m", "simulations", "sweep", *args]
+        + (["--keep-going"] if keep_going else []),
+        cwd=ROOT,
+        env={**os.environ, "QUORUMQ_SIM_TEST_DIE_ON_SEED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    out = swept.stdout
+    assert swept.returncode == 1 and "Traceback" not in swept.stderr, out + swept.stderr
+    assert "worker died while running seed 1 (signal 9, SIGKILL): no result" in out, out
+    assert "replay: quorumq simulate replay --seed 1 --nodes 3 --faults default" in out
+    died = {"seed": 1, "violations": {}, "worker_died": "signal 9, SIGKILL"}
+    failed = json.loads(report.read_text())["failed"]
+    assert [{k: f[k] for k in died} for f in failed] == [died]
+    if keep_going:
+        assert "1 of 4 seeds fail: " in out
+        assert "  seed 1 fails: its worker died (signal 9, SIGKILL)" in out
+        assert json.loads(report.read_text())["passed"] == 3
+    else:
+        assert "first failing seed: 1 (after 1 passing)" in out
+
+
+def test_a_broken_pipe_other_than_standard_outputs_is_no_reader_leaving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Any BrokenPipeError ended the command quietly with status 1, as if standard
+    output's reader had left: a worker's pipe too (a sweep whose idle worker died
+    stopped, saying nothing). Only standard output's is taken so (red before,
+    checked)."""
+
+    def broken(*_: object) -> None:
+        raise BrokenPipeError(32, "a pipe that is not standard output")
+
+    monkeypatch.setattr("simulations.__main__.run", broken)
+    with pytest.raises(BrokenPipeError):
+        main(["run", "--seed", "1"])
+
+
 # ------------------------------------------------------- fault kinds and switches
 
 
