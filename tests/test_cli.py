@@ -660,6 +660,25 @@ def test_status_wait_returns_once_the_cluster_is_ready_and_says_what_is_missing(
     )
 
 
+def test_members_remove_passes_over_the_endpoint_of_the_node_it_removes_when_down() -> None:
+    """Issue 31 (found while fixing status): the node being removed is often the dead
+    one, and with its endpoint first, `members remove` failed at once ("no quorumq node
+    answered: ...: connection refused") without trying the others."""
+    from quorumq.ops.local_cluster import Cluster
+
+    with Cluster(3) as cluster:
+        down = next(n for n in cluster.nodes if n != cluster.leader())
+        cluster.kill(down)
+        others = [cluster.endpoint(n) for n in cluster.nodes if n != down]
+        endpoints = ",".join([cluster.endpoint(down), *others])
+        removed = _quorumq("members", "remove", down, "--endpoints", endpoints)
+        assert removed.returncode == 0, removed.stderr
+        assert f"{down} removed" in removed.stdout
+        listed = _quorumq("members", "list", "--endpoints", ",".join(others))
+    assert listed.returncode == 0, listed.stderr
+    assert down not in [line.split(":")[0].strip() for line in listed.stdout.splitlines()]
+
+
 def test_a_raft_port_given_as_a_client_port_says_it_is_not_one_soon() -> None:
     """Issue 31: a node's Raft port waits in silence for its peer's secret (5 s, then it
     closes the connection), and the client waited as long to say only "timed out" (its

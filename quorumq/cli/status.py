@@ -149,7 +149,7 @@ def _why(endpoint: str, error: Exception) -> str:
 
 
 def run_members(args: argparse.Namespace) -> int:
-    from ..client import QuorumqError  # noqa: PLC0415
+    from ..client import ConnectionLostError, QuorumqError  # noqa: PLC0415
 
     if args.action == "list":
         if args.member:
@@ -171,18 +171,27 @@ def run_members(args: argparse.Namespace) -> int:
         if not args.member or "=" in args.member:
             raise UsageError("remove takes a member name, e.g. B")
         members = {}
+        unreached = []
         for endpoint in endpoints_of(args):  # a node does not remove itself: ask another
-            try:
-                with client_of(args, [endpoint]) as client:
-                    if client.node == args.member:
-                        continue
-                    print(f"removing {args.member} via {client.node}...", flush=True)
-                    members = client.remove_member(args.member)
-                    break
+            try:  # the node being removed is often down: its endpoint is passed over
+                client = client_of(args, [endpoint])
+            except ConnectionLostError as e:
+                unreached.append(f"{endpoint}: {_why(endpoint, e)}")
+                continue
             except QuorumqError as e:
                 raise UsageError(str(e)) from None
+            with client:
+                if client.node == args.member:
+                    continue
+                print(f"removing {args.member} via {client.node}...", flush=True)
+                try:
+                    members = client.remove_member(args.member)
+                except QuorumqError as e:
+                    raise UsageError(str(e)) from None
+                break
         else:
-            raise UsageError(f"no endpoint other than {args.member}'s answered")
+            why = f" ({'; '.join(unreached)})" if unreached else ""
+            raise UsageError(f"no endpoint other than {args.member}'s answered{why}")
         print(f"{args.member} removed: stop its process now (it no longer gets the log)")
     for name, address in sorted(members.items()):
         print(f"  {name}: raft {address}")
