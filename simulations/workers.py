@@ -8,7 +8,10 @@ failing seed, a Ctrl-C, a SIGTERM, an error), idle ones see their pipe close and
 A worker
 
 * ignores SIGINT: a terminal's Ctrl-C reaches the whole foreground process group, and
-  the sweep, not each worker, decides what an interrupt does (it stops them);
+  the sweep, not each worker, decides what an interrupt does (it stops them); it
+  starts with SIGINT and SIGTERM blocked until it has set its own dispositions, and
+  the sweep blocks them while it starts one, so that a Ctrl-C then neither raises in
+  the worker nor leaves a started worker unknown to the pool;
 * dies with its parent, however the parent ends (SIGKILL too): on Linux the kernel
   sends it SIGKILL then (`PR_SET_PDEATHSIG`), elsewhere a thread of its own watches
   `os.getppid()`; and it holds no other worker's pipe, so an idle one reads the end
@@ -49,6 +52,8 @@ PR_SET_PDEATHSIG = 1
 """prctl(2): the signal a process gets when its parent ends."""
 STOP_S = 5.0
 """How long leaving waits for the workers to end (they are killed, or idle)."""
+STOPPING = {signal.SIGINT, signal.SIGTERM}
+"""The signals that stop a sweep: blocked while a worker starts."""
 
 
 class WorkerError(RuntimeError):
@@ -94,18 +99,30 @@ class Workers(Generic[T, R]):
         self._died = died
         self._parent = os.getpid()
         self._workers: list[_Worker] = []
-        for _ in range(jobs):
-            self._start()
+        try:
+            for _ in range(jobs):
+                self._start()
+        except BaseException:  # a Ctrl-C meanwhile: no `with` ends those started
+            self.stop(kill=True)
+            raise
 
     def _start(self) -> _Worker:
+        """Start a worker with SIGINT and SIGTERM blocked: one that comes meanwhile
+        is handled once the worker is counted among `_workers` (in this process) and
+        once the worker has set its own dispositions (in the worker, which would
+        otherwise run this process's handlers)."""
         mine, theirs = self._context.Pipe()
         others = [w.pipe for w in self._workers] + [mine]
         process = self._context.Process(
             target=_serve, args=(theirs, self._fn, self._parent, others), daemon=True
         )
-        process.start()
-        theirs.close()
-        self._workers.append(_Worker(mine, process))
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
+        try:
+            process.start()
+            theirs.close()
+            self._workers.append(_Worker(mine, process))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
         return self._workers[-1]
 
     def __enter__(self) -> Workers[T, R]:
@@ -211,10 +228,14 @@ def _answer(pipe: Connection) -> tuple[bool, Any] | None:
 
 def _serve(pipe: Connection, fn: Callable[[Any], Any], parent: int, others: list[Any]) -> None:
     """A worker: run `fn` on each item its pipe brings, until the pipe ends."""
-    for other in others:  # the parent's ends: the parent alone holds them
-        other.close()
+    # started with STOPPING blocked: a Ctrl-C that came since is dropped (ignored), a
+    # SIGTERM ends the worker as any SIGTERM of it does; neither runs a handler of
+    # the parent's
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING)
+    for other in others:  # the parent's ends: the parent alone holds them
+        other.close()
     _die_with(parent)
     while True:
         try:

@@ -4,8 +4,11 @@ timeline (issue 31)."""
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
+import multiprocessing
+import multiprocessing.util
 import os
 import re
 import signal
@@ -281,6 +284,64 @@ def test_a_sweep_whose_worker_dies_reports_its_seed_as_failed_and_goes_on(
         assert json.loads(report.read_text())["passed"] == 3
     else:
         assert "first failing seed: 1 (after 1 passing)" in out
+
+
+class _Hook:
+    """A key for `multiprocessing.util.register_after_fork` (weak: the hook goes with
+    it)."""
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="forks")
+def test_a_ctrl_c_that_reaches_a_worker_as_it_starts_runs_no_handler_of_the_sweeps() -> None:
+    """A Ctrl-C (SIGINT to the whole group) that reached a worker after its fork and
+    before it ignored SIGINT ran the handler it inherited: a KeyboardInterrupt, a
+    `Process ForkProcess-1:` traceback, the worker gone. Each worker starts with the
+    signal blocked, until it has set its own dispositions. Here the SIGINT comes in the
+    worker's first steps (`multiprocessing`'s after-fork hooks), red before (checked:
+    the worker died, exit code 1)."""
+    hook = _Hook()
+    multiprocessing.util.register_after_fork(hook, lambda _: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        with Workers(2, _square) as workers:
+            assert list(workers.map(range(4))) == [0, 1, 4, 9]
+    finally:
+        del hook
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_ctrl_c_while_the_workers_start_leaves_none_of_them_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C in the sweep as it started its second worker (just after the fork)
+    left the first one, and the second one that it never counted, running: nothing
+    stopped them (no `with` yet). The signal is held until the worker is counted,
+    and a pool that does not start stops those it started. Red before (checked: both
+    alive after 5 s)."""
+    fork = os.fork
+    forked: dict[int, int] = {}
+
+    def interrupted_fork() -> int:
+        pid = fork()
+        if pid:  # the sweep: a Ctrl-C, at the second
+            forked[pid] = _start_time(pid) or 0
+            if len(forked) == 2:
+                signal.raise_signal(signal.SIGINT)
+        return pid
+
+    monkeypatch.setattr(os, "fork", interrupted_fork)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:  # (held: it holds the pool)
+            Workers(3, _square)
+        monkeypatch.undo()
+        assert len(forked) == 2
+        wait_for(lambda: not _alive(forked), "the started workers to end", timeout=5)
+        del caught
+    finally:
+        for pid in _alive(forked):
+            os.kill(pid, signal.SIGKILL)
+        for pid in forked:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
 
 def test_a_broken_pipe_other_than_standard_outputs_is_no_reader_leaving(
