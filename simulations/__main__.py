@@ -9,6 +9,7 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
 import threading
 import time
 import tomllib
@@ -433,8 +434,12 @@ def _replay(argv: list[str], args: argparse.Namespace) -> int:
     with the options given; every event, the summary, and whether the trace is the
     recorded run's."""
     recorded = None
+    bad = None
     if not _run_options_in(argv):
-        recorded = _recorded(args.seed)
+        try:
+            recorded = _recorded(args.seed)
+        except _BadRecordError as e:
+            bad = e
         if recorded is not None:
             args = _parse(["replay", *recorded["args"], *argv[1:]])
     config = _config(args, args.seed)
@@ -443,6 +448,11 @@ def _replay(argv: list[str], args: argparse.Namespace) -> int:
         print(f"replaying seed {args.seed} as `run` last ran it here: {options}")
     elif _run_options_in(argv):
         print(f"replaying seed {args.seed} with the options given: {options}")
+    elif bad is not None:
+        print(
+            f"the record of seed {args.seed} in {bad.path} is unreadable ({bad.why}): "
+            f"replaying it with the default options: {options}"
+        )
     else:
         print(
             f"no run of seed {args.seed} recorded in {_records()}: replaying it with the "
@@ -483,20 +493,49 @@ def _records() -> Path:
 
 def _record(config: RunConfig, trace: str) -> None:
     """Record how `config`'s seed ran (the last run of a seed replaces the one before;
-    a cache that cannot be written records nothing)."""
-    path = _records() / f"seed-{config.seed}.json"
+    a cache that cannot be written records nothing). The record is written whole to a
+    file of its own, then renamed over the seed's: runs of one seed at once (a sweep
+    and a run) leave the one or the other, never a mix or a half."""
+    folder = _records()
+    text = json.dumps({"args": config.replay_args(), "trace": trace}) + "\n"
     with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"args": config.replay_args(), "trace": trace}) + "\n")
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".seed-{config.seed}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(temporary, folder / f"seed-{config.seed}.json")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+
+
+class _BadRecordError(Exception):
+    """A record of a seed that is there and cannot be used: `why`."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path = path
+        self.why = why
 
 
 def _recorded(seed: int) -> dict[str, Any] | None:
+    """The record of `seed`'s last run, None if there is none; `_BadRecordError` if
+    there is one that cannot be read."""
+    path = _records() / f"seed-{seed}.json"
     try:
-        record = json.loads((_records() / f"seed-{seed}.json").read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _BadRecordError(path, str(e)) from None
+    try:
+        record = json.loads(text)
+    except ValueError as e:
+        raise _BadRecordError(path, f"not JSON: {e}") from None
     if not isinstance(record, dict) or not isinstance(record.get("args"), list):
-        return None
+        raise _BadRecordError(path, "no list of options in it")
     return record
 
 

@@ -611,6 +611,82 @@ def test_a_replay_that_is_not_the_recorded_run_says_so_and_fails(
     assert f"not the run recorded: its trace was {'0' * 64}" in out
 
 
+class _StoppedBeforeRunError(Exception):
+    """What `replay` would have run (it was not run)."""
+
+
+def _replay_plan(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[str, RunConfig]:
+    """What `replay` says before it runs, and the config it runs (not played)."""
+
+    def play(config: RunConfig, *_: object) -> None:
+        raise _StoppedBeforeRunError(config)
+
+    monkeypatch.setattr("simulations.__main__.run", play)
+    with pytest.raises(_StoppedBeforeRunError) as played:
+        main(["replay", *args])
+    return capsys.readouterr().out.strip(), played.value.args[0]
+
+
+def test_a_record_written_in_part_leaves_the_one_before_whole(
+    records: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run` wrote its record in place: a write cut short (here a file size limit of
+    40 bytes; a disk full; another run of the seed reading or writing it meanwhile)
+    left half a record, which replay then took for none. It writes a file of its own
+    and renames it over the record: the record before stays whole, and nothing of the
+    cut write is left (red before, checked: 40 bytes of the new record)."""
+    _simulate(capsys, "run", "--seed", "4", "--nodes", "5", "--steps", "100")
+    before = (records / "seed-4.json").read_text()
+    limited = (
+        "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (40, 40)); "
+        "sys.argv = ['simulations', 'run', '--seed', '4', '--steps', '100']; "
+        "runpy.run_module('simulations', run_name='__main__')"
+    )
+    cut = subprocess.run(
+        [sys.executable, "-c", limited],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert cut.returncode == 0 and "verdict: PASS" in cut.stdout, cut.stdout + cut.stderr
+    assert (records / "seed-4.json").read_text() == before
+    assert sorted(p.name for p in records.iterdir()) == ["seed-4.json"]
+
+
+@pytest.mark.parametrize(
+    ("record", "why"),
+    [
+        ('{"args": ["--seed", "4", "--no', "not JSON: "),
+        ("\udcff", "'utf-8' codec can't decode byte 0xff"),
+        ('["--seed", "4"]', "no list of options in it"),
+    ],
+)
+def test_an_unreadable_record_is_named_and_the_defaults_replayed(
+    record: str,
+    why: str,
+    records: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A torn or damaged record was taken for none ("no run of seed 4 recorded"): it
+    is named, with what is wrong, and replay says it runs the defaults (red before,
+    checked)."""
+    records.mkdir(parents=True)
+    (records / "seed-4.json").write_text(record, errors="surrogateescape")
+    said, config = _replay_plan(monkeypatch, capsys, "--seed", "4", "--out", os.devnull)
+    assert said.startswith(
+        f"the record of seed 4 in {records / 'seed-4.json'} is unreadable ({why}"
+    ), said
+    assert said.endswith(
+        "replaying it with the default options: --seed 4 --nodes 3 --faults default --steps 3000"
+    ), said
+    assert config == RunConfig(seed=4)
+
+
 def test_a_replay_command_gives_back_the_config_it_was_made_from() -> None:
     """The replay command a failing run prints (and `run` records) names every option
     of its run: read back, the same config (`--fault-interval 0.123456789` was printed
