@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import itertools
 import json
 import os
 import shlex
@@ -437,11 +439,11 @@ def _replay(argv: list[str], args: argparse.Namespace) -> int:
     bad = None
     if not _run_options_in(argv):
         try:
-            recorded = _recorded(args.seed)
+            recorded = _recorded(args.seed, argv)
         except _BadRecordError as e:
             bad = e
         if recorded is not None:
-            args = _parse(["replay", *recorded["args"], *argv[1:]])
+            args = recorded[0]
     config = _config(args, args.seed)
     options = shlex.join(config.replay_args())
     if recorded is not None:
@@ -450,7 +452,7 @@ def _replay(argv: list[str], args: argparse.Namespace) -> int:
         print(f"replaying seed {args.seed} with the options given: {options}")
     elif bad is not None:
         print(
-            f"the record of seed {args.seed} in {bad.path} is unreadable ({bad.why}): "
+            f"the record of seed {args.seed} in {bad.path} is {bad.what} ({bad.why}): "
             f"replaying it with the default options: {options}"
         )
     else:
@@ -465,9 +467,9 @@ def _replay(argv: list[str], args: argparse.Namespace) -> int:
     else:
         result = run(config, sys.stdout)
     print(result.summary())
-    if recorded is not None and recorded["trace"] != result.trace_hash:
+    if recorded is not None and recorded[1] != result.trace_hash:
         print(
-            f"not the run recorded: its trace was {recorded['trace']} (the simulator or "
+            f"not the run recorded: its trace was {recorded[1]} (the simulator or "
             "the code it runs changed since?)"
         )
         return 1
@@ -512,17 +514,22 @@ def _record(config: RunConfig, trace: str) -> None:
 
 
 class _BadRecordError(Exception):
-    """A record of a seed that is there and cannot be used: `why`."""
+    """A record of a seed that is there and cannot be used: `what` (unreadable,
+    unusable) and `why`."""
 
-    def __init__(self, path: Path, why: str) -> None:
-        super().__init__(f"{path}: {why}")
+    def __init__(self, path: Path, why: str, what: str = "unreadable") -> None:
+        super().__init__(f"{path}: {what} ({why})")
         self.path = path
         self.why = why
+        self.what = what
 
 
-def _recorded(seed: int) -> dict[str, Any] | None:
-    """The record of `seed`'s last run, None if there is none; `_BadRecordError` if
-    there is one that cannot be read."""
+def _recorded(seed: int, argv: list[str]) -> tuple[argparse.Namespace, str] | None:
+    """`replay`'s arguments as `run` last ran `seed` here (with `argv`, replay's own:
+    --seed and --out), and that run's trace; None if no run of it is recorded. A
+    record that is there and cannot be used raises `_BadRecordError`: one that cannot
+    be read, and one that `_record` did not write as it writes now (its options are
+    those `RunConfig.replay_args` gives, and they pass the options' checks)."""
     path = _records() / f"seed-{seed}.json"
     try:
         text = path.read_text()
@@ -536,7 +543,46 @@ def _recorded(seed: int) -> dict[str, Any] | None:
         raise _BadRecordError(path, f"not JSON: {e}") from None
     if not isinstance(record, dict) or not isinstance(record.get("args"), list):
         raise _BadRecordError(path, "no list of options in it")
-    return record
+    options, trace = record["args"], record.get("trace")
+
+    def unusable(why: str) -> _BadRecordError:
+        return _BadRecordError(path, why, what="unusable")
+
+    if not all(isinstance(o, str) for o in options):
+        raise unusable(f"options that are not strings: {options!r}")
+    if not isinstance(trace, str):
+        raise unusable("no trace in it" if trace is None else f"its trace is {trace!r}")
+    unknown = [o for o in options if o.startswith("-") and not _number(o)]
+    unknown = [o for o in unknown if o.split("=")[0] not in _recorded_options()]
+    if unknown:
+        raise unusable(f"options a run does not take now: {' '.join(unknown)}")
+    seeds = [v for o, v in itertools.pairwise(options) if o == "--seed"]
+    if seeds != [str(seed)]:
+        raise unusable(f"the seeds in it are {seeds}, not [{seed}]")
+    refused = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(refused):
+            args = _parse(["replay", *options, *argv[1:]])
+    except SystemExit:
+        why = refused.getvalue().strip().removeprefix("quorumq simulate replay: ")
+        raise unusable(f"refused: {why.split(' (see quorumq simulate')[0]}") from None
+    return args, trace
+
+
+def _recorded_options() -> set[str]:
+    """The options a record holds: those `RunConfig.replay_args` gives (a run's options
+    but --setup, and --seed)."""
+    _, subparsers = _parsers()
+    options = {o for a in subparsers["common"]._actions for o in a.option_strings}
+    return (options - {"--setup", "-h", "--help"}) | {"--seed"}
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _sweep(args: argparse.Namespace) -> int:

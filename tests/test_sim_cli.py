@@ -11,6 +11,7 @@ import multiprocessing
 import multiprocessing.util
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 
 from simulations.__main__ import config_of, main
@@ -685,6 +687,88 @@ def test_an_unreadable_record_is_named_and_the_defaults_replayed(
         "replaying it with the default options: --seed 4 --nodes 3 --faults default --steps 3000"
     ), said
     assert config == RunConfig(seed=4)
+
+
+_TRACE = "0" * 64
+
+
+@pytest.mark.parametrize(
+    ("record", "why"),
+    [
+        ({"args": ["--seed", "4", "--out", "x"], "trace": _TRACE}, "not take now: --out"),
+        ({"args": ["--seed", "4", "--setup", "x.toml"], "trace": _TRACE}, "now: --setup"),
+        ({"args": ["--seed", "4", "--help"], "trace": _TRACE}, "not take now: --help"),
+        ({"args": ["--seed", "4", "-h"], "trace": _TRACE}, "not take now: -h"),
+        ({"args": ["--seed", "4", "--node", "5"], "trace": _TRACE}, "not take now: --node"),
+        ({"args": ["--seed", "4", "--fault-rate", "2"], "trace": _TRACE}, "now: --fault-rate"),
+        ({"args": ["--seed", "4", "--nodes", "9"], "trace": _TRACE}, "--nodes must be 1 to 7"),
+        ({"args": ["--seed", "4", "--nodes", "five"], "trace": _TRACE}, "invalid int value"),
+        ({"args": ["--seed", "4", "x"], "trace": _TRACE}, "unrecognized arguments: x"),
+        ({"args": ["--seed", "5"], "trace": _TRACE}, "the seeds in it are ['5'], not [4]"),
+        ({"args": ["--seed", 4], "trace": _TRACE}, "options that are not strings"),
+        ({"args": ["--seed", "4"]}, "no trace in it"),
+        ({"args": ["--seed", "4"], "trace": 7}, "its trace is 7"),
+    ],
+)
+def test_a_record_that_run_would_not_write_is_named_and_the_defaults_replayed(
+    record: dict[str, object],
+    why: str,
+    records: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A stale or hostile record steered replay or crashed it: `--out` in it wrote the
+    events where it said, `--help` printed the help and exited 0, an option renamed
+    since or a value refused ended replay with an error that did not name the record,
+    no trace crashed it after the run. Only what `_record` writes is replayed: the
+    options `replay_args` gives, for this seed, that pass the options' checks, and a
+    trace; else the record is named with what is wrong, and the defaults replayed
+    (red before, checked)."""
+    records.mkdir(parents=True)
+    (records / "seed-4.json").write_text(json.dumps(record))
+    said, config = _replay_plan(monkeypatch, capsys, "--seed", "4", "--out", os.devnull)
+    assert said.startswith(f"the record of seed 4 in {records / 'seed-4.json'} is unusable ("), said
+    assert why in said and len(said.splitlines()) == 1, said
+    assert said.endswith(
+        "): replaying it with the default options: " + shlex.join(RunConfig(seed=4).replay_args())
+    ), said
+    assert config == RunConfig(seed=4)
+
+
+def test_a_record_as_run_writes_it_is_replayed(
+    records: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(Every option `replay_args` gives is taken from a record.)"""
+    config = config_of(["run", "--seed", "4", "--steps", "100"])
+    full = attrs.evolve(
+        config,
+        nodes=5,
+        faults="crash,",
+        fault_interval_s=0.5,
+        compaction_entries=30,
+        disk_space_faults=False,
+        membership_faults=False,
+        spares=2,
+        workload=attrs.evolve(
+            config.workload,
+            rate=20.0,
+            producers=2,
+            message_ttl_ms=4000,
+            max_length=100,
+            overflow="reject-publish",
+            delivery_limit=3,
+            dead_letter=True,
+            single_active_consumer=True,
+            consumer_timeout_ms=5000,
+            retry_backoff_ms=(100, 1000),
+        ),
+    )
+    records.mkdir(parents=True)
+    record = {"args": full.replay_args(), "trace": _TRACE}
+    (records / "seed-4.json").write_text(json.dumps(record))
+    said, replayed = _replay_plan(monkeypatch, capsys, "--seed", "4", "--out", os.devnull)
+    assert said.startswith("replaying seed 4 as `run` last ran it here: "), said
+    assert replayed == full
 
 
 def test_a_replay_command_gives_back_the_config_it_was_made_from() -> None:
