@@ -297,8 +297,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         description="Run one seed again and print every event of it. Given only --seed "
         "(and --out), it replays the seed as `run --seed N` last ran it here, with the "
         "same options (`run` records them under $XDG_CACHE_HOME/quorumq/simulate, "
-        "~/.cache by default; a sweep records its failing seeds), and says whether the "
-        "trace is the recorded one. Given options of a run too, it runs exactly those.",
+        "~/.cache if it is unset or relative; a sweep records its failing seeds; the "
+        f"{MAX_RECORDS:,} most recent are kept), and says whether the trace is the "
+        "recorded one. Given options of a run too, it runs exactly those.",
     )
     again.add_argument("--seed", type=int, required=True)
     again.add_argument("--out", type=_writable_path, help="write the events here (default: print)")
@@ -487,9 +488,19 @@ def _run_options_in(argv: list[str]) -> bool:
     return any(o.startswith(name) for name in names for o in options - {"--help"})
 
 
+MAX_RECORDS = 1000
+"""The records kept: writing one removes the oldest (by modification time) past it."""
+STALE_S = 3600.0
+"""A temporary record file this old is a write that was killed: it is removed."""
+
+
 def _records() -> Path:
-    """Where `run` records the options of each seed it ran, for `replay`."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """Where `run` records the options of each seed it ran, for `replay`: under
+    $XDG_CACHE_HOME, or ~/.cache if that is unset, empty or relative (the XDG base
+    directory spec: a relative path is invalid, and ignored)."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        cache = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "quorumq" / "simulate"
 
 
@@ -511,6 +522,25 @@ def _record(config: RunConfig, trace: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise
+        _prune(folder)
+
+
+def _prune(folder: Path) -> None:
+    """Keep the `MAX_RECORDS` most recent records (one file per seed ever run grew
+    without end), and no temporary file of a write killed long ago."""
+    records: list[tuple[float, str, Path]] = []
+    stale = time.time() - STALE_S
+    for path in folder.iterdir():
+        with contextlib.suppress(OSError):
+            modified = path.stat().st_mtime
+            if path.name.startswith("seed-") and path.name.endswith(".json"):
+                records.append((modified, path.name, path))
+            elif path.name.startswith(".seed-") and path.name.endswith(".tmp") and modified < stale:
+                path.unlink()
+    records.sort()
+    for _, _, path in records[: max(0, len(records) - MAX_RECORDS)]:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 class _BadRecordError(Exception):

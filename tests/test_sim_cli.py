@@ -771,6 +771,51 @@ def test_a_record_as_run_writes_it_is_replayed(
     assert replayed == full
 
 
+def test_the_records_kept_are_the_most_recent_ones(
+    records: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One record per seed ever run, kept forever: the cache grew without end. A run
+    keeps the `MAX_RECORDS` most recent (by modification time), and removes the
+    temporary file of a write killed over an hour ago (red before, checked: every
+    file left)."""
+    monkeypatch.setattr("simulations.__main__.MAX_RECORDS", 3)
+    records.mkdir(parents=True)
+    now = time.time()
+    for seed, age_s in [(1, 50), (2, 10), (3, 40), (4, 20), (5, 30)]:
+        path = records / f"seed-{seed}.json"
+        path.write_text(json.dumps({"args": ["--seed", str(seed)], "trace": _TRACE}))
+        os.utime(path, (now - age_s, now - age_s))
+    killed, writing = records / ".seed-6.abc.tmp", records / ".seed-7.def.tmp"
+    killed.write_text("{")
+    writing.write_text("{")
+    os.utime(killed, (now - 7200, now - 7200))
+    _simulate(capsys, "run", "--seed", "9", "--steps", "100")
+    assert sorted(p.name for p in records.iterdir()) == [
+        ".seed-7.def.tmp",
+        "seed-2.json",
+        "seed-4.json",
+        "seed-9.json",
+    ]
+
+
+@pytest.mark.parametrize("cache_home", ["relative/cache", ""])
+def test_a_relative_cache_home_is_ignored_for_the_home_directorys(
+    cache_home: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """XDG_CACHE_HOME=relative/cache recorded runs under the directory of the moment;
+    the XDG base directory spec says a relative path is invalid and to be ignored:
+    ~/.cache, as when it is unset (red before, checked: relative/cache/quorumq)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", cache_home)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    _simulate(capsys, "run", "--seed", "9", "--steps", "100")
+    assert (tmp_path / "home" / ".cache" / "quorumq" / "simulate" / "seed-9.json").exists()
+    assert not (tmp_path / "relative").exists()
+
+
 def test_a_replay_command_gives_back_the_config_it_was_made_from() -> None:
     """The replay command a failing run prints (and `run` records) names every option
     of its run: read back, the same config (`--fault-interval 0.123456789` was printed
