@@ -41,6 +41,7 @@ from .node import REAL
 from .pauses import Pauses, quantile
 from .render import run_html, scenario_html
 from .runner import Outcome, RunConfig, run, sweep
+from .spark_sweep import SparkSweepError, spark_sweep
 from .workload import WorkloadConfig
 
 
@@ -311,18 +312,36 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     )
     many.add_argument("--jobs", type=int, default=1, help="worker processes")
     many.add_argument(
+        "--spark",
+        type=_spark_master,
+        metavar="MASTER",
+        help="run the seeds as Spark tasks on this master (local[2], spark://host:7077, "
+        "yarn, ...) instead of --jobs processes: every executor's Python needs quorumq "
+        "(pip install 'quorumq[spark]'); the output is a local sweep's",
+    )
+    many.add_argument(
         "--keep-going", action="store_true", help="run every seed; list every failing one"
     )
     many.add_argument(
         "--json",
         type=_writable_path,
         metavar="FILE",
-        help="write failing seeds and recoveries here",
+        help="write failing seeds, recoveries and every seed's verdict and trace hash here",
     )
     scenario = sub.add_parser("scenario", help="replay the RabbitMQ post's event sequences")
     scenario.add_argument("name", choices=["rabbitmq-post"])
     scenario.add_argument("--render", type=_writable_path, help="write the HTML rendering here")
     return parser, {"run": one, "replay": again, "sweep": many, "common": common}
+
+
+def _spark_master(text: str) -> str:
+    """A master Spark can start: `local...`, `spark://`, `k8s://`, `yarn` (checked here,
+    before a JVM starts, which would only say so in a stack trace)."""
+    if text == "yarn" or text.startswith(("local", "spark://", "k8s://")):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is no Spark master: local[N], spark://HOST:PORT, k8s://..., or yarn"
+    )
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -629,13 +648,17 @@ def _sweep(args: argparse.Namespace) -> int:
     """Per fault kind: its longest charged recovery and the seed it was in."""
     records: dict[str, int] = {}
     reports: list[tuple[int, LivenessReport]] = []
+    every: list[Outcome] = []
     progress = _Progress(len(seeds))
     try:
-        with (
-            _interruptible(),
-            contextlib.closing(sweep((_config(args, s) for s in seeds), jobs=args.jobs)) as runs,
-        ):
+        configs = (_config(args, s) for s in seeds)
+        if args.spark is not None:
+            outcomes = spark_sweep(list(configs), args.spark)
+        else:
+            outcomes = sweep(configs, jobs=args.jobs)
+        with _interruptible(), contextlib.closing(outcomes) as runs:
             for outcome in runs:
+                every.append(outcome)
                 if not outcome.ok:
                     if outcome.worker_died is None:  # (a seed with no trace is not recorded)
                         _record(_config(args, outcome.seed), outcome.trace_hash)
@@ -643,7 +666,7 @@ def _sweep(args: argparse.Namespace) -> int:
                     print(outcome.summary)
                     if not args.keep_going:
                         print(f"first failing seed: {outcome.seed} (after {passed} passing)")
-                        _write_json(args.json, [outcome], passed, pauses, slowest, reports)
+                        _write_json(args.json, [outcome], passed, pauses, slowest, reports, every)
                         return 1
                     failed.append(outcome)
                 else:
@@ -662,6 +685,10 @@ def _sweep(args: argparse.Namespace) -> int:
                 if outcome.liveness is not None:
                     reports.append((outcome.seed, outcome.liveness))
                 progress.show(passed, len(failed), time.perf_counter() - started)
+    except SparkSweepError as e:
+        progress.done()
+        print(f"quorumq simulate: {e}", file=sys.stderr)
+        return 2
     except Interrupted as e:
         progress.done()
         done = passed + len(failed)
@@ -690,7 +717,7 @@ def _sweep(args: argparse.Namespace) -> int:
     print(", ".join(f"{name} {n}" for name, n in records.items()))
     print(liveness_line([r for _, r in reports]))
     print("\n".join(recovery_table(pauses, slowest)))
-    _write_json(args.json, failed, passed, pauses, slowest, reports)
+    _write_json(args.json, failed, passed, pauses, slowest, reports, every)
     return 1 if failed else 0
 
 
@@ -752,8 +779,11 @@ def _write_json(
     pauses: dict[str, list[Pauses]],
     slowest: dict[str, tuple[float, int]],
     reports: list[tuple[int, LivenessReport]],
+    every: list[Outcome],
 ) -> None:
-    """The sweep's outcome for programs: failing seeds and why, recoveries per kind."""
+    """The sweep's outcome for programs: failing seeds and why, recoveries per kind, and
+    every seed's verdict and trace hash (`runs`: a sweep run elsewhere, on Spark, or by
+    another version, compares seed by seed)."""
     if path is None:
         return
     recovery = {}
@@ -793,6 +823,7 @@ def _write_json(
             for o in failed
         ],
         "recovery": recovery,
+        "runs": [{"seed": o.seed, "ok": o.ok, "trace": o.trace_hash} for o in every],
     }
     path.write_text(json.dumps(data, indent=1) + "\n")
 
