@@ -133,6 +133,25 @@ def test_the_stored_commit_index_never_runs_ahead_of_synced_entries(tmp_path: Pa
     assert not j._dirty
 
 
+def test_an_unchanged_commit_index_is_not_stored_again(tmp_path: Path) -> None:
+    """Every heartbeat sets the commit index; an idle node rewrote its meta file (a
+    temporary file, two fsyncs and a rename) every second for the same value (issue 32:
+    idle CPU). The journal's files show whether it was written."""
+    path = str(tmp_path / "raft.log")
+    j = DurableJournal(path)
+    _fill(j, 1, 5)
+    j.setRaftCommitIndex(5)
+    j.onOneSecondTimer()
+    stored = Path(path + ".meta").stat().st_mtime_ns
+    for _ in range(3):
+        j.setRaftCommitIndex(5)
+        assert not j._meta_dirty
+        j.onOneSecondTimer()
+    assert Path(path + ".meta").stat().st_mtime_ns == stored
+    j.setRaftCommitIndex(6)
+    assert j._meta_dirty  # a new value is stored at the next timer, as before
+
+
 def test_deleting_committed_entries_is_refused(tmp_path: Path) -> None:
     j = DurableJournal(str(tmp_path / "raft.log"))
     _fill(j, 1, 5)

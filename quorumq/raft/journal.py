@@ -557,6 +557,8 @@ class DurableJournal:
             self._close(self._fd)
 
     def setRaftCommitIndex(self, index: int) -> None:
+        if self._meta.get("commit_index") == index:
+            return  # every heartbeat sets it: an idle node rewrote and synced its meta each second
         self._meta["commit_index"] = index
         self._meta_dirty = True
 
