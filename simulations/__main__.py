@@ -316,8 +316,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         type=_spark_master,
         metavar="MASTER",
         help="run the seeds as Spark tasks on this master (local[2], spark://host:7077, "
-        "yarn, ...) instead of --jobs processes: every executor's Python needs quorumq "
-        "(pip install 'quorumq[spark]'); the output is a local sweep's",
+        "yarn, ...) instead of --jobs processes: every executor's Python needs the same "
+        "quorumq (pip install 'quorumq[spark]'); the report is a local sweep's",
     )
     many.add_argument(
         "--keep-going", action="store_true", help="run every seed; list every failing one"
@@ -648,7 +648,8 @@ def _sweep(args: argparse.Namespace) -> int:
     """Per fault kind: its longest charged recovery and the seed it was in."""
     records: dict[str, int] = {}
     reports: list[tuple[int, LivenessReport]] = []
-    every: list[Outcome] = []
+    every: list[tuple[int, bool, str]] = []
+    """(seed, verdict, trace hash) of every seed: all a sweep keeps of a passing one."""
     progress = _Progress(len(seeds))
     try:
         configs = (_config(args, s) for s in seeds)
@@ -658,7 +659,7 @@ def _sweep(args: argparse.Namespace) -> int:
             outcomes = sweep(configs, jobs=args.jobs)
         with _interruptible(), contextlib.closing(outcomes) as runs:
             for outcome in runs:
-                every.append(outcome)
+                every.append((outcome.seed, outcome.ok, outcome.trace_hash))
                 if not outcome.ok:
                     if outcome.worker_died is None:  # (a seed with no trace is not recorded)
                         _record(_config(args, outcome.seed), outcome.trace_hash)
@@ -779,7 +780,7 @@ def _write_json(
     pauses: dict[str, list[Pauses]],
     slowest: dict[str, tuple[float, int]],
     reports: list[tuple[int, LivenessReport]],
-    every: list[Outcome],
+    every: list[tuple[int, bool, str]],
 ) -> None:
     """The sweep's outcome for programs: failing seeds and why, recoveries per kind, and
     every seed's verdict and trace hash (`runs`: a sweep run elsewhere, on Spark, or by
@@ -823,7 +824,7 @@ def _write_json(
             for o in failed
         ],
         "recovery": recovery,
-        "runs": [{"seed": o.seed, "ok": o.ok, "trace": o.trace_hash} for o in every],
+        "runs": [{"seed": seed, "ok": ok, "trace": trace} for seed, ok, trace in every],
     }
     path.write_text(json.dumps(data, indent=1) + "\n")
 

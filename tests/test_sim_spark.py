@@ -4,6 +4,7 @@ sweep gives, seed by seed (issue 32)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +14,16 @@ import pytest
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 
-def _simulate(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _simulate(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """`quorumq simulate ...` as a user runs it, in `cwd` (not the checkout)."""
     return subprocess.run(
-        [sys.executable, "-m", "simulations", *args],
+        [sys.executable, "-m", "quorumq", "simulate", *args],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=cwd,
+        env={**os.environ, **env},
     )
 
 
@@ -59,3 +62,27 @@ def test_a_master_spark_cannot_use_is_one_line_before_any_jvm(tmp_path: Path) ->
         "quorumq simulate sweep: argument --spark: 'nowhere://x' is no Spark master: "
         "local[N], spark://HOST:PORT, k8s://..., or yarn (see quorumq simulate sweep --help)"
     )
+
+
+def test_a_seed_that_raises_on_an_executor_fails_alone(tmp_path: Path) -> None:
+    """A seed whose run raises (a simulator bug, no memory) is a failing seed, named
+    with its replay command; the other seeds of its task and of the sweep run on."""
+    raised = _simulate(
+        "sweep",
+        "--seeds",
+        "0:6",
+        "--steps",
+        "300",
+        "--keep-going",
+        "--spark",
+        "local[2]",
+        "--json",
+        str(tmp_path / "runs.json"),
+        cwd=tmp_path,
+        QUORUMQ_SIM_TEST_RAISE_ON_SEED="3",
+    )
+    assert raised.returncode == 1, raised.stdout + raised.stderr
+    assert "seed 3 raised RuntimeError: QUORUMQ_SIM_TEST_RAISE_ON_SEED names" in raised.stdout
+    assert "1 of 6 seeds fail" in raised.stdout
+    runs = json.loads((tmp_path / "runs.json").read_text())["runs"]
+    assert [(r["seed"], r["ok"]) for r in runs] == [(s, s != 3) for s in range(6)]
