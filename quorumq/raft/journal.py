@@ -259,7 +259,9 @@ class DurableJournal:
         """The entries were replaced (a snapshot install): the file is rewritten whole,
         atomically, at the next sync, never truncated in place first."""
         self._meta, meta_found = self._load_meta()
-        self._meta_dirty = False
+        self._meta_dirty = self._meta_unchecked
+        """A first-format meta file (no checksum) is stored again in the current format at
+        the next one-second timer, not only once its commit index changes."""
         self._salt = b""
         self._fd = self._open(meta_found)
         self.last_index_at_open = self._last_index()
@@ -379,6 +381,7 @@ class DurableJournal:
 
     def _load_meta(self) -> tuple[dict[str, Any], bool]:
         """The meta file's contents, and whether there is one."""
+        self._meta_unchecked = False
         data = self.files.read(self.path + ".meta")
         if data is None:
             return {}, False
@@ -388,6 +391,7 @@ class DurableJournal:
                 raise damaged(self.path, "the meta file (term, vote) fails its checksum")
         else:
             payload = data  # the first format: no checksum
+            self._meta_unchecked = True
         try:
             meta = encoding.decode(payload)
         except ValueError as e:
