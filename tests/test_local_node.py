@@ -346,6 +346,31 @@ def test_a_node_in_a_trio_program_serves_in_the_programs_own_loop(tmp_path: Path
     assert {fd: path for fd, path in _open_files().items() if fd not in files} == {}
 
 
+def test_an_error_inside_a_trio_nodes_block_comes_out_as_itself(tmp_path: Path) -> None:
+    """As from `quorumq.aio.connect` (issue 31): the node's nursery wrapped an exception
+    raised in `async with quorumq.aio.Node(...)`, the caller's own or a request's
+    `ServerError`, in an `ExceptionGroup`, so `except ServerError` missed it."""
+    from quorumq.client import ServerError
+
+    async def refused() -> None:
+        async with (
+            quorumq.aio.Node(**_settings(tmp_path / "a")) as node,
+            node.client() as client,
+        ):
+            await client.declare("q", max_length=3)
+            await client.declare("q", max_length=4)
+
+    async def mine() -> None:
+        async with quorumq.aio.Node(**_settings(tmp_path / "b")):
+            raise ValueError("the caller's own")
+
+    with pytest.raises(ServerError) as mismatch:
+        trio.run(refused)
+    assert mismatch.value.code == "options_mismatch"
+    with pytest.raises(ValueError, match="the caller's own"):
+        trio.run(mine)
+
+
 def test_a_program_that_reaps_every_child_process_does_not_stop_its_node(tmp_path: Path) -> None:
     """The node writes snapshots in a forked child of the program's process; a program
     that reaps any child (`os.wait()`, a SIGCHLD handler) takes it first. The node

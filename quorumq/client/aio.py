@@ -669,13 +669,13 @@ async def connect(
                 await client.aclose()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        only = _the_only_one(group)
+        only = only_exception(group)
         if only is None:
             raise
         raise only from None
 
 
-def _the_only_one(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+def only_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
     """The one exception in `group` (nested groups flattened), or None if there are
     several."""
     leaves: list[BaseException] = []

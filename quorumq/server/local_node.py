@@ -36,7 +36,7 @@ from typing import Any, Required, TypedDict, Unpack
 
 import trio
 
-from ..client.aio import AsyncClient
+from ..client.aio import AsyncClient, only_exception
 from ..client.aio import connect as aio_connect
 from ..client.blocking import Client
 from ..client.core import ConnectionLostError
@@ -213,8 +213,16 @@ class AsyncNode:
         return self
 
     async def __aexit__(self, *exc: Any) -> bool | None:
-        """Stop (see the module's docstring)."""
-        return await self._stack.__aexit__(*exc)
+        """Stop (see the module's docstring). An exception raised in the block comes out
+        as itself, as from `quorumq.aio.connect` (the node's nursery wrapped it in an
+        `ExceptionGroup`); only several at once stay a group."""
+        try:
+            return await self._stack.__aexit__(*exc)
+        except BaseExceptionGroup as group:
+            only = only_exception(group)
+            if only is None:
+                raise
+            raise only from None
 
     @contextlib.asynccontextmanager
     async def client(self, **options: Any) -> AsyncIterator[AsyncClient]:
