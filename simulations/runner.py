@@ -328,27 +328,15 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
             duration_s=fault_phase_s,
             mean_interval_s=config.fault_interval_s,
         )
-        if chosen.clock:
-            faults += clock_schedule(
-                world.stream("clock-faults"),
-                cluster.names,
-                duration_s=fault_phase_s,
-                kinds=chosen.clock,
-            )
-        if chosen.disk:
-            faults += disk_schedule(
-                world.stream("disk-faults"),
-                cluster.names,
-                duration_s=fault_phase_s,
-                kinds=chosen.disk,
-            )
-        if chosen.space:
-            faults += disk_space_schedule(
-                world.stream("disk-space-faults"),
-                cluster.names,
-                duration_s=fault_phase_s,
-                kinds=chosen.space,
-            )
+        for kinds, stream, drawn_by in (  # each from a stream of its own, in this order
+            (chosen.clock, "clock-faults", clock_schedule),
+            (chosen.disk, "disk-faults", disk_schedule),
+            (chosen.space, "disk-space-faults", disk_space_schedule),
+        ):
+            if kinds:
+                faults += drawn_by(
+                    world.stream(stream), cluster.names, duration_s=fault_phase_s, kinds=kinds
+                )
         if chosen.membership:
             faults += membership_schedule(
                 world.stream("membership-faults"),
@@ -589,8 +577,9 @@ def outcome(config: RunConfig) -> Outcome:
     )
 
 
-def died(config: RunConfig, how: str) -> Outcome:
-    """The outcome of a seed whose worker died while running it (`how`)."""
+def no_result(config: RunConfig, why: str, **fields: Any) -> Outcome:
+    """A failing seed with no result (its worker died, its run raised): `why`, then the
+    command that replays it."""
     return Outcome(
         seed=config.seed,
         ok=False,
@@ -598,9 +587,15 @@ def died(config: RunConfig, how: str) -> Outcome:
         wall_s=0.0,
         faults=0,
         trace_hash="",
-        summary=f"worker died while running seed {config.seed} ({how}): no result\n"
-        f"replay: {config.replay_command()}",
-        worker_died=how,
+        summary=f"{why}\nreplay: {config.replay_command()}",
+        **fields,
+    )
+
+
+def died(config: RunConfig, how: str) -> Outcome:
+    """The outcome of a seed whose worker died while running it (`how`)."""
+    return no_result(
+        config, f"worker died while running seed {config.seed} ({how}): no result", worker_died=how
     )
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 
-from .runner import Outcome, RunConfig, outcome
+from .runner import Outcome, RunConfig, no_result, outcome
 
 SEEDS_PER_TASK = 25
 """At most this many seeds a task: small enough that a lost task costs little and a
@@ -69,17 +69,8 @@ def run_seeds(configs: Iterable[RunConfig]) -> Iterator[Outcome]:
 def _raised(config: RunConfig, error: Exception) -> Outcome:
     where = traceback.extract_tb(error.__traceback__)[-1:]
     at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
-    return Outcome(
-        seed=config.seed,
-        ok=False,
-        sim_s=0.0,
-        wall_s=0.0,
-        faults=0,
-        trace_hash="",
-        summary=f"seed {config.seed} raised {type(error).__name__}: {error}{at}\n"
-        f"replay: {config.replay_command()}",
-        violation_kinds={"raised": 1},
-    )
+    why = f"seed {config.seed} raised {type(error).__name__}: {error}{at}"
+    return no_result(config, why, violation_kinds={"raised": 1})
 
 
 def spark_sweep(
