@@ -131,7 +131,11 @@ def _in_order(context: Any, group: str, chunks: list[list[RunConfig]]) -> Iterat
     stopping = threading.Event()
 
     def submit_until_done() -> None:
-        context.setJobGroup(group, "quorumq simulate sweep", interruptOnCancel=True)
+        try:
+            context.setJobGroup(group, "quorumq simulate sweep", interruptOnCancel=True)
+        except BaseException as e:  # no job will come from this thread: say so, not hang
+            done.put((-1, e))
+            return
         while not stopping.is_set():
             with lock:
                 index = next(claimed, None)
@@ -155,10 +159,12 @@ def _in_order(context: Any, group: str, chunks: list[list[RunConfig]]) -> Iterat
             while index not in waiting:
                 got, outcomes = done.get()
                 if isinstance(outcomes, BaseException):
-                    raise SparkSweepError(
-                        f"the Spark job of seeds {chunks[got][0].seed}-{chunks[got][-1].seed} "
-                        f"failed: {_first_line(outcomes)}"
+                    which = (
+                        f"of seeds {chunks[got][0].seed}-{chunks[got][-1].seed} "
+                        if got >= 0
+                        else ""
                     )
+                    raise SparkSweepError(f"the Spark job {which}failed: {_first_line(outcomes)}")
                 waiting[got] = outcomes
             outcomes = waiting.pop(index)
             if [o.seed for o in outcomes] != [c.seed for c in chunks[index]]:

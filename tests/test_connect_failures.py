@@ -210,8 +210,11 @@ def slow_node() -> Iterator[SlowWelcome]:
 def test_a_client_waiting_for_nodes_takes_a_late_welcome(slow_node: SlowWelcome) -> None:
     """A loaded node slow to welcome is still a node: the default client waits for it up
     to its connect timeout, not `WELCOME_S` (which cut every attempt, for good)."""
+    started = time.monotonic()
     with Client(slow_node.endpoint, connect_timeout=10) as client:
         assert client.node == "A"
+        # on the first attempt, once the welcome arrives: not after retries, nor at 10 s
+        assert time.monotonic() - started < slow_node.delay + 3.0
 
 
 def test_a_trio_client_waiting_for_nodes_takes_a_late_welcome(slow_node: SlowWelcome) -> None:
@@ -219,7 +222,9 @@ def test_a_trio_client_waiting_for_nodes_takes_a_late_welcome(slow_node: SlowWel
         async with quorumq.aio.connect(slow_node.endpoint, connect_timeout=10) as client:
             return client.node
 
+    started = time.monotonic()
     assert trio.run(main) == "A"
+    assert time.monotonic() - started < slow_node.delay + 3.0
 
 
 def test_a_client_not_waiting_for_nodes_gives_up_on_a_late_welcome(

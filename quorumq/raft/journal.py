@@ -258,8 +258,8 @@ class DurableJournal:
         self._reset = False
         """The entries were replaced (a snapshot install): the file is rewritten whole,
         atomically, at the next sync, never truncated in place first."""
-        self._meta, meta_found = self._load_meta()
-        self._meta_dirty = self._meta_unchecked
+        self._meta, meta_found, unchecked = self._load_meta()
+        self._meta_dirty = unchecked
         """A first-format meta file (no checksum) is stored again in the current format at
         the next one-second timer, not only once its commit index changes."""
         self._salt = b""
@@ -379,26 +379,26 @@ class DurableJournal:
         self._meta["commit_index"] = last
         self._store_meta()
 
-    def _load_meta(self) -> tuple[dict[str, Any], bool]:
-        """The meta file's contents, and whether there is one."""
-        self._meta_unchecked = False
+    def _load_meta(self) -> tuple[dict[str, Any], bool, bool]:
+        """The meta file's contents, whether there is one, and whether it is of the
+        first format (no checksum)."""
         data = self.files.read(self.path + ".meta")
         if data is None:
-            return {}, False
-        if data[:4] == _META_MAGIC:
+            return {}, False, False
+        unchecked = data[:4] != _META_MAGIC
+        if not unchecked:
             crc, payload = int.from_bytes(data[4:8], "little"), data[8:]
             if zlib.crc32(payload) != crc:
                 raise damaged(self.path, "the meta file (term, vote) fails its checksum")
         else:
             payload = data  # the first format: no checksum
-            self._meta_unchecked = True
         try:
             meta = encoding.decode(payload)
         except ValueError as e:
             raise damaged(self.path, f"the meta file cannot be read ({e})") from None
         if not isinstance(meta, dict):
             raise damaged(self.path, "the meta file is not a journal meta file")
-        return meta, True
+        return meta, True, unchecked
 
     def _store_meta(self) -> None:
         if hasattr(self, "_fd"):
