@@ -7,6 +7,7 @@ import contextlib
 import io
 import itertools
 import json
+import math
 import os
 import shlex
 import signal
@@ -66,6 +67,7 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
             consumers=args.consumers,
             keys=args.keys,
             prefetch=args.prefetch,
+            bursts=args.bursts,
         ),
         variant=REAL,
         compaction_entries=args.compaction,
@@ -83,6 +85,17 @@ def _selection(args: argparse.Namespace) -> Selection:
         space=not args.no_disk_space_faults,
         membership=not args.no_membership_faults,
     )
+
+
+def _bursts(text: str) -> tuple[float, float]:
+    """`--bursts BUSY,IDLE`: two positive numbers of seconds."""
+    try:
+        busy, idle = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BUSY,IDLE (seconds)") from None
+    if not (0 < busy < math.inf and 0 < idle < math.inf):
+        raise argparse.ArgumentTypeError(f"{text!r}: both must be positive seconds")
+    return busy, idle
 
 
 def _setup_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -211,6 +224,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     common.add_argument("--consumers", type=int, default=workload.consumers)
     common.add_argument("--keys", type=int, default=workload.keys, help="distinct ordering keys")
     common.add_argument("--prefetch", type=int, default=workload.prefetch)
+    common.add_argument(
+        "--bursts",
+        type=_bursts,
+        metavar="BUSY,IDLE",
+        help="producers publish BUSY seconds, then nothing for IDLE seconds, in turn "
+        "(faults then also strike a quiet cluster; default: they publish throughout)",
+    )
     common.add_argument(
         "--setup", metavar="FILE.toml", help="settings from a TOML file (options given win)"
     )

@@ -17,6 +17,7 @@ from quorumq.raft.rules import (
     LeaderClock,
     RaftRules,
     decode_snapshot,
+    leader_fallback_s,
 )
 
 from .network import Network, SimTransport
@@ -104,7 +105,7 @@ class SimMember(RaftRules):
             raftMinTimeout=raft_timeouts[0],
             raftMaxTimeout=raft_timeouts[1],
             appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
-            leaderFallbackTimeout=2 * raft_timeouts[1],  # check-quorum: see RaftRules
+            leaderFallbackTimeout=leader_fallback_s(raft_timeouts),  # check-quorum: RaftRules
             appendEntriesBatchSizeBytes=4 * 1024 * 1024,
             commandsWaitLeader=True,
             dynamicMembershipChange=True,

@@ -58,7 +58,7 @@ from quorumq.replica import ProposalError, Replica, ReplicaConfig, local_effects
 
 from .member import ObservedLeaderClock, SimMember
 from .storage import SimDisk
-from .world import World, first_micros_at, micros
+from .world import World, first_micros_at, micros, seconds
 
 T = TypeVar("T")
 
@@ -406,16 +406,21 @@ class SimNode:
         if leader != self.was_leader:
             self.was_leader = leader
             self.sim.on_leadership(self, leader)
-        self.wake(0 if self._woken_in_tick else self._next_tick_us())
+        wait_us = self._next_tick_us()  # planned as the real poll plans it, woken or not
+        self.wake(0 if self._woken_in_tick else wait_us)
 
     def _next_tick_us(self) -> int:
-        """As RaftMember's tick loop: a tick period from now, or sooner, just past the
-        election deadline of a follower or candidate."""
-        if self.member.until_election_s() is None:
-            return self.tick_us
-        deadline = self.member._SyncObj__raftElectionDeadline
-        at = first_micros_at(deadline) + 1000  # the real loop's 1 ms past it
-        return max(1, min(self.tick_us, at - self.world.now_us))
+        """As RaftMember's tick loop: a tick period from now (longer when the group is
+        quiet, `tick_wait_s`), or sooner, just past the election deadline of a follower
+        or candidate."""
+        member = self.member
+        wait_us = max(1, micros(member.tick_wait_s(seconds(self.tick_us), election=False)))
+        if member.until_election_s() is not None:
+            deadline = member._SyncObj__raftElectionDeadline
+            at = first_micros_at(deadline) + 1000  # the real loop's 1 ms past it
+            wait_us = max(1, min(wait_us, at - self.world.now_us))
+        member.planned_wait_s = seconds(wait_us)  # as the real loop plans: the election too
+        return wait_us
 
     def resumed(self) -> None:
         """A paused node runs again: it finishes a tick stopped at its seam, ticks, and

@@ -99,6 +99,8 @@ class RunConfig:
         for name in ("producers", "consumers", "keys", "prefetch"):
             if getattr(self.workload, name) != getattr(defaults, name):
                 args += [f"--{name}", str(getattr(self.workload, name))]
+        if self.workload.bursts is not None:
+            args += ["--bursts", ",".join(f"{s!r}" for s in self.workload.bursts)]
         args += shlex.split(self.workload.queue_option_flags())
         if not self.disk_faults:
             args.append("--no-disk-faults")

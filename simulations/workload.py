@@ -78,6 +78,10 @@ class WorkloadConfig:
     consumer_timeout_ms: int | None = None
     """A consumer holding a record longer than this (queue time) is removed and what it
     held returns (the workload's slow consumers ack after up to 1.5 s)."""
+    bursts: tuple[float, float] | None = None
+    """(busy, idle) seconds: producers publish for `busy`, then nothing for `idle`, in
+    turn from the start, so that faults also strike a quiet cluster (`quiescence`);
+    None: they publish throughout."""
     retry_backoff_ms: tuple[int, int] | None = None
     """The queue's retry backoff (min, max): a returned record waits, doubling per
     failure. Consumers then nack with a delay of their own (up to max) half the time,
@@ -181,8 +185,20 @@ class SimProducer:
     def _emit(self) -> None:
         if not self.producing:
             return
+        idle_until = self._idle_until_us()
+        if idle_until is not None:
+            self.world.at(idle_until, self._emit)
+            return
         self._schedule_emit()
         self._publish_batch()
+
+    def _idle_until_us(self) -> int | None:
+        """The end of the idle part of the burst under way (None: a busy part)."""
+        if self.config.bursts is None:
+            return None
+        busy_us, idle_us = (micros(s) for s in self.config.bursts)
+        phase = self.world.now_us % (busy_us + idle_us)
+        return None if phase < busy_us else self.world.now_us + busy_us + idle_us - phase
 
     def last_batch(self) -> None:
         """Stop producing after one more batch, sent now (at the heal: a publish is then

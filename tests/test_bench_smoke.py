@@ -127,3 +127,18 @@ def test_the_reads_benchmark_measures_publishes_under_each_load_of_waiting_reads
     assert result.returncode == 0, out
     for load in ("none", "idle queue", "same queue"):
         assert f"| this tree | {load} | " in out, out
+
+
+def test_the_idle_benchmark_measures_cpu_and_both_failovers() -> None:
+    """`benchmarks/bench_idle.py`, small: three node processes, short idle samples, one
+    failover of each kind (the nodes it stops and kills, it starts again and stops)."""
+    command = [sys.executable, "-m", "benchmarks.bench_idle", "--seconds", "1"]
+    command += ["--kills", "1", "--messages", "10"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    for line in ("idle, fresh:", "idle, after traffic:", "idle leader SIGKILL:", "SIGSTOP:"):
+        assert line in out, out

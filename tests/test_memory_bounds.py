@@ -25,10 +25,16 @@ from quorumq.machine import (
     Machine,
     Message,
     Meta,
+    QueueOptions,
     Subscribe,
     Tick,
 )
-from quorumq.machine.machine import EVICT_SILENT_MS, MAX_PRODUCERS, PRODUCER_EXPIRY_MS
+from quorumq.machine.machine import (
+    EVICT_SILENT_MS,
+    IDLE_TICK_MS,
+    MAX_PRODUCERS,
+    PRODUCER_EXPIRY_MS,
+)
 from quorumq.node import ConnectionCore
 from quorumq.server import NodeServer
 from quorumq.wire.protocol import PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
@@ -124,10 +130,15 @@ def test_no_producer_id_can_move_the_forgotten_generation_past_the_queues_time()
 
 def test_time_moves_while_producers_are_remembered_so_they_can_expire() -> None:
     m = Machine()
+    assert m.tick_due_ms() is None  # no queue: nothing needs time
     m.apply(Meta(1, 0), Declare(queue="q"))
-    assert not m.needs_tick()
     m.apply(Meta(2, 0), Enqueue(queue="q", body=b"x", producer="p", seq=0))
     assert m.needs_tick()  # no TTL queue: before, Tick was never proposed here
+    # ... but not one a second for the week it is remembered: 5 s after the last command
+    # (the log's time keeps up with the leader's clock; it expires within 5 s of its time)
+    assert m.tick_due_ms() == IDLE_TICK_MS
+    m.apply(Meta(3, 10), Declare(queue="ttl", options=QueueOptions(message_ttl_ms=60_000)))
+    assert m.tick_due_ms() == 10  # a TTL queue: time must move now (a Tick a second)
 
 
 def test_a_prefetch_over_65535_is_refused() -> None:

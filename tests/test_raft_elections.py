@@ -20,6 +20,7 @@ from quorumq.raft.rules import (
     PRE_VOTE,
     PRE_VOTE_ANSWER,
     PROPOSALS_HELD_S,
+    QUIESCES,
     SPEAKS_PRE_VOTE,
     STALE_TERM,
     TRANSFER,
@@ -307,9 +308,10 @@ def test_peers_learn_who_speaks_pre_vote_from_a_hello_on_each_connection(
 ) -> None:
     member, peers, sent = cluster
     member._SyncObj__onNodeConnected(peers[0])
-    assert _of(sent, HELLO) == [(peers[0], {"type": HELLO, SPEAKS_PRE_VOTE: True})]
+    assert _of(sent, HELLO) == [(peers[0], {"type": HELLO, SPEAKS_PRE_VOTE: True, QUIESCES: True})]
     member._SyncObj__onMessageReceived(peers[1], {"type": HELLO, SPEAKS_PRE_VOTE: True})
     assert peers[1] in member._speakers
+    assert peers[1] not in member._quiet_speakers  # an earlier version's hello
 
 
 def test_with_peers_of_an_earlier_version_a_whole_round_without_answers_elects(

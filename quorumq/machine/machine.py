@@ -71,6 +71,9 @@ from .state import (
     _error,
 )
 
+IDLE_TICK_MS = 5_000
+"""With queues but nothing that needs time every second, a `Tick` is due this long after
+the last command (`tick_due_ms`): how far the log's time may lag the leader's clock."""
 MAX_DELETED_NAMES = 10_000
 """Most names of deleted queues the machine remembers where their offsets ended (a queue
 declared again under one carries on from there). Past it the oldest is folded into one
@@ -363,14 +366,25 @@ class Machine(Enqueueing, Queries, Snapshots):
             self._deleted_floor = (max(floor[0], offset), max(floor[1], generation))
 
     def needs_tick(self) -> bool:
-        """Whether time must move on even with no other command: a queue has a message
-        TTL, remembers producers that may expire, has deliveries out (consumer
-        timeout), or messages waiting for a retry delay. The leader proposes `Tick`
-        then."""
-        return any(
-            q.options.message_ttl_ms is not None or q.producers or q.held or q.waiting
-            for q in self._queues.values()
-        )
+        """Whether time must move on even with no other command (`tick_due_ms`)."""
+        return self.tick_due_ms() is not None
+
+    def tick_due_ms(self) -> int | None:
+        """The log time by which a `Tick` is due with no other command (None: none is).
+        The machine's time now while a queue has a message TTL, deliveries out
+        (consumer timeout) or messages waiting for a retry delay: the leader proposes a
+        `Tick` every second. Otherwise, with any queue, `IDLE_TICK_MS` after the last
+        command: the log's time keeps up with the leader's clock (a new leader that saw
+        no entry arrive since its restart takes its time from the log's, and stamps
+        messages that far behind), and producers expire in time, without a `Tick` a
+        second for the week they are remembered (an idle cluster wrote, replicated and
+        synced one a second)."""
+        if not self._queues:
+            return None
+        for q in self._queues.values():
+            if q.options.message_ttl_ms is not None or q.held or q.waiting:
+                return self._now
+        return self._now + IDLE_TICK_MS
 
     def next_retry_ms(self) -> int | None:
         """The log time when the next message waiting for a retry delay is due, of the
@@ -435,6 +449,7 @@ _HANDLERS: dict[type, Callable[[Machine, Any, list[Any]], Reply]] = {
 
 __all__ = [
     "EVICT_SILENT_MS",
+    "IDLE_TICK_MS",
     "MAX_PRODUCERS",
     "MAX_SEALED",
     "MAX_SEALED_PREFIX",

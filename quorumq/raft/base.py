@@ -329,8 +329,39 @@ MAX_REACHED = 16
 TRANSFER = "quorumq_transfer"
 """Marks a vote request of a leadership transfer: granted whatever the stickiness."""
 STALL_S = 0.2
-"""Two consecutive looks of a node's Raft thread further apart than this: it stalled (a
-pause, a GC, a starved CPU), and it judges no peer's silence across the stall."""
+"""A node's Raft thread looked at the clock this much later than it planned to (beyond
+a busy tick's wait): it stalled (a pause, a GC, a starved CPU), and it judges no peer's
+silence across the stall."""
+TICK_S = 0.05
+"""A busy member's tick period: its thread looks at the clock at least this often."""
+
+QUIET_HEARTBEAT_S = 0.5
+"""A quiet leader's heartbeat period (`quiescence`), and the time a follower that
+read a quiet heartbeat adds to its election deadline and to its lease. Check-quorum
+spans three (`leader_fallback_s`)."""
+QUIET_TICK_S = 1.0
+"""A quiet member's tick thread waits at most this long for a message or a deadline
+(its connection retries, its journal's timer: nothing else needs it)."""
+QUIET_KEEPALIVE_S = 1.0
+"""A quiet follower's keepalive period to its other peers (PySyncObj closes a
+connection it has read nothing from for 2 s, `connectionTimeout`: a second of room
+for a stall, or the first vote request after a leader's loss closes it)."""
+
+
+def leader_fallback_s(raft_timeouts: tuple[float, float]) -> float:
+    """Check-quorum (`leaderFallbackTimeout`): a leader that heard from no majority for
+    this long steps down. Twice the longest election timeout, and at least three quiet
+    heartbeat periods (a quiet leader hears its followers' answers that often)."""
+    return max(2 * raft_timeouts[1], 3 * QUIET_HEARTBEAT_S)
+
+
+MAX_QUIET_S = 2.0
+"""A heartbeat's quiet period above this is not believed (a follower would wait that
+much longer before it stands)."""
+QUIET = "quorumq_quiet"
+"""In a quiet leader's heartbeat: its heartbeat period from now on, in seconds."""
+QUIESCES = "quorumq_quiesces"
+"""In a hello: the sender reads quiet heartbeats (a leader quiets only when all do)."""
 
 FOLLOWER, CANDIDATE, LEADER = 0, 1, 2
 """PySyncObj's `_RAFT_STATE`."""
@@ -495,6 +526,16 @@ class RaftFields(SyncObj):  # type: ignore[misc]
     """`peer_silence` counts no time across this node's own stalls."""
     learner_stage = True
     """Add a node only once it has caught up as a learner (`_caught_up_to_join`)."""
+    quiescence = True
+    """An idle group heartbeats every `QUIET_HEARTBEAT_S` and ticks only when something
+    is due (`Quiescence`)."""
+    leader_quiet_s = 0.0
+    """As follower: the quiet period of the leader's last AppendEntries (0: busy)."""
+    _quiet_sent = False
+    """As leader: the last heartbeat round was a quiet one."""
+    planned_wait_s = 0.0
+    """How long the tick thread planned to wait after its last tick (`tick_wait_s`; the
+    simulator sets what it scheduled)."""
 
     _SyncObj__raftLeader: Any
     _SyncObj__raftElectionDeadline: float

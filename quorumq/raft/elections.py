@@ -24,8 +24,11 @@ from .base import (
     MEMBERSHIP_PREFIX,
     PRE_VOTE,
     PRE_VOTE_ANSWER,
+    QUIESCES,
+    QUIET_HEARTBEAT_S,
     SPEAKS_PRE_VOTE,
     STALL_S,
+    TICK_S,
     TRANSFER,
     Entry,
     PreVoteRound,
@@ -49,14 +52,15 @@ class Elections(RaftFields):
         return speakers
 
     def _look(self) -> float | None:
-        """The Raft thread looks at the clock. A gap since its last look is a stall of
+        """The Raft thread looks at the clock. A gap since its last look, `STALL_S`
+        longer than the wait it planned (`tick_wait_s`) beyond a busy tick, is a stall of
         this node: what it heard before is as old as the stall, and says nothing of its
         peers meanwhile (`peer_silence` counts no silence across it). Returns when the
         stall began (None: no stall)."""
         now = _syncobj.monotonicTime()
         before = self._last_look
         self._last_look = now
-        if not before or now - before <= STALL_S:
+        if not before or now - before <= STALL_S + max(0.0, self.planned_wait_s - TICK_S):
             return None
         self.awake_since = now
         self.stalls += 1
@@ -200,15 +204,19 @@ class Elections(RaftFields):
     def in_lease(self) -> bool:
         """Whether this node heard from its leader within the minimum election timeout,
         or, leading, from a majority within it: the cluster works, and a pre-vote or a
-        vote (other than for a transfer) would only disrupt it."""
+        vote (other than for a transfer) would only disrupt it. Quiet, the window is a
+        quiet period longer (the heartbeats come that much further apart)."""
         now = _syncobj.monotonicTime()
         window: float = self._SyncObj__conf.raftMinTimeout
         if self._isLeader():
+            if self._quiet_sent:
+                window += QUIET_HEARTBEAT_S
             answered = self._answered_at
             since = max(now - window, self.awake_since)
             heard = sum(1 for n in self._SyncObj__otherNodes if answered.get(n, 0.0) > since)
             return self._majority(1 + heard)
         heard_at = self.leader_heard_at
+        window += self.leader_quiet_s
         return bool(
             self._SyncObj__raftLeader is not None
             and self._leader_closed is None  # its connection closed: it may be gone
@@ -387,8 +395,14 @@ class Elections(RaftFields):
 
     def _SyncObj__onNodeConnected(self, node: Any) -> None:
         super()._SyncObj__onNodeConnected(node)
-        if self.pre_vote:
-            self._SyncObj__transport.send(node, {"type": HELLO, SPEAKS_PRE_VOTE: True})
+        if self.pre_vote or self.quiescence:
+            hello = {"type": HELLO, SPEAKS_PRE_VOTE: self.pre_vote, QUIESCES: self.quiescence}
+            self._SyncObj__transport.send(node, hello)
+        if self._isLeader():
+            # a heartbeat at the next tick, not a quiet period later: a follower whose
+            # connection to its leader closed elects within two busy periods
+            self._SyncObj__newAppendEntriesTime = 0.0
+            self.tick_soon()
 
     def _conflict_hint(self, prev_index: int) -> int:
         """Where the leader should send from after this follower refused an

@@ -58,6 +58,7 @@ from .rules import (
     Entry,
     RaftRules,
     decode_snapshot,
+    leader_fallback_s,
 )
 from .snapshot_writer import SnapshotWriter, written_by_a_child
 from .transport import Transport
@@ -147,6 +148,8 @@ class RaftMember(RaftRules):
         self._stopping = threading.Event()
         self.fatal_error: BaseException | None = None
         """Why this member stopped by itself (its journal failed): the node must stop."""
+        self.on_fatal: Callable[[], None] = lambda: None
+        """Called on the Raft thread once `fatal_error` is set (the node stops then)."""
         self.compaction_error: str | None = None
         """Why the last snapshot could not be written (None: the last one was), for status."""
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -167,7 +170,7 @@ class RaftMember(RaftRules):
             raftMinTimeout=raft_timeouts[0],
             raftMaxTimeout=raft_timeouts[1],
             appendEntriesPeriod=min(0.1, raft_timeouts[0] / 4),
-            leaderFallbackTimeout=2 * raft_timeouts[1],  # check-quorum: see RaftRules
+            leaderFallbackTimeout=leader_fallback_s(raft_timeouts),  # check-quorum: RaftRules
             connectionRetryTime=0.5,
             connectionTimeout=2.0,
             commandsWaitLeader=True,
@@ -215,16 +218,13 @@ class RaftMember(RaftRules):
     def _tick_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                # wake for the election deadline too (just past it: PySyncObj elects
-                # once its clock is beyond the deadline), not up to a tick period late
-                until_election = self.until_election_s()
-                wait = self._tick_period if until_election is None else until_election + 0.001
-                self.doTick(min(self._tick_period, wait))
+                self.doTick(self._tick_period)  # its poll waits `tick_wait_s`
             except (JournalFailedError, JournalDamagedError, UnreadableEntryError) as e:
                 # Nothing more may be acknowledged (or applied): stop taking part at once.
                 self.fatal_error = e
                 logger.critical("raft member stopped: %s", e)
                 self._stopping.set()
+                self.on_fatal()
             except Exception:
                 logger.exception("raft tick failed")
                 time.sleep(self._tick_period)
@@ -249,12 +249,15 @@ class RaftMember(RaftRules):
             self._thread.join(timeout=10)
 
     def _poll_with_group_commit(self, poll: Callable[[float], None]) -> Callable[[float], None]:
-        """PySyncObj's poll, answering the AppendEntries it reads after one sync."""
+        """PySyncObj's poll at the end of each tick, answering the AppendEntries it
+        reads after one sync; it waits until the next thing due (`tick_wait_s`: a tick
+        period, the election deadline, or longer when the group is quiet), decided
+        after the tick, with what the tick did."""
 
-        def poll_and_answer(timeout: float) -> None:
+        def poll_and_answer(tick_s: float) -> None:
             self.hold_replies()
             try:
-                poll(timeout)
+                poll(self.tick_wait_s(tick_s))
             finally:
                 self.release_replies()
 

@@ -26,6 +26,7 @@ from .base import (
     LEADER_SILENT_PERIODS,
     MAX_COMMAND_BYTES,
     PEER_KEEPALIVE_S,
+    QUIET_KEEPALIVE_S,
     RAW_COMMAND,
     RAW_PREFIX,
     Queued,
@@ -251,7 +252,7 @@ class Proposing(RaftFields):
         now = _syncobj.monotonicTime()
         if now < self._keepalive_due:
             return
-        self._keepalive_due = now + PEER_KEEPALIVE_S
+        self._keepalive_due = now + (QUIET_KEEPALIVE_S if self.leader_quiet_s else PEER_KEEPALIVE_S)
         leader = self._SyncObj__raftLeader
         transport = self._SyncObj__transport
         for node in self._SyncObj__otherNodes & self._SyncObj__connectedNodes:
@@ -274,6 +275,7 @@ class Proposing(RaftFields):
         votes at once and split them. An election is always safe: this only moves when."""
         was_connected = node in self._SyncObj__connectedNodes
         super()._SyncObj__onNodeDisconnected(node)
+        self._quiet_speakers.discard(node)  # it says again when it connects again
         if node in self.learners:  # it may come back empty: it proves its log again
             self._SyncObj__raftMatchIndex[node] = 0
             self._SyncObj__raftNextIndex[node] = self._SyncObj__getCurrentLogIndex() + 1
@@ -321,6 +323,11 @@ class Proposing(RaftFields):
         if self._isLeader() or not self._SyncObj__connectedNodes:
             return None  # (connected to no one, PySyncObj does not elect: no need to wake)
         deadline: float = self._SyncObj__raftElectionDeadline
+        if deadline == math.inf and self._deadline_in_tick is not None:
+            # asked from the tick's own poll: `Elections._onTick` set it aside meanwhile (a
+            # quiet follower slept up to a second past it, real nodes only: the simulator
+            # asks after the tick)
+            deadline = self._deadline_in_tick
         return max(0.0, deadline - float(_syncobj.monotonicTime()))
 
     def _set_commit_index(self, index: int) -> None:

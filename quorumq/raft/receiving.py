@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 import pysyncobj.syncobj as _syncobj
+from pysyncobj import FAIL_REASON
 
 from .. import pathtiming
 from ..codec import entry_time
@@ -69,6 +70,8 @@ class Receiving(RaftFields):
             super()._SyncObj__onMessageReceived(node, message)
         finally:
             self._handling_notice = False
+        if append and not self._isLeader():
+            self._answer_cut_proposals()
         if pathtiming.ENABLED:
             self._mark_commit()
         if self._SyncObj__raftLeader is not None:
@@ -87,6 +90,7 @@ class Receiving(RaftFields):
                 # refusing the pre-votes of the node it took for leader (liveness run of
                 # CI's consumer_timeout options, seed 1: no leader after the heal)
                 self.leader_heard_at = _syncobj.monotonicTime()  # (metrics, stickiness)
+                self.heard_leader(message)  # a quiet heartbeat moves the deadline out
                 self._pre_vote_round = None  # a late grant must not depose it
                 self._deadline_pushed = False
                 self._forget_reached_leaders()
@@ -126,12 +130,44 @@ class Receiving(RaftFields):
             ):
                 self._send_to(node)  # not a heartbeat period later
 
+    def _answer_cut_proposals(self) -> None:
+        """Proposals this node appended as leader that it will never apply itself:
+        their entries cut from its log by its new leader, or inside a snapshot it
+        installed. Answered now, "outcome unknown" (`LEADER_CHANGED`). PySyncObj answers
+        the first only when the log next reaches their index (discarded, or applied if
+        the entry comes back), and an idle cluster's log may take long to grow there;
+        the second never (the replica's proposals expire after 15 s; a membership
+        change did not: an operator's removal of a member, appended by a leader deposed
+        at the heal and skipped by a snapshot install, went unanswered for 27 s,
+        simulator, CI seed 169). Not "not applied": a node that still holds the entry
+        may lead and commit it, until the new leader commits past it."""
+        waiting: dict[int, list[tuple[int, Any]]] = self._SyncObj__commandsWaitingCommit
+        if not waiting:
+            return
+        log = self._SyncObj__raftLog
+        first, last = log[0][1], log[-1][1]
+        commit = self.raftCommitIndex
+        for index in sorted(waiting):
+            if first < index <= commit:
+                continue  # applied next, and answered then
+            term_here = log[index - first][2] if first < index <= last else None
+            kept = [(term, cb) for term, cb in waiting[index] if term == term_here]
+            cut = [cb for term, cb in waiting[index] if term != term_here]
+            if kept:
+                waiting[index] = kept
+            else:
+                del waiting[index]
+            for callback in cut:
+                callback(None, FAIL_REASON.LEADER_CHANGED)
+
     def _handled_election_message(self, node: Any, message: dict[str, Any]) -> bool:
         """Our election messages, and the vote requests and AppendEntries they change;
         True if the message needs nothing more."""
         kind = message.get("type")
         if kind == HELLO:
-            self._speakers.add(node)
+            if message.get(SPEAKS_PRE_VOTE):
+                self._speakers.add(node)
+            self.heard_hello(node, message)
             return True
         if kind == PRE_VOTE:
             if self._SyncObj__selfNode is not None:

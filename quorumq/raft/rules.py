@@ -103,6 +103,11 @@ from .base import (
     PRE_VOTE,
     PRE_VOTE_ANSWER,
     PROPOSALS_HELD_S,
+    QUIESCES,
+    QUIET,
+    QUIET_HEARTBEAT_S,
+    QUIET_KEEPALIVE_S,
+    QUIET_TICK_S,
     RAW_COMMAND,
     RAW_PREFIX,
     SNAPSHOT_VERSION,
@@ -110,6 +115,7 @@ from .base import (
     STALE_TERM,
     STALL_S,
     STEP_DOWN,
+    TICK_S,
     TRANSFER,
     Entry,
     LeaderClock,
@@ -121,6 +127,7 @@ from .base import (
     decode_snapshot,
     encode_snapshot,
     entries_after,
+    leader_fallback_s,
     node_name,
     trim_known_entries,
     wall_clock_ms,
@@ -128,12 +135,13 @@ from .base import (
 from .elections import Elections
 from .membership import MembershipRules
 from .proposing import Proposing
+from .quiescence import Quiescence
 from .receiving import Receiving
 
 logger = logging.getLogger(__name__)
 
 
-class RaftRules(Proposing, Receiving, Elections, MembershipRules):
+class RaftRules(Quiescence, Proposing, Receiving, Elections, MembershipRules):
     """PySyncObj with quorumq's Raft rules. Subclasses give `apply_raw` and
     `make_durable`, call `push_commit_index` and `keep_peer_connections_alive` from a tick
     callback, and ask
@@ -321,6 +329,11 @@ __all__ = [
     "PRE_VOTE",
     "PRE_VOTE_ANSWER",
     "PROPOSALS_HELD_S",
+    "QUIESCES",
+    "QUIET",
+    "QUIET_HEARTBEAT_S",
+    "QUIET_KEEPALIVE_S",
+    "QUIET_TICK_S",
     "RAW_COMMAND",
     "RAW_PREFIX",
     "SNAPSHOT_VERSION",
@@ -328,6 +341,7 @@ __all__ = [
     "STALE_TERM",
     "STALL_S",
     "STEP_DOWN",
+    "TICK_S",
     "TRANSFER",
     "Entry",
     "LeaderClock",
@@ -340,6 +354,7 @@ __all__ = [
     "decode_snapshot",
     "encode_snapshot",
     "entries_after",
+    "leader_fallback_s",
     "node_name",
     "trim_known_entries",
     "wall_clock_ms",

@@ -28,8 +28,9 @@ threads read it with `query`.
 
 As leader, the replica turns time and failure into log commands: `NodeDown(node)` when
 a replica has not answered for `node_down_grace_s`, `NodeUp(node)` when it answers
-again, and `Tick()` while time must move (`Machine.needs_tick`: TTLs, producers), and as
-soon as a retry delay runs out (`Machine.next_retry_ms`).
+again, and `Tick()` when time must move (`Machine.tick_due_ms`: every second with TTLs,
+deliveries out or delays; when a producer expires), and as soon as a retry delay runs
+out (`Machine.next_retry_ms`).
 
 The replica's parts: `config` (its settings, `ReplicaConfig`), `outcomes` (what a
 proposal can come to, and the proposals waiting for one: `InFlight`), `duties` (the
@@ -253,6 +254,7 @@ class Replica:
         )
         self.member.use_leader_clock(self._leader_clock(wall_clock, monotonic))
         self.member.replicated_time_ms = lambda: self.machine.now_ms  # type: ignore[method-assign]
+        self.member.duty_due_s = self._duty_due_s
         self.member.start()
 
     def _leader_clock(
@@ -449,21 +451,57 @@ class Replica:
             self._propose_once(key, command)
         if now - self._last_tick_proposal >= TICK_EVERY_S:
             self._last_tick_proposal = now
-            if self.machine.needs_tick():  # TTLs, and producers that may expire
+            if self._tick_due():  # TTLs, deliveries out, delays; expiring producers
                 self._propose_once(("tick", ""), Tick())
         elif now - self._last_retry_tick >= RETRY_TICK_EVERY_S and self._retry_due():
             self._last_retry_tick = now
             self._propose_once(("tick", ""), Tick())
 
+    def _duty_due_s(self) -> float | None:
+        """Seconds until this node's duties next need a tick (None: none pending), so
+        that a quiet member's Raft thread does not sleep past them: the `Tick` of a
+        machine whose time must move, or the next message waiting for a retry delay. A
+        peer's silence makes the leader busy by itself (`Quiescence.quiet_period_s`)."""
+        if not self.member.is_leader():
+            return None
+        waits = []
+        tick_due = self.machine.tick_due_ms()
+        if tick_due is not None:
+            stamp = self._stamp_now()
+            ahead_s = 0.0 if stamp is None else max(0.0, (tick_due - stamp) / 1000)
+            if tick_due <= self.machine.now_ms:
+                ahead_s = 0.0  # a Tick a second
+            next_look = self._last_tick_proposal + TICK_EVERY_S - self._monotonic()
+            waits.append(max(next_look, ahead_s))
+        retry_due = self.machine.next_retry_ms()
+        if retry_due is not None:
+            stamp = self._stamp_now()
+            waits.append(RETRY_TICK_EVERY_S if stamp is None else (retry_due - stamp) / 1000)
+        return max(0.0, min(waits)) if waits else None
+
+    def _tick_due(self) -> bool:
+        """Whether time must move now: every second while the machine's time is due at
+        once (a new leader's clock may not be anchored yet: the `Tick` anchors it), or
+        once this leader's clock reaches the time a producer expires."""
+        due = self.machine.tick_due_ms()
+        return due is not None and (due <= self.machine.now_ms or self._stamp_reached(due))
+
     def _retry_due(self) -> bool:
         """Whether a message waiting for a retry delay is due by the time this leader
         would stamp now (so a `Tick` now delivers it)."""
-        due = self.machine.next_retry_ms()
-        if due is None:
-            return False
+        return self._stamp_reached(self.machine.next_retry_ms())
+
+    def _stamp_now(self) -> int | None:
+        """The time this leader would stamp an entry with now (None: not yet known)."""
         clock = getattr(self.member, "leader_clock", None)
-        stamp = None if clock is None else clock.peek(self.member.raftCurrentTerm)
-        return stamp is not None and stamp >= due
+        return None if clock is None else clock.peek(self.member.raftCurrentTerm)
+
+    def _stamp_reached(self, due_ms: int | None) -> bool:
+        """Whether log time `due_ms` is reached by the time this leader would stamp now."""
+        if due_ms is None:
+            return False
+        stamp = self._stamp_now()
+        return stamp is not None and stamp >= due_ms
 
     def _propose_once(self, key: tuple[str, str], command: Command) -> None:
         if key in self._pending:

@@ -69,6 +69,8 @@ connections ended) to be applied."""
 HANDOVER_S = 3.0
 """At a stop, how long a leader tries to hand leadership over before it stops anyway
 (then the others elect one after their election timeout)."""
+FATAL_CHECK_EVERY_S = 5.0
+"""The Raft member says when it stopped by itself (`on_fatal`); this is a backstop."""
 
 TLS_HANDSHAKE_RECORD = 0x16
 """The first byte a TLS client sends (a handshake record): any other is not TLS."""
@@ -319,12 +321,15 @@ class NodeServer:
 
     async def _stop_if_raft_stopped(self) -> None:
         """A member whose journal failed has stopped acknowledging: the node stops too
-        (exit non-zero, with the reason) rather than answer every client "unknown"."""
-        while True:
-            error = self.replica.member.fatal_error
-            if error is not None:
-                raise error
-            await trio.sleep(0.2)
+        (exit non-zero, with the reason) rather than answer every client "unknown".
+        Told by the member (`on_fatal`), not by polling it: an idle node's loop sleeps."""
+        member = self.replica.member
+        stopped = trio.Event()
+        member.on_fatal = lambda: self._soon(stopped.set)
+        while member.fatal_error is None:
+            with trio.move_on_after(FATAL_CHECK_EVERY_S):  # (a backstop)
+                await stopped.wait()
+        raise member.fatal_error
 
     async def _run_timers(self) -> None:
         core = self.core

@@ -1,0 +1,192 @@
+"""Quiescence, rule by rule, on one real member whose sends are recorded and whose clock
+is set by hand (`quorumq.raft.quiescence`; whole clusters in test_sim_quiescence); and
+the answers to proposals a deposed leader will never apply itself, which an idle
+cluster's log no longer reaches within a second (`Receiving._answer_cut_proposals`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from quorumq.raft.rules import (
+    HELLO,
+    QUIESCES,
+    QUIET,
+    QUIET_HEARTBEAT_S,
+    QUIET_KEEPALIVE_S,
+    QUIET_TICK_S,
+    SPEAKS_PRE_VOTE,
+)
+
+from . import test_raft_elections as elections
+from .test_raft_elections import Clock, _heartbeat, _log, _of
+
+clock = elections.clock  # the fixtures: a member of {A, B, C} on a clock set by hand
+cluster = elections.cluster
+
+
+def _quiet_leader(member: Any, peers: list[Any], clock: Clock) -> None:
+    """Leading, its log (PySyncObj's first entry and its own no-op) committed, applied,
+    held by both peers, who said hello and answered just now."""
+    member._SyncObj__onBecomeLeader()
+    last = member._SyncObj__getCurrentLogIndex()
+    member._SyncObj__raftCommitIndex = member._SyncObj__raftLastApplied = last
+    for peer in peers:
+        member._SyncObj__raftMatchIndex[peer] = last
+        member._SyncObj__raftNextIndex[peer] = last + 1
+        member._SyncObj__onMessageReceived(
+            peer, {"type": HELLO, SPEAKS_PRE_VOTE: True, QUIESCES: True}
+        )
+        member._answered_at[peer] = clock.now
+
+
+def test_a_caught_up_leader_heartbeats_quietly_and_anything_unsettled_makes_it_busy(
+    cluster: Any, clock: Clock
+) -> None:
+    member, peers, sent = cluster
+    _quiet_leader(member, peers, clock)
+    sent.clear()
+    member._SyncObj__sendAppendEntries()
+    beats = _of(sent, "append_entries")
+    assert sorted(n.name for n, _ in beats) == ["B", "C"]
+    assert all(m[QUIET] == QUIET_HEARTBEAT_S and m["entries"] == [] for _, m in beats)
+    assert beats[0][1]["prevLogIdx"] == member._SyncObj__getCurrentLogIndex()
+    assert member._SyncObj__newAppendEntriesTime == clock.now + QUIET_HEARTBEAT_S
+    assert member.quiet
+
+    def busy_after(change: Any) -> bool:
+        _quiet_leader(member, peers, clock)
+        change()
+        return member.quiet_period_s() == 0
+
+    assert busy_after(lambda: member._SyncObj__raftMatchIndex.__setitem__(peers[0], 1))
+    assert busy_after(lambda: member._SyncObj__connectedNodes.discard(peers[1]))
+    assert busy_after(lambda: member._SyncObj__onNodeDisconnected(peers[1]))
+    assert busy_after(lambda: setattr(clock, "now", clock.now + 2.01 * QUIET_HEARTBEAT_S))
+    assert busy_after(lambda: member._quiet_speakers.discard(peers[0]))  # an older version
+    assert busy_after(lambda: setattr(member, "_SyncObj__raftCommitIndex", 1))
+    assert busy_after(lambda: setattr(member, "_SyncObj__transferInProgress", True))
+    member._SyncObj__transferInProgress = False
+    assert busy_after(lambda: member._applyCommand(b"\x04x", None))
+    member.quiescence = False
+    assert busy_after(lambda: None)
+
+
+def test_a_leader_sends_a_heartbeat_to_a_peer_that_connects_at_once(
+    cluster: Any, clock: Clock
+) -> None:
+    member, peers, _ = cluster
+    _quiet_leader(member, peers, clock)
+    member._SyncObj__sendAppendEntries()
+    member._SyncObj__onNodeConnected(peers[0])
+    assert member._SyncObj__newAppendEntriesTime == 0.0
+
+
+def test_a_quiet_heartbeat_moves_a_followers_deadline_and_lease_out_by_its_period(
+    cluster: Any, clock: Clock
+) -> None:
+    member, peers, _ = cluster
+    leader = peers[0]
+    member._SyncObj__onMessageReceived(leader, _heartbeat(5))
+    busy_deadline = member._SyncObj__raftElectionDeadline - clock.now
+    assert 0.25 <= busy_deadline <= 0.6 and member.leader_quiet_s == 0
+
+    member._SyncObj__onMessageReceived(leader, {**_heartbeat(5), QUIET: QUIET_HEARTBEAT_S})
+    quiet_deadline = member._SyncObj__raftElectionDeadline - clock.now
+    assert QUIET_HEARTBEAT_S + 0.25 <= quiet_deadline <= QUIET_HEARTBEAT_S + 0.6
+    assert member.leader_quiet_s == QUIET_HEARTBEAT_S and member.quiet
+    clock.now += 0.25 + QUIET_HEARTBEAT_S - 0.01
+    assert member.in_lease()  # a pre-vote now would be refused: the leader may be quiet
+    clock.now += 0.02
+    assert not member.in_lease()
+
+    for nonsense in (1e9, -1.0, "0.5", True, None, 10**400, math.nan, math.inf):
+        member._SyncObj__onMessageReceived(leader, {**_heartbeat(5), QUIET: nonsense})
+        assert member.leader_quiet_s == 0, nonsense
+        assert member._SyncObj__raftElectionDeadline - clock.now <= 0.6
+
+    member._SyncObj__onMessageReceived(leader, {**_heartbeat(5), QUIET: QUIET_HEARTBEAT_S})
+    member._SyncObj__onMessageReceived(leader, {**_heartbeat(5), "entries": []})
+    assert member.leader_quiet_s == 0  # any busy message: the busy deadline again
+
+
+def test_a_quiet_followers_tick_waits_for_its_deadline_not_a_whole_quiet_tick(
+    cluster: Any, clock: Clock
+) -> None:
+    """The wait is decided in the tick's own poll, while `_onTick` holds the election
+    deadline aside: it must still end just past the deadline (it ended up to a whole
+    quiet tick later, and a stopped leader was replaced in 1.5 s instead of 0.5)."""
+    member, peers, _ = cluster
+    waits: list[float] = []
+    member._poller.poll = member._poll_with_group_commit(waits.append)
+    member._SyncObj__onMessageReceived(peers[0], {**_heartbeat(5), QUIET: QUIET_HEARTBEAT_S})
+    member._keepalive_due = clock.now + QUIET_KEEPALIVE_S
+    member._SyncObj__raftElectionDeadline = clock.now + 0.3
+    member._onTick(0.05)
+    assert waits and math.isclose(waits[-1], 0.301), waits
+
+    member._SyncObj__raftElectionDeadline = clock.now + 5.0  # (not a real one: the cap)
+    member._onTick(0.05)
+    assert math.isclose(waits[-1], min(QUIET_TICK_S, QUIET_KEEPALIVE_S)), waits
+
+    member._SyncObj__onMessageReceived(peers[0], _heartbeat(5))  # busy again
+    member._onTick(0.05)
+    assert waits[-1] == 0.05
+
+
+def test_a_long_quiet_wait_is_no_stall_and_a_longer_one_is(cluster: Any, clock: Clock) -> None:
+    member, _, _ = cluster
+    member._look()
+    member.planned_wait_s = QUIET_TICK_S
+    clock.now += QUIET_TICK_S + 0.1
+    assert member._look() is None
+    member.planned_wait_s = QUIET_TICK_S
+    clock.now += QUIET_TICK_S + 0.2
+    assert member._look() is not None
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_a_followers_keepalives_slow_down_only_while_its_leader_is_quiet(
+    cluster: Any, clock: Clock, quiet: bool
+) -> None:
+    member, peers, _ = cluster
+    extra = {QUIET: QUIET_HEARTBEAT_S} if quiet else {}
+    member._SyncObj__onMessageReceived(peers[0], {**_heartbeat(5), **extra})
+    member._keepalive_due = 0.0
+    member.keep_peer_connections_alive()
+    assert member._keepalive_due - clock.now == (QUIET_KEEPALIVE_S if quiet else 0.5)
+
+
+def test_proposals_of_a_deposed_leader_cut_from_its_log_are_answered_at_once(
+    cluster: Any, clock: Clock
+) -> None:
+    """Entries 2-4 appended while leading term 5, with callbacks waiting; a leader of
+    term 6 replaces them from index 2: all three are answered now, outcome unknown
+    (`LEADER_CHANGED`), not when the log next reaches their indices (an idle cluster's
+    log may take long to), and never twice."""
+    from pysyncobj import FAIL_REASON
+
+    member, peers, _ = cluster
+    _log(member, [5, 5, 5])
+    answers: list[tuple[int, int]] = []
+    waiting = member._SyncObj__commandsWaitingCommit
+    for index in (2, 3, 4):
+        waiting[index].append((5, lambda _r, why, i=index: answers.append((i, why))))
+    replace = {**_heartbeat(6), "entries": [(b"\x04new", 2, 6)]}
+    member._SyncObj__onMessageReceived(peers[0], replace)
+    assert sorted(answers) == [(i, FAIL_REASON.LEADER_CHANGED) for i in (2, 3, 4)]
+    assert not waiting
+    member._SyncObj__onMessageReceived(peers[0], {**_heartbeat(6), "commit_index": 2})
+    assert len(answers) == 3
+
+
+def test_a_proposal_still_in_the_followers_log_keeps_waiting(cluster: Any, clock: Clock) -> None:
+    member, peers, _ = cluster
+    _log(member, [5, 5])
+    answers: list[int] = []
+    member._SyncObj__commandsWaitingCommit[3].append((5, lambda _r, why: answers.append(why)))
+    keep = {**_heartbeat(5), "prevLogIdx": 3, "prevLogTerm": 5}
+    member._SyncObj__onMessageReceived(peers[0], keep)
+    assert not answers and member._SyncObj__commandsWaitingCommit[3]
