@@ -358,7 +358,11 @@ class SimNode:
         if self._ticking:
             self._woken_in_tick = True
             return
-        when = max(self.world.now_us + delay_us, self._busy_until, self.stalled_until_us)
+        when = self.world.now_us + delay_us
+        if when < self._busy_until:
+            when = self._busy_until
+        if when < self.stalled_until_us:
+            when = self.stalled_until_us
         if self._tick_at is not None and self._tick_at <= when:
             return
         self._tick_at = when
@@ -370,7 +374,7 @@ class SimNode:
         self._tick_at = None
         if not self.alive or self.paused:
             return  # a resumed node is woken again
-        if self.stalled:
+        if self.world.now_us < self.stalled_until_us:
             self.wake()  # when the stall ends
             return
         self._run_tick(self._tick_whole)
