@@ -423,8 +423,7 @@ class Network:
             when += self.random.randint(0, 20_000)
         else:
             last = self._last_arrival.get(direction, 0)
-            if last > when:
-                when = last
+            when = max(when, last)
             self._last_arrival[direction] = when
         self.world.at(when, self._arrive, src, dst, epoch, data)
 

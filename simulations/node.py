@@ -358,11 +358,7 @@ class SimNode:
         if self._ticking:
             self._woken_in_tick = True
             return
-        when = self.world.now_us + delay_us
-        if when < self._busy_until:
-            when = self._busy_until
-        if when < self.stalled_until_us:
-            when = self.stalled_until_us
+        when = max(self.world.now_us + delay_us, self._busy_until, self.stalled_until_us)
         if self._tick_at is not None and self._tick_at <= when:
             return
         self._tick_at = when
