@@ -81,7 +81,7 @@ class History:
         lane = self.lanes[node.name]
         b = self._bucket()
         lane.index[b] = index
-        if index > node.replay_until:
+        if applied.effects and index > node.replay_until:
             for e in applied.effects:
                 if type(e) is Deliver:
                     counts = lane.sent if e.node == node.name else lane.tracked

@@ -28,9 +28,10 @@ messages arrive in order (unless the hostile `reorder` fault is on).
 
 Every message arrives as a copy of what was sent, taken when it was sent (its dict and
 its lists; the values in them, bytes, numbers and tuples, cannot change), so no member
-changes what another holds. The simulator does not pickle every message as
-PySyncObj's wire does (that was a twentieth of a run): the first message of each kind
-and shape goes through pickle, so one the wire could not send fails the run.
+changes what another holds: one copy per message sent, as the real wire pickles each
+once (a duplicated one gets a copy of its own). The simulator does not pickle every
+message as PySyncObj's wire does (that was a twentieth of a run): the first message of
+each kind and shape goes through pickle, so one the wire could not send fails the run.
 
 The network knows hosts by their Raft address: a host's name (A, B, ...) until its
 operator wipes it and adds it back at a new address (`C@2`: `Cluster.wipe`).
@@ -387,7 +388,7 @@ class Network:
     def _check_picklable(self, message: dict[str, Any]) -> None:
         """The first message of each kind goes through pickle, as PySyncObj's wire sends
         every message: one it cannot send fails the run here."""
-        kind = (message.get("type"), tuple(sorted(message)))
+        kind = (message.get("type"), tuple(message))  # (keys in any order: pickled again)
         if kind not in self._pickled_kinds:
             self._pickled_kinds.add(kind)
             pickle.loads(pickle.dumps(message))
@@ -409,18 +410,21 @@ class Network:
             return True
         self._schedule(src, dst, epoch, data)
         if self.duplicate_p and self.random.random() < self.duplicate_p:
-            self._schedule(src, dst, epoch, data)
+            self._schedule(src, dst, epoch, _copied(data))  # each delivery its own copy
         return True
 
     def _schedule(self, src: str, dst: str, epoch: int, data: dict[str, Any]) -> None:
         low, high = self.latency_us
         when = self.world.now_us + low + int(self.random.random() * (high - low))
-        when += self.extra_delay_us.get((src, dst), 0)
+        direction = (src, dst)
+        if self.extra_delay_us:
+            when += self.extra_delay_us.get(direction, 0)
         if self.reorder:
             when += self.random.randint(0, 20_000)
         else:
-            when = max(when, self._last_arrival.get((src, dst), 0))
-            self._last_arrival[(src, dst)] = when
+            last = self._last_arrival.get(direction, 0)
+            when = max(when, last)
+            self._last_arrival[direction] = when
         self.world.at(when, self._arrive, src, dst, epoch, data)
 
     def _arrive(self, src: str, dst: str, epoch: int, data: dict[str, Any]) -> None:
@@ -437,15 +441,15 @@ class Network:
             return 0
         self.inbox[dst] = []
         transport = self.transports[dst]
+        world, epochs, last_read, nodes = self.world, self.epoch, self._last_read, self.nodes
         handled = 0
-        for src, epoch, data in waiting:
-            if self.epoch.get(_pair(src, dst)) != epoch:
+        for src, epoch, message in waiting:  # (each its own copy: `send`)
+            if epochs.get(_pair(src, dst)) != epoch:
                 continue  # the connection closed before the node read it
             if self._idle_too_long(dst, src):
                 continue  # it closed now, unread
-            self._last_read[(dst, src)] = self.world.now_us
-            message = _copied(data)  # a duplicated message is handed over twice
-            self.world.trace(f"msg {src} {dst} {message.get('type')}")
-            transport._onMessageReceived(self.nodes[src], message)
+            last_read[(dst, src)] = world.now_us
+            world.trace(f"msg {src} {dst} {message.get('type')}")
+            transport._onMessageReceived(nodes[src], message)
             handled += 1
         return handled

@@ -294,12 +294,11 @@ class SimNode:
 
     def soon(self, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` after the current event, if this run of the node is alive."""
+        self.world.after(0, self._if_alive, fn, args)
 
-        def run() -> None:
-            if self.alive:
-                fn(*args)
-
-        self.world.after(0, run)
+    def _if_alive(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        if self.alive:
+            fn(*args)
 
     # -------------------------------------------------------------- observing
 
@@ -371,17 +370,19 @@ class SimNode:
         self._tick_at = None
         if not self.alive or self.paused:
             return  # a resumed node is woken again
-        if self.stalled:
+        if self.world.now_us < self.stalled_until_us:
             self.wake()  # when the stall ends
             return
         self._run_tick(self._tick_whole)
 
     def _tick_whole(self) -> int:
-        self._read_clients()
+        if self._inbound:
+            self._read_clients()
         # the wait in the last tick's poll ends: it reads what arrived, then ticks again
-        handled = self.member.poller.read()
-        self.member.doTick(0)
-        handled += self.member.poller.handled
+        member = self.member
+        handled = member.poller.read()
+        member.doTick(0)
+        handled += member.poller.handled
         return handled
 
     def _run_tick(self, tick: Callable[[], int]) -> None:
@@ -402,7 +403,7 @@ class SimNode:
             return
         self._busy_until = self.world.now_us + TICK_COST_US + PER_MESSAGE_COST_US * handled
         self.sim.on_ticked(self)
-        leader = self.member.is_leader()
+        leader = self.replica.member.is_leader()
         if leader != self.was_leader:
             self.was_leader = leader
             self.sim.on_leadership(self, leader)

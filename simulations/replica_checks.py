@@ -214,15 +214,16 @@ class ReplicaChecks(CheckerState):
         the commit index (`config`)."""
         member = node.member
         log = member.journal
-        seen = (member.raftCommitIndex, len(log), log[-1] if len(log) else None)
+        length, commit = len(log), member.raftCommitIndex
+        seen = (commit, length, log[length - 1] if length else None)
         run = (node.name, node.incarnation)
         if self._log_seen.get(run) == seen:
             return  # (the global commit index only moves on: no new overlap to find)
         self._log_seen[run] = seen
-        self.committed = committed = max(self.committed, member.raftCommitIndex)
-        self._check_committed(node, log, member.raftCommitIndex)
+        self.committed = committed = max(self.committed, commit)
+        self._check_committed(run, node.name, log, commit)
         changes = []
-        for pos in range(len(log) - 1, -1, -1):
+        for pos in range(length - 1, -1, -1):
             command, index, _ = log[pos]
             if index <= committed:
                 break
@@ -254,17 +255,19 @@ class ReplicaChecks(CheckerState):
                 f"{applied}: it applies entries again",
             )
 
-    def _check_committed(self, node: SimNode, log: Any, commit: int) -> None:
-        run = (node.name, node.incarnation)
+    def _check_committed(self, run: tuple[str, int], name: str, log: Any, commit: int) -> None:
+        """The entries node run `run` (name, incarnation) holds committed, up to `commit`,
+        are those first seen committed at their index."""
         start = self._checked_through.get(run, 0)
         if commit <= start or not len(log):
             return
         first, last = log[0][1], log[-1][1]
+        committed_crc = self.committed_crc
         for index in range(max(start + 1, first), min(commit, last) + 1):
             crc = zlib.crc32(log[index - first][0])
-            known = self.committed_crc.setdefault(index, crc)
+            known = committed_crc.setdefault(index, crc)
             if known != crc:
-                self.violation("log", f"{node.name} holds another entry committed at index {index}")
+                self.violation("log", f"{name} holds another entry committed at index {index}")
         self._checked_through[run] = commit
 
     def _release(self, offset: int) -> None:

@@ -26,31 +26,70 @@ def _varint(out: bytearray, n: int) -> None:
     out.append(n)
 
 
+def _heads(tag: int) -> list[bytes]:
+    """A tag and a length (or zigzag int) below 128, the common case, as one `bytes`."""
+    return [bytes((tag, n)) for n in range(0x80)]
+
+
+_INT_HEAD, _BYTES_HEAD, _STR_HEAD, _LIST_HEAD = (_heads(t) for t in (_INT, _BYTES, _STR, _LIST))
+
+
+def _int(out: bytearray, value: int) -> None:
+    z = (value << 1) if value >= 0 else ((-value << 1) - 1)
+    if z < 0x80:
+        out += _INT_HEAD[z]
+    else:
+        out.append(_INT)
+        _varint(out, z)
+
+
 def _encode(out: bytearray, value: Any) -> None:
-    if value is None:
+    # The types in the order a machine snapshot holds most of them (ints, lists and
+    # tuples, bytes, strs): snapshots and digests spend their time here.
+    kind = type(value)
+    if kind is int:
+        _int(out, value)
+    elif kind is list or kind is tuple:
+        n = len(value)
+        if n < 0x80:
+            out += _LIST_HEAD[n]
+        else:
+            out.append(_LIST)
+            _varint(out, n)
+        for item in value:
+            if type(item) is int:  # half of a snapshot's values: `_int`, inlined
+                z = (item << 1) if item >= 0 else ((-item << 1) - 1)
+                if z < 0x80:
+                    out += _INT_HEAD[z]
+                else:
+                    out.append(_INT)
+                    _varint(out, z)
+            else:
+                _encode(out, item)
+    elif kind is bytes:
+        n = len(value)
+        if n < 0x80:
+            out += _BYTES_HEAD[n]
+        else:
+            out.append(_BYTES)
+            _varint(out, n)
+        out += value
+    elif kind is str:
+        raw = value.encode("utf-8")
+        n = len(raw)
+        if n < 0x80:
+            out += _STR_HEAD[n]
+        else:
+            out.append(_STR)
+            _varint(out, n)
+        out += raw
+    elif value is None:
         out.append(_NONE)
     elif value is True:
         out.append(_TRUE)
     elif value is False:
         out.append(_FALSE)
-    elif type(value) is int:
-        out.append(_INT)
-        _varint(out, (value << 1) if value >= 0 else ((-value << 1) - 1))
-    elif type(value) is bytes:
-        out.append(_BYTES)
-        _varint(out, len(value))
-        out += value
-    elif type(value) is str:
-        raw = value.encode("utf-8")
-        out.append(_STR)
-        _varint(out, len(raw))
-        out += raw
-    elif type(value) is list or type(value) is tuple:
-        out.append(_LIST)
-        _varint(out, len(value))
-        for item in value:
-            _encode(out, item)
-    elif type(value) is dict:
+    elif kind is dict:
         out.append(_DICT)
         _varint(out, len(value))
         for k in sorted(value):

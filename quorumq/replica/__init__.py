@@ -415,10 +415,10 @@ class Replica:
         self._leader_duties()
 
     def _expire_proposals(self) -> None:
-        timeout = self.config.proposal_timeout_s
-        self._in_flight.expire(
-            self._monotonic(), lambda: OutcomeUnknownError(f"no outcome within {timeout} s")
-        )
+        self._in_flight.expire(self._monotonic(), self._no_outcome)
+
+    def _no_outcome(self) -> OutcomeUnknownError:
+        return OutcomeUnknownError(f"no outcome within {self.config.proposal_timeout_s} s")
 
     def _leader_duties(self) -> None:
         """Turn silence and time into log commands (as leader)."""
