@@ -115,7 +115,7 @@ def failover(cluster: Cluster, how: signal.Signals) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_idle")
     parser.add_argument("--seconds", type=float, default=20.0, help="each idle CPU sample")
-    parser.add_argument("--kills", type=int, default=3, help="failovers of each kind")
+    parser.add_argument("--kills", type=int, default=3, help="failovers of each kind (0: none)")
     parser.add_argument("--messages", type=int, default=200, help="the traffic before")
     args = parser.parse_args(argv)
     with Cluster(3, fsync="always") as cluster:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         settle(cluster)
         used = idle_sample(cluster, args.seconds)
         print(f"idle, after traffic: {used[0]:5.2f}% of a core, {used[1]:6.0f} wake-ups/s")
-        for how in (signal.SIGKILL, signal.SIGSTOP):
+        for how in (signal.SIGKILL, signal.SIGSTOP) if args.kills else ():
             took = [failover(cluster, how) for _ in range(args.kills)]
             print(
                 f"idle leader {how.name}: confirm after {statistics.median(took):.3f} s median,"

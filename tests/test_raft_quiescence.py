@@ -187,6 +187,108 @@ def test_a_proposal_still_in_the_followers_log_keeps_waiting(cluster: Any, clock
     _log(member, [5, 5])
     answers: list[int] = []
     member._SyncObj__commandsWaitingCommit[3].append((5, lambda _r, why: answers.append(why)))
+    # and one forwarded to the leader of this term, past this log's end: it comes
+    member._SyncObj__commandsWaitingCommit[6].append((5, lambda _r, why: answers.append(why)))
     keep = {**_heartbeat(5), "prevLogIdx": 3, "prevLogTerm": 5}
     member._SyncObj__onMessageReceived(peers[0], keep)
     assert not answers and member._SyncObj__commandsWaitingCommit[3]
+    assert member._SyncObj__commandsWaitingCommit[6]
+
+
+def test_a_new_leader_credits_the_last_quiet_heartbeat_not_a_stale_one() -> None:
+    """C hears A's quiet heartbeats (A's clock), then B, behind (restarted, it saw no
+    entry arrive), leads and stamps an entry C receives; C then takes over. The entry
+    came after the heartbeat: C continues B's time, or queue time would jump 10 s in
+    half a second of true time (a TTL counted from B's stamps would end early). A node
+    restarted during a quiet spell (it saw nothing arrive) continues the heartbeat's."""
+    from quorumq.raft.rules import LeaderClock
+
+    true_ms = [1_000_000]
+
+    def node() -> LeaderClock:
+        return LeaderClock(wall_ms=lambda: 0, monotonic=lambda: true_ms[0] / 1000)
+
+    a, b, c = node(), node(), node()
+    a.take_over(1, 1_000)
+    true_ms[0] += 10_000
+    told = a.peek(1)
+    assert told == 11_000
+    c.heard(told, 1)
+    true_ms[0] += 1_000
+    b.take_over(2, 1_000)  # behind: it saw no entry arrive
+    true_ms[0] += 1_000
+    stamped = b.now(2)
+    assert stamped == 2_000
+    c.seen(stamped)
+    true_ms[0] += 500
+    c.take_over(3, stamped)
+    assert c.now(3) == 2_500
+
+    restarted = node()
+    restarted.heard(told, 1)
+    true_ms[0] += 700
+    restarted.take_over(2, 1_000)  # its log's last stamp, arrived before its restart
+    assert restarted.now(2) == told + 700  # not 1,000 and on
+
+
+def test_quiet_heartbeats_tell_the_leaders_time_and_followers_keep_it(
+    cluster: Any, clock: Clock
+) -> None:
+    from quorumq.raft.rules import QUIET_TIME, LeaderClock
+
+    member, peers, sent = cluster
+    _quiet_leader(member, peers, clock)
+    member.leader_clock = LeaderClock(wall_ms=lambda: 0, monotonic=lambda: clock.now)
+    member.leader_clock.take_over(member.raftCurrentTerm, 5_000)
+    member.replicated_time_ms = lambda: 5_000
+    sent.clear()
+    clock.now += 0.5
+    for peer in peers:
+        member._answered_at[peer] = clock.now
+    member._SyncObj__sendAppendEntries()
+    assert {m[QUIET_TIME] for _, m in _of(sent, "append_entries")} == {5_500}
+
+    follower = LeaderClock(wall_ms=lambda: 0, monotonic=lambda: clock.now)
+    member._SyncObj__setState(0)  # a follower again, of peers[0]
+    member.leader_clock = follower
+    beat = {**_heartbeat(member.raftCurrentTerm), QUIET: QUIET_HEARTBEAT_S, QUIET_TIME: 5_500}
+    member._SyncObj__onMessageReceived(peers[0], beat)
+    assert follower._heard == (5_500, clock.now, member.raftCurrentTerm)
+    clock.now += 0.5
+    for nonsense in ("6000", 2**70, -1, True):
+        member._SyncObj__onMessageReceived(peers[0], {**beat, QUIET_TIME: nonsense})
+    assert follower._heard == (5_500, clock.now - 0.5, member.raftCurrentTerm)  # nonsense ignored
+
+
+def test_what_an_earlier_terms_leader_told_is_forgotten_once_a_later_one_is_heard() -> None:
+    """F hears A's quiet heartbeats for an hour; B, restarted an hour behind, leads term
+    2 and F installs its snapshot (no entry arrives); F then takes over. Crediting A's
+    heartbeat would move queue time an hour in a second (hostile review): hearing from
+    term 2's leader forgets it."""
+    from quorumq.raft.rules import LeaderClock
+
+    true_ms = [1_800_000_000_000]
+
+    def node() -> LeaderClock:
+        return LeaderClock(wall_ms=lambda: true_ms[0], monotonic=lambda: true_ms[0] / 1000)
+
+    a, f = node(), node()
+    a.take_over(1, 0)
+    e1 = a.now(1)
+    assert e1 is not None
+    f.seen(e1)
+    true_ms[0] += 3_600_000
+    told = a.peek(1)
+    assert told is not None
+    f.heard(told, 1)
+    b = node()  # restarted: it saw nothing arrive
+    b.take_over(2, e1)
+    true_ms[0] += 10
+    e2 = b.now(2)
+    assert e2 is not None
+    stamped_at = true_ms[0]
+    f.following(2)  # B's snapshot arrives
+    true_ms[0] += 1_000
+    f.take_over(3, e2)
+    e3 = f.now(3)
+    assert e3 is not None and e3 - e2 <= true_ms[0] - stamped_at + 1

@@ -212,8 +212,10 @@ def test_a_leader_stamps_the_time_it_took_over_advanced_by_its_monotonic_clock(
 _TERMS = st.lists(
     st.tuples(
         st.integers(0, 2),  # who leads the term
-        st.lists(  # its stamps: true ms since the last one, and who receives the entry
-            st.tuples(st.integers(0, 3_000), st.booleans(), st.booleans()), max_size=8
+        st.lists(  # its stamps: true ms since the last one, who receives the entry, and
+            # whether it is a quiet heartbeat instead (the leader's clock told, not stamped)
+            st.tuples(st.integers(0, 3_000), st.booleans(), st.booleans(), st.booleans()),
+            max_size=8,
         ),
     ),
     min_size=1,
@@ -223,18 +225,25 @@ _TERMS = st.lists(
 
 @example(
     offsets=[8 * 86_400_000, 0, 0],
-    terms=[(0, []), (1, [(100, True, True)]), (0, [(10, True, True)])],
+    terms=[(0, []), (1, [(100, True, True, False)]), (0, [(10, True, True, False)])],
 )
 @example(  # a node a day ahead leading short terms, back to back
     offsets=[86_400_000, 0, 0],
-    terms=[(0, [(500, True, True)]), (1, [(1, True, True)])] * 7,
+    terms=[(0, [(500, True, True, False)]), (1, [(1, True, True, False)])] * 7,
+)
+@example(  # C, restarted (it saw nothing arrive), takes over after a quiet spell
+    offsets=[0, 0, 0],
+    terms=[
+        (0, [(100, True, True, False), (20_000, True, True, True)]),
+        (2, [(10, True, True, False)]),
+    ],
 )
 @given(
     offsets=st.lists(st.integers(-30 * 86_400_000, 30 * 86_400_000), min_size=3, max_size=3),
     terms=_TERMS,
 )
 def test_replicated_time_never_runs_faster_than_true_time_whatever_the_wall_clocks(
-    offsets: list[int], terms: list[tuple[int, list[tuple[int, bool, bool]]]]
+    offsets: list[int], terms: list[tuple[int, list[tuple[int, bool, bool, bool]]]]
 ) -> None:
     """Three nodes with wrong wall clocks lead terms in turn and stamp entries that
     reach some of the others. A node wins an election as Raft's rule has it: another node
@@ -246,7 +255,9 @@ def test_replicated_time_never_runs_faster_than_true_time_whatever_the_wall_cloc
     Two defects this caught: a node that anchored at its wall clock in a new cluster,
     stamped nothing, and led again later kept that anchor (8 days ahead); and a wall
     clock followed within a second per term let a node a day ahead gain a second per
-    term it led (3x true speed over half-second terms)."""
+    term it led (3x true speed over half-second terms). A quiet leader's heartbeats tell
+    its clock instead of stamping (`LeaderClock.heard`), and must not make it run faster
+    either."""
     true_ms = [1_800_000_000_000]
     clocks = [
         LeaderClock(
@@ -257,14 +268,23 @@ def test_replicated_time_never_runs_faster_than_true_time_whatever_the_wall_cloc
     known = [0, 0, 0]  # the latest stamp in each node's log
     last_term = [0, 0, 0]  # the term of the last entry in each node's log
     genesis: int | None = None
+    committed: tuple[int, int] | None = None  # the last committed stamp, and true time then
     for term, (leader, stamps) in enumerate(terms, start=1):
         others = [n for n in range(3) if n != leader]
         mine = (last_term[leader], known[leader])
         if not any((last_term[o], known[o]) <= mine for o in others):
             continue  # nobody votes for it
         clocks[leader].take_over(term, known[leader])
-        for elapsed, to_first, to_second in stamps:
+        for elapsed, to_first, to_second, heartbeat in stamps:
             true_ms[0] += elapsed
+            if heartbeat:
+                told = clocks[leader].peek(term)
+                if told is not None and known[leader] > 0:  # (as `Quiescence` sends it)
+                    for node, receives in zip(others, (to_first, to_second), strict=True):
+                        if receives:
+                            clocks[node].following(term)
+                            clocks[node].heard(told, term)
+                continue
             ts = clocks[leader].now(term)
             assert ts is not None
             if to_first or to_second:  # on a majority: committed, applied everywhere
@@ -272,9 +292,14 @@ def test_replicated_time_never_runs_faster_than_true_time_whatever_the_wall_cloc
                     genesis = ts - true_ms[0]
                 # (1 ms: the float truncation of monotonic seconds at this magnitude)
                 assert ts - true_ms[0] <= genesis + 1, "queue time ran faster than true time"
+                if committed is not None:  # nor between two stamps (a TTL would end early)
+                    moved, passed = ts - committed[0], true_ms[0] - committed[1]
+                    assert moved <= passed + 2, "queue time jumped between two stamps"
+                committed = (ts, true_ms[0])
             known[leader], last_term[leader] = ts, term
             for node, receives in zip(others, (to_first, to_second), strict=True):
                 if receives:  # its log now ends with the leader's entries
+                    clocks[node].following(term)
                     clocks[node].seen(ts)
                     known[node], last_term[node] = ts, term
 

@@ -71,9 +71,11 @@ from .state import (
     _error,
 )
 
-IDLE_TICK_MS = 5_000
+IDLE_TICK_MS = 60_000
 """With queues but nothing that needs time every second, a `Tick` is due this long after
-the last command (`tick_due_ms`): how far the log's time may lag the leader's clock."""
+the last command at the latest (`tick_due_ms`): the log's time lags the leader's clock
+by at most this much when no quiet heartbeat tells it (a leader kept busy by a silent
+or older peer)."""
 MAX_DELETED_NAMES = 10_000
 """Most names of deleted queues the machine remembers where their offsets ended (a queue
 declared again under one carries on from there). Past it the oldest is folded into one
@@ -374,17 +376,23 @@ class Machine(Enqueueing, Queries, Snapshots):
         The machine's time now while a queue has a message TTL, deliveries out
         (consumer timeout) or messages waiting for a retry delay: the leader proposes a
         `Tick` every second. Otherwise, with any queue, `IDLE_TICK_MS` after the last
-        command: the log's time keeps up with the leader's clock (a new leader that saw
-        no entry arrive since its restart takes its time from the log's, and stamps
-        messages that far behind), and producers expire in time, without a `Tick` a
-        second for the week they are remembered (an idle cluster wrote, replicated and
-        synced one a second)."""
-        if not self._queues:
-            return None
+        command (or sooner, when the first producer it remembers expires), not a `Tick`
+        a second for the week a producer is remembered (an idle cluster wrote,
+        replicated and synced one a second). Computed once per applied entry (the leader
+        asks at every quiet wait)."""
+        cached = self._tick_due
+        if cached is not None and cached[0] == self._last_index:
+            return cached[1]
+        due: int | None = self._now + IDLE_TICK_MS if self._queues else None
         for q in self._queues.values():
             if q.options.message_ttl_ms is not None or q.held or q.waiting:
-                return self._now
-        return self._now + IDLE_TICK_MS
+                due = self._now
+                break
+            if q.producers:
+                first = min(s.last_ts for s in q.producers.values()) + PRODUCER_EXPIRY_MS + 1
+                due = first if due is None else min(due, first)
+        self._tick_due = (self._last_index, due)
+        return due
 
     def next_retry_ms(self) -> int | None:
         """The log time when the next message waiting for a retry delay is due, of the

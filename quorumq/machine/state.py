@@ -55,6 +55,8 @@ class MachineState:
         self._queues: dict[str, QueueState] = {}
         self._now = 0
         self._last_index = 0
+        self._tick_due: tuple[int, int | None] | None = None
+        """(last index, `tick_due_ms` then): derived, asked often by an idle leader."""
         self._down_nodes: set[str] = set()
         self._disk_alarms: set[str] = set()
         """Nodes whose data disk is below its free-space limit (`DiskAlarm`)."""

@@ -116,7 +116,9 @@ class LeaderClock:
     than it arrived, so the election gap is not lost and the time still never runs
     ahead. Only that entry's arrival counts: crediting from another (an earlier leader's
     entry, seen when the latest came from a leader whose time ran behind) would jump
-    over that lag, and messages enqueued meanwhile would expire early.
+    over that lag, and messages enqueued meanwhile would expire early. A quiet leader
+    stamps no entries but tells its time in its heartbeats (`heard`): the last one,
+    if it came after that entry, is credited the same way.
 
     So between any two stamps, queue time moves no more than true time, whatever any
     node's wall clock says or does (a wall clock followed within a second per term let
@@ -136,6 +138,9 @@ class LeaderClock:
         """(term, replicated time, monotonic time) when this node took over."""
         self._arrivals: collections.OrderedDict[int, float] = collections.OrderedDict()
         """The latest stamped times seen here, each with the monotonic time it arrived."""
+        self._heard: tuple[int, float, int] | None = None
+        """The time the last quiet heartbeat told (its leader's clock), when it arrived,
+        and the leader's term."""
         self._last = 0
         self._lock = threading.Lock()
 
@@ -145,12 +150,33 @@ class LeaderClock:
         return anchor[0] if anchor else None
 
     def seen(self, ts_ms: int) -> None:
-        """An entry stamped `ts_ms` arrived now (or was stamped here now)."""
-        arrivals = self._arrivals
-        if ts_ms > 0 and ts_ms not in arrivals:
+        """An entry stamped `ts_ms` arrived now (or was stamped here now). A stamp seen
+        again keeps its latest arrival: a restarted leader, behind, may stamp exactly the
+        time it took over, and crediting that time's first arrival jumped over its lag
+        (less credit is always safe)."""
+        if ts_ms > 0:
+            arrivals = self._arrivals
             arrivals[ts_ms] = self.monotonic()
+            arrivals.move_to_end(ts_ms)
             if len(arrivals) > ARRIVALS_KEPT:
                 arrivals.popitem(last=False)
+
+    def heard(self, ts_ms: int, term: int) -> None:
+        """A quiet heartbeat arrived now from the leader of `term`, whose clock read
+        `ts_ms` when it sent it (an idle cluster stamps no entries: without it, a new
+        leader elected after a quiet spell started from the last entry's time, and a
+        node restarted during the spell, which saw no entry arrive, stamped messages
+        that far behind)."""
+        if ts_ms > 0:
+            self._heard = (ts_ms, self.monotonic(), term)
+
+    def following(self, term: int) -> None:
+        """This node heard from the leader of `term` (entries, a snapshot, anything):
+        what an earlier term's leader told is no longer its time. (Kept, it was credited
+        over a snapshot from a leader whose clock ran an hour behind: hostile review.)"""
+        heard = self._heard
+        if heard is not None and heard[2] < term:
+            self._heard = None
 
     def take_over(self, term: int, replicated_ms: int) -> None:
         """This node leads `term`; the replicated time so far is `replicated_ms` (0: none).
@@ -161,7 +187,12 @@ class LeaderClock:
         cluster's time to this node's wrong clock when it led again."""
         base = replicated_ms
         arrived = self._arrivals.get(replicated_ms)
-        if arrived is not None:
+        heard = self._heard
+        if heard is not None and replicated_ms > 0 and (arrived is None or heard[1] > arrived):
+            # the last quiet heartbeat came after that entry: its leader's time then, told
+            # no later than it arrived, credited as an entry's (and never below the log's)
+            base = max(base, heard[0] + int((self.monotonic() - heard[1]) * 1000))
+        elif arrived is not None:
             base += int((self.monotonic() - arrived) * 1000)
         if base <= 0:
             base = max(0, self.wall_ms())  # a new cluster: its time starts here
@@ -360,6 +391,9 @@ MAX_QUIET_S = 2.0
 much longer before it stands)."""
 QUIET = "quorumq_quiet"
 """In a quiet leader's heartbeat: its heartbeat period from now on, in seconds."""
+QUIET_TIME = "quorumq_quiet_time"
+"""In a quiet heartbeat: the leader's clock when it sent it (ms), which a follower
+credits if it takes over (`LeaderClock.heard`)."""
 QUIESCES = "quorumq_quiesces"
 """In a hello: the sender reads quiet heartbeats (a leader quiets only when all do)."""
 

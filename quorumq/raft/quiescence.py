@@ -44,6 +44,7 @@ from .base import (
     QUIET,
     QUIET_HEARTBEAT_S,
     QUIET_TICK_S,
+    QUIET_TIME,
     RaftFields,
 )
 
@@ -102,7 +103,7 @@ class Quiescence(RaftFields):
         # after the last entry. The same, marked, and the next one a quiet period later.
         self._SyncObj__newAppendEntriesTime = _syncobj.monotonicTime() + quiet
         self._sent_commit = max(self._sent_commit, self.raftCommitIndex)
-        message = {
+        message: dict[str, Any] = {
             "type": "append_entries",
             "term": self.raftCurrentTerm,
             "commit_index": self.raftCommitIndex,
@@ -111,6 +112,10 @@ class Quiescence(RaftFields):
             "prevLogTerm": self._SyncObj__getCurrentLogTerm(),
             QUIET: quiet,
         }
+        clock = self.leader_clock
+        told = clock.peek(self.raftCurrentTerm) if clock is not None else None
+        if told is not None and self.replicated_time_ms() > 0:
+            message[QUIET_TIME] = told  # no entry is stamped meanwhile: the time goes on
         transport = self._SyncObj__transport
         for node in sorted(self._SyncObj__otherNodes, key=lambda n: n.id):
             transport.send(node, message)
@@ -118,6 +123,9 @@ class Quiescence(RaftFields):
     def heard_leader(self, message: dict[str, Any]) -> None:
         """An AppendEntries of this term from this follower's leader was read (and
         PySyncObj moved the election deadline to now plus an election timeout)."""
+        clock = self.leader_clock
+        if clock is not None:
+            clock.following(self.raftCurrentTerm)
         marked = message.get(QUIET)
         quiet = 0.0
         if (
@@ -130,6 +138,9 @@ class Quiescence(RaftFields):
             self.leader_quiet_s = 0.0
             return
         self.leader_quiet_s = quiet
+        told = message.get(QUIET_TIME)
+        if type(told) is int and 0 < told < 2**63 and clock is not None:
+            clock.heard(told, self.raftCurrentTerm)
         deadline = self._SyncObj__raftElectionDeadline
         if not self._SyncObj__transferInProgress and deadline != math.inf:
             self._SyncObj__raftElectionDeadline = deadline + quiet

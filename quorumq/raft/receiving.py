@@ -147,12 +147,24 @@ class Receiving(RaftFields):
         log = self._SyncObj__raftLog
         first, last = log[0][1], log[-1][1]
         commit = self.raftCommitIndex
+        current = self.raftCurrentTerm
+
+        def gone(index: int, term: int) -> bool:
+            """Not to be applied here as this proposal's entry, as far as this log
+            knows. An entry of this term past the log's end is the leader's (a proposal
+            forwarded to it): it comes. One of an earlier term past the end may come
+            too, while this log is behind, or never: "unknown" is the truth either way."""
+            if index <= first:
+                return True  # inside a snapshot: never applied here one by one
+            if index <= last:
+                return bool(log[index - first][2] != term)
+            return bool(term < current)
+
         for index in sorted(waiting):
             if first < index <= commit:
                 continue  # applied next, and answered then
-            term_here = log[index - first][2] if first < index <= last else None
-            kept = [(term, cb) for term, cb in waiting[index] if term == term_here]
-            cut = [cb for term, cb in waiting[index] if term != term_here]
+            kept = [(term, cb) for term, cb in waiting[index] if not gone(index, term)]
+            cut = [cb for term, cb in waiting[index] if gone(index, term)]
             if kept:
                 waiting[index] = kept
             else:
