@@ -151,3 +151,18 @@ def test_a_node_started_on_a_full_disk_waits_instead_of_failing_in_a_loop(
                 cluster.restart(other)
         read = cluster.client(node, timeout=30).read("q", 0, len(confirmed), wait=10)
         assert [row[0] for row in read.rows] == confirmed
+
+
+def test_the_disk_is_measured_every_second_near_its_limit_and_less_often_with_room() -> None:
+    """An idle node measured its disk every second, waking its loop and a worker thread:
+    now as often only when a fast fill (200 MiB/s) could reach the limit by the next
+    look, and every 5 s at most."""
+    from quorumq.node.config import DISK_CHECK_EVERY_S, DISK_CHECK_MOST_S, disk_check_in_s
+
+    mib = 1024 * 1024
+    assert disk_check_in_s(70 * mib, 64 * mib) == DISK_CHECK_EVERY_S
+    assert disk_check_in_s(10 * mib, 64 * mib) == DISK_CHECK_EVERY_S  # the alarm is up
+    assert disk_check_in_s(None, 64 * mib) == DISK_CHECK_EVERY_S
+    assert disk_check_in_s(64 * mib + 600 * mib, 64 * mib) == pytest.approx(3.0)
+    assert disk_check_in_s(100_000 * mib, 64 * mib) == DISK_CHECK_MOST_S
+    assert disk_check_in_s(10 * mib, 0) == DISK_CHECK_MOST_S  # no alarm: status only

@@ -11,7 +11,25 @@ from ..wire.protocol import DEFAULT_MAX_BODY, FRAME_OVERHEAD
 MAX_BODY = MAX_COMMAND_BYTES - FRAME_OVERHEAD
 """The largest `--max-body` a node takes: a body must fit one Raft log entry."""
 DISK_CHECK_EVERY_S = 1.0
-"""How often a node measures its data disk's free space (the disk alarm)."""
+"""How often a node measures its data disk's free space (the disk alarm) when free space
+is near its limit; with room to spare, less often (`disk_check_in_s`)."""
+DISK_CHECK_MOST_S = 5.0
+DISK_FILL_BYTES_S = 200 * 1024 * 1024
+"""A fast fill of the data disk (a node's own journal writes far less, even flat out)."""
+
+
+def disk_check_in_s(free: int | None, limit: int) -> float:
+    """When to measure the data disk again, having found `free` bytes free (None:
+    unreadable) against the disk alarm's `limit` (0: no alarm): before a fill at
+    `DISK_FILL_BYTES_S` could take it from here to the limit, every second at least
+    often, every `DISK_CHECK_MOST_S` at most (an idle node woke twice a second for it,
+    the loop and a worker thread). The simulator measures every second, as near the
+    limit."""
+    if limit <= 0:
+        return DISK_CHECK_MOST_S
+    if free is None:
+        return DISK_CHECK_EVERY_S
+    return min(DISK_CHECK_MOST_S, max(DISK_CHECK_EVERY_S, (free - limit) / DISK_FILL_BYTES_S))
 START_FREE_BYTES = 4 * 1024 * 1024
 """A node starts only with this much free on its data disk (it waits until then: started
 on a full disk it would fail at its first write, and a supervisor would restart it in a

@@ -43,7 +43,7 @@ import trio
 from .. import pathtiming
 from ..machine import Effect
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
-from ..node.config import DISK_CHECK_EVERY_S, START_FREE_BYTES
+from ..node.config import DISK_CHECK_EVERY_S, START_FREE_BYTES, disk_check_in_s
 from ..replica import ConfigError, Replica, file_usage
 from ..wire.inprocess import FrameChannel, open_connection
 from ..wire.protocol import Frame, SizedFrame, encode_frame, keep_alive
@@ -279,11 +279,14 @@ class NodeServer:
             await trio.sleep(DISK_CHECK_EVERY_S)
 
     async def _watch_disk(self) -> None:
-        """Tell the core the data disk's free space every `DISK_CHECK_EVERY_S` (the
-        disk alarm, `NodeCore.disk_free`)."""
+        """Tell the core the data disk's free space (the disk alarm, `NodeCore.disk_free`),
+        every `DISK_CHECK_EVERY_S` near the limit, less often with room to spare
+        (`disk_check_in_s`)."""
+        limit = self.config.min_free_disk_bytes
         while True:
-            self.core.disk_free(await self._free_disk_bytes())
-            await trio.sleep(DISK_CHECK_EVERY_S)
+            free = await self._free_disk_bytes()
+            self.core.disk_free(free)
+            await trio.sleep(disk_check_in_s(free, limit))
 
     async def _free_disk_bytes(self) -> int | None:
         """The data disk's free space (statvfs, off the loop); None if unreadable."""
