@@ -43,6 +43,17 @@ def _int(out: bytearray, value: int) -> None:
         _varint(out, z)
 
 
+def _sized(out: bytearray, raw: bytes, heads: list[bytes], tag: int) -> None:
+    """`raw` after its tag and length: one byte from `heads` for a short one."""
+    n = len(raw)
+    if n < 0x80:
+        out += heads[n]
+    else:
+        out.append(tag)
+        _varint(out, n)
+    out += raw
+
+
 def _encode(out: bytearray, value: Any) -> None:
     # The types in the order a machine snapshot holds most of them (ints, lists and
     # tuples, bytes, strs): snapshots and digests spend their time here.
@@ -67,22 +78,9 @@ def _encode(out: bytearray, value: Any) -> None:
             else:
                 _encode(out, item)
     elif kind is bytes:
-        n = len(value)
-        if n < 0x80:
-            out += _BYTES_HEAD[n]
-        else:
-            out.append(_BYTES)
-            _varint(out, n)
-        out += value
+        _sized(out, value, _BYTES_HEAD, _BYTES)
     elif kind is str:
-        raw = value.encode("utf-8")
-        n = len(raw)
-        if n < 0x80:
-            out += _STR_HEAD[n]
-        else:
-            out.append(_STR)
-            _varint(out, n)
-        out += raw
+        _sized(out, value.encode("utf-8"), _STR_HEAD, _STR)
     elif value is None:
         out.append(_NONE)
     elif value is True:
