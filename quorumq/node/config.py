@@ -30,6 +30,8 @@ def disk_check_in_s(free: int | None, limit: int) -> float:
     if free is None:
         return DISK_CHECK_EVERY_S
     return min(DISK_CHECK_MOST_S, max(DISK_CHECK_EVERY_S, (free - limit) / DISK_FILL_BYTES_S))
+
+
 START_FREE_BYTES = 4 * 1024 * 1024
 """A node starts only with this much free on its data disk (it waits until then: started
 on a full disk it would fail at its first write, and a supervisor would restart it in a
