@@ -34,23 +34,22 @@ def _heads(tag: int) -> list[bytes]:
 _INT_HEAD, _BYTES_HEAD, _STR_HEAD, _LIST_HEAD = (_heads(t) for t in (_INT, _BYTES, _STR, _LIST))
 
 
-def _int(out: bytearray, value: int) -> None:
-    z = (value << 1) if value >= 0 else ((-value << 1) - 1)
-    if z < 0x80:
-        out += _INT_HEAD[z]
-    else:
-        out.append(_INT)
-        _varint(out, z)
-
-
-def _sized(out: bytearray, raw: bytes, heads: list[bytes], tag: int) -> None:
-    """`raw` after its tag and length: one byte from `heads` for a short one."""
-    n = len(raw)
+def _head(out: bytearray, n: int, heads: list[bytes], tag: int) -> None:
+    """A tag and a length (or zigzag int) `n`: one entry of `heads` below 128."""
     if n < 0x80:
         out += heads[n]
     else:
         out.append(tag)
         _varint(out, n)
+
+
+def _int(out: bytearray, value: int) -> None:
+    _head(out, (value << 1) if value >= 0 else ((-value << 1) - 1), _INT_HEAD, _INT)
+
+
+def _sized(out: bytearray, raw: bytes, heads: list[bytes], tag: int) -> None:
+    """`raw` after its tag and length."""
+    _head(out, len(raw), heads, tag)
     out += raw
 
 
@@ -61,12 +60,7 @@ def _encode(out: bytearray, value: Any) -> None:
     if kind is int:
         _int(out, value)
     elif kind is list or kind is tuple:
-        n = len(value)
-        if n < 0x80:
-            out += _LIST_HEAD[n]
-        else:
-            out.append(_LIST)
-            _varint(out, n)
+        _head(out, len(value), _LIST_HEAD, _LIST)
         for item in value:
             if type(item) is int:  # half of a snapshot's values: `_int`, inlined
                 z = (item << 1) if item >= 0 else ((-item << 1) - 1)
