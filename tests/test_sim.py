@@ -862,6 +862,31 @@ def test_a_refused_record_that_lands_is_a_phantom_even_if_nobody_receives_it() -
         assert [v.kind for v in checker.violations] == ["phantom"]
 
 
+IDLE_SEEDS = range(40)
+IDLE_BURSTS = (3.0, 6.0)
+"""The idle sweep's producers publish 3 s, then rest 6 s, in turn: a third of the time
+the cluster is busy, and from about 1.5 s into each rest it is quiet (`quiescence`)."""
+
+
+def idle_config(seed: int) -> RunConfig:
+    """`ci_config` with producers that rest (`IDLE_BURSTS`): faults strike quiet clusters
+    too, where the leader heartbeats every 0.5 s and followers wait that much longer."""
+    workload = attrs.evolve(ci_config(seed).workload, bursts=IDLE_BURSTS)
+    return ci_config(seed, workload=workload)
+
+
+@pytest.mark.slow
+def test_idle_sweep_faults_on_quiet_clusters_every_seed_passes() -> None:
+    """Every check, the liveness bounds among them, on clusters that go quiet between
+    bursts: a lost leader, a partition or a pause must be noticed and healed as on a
+    busy one, within the bounds the liveness checks hold every run to."""
+    with ProcessPoolExecutor(2) as pool:
+        outcomes = list(pool.map(outcome, [idle_config(s) for s in IDLE_SEEDS]))
+    failed = [o for o in outcomes if not o.ok]
+    assert not failed, "\n\n".join(o.summary for o in failed[:3])
+    assert min(o.faults for o in outcomes) >= 20
+
+
 @pytest.mark.slow
 def test_ci_sweep_every_seed_passes_with_at_least_20_faults() -> None:
     with ProcessPoolExecutor(2) as pool:
