@@ -85,6 +85,7 @@ class SimMember(RaftRules):
             or disk.files.read(disk.JOURNAL + ".meta") is not None,
         )
         self.name = name
+        self.keep_identity_in(disk.files, "/")
         self.address = address = peers[name]
         self.network = network
         self._on_change_cluster = on_change_cluster
@@ -112,6 +113,7 @@ class SimMember(RaftRules):
         )
         others = [network.node(a) for n, a in peers.items() if n != name]
         super().__init__(network.node(address), others, conf, transport=self.transport)
+        self.announce_identity()
         self.journal: DurableJournal = self._SyncObj__raftLog
         self.check_stored_state()
         self.poller = SimPoller(network, address, self)
@@ -123,6 +125,9 @@ class SimMember(RaftRules):
         process stops there (`pause_mid_tick`); the tick's rest runs when it resumes."""
         self.duties_deferred = False
         self.addOnTickCallback(self._tick_callback)
+
+    def new_cluster_identity(self) -> str:
+        return f"{self.network.world.identity_random.getrandbits(128):032x}"
 
     def _onTick(self, time_to_wait: float = 0.0) -> None:
         if self._SyncObj__needLoadDumpFile:

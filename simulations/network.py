@@ -85,7 +85,12 @@ class SimTransport(Transport):  # type: ignore[misc]
         self.name = name
         self.known = {n for n in known if n != name}
 
+    announce: Callable[[dict[str, Any]], None] | None = None
+    """Stamps every message sent, as the real transport does (`stamp_identity`)."""
+
     def send(self, node: Any, message: Any) -> bool:
+        if self.announce is not None and type(message) is dict:
+            self.announce(message)
         return self.network.send(self.name, str(node.id), message)
 
     def addNode(self, node: Any) -> None:  # noqa: N802 (PySyncObj's name)

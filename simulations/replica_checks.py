@@ -27,6 +27,7 @@ from quorumq.machine import (
     Ok,
     Subscribe,
 )
+from quorumq.raft.cluster_identity import FOREIGN_STOP
 
 from .names import QUEUE
 from .world import WALL_EPOCH_MS, World, seconds
@@ -137,6 +138,9 @@ class CheckerState:
         checked (a tick that changed none of them has nothing new to check)."""
         self.config_changes: Counter[str] = Counter()
         """Configuration changes leaders accepted (appended) and refused."""
+        self.cluster_identity: str | None = None
+        """The identity the first node that knew one knew (`identity`)."""
+        self._identities_reported: set[tuple[str, str]] = set()
         self._config_overlaps: set[tuple[str, tuple[int, ...]]] = set()
         self.subscribers: dict[str, bool] = {}
         """The queue's consumers in subscription order, and whether each was cancelled:
@@ -213,6 +217,9 @@ class ReplicaChecks(CheckerState):
         """Committed entries agree (`log`); no log holds two configuration changes past
         the commit index (`config`)."""
         member = node.member
+        identity = member.cluster_identity
+        if identity is not None and identity != self.cluster_identity:
+            self._check_identity(node.name, identity)
         log = member.journal
         length, commit = len(log), member.raftCommitIndex
         seen = (commit, length, log[length - 1] if length else None)
@@ -239,13 +246,28 @@ class ReplicaChecks(CheckerState):
                     f"changes (at {sorted(changes)}; committed up to {committed})",
                 )
 
+    def _check_identity(self, name: str, identity: str) -> None:
+        """Every node of the run's one cluster knows the same identity, once it knows
+        one (`identity`)."""
+        if self.cluster_identity is None:
+            self.cluster_identity = identity
+        elif (name, identity) not in self._identities_reported:
+            self._identities_reported.add((name, identity))
+            self.violation(
+                "identity",
+                f"{name} knows cluster identity {identity}, another node {self.cluster_identity}",
+            )
+
     def on_refused(self, name: str, reason: str) -> None:
         """A node refused to start from a damaged disk: what it must do (never a cut)."""
         self.refused_starts += 1
 
     def on_fatal(self, name: str, reason: str) -> None:
-        """A node stopped itself: a journal write or sync failed."""
+        """A node stopped itself: a journal write or sync failed (never because it took
+        its own cluster for another: `foreign`)."""
         self.fatal_stops += 1
+        if reason.startswith(FOREIGN_STOP):
+            self.violation("foreign", f"{name} stopped as of another cluster: {reason}")
 
     def on_snapshot_loaded(self, node: SimNode, applied: int, index: int) -> None:
         if index < applied:

@@ -79,6 +79,9 @@ class World:
         self._counter = 0
         self.events_run = 0
         self.raft_random = self.stream("raft")
+        self.identity_random = self.stream("cluster identities")
+        """Where leaders draw cluster identities (a stream of its own: drawing one moves
+        no other part of the run)."""
         self._trace = hashlib.sha256()
         self._trace_pending: list[str] = []
         """Trace lines not hashed yet: hashed in batches (`_hash_pending`), which gives

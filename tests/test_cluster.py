@@ -327,6 +327,62 @@ def test_a_node_with_a_flipped_journal_byte_refuses_to_start_and_nothing_is_lost
             assert [m.offset for m in read] == confirmed, node
 
 
+def test_a_node_restored_beside_nodes_started_empty_stops_and_they_go_on() -> None:
+    """The operator's mistake the danger box on the operating page describes: one node's
+    data restored, the others' moved away. B and C start empty, choose a cluster
+    identity of their own and take new messages; A, started from its old data, drops
+    their messages (they drop its), stops with one line saying what to do, and mixes
+    nothing into theirs (before the identity it diverged in silence, or its tick failed
+    at every message)."""
+    with Cluster(3) as cluster:
+        client = cluster.client("A")
+        client.declare("q")
+        old = [client.publish("q", b"old %d" % i) for i in range(20)]
+        client.close()
+        wait_for(
+            lambda: (
+                len({cluster.status(n)["cluster"] for n in cluster.nodes} - {None}) == 1
+                and all(cluster.status(n)["cluster"] for n in cluster.nodes)
+            ),
+            "every node knowing the cluster identity",
+            15,
+        )
+        identity = cluster.status("A")["cluster"]
+        for node in cluster.nodes:
+            cluster.kill(node)
+        for node in ("B", "C"):
+            (cluster.root / node).rename(cluster.root / f"{node}.moved-away")
+            cluster.restart(node)
+        cluster.leader()
+        wait_for(
+            lambda: all(cluster.status(n)["cluster"] for n in ("B", "C")),
+            "B and C choosing an identity",
+            15,
+        )
+        new_identity = cluster.status("B")["cluster"]
+        assert new_identity != identity
+        fresh = cluster.client("B")
+        fresh.declare("q")
+        new = [fresh.publish("q", b"new %d" % i) for i in range(5)]
+        fresh.close()
+        try:
+            cluster.restart("A")
+        except RuntimeError as e:
+            assert "exited" in str(e)  # it may stop before it says it is ready
+        wait_for(lambda: not cluster.alive("A"), "A stopping", 20)
+        log = cluster.log_path("A").read_text(errors="replace")
+        assert f"this node's data belongs to cluster {identity}" in log
+        assert f"hold another (cluster {new_identity};" in log
+        assert "move its data directory away and start it again empty" in log
+        for node in ("B", "C"):
+            read = cluster.client(node).read("q", 0, 1000)
+            assert [m.body for m in read] == [b"new %d" % i for i in range(5)], node
+        assert [m.offset for m in cluster.client("B").read("q", 0, 1000)] == new
+        assert len(old) == 20
+        digests = {cluster.status(n, audit=True)["digest"] for n in ("B", "C")}
+        assert len(digests) == 1
+
+
 def test_a_leader_paused_past_the_node_down_grace_marks_no_healthy_node_down() -> None:
     """Issue 27: a leader SIGSTOPped 4 s with a 3 s grace, publishers running, came back
     and proposed `NodeDown` for every peer at once (it judged them silent from answers

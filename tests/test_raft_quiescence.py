@@ -29,7 +29,9 @@ cluster = elections.cluster
 
 def _quiet_leader(member: Any, peers: list[Any], clock: Clock) -> None:
     """Leading, its log (PySyncObj's first entry and its own no-op) committed, applied,
-    held by both peers, who said hello and answered just now."""
+    held by both peers, who said hello and answered just now; of a cluster that chose
+    its identity (a leader that knows none proposes one, and is busy until then)."""
+    member.cluster_identity = "0123456789abcdef0123456789abcdef"
     member._SyncObj__onBecomeLeader()
     last = member._SyncObj__getCurrentLogIndex()
     member._SyncObj__raftCommitIndex = member._SyncObj__raftLastApplied = last

@@ -435,7 +435,13 @@ def test_every_process_file_is_ours(cluster: Cluster) -> None:
     cluster.leader().submit(Declare(queue="q"))
     wait_for(cluster.converged, "convergence")
     names = set(os.listdir(cluster.root / "A"))
-    assert names <= {"raft.log", "raft.log.meta", "snapshot", "first-configuration"}, names
+    assert names <= {
+        "raft.log",
+        "raft.log.meta",
+        "snapshot",
+        "first-configuration",
+        "cluster-identity",
+    }, names
 
 
 def test_a_proposal_that_gets_no_outcome_is_answered_once_after_the_timeout(

@@ -254,6 +254,9 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
             rows.append((known or "~", [*cells, node.endpoint, note]))
             continue
         notes = []
+        cluster, leaders = status.get("cluster"), (leader or {}).get("cluster")
+        if cluster and leaders and cluster != leaders:
+            notes.append(f"of another cluster ({cluster[:8]}, the leader's {leaders[:8]})")
         down = status.get("down_nodes") or []
         if down:
             notes.append(f"sees down: {', '.join(down)}")

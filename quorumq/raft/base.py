@@ -32,6 +32,10 @@ RAW_COMMAND = 4
 RAW_PREFIX = bytes([RAW_COMMAND])
 MEMBERSHIP_PREFIX = bytes([2])
 """PySyncObj's command type of a configuration change (`_COMMAND_TYPE.MEMBERSHIP`)."""
+NO_OP_COMMAND = 1
+NO_OP_PREFIX = bytes([NO_OP_COMMAND])
+"""PySyncObj's no-op command type (`_COMMAND_TYPE.NO_OP`), applied as nothing by it:
+a new leader's first entry, and the cluster's identity (`cluster_identity`)."""
 MAX_COMMAND_BYTES = 3 * 1024 * 1024
 """Commands must stay below PySyncObj's AppendEntries batch size (4 MiB here): its chunked
 path for bigger single commands is broken."""
@@ -394,6 +398,16 @@ QUIET = "quorumq_quiet"
 QUIET_TIME = "quorumq_quiet_time"
 """In a quiet heartbeat: the leader's clock when it sent it (ms), which a follower
 credits if it takes over (`LeaderClock.heard`)."""
+CLUSTER = "quorumq_cluster"
+"""In every Raft message of a node that keeps a cluster identity: the identity it
+knows, or "" (`cluster_identity`)."""
+PREV_CRC = "quorumq_prev_crc"
+"""In an AppendEntries: the CRC-32 of the leader's entry at `prevLogIdx`, which a
+follower holding an entry of that index and term compares with its own
+(`cluster_identity`: two histories attach nowhere silently)."""
+IDENTITY_ENTRY = "quorumq_identity_entry"
+"""In every Raft message whose sender's log holds the cluster's identity entry: [its
+index, its term, the identity] (`cluster_identity`)."""
 QUIESCES = "quorumq_quiesces"
 """In a hello: the sender reads quiet heartbeats (a leader quiets only when all do)."""
 

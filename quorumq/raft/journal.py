@@ -78,6 +78,8 @@ _LEGACY_ENTRY = struct.Struct("<QQ")
 _META_MAGIC = b"QQM1"
 
 Entry = tuple[bytes, int, int]
+_NO_OP = bytes([1])
+"""PySyncObj's no-op command type (a new leader's first entry of its term)."""
 
 
 class JournalDamagedError(Exception):
@@ -266,6 +268,9 @@ class DurableJournal:
         self._fd = self._open(meta_found)
         self.last_index_at_open = self._last_index()
         self._replay = ReplayBoundary(self._entries)
+        self.carrying_no_op = next(
+            (e for e in reversed(self._entries) if e[0][:1] == _NO_OP and len(e[0]) > 1), None
+        )
 
     @property
     def _seed(self) -> int:
@@ -495,8 +500,21 @@ class DurableJournal:
 
     # ------------------------------------------------------ PySyncObj Journal
 
+    next_no_op: bytes | None = None
+    """Set by a new leader around PySyncObj's no-op append: the command it writes in
+    place of the bare no-op (the cluster's identity, `cluster_identity`)."""
+    carrying_no_op: Entry | None = None
+    """The last no-op entry of the log that carries a payload (the cluster's identity),
+    if the log holds one, or compacted it away since it was opened; None once cut or
+    replaced, and None at open if the entries on disk hold none."""
+
     def add(self, command: bytes, idx: int, term: int) -> None:
         self._check_usable()
+        if command[:1] == _NO_OP:
+            if self.next_no_op is not None and command == _NO_OP:
+                command, self.next_no_op = self.next_no_op, None
+            if len(command) > 1:
+                self.carrying_no_op = (bytes(command), idx, term)
         entry = (bytes(command), idx, term)
         self._replay.added(idx, term)
         if not self._reset:
@@ -513,6 +531,7 @@ class DurableJournal:
         self._check_usable()
         self._entries = []
         self._ends = []
+        self.carrying_no_op = None
         self._reset = True
         self._dirty = True
         if not self.durable:
@@ -530,6 +549,9 @@ class DurableJournal:
         if not self._reset:
             self._truncate(self._ends[entry_from - 1] if entry_from else _START)
             del self._ends[entry_from:]
+        carried = self.carrying_no_op
+        if carried is not None and carried[1] >= self._entries[entry_from][1]:
+            self.carrying_no_op = None
         del self._entries[entry_from:]
         self._dirty = True
 

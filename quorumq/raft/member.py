@@ -136,6 +136,7 @@ class RaftMember(RaftRules):
             holds_raft_state=os.path.exists(journal_path + ".meta")
             or os.path.exists(snapshot_path),
         )
+        self.keep_identity_in(OS_FILES, data_dir)
         self.journal = DurableJournal(
             journal_path, durable=fsync != "never", strict=fsync == "always"
         )
@@ -193,6 +194,7 @@ class RaftMember(RaftRules):
             if isinstance(e, SyncObjException) and "BindError" in str(e.errorCode):
                 raise OSError(f"cannot listen for Raft traffic on {address} (in use?)") from None
             raise
+        self.announce_identity()
         try:
             self.check_stored_state()
         except Exception:

@@ -99,6 +99,7 @@ from .base import (
     MAX_REACHED,
     MEMBERS,
     MEMBERSHIP_PREFIX,
+    NO_OP_PREFIX,
     PEER_KEEPALIVE_S,
     PRE_VOTE,
     PRE_VOTE_ANSWER,
@@ -133,6 +134,7 @@ from .base import (
     trim_known_entries,
     wall_clock_ms,
 )
+from .cluster_identity import ClusterIdentity
 from .elections import Elections
 from .membership import MembershipRules
 from .proposing import Proposing
@@ -142,7 +144,7 @@ from .receiving import Receiving
 logger = logging.getLogger(__name__)
 
 
-class RaftRules(Quiescence, Proposing, Receiving, Elections, MembershipRules):
+class RaftRules(ClusterIdentity, Quiescence, Proposing, Receiving, Elections, MembershipRules):
     """PySyncObj with quorumq's Raft rules. Subclasses give `apply_raw` and
     `make_durable`, call `push_commit_index` and `keep_peer_connections_alive` from a tick
     callback, and ask
@@ -254,6 +256,9 @@ class RaftRules(Quiescence, Proposing, Receiving, Elections, MembershipRules):
             # committed undid later changes (add D, remove D, add D: D removed until
             # the last add was committed too)
             return None
+        if command[:1] == NO_OP_PREFIX:
+            self._applied_no_op(command)  # (the cluster's identity, if it carries one)
+            return None
         if command[:1] == RAW_PREFIX:
             index = self.raftLastApplied + 1
             try:
@@ -326,6 +331,7 @@ __all__ = [
     "MAX_REACHED",
     "MEMBERS",
     "MEMBERSHIP_PREFIX",
+    "NO_OP_PREFIX",
     "PEER_KEEPALIVE_S",
     "PRE_VOTE",
     "PRE_VOTE_ANSWER",

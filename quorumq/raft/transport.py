@@ -15,6 +15,7 @@ import pickle
 import socket
 import struct
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import pysyncobj.tcp_connection as _tcp
@@ -144,6 +145,14 @@ class Transport(TCPTransport):  # type: ignore[misc]
     whichever side dials. (A peer that dies or restarts mid-handshake hangs up once.)"""
 
     HANG_UPS_BEFORE_WARNING = 3
+    announce: Callable[[dict[str, Any]], None] | None = None
+    """Stamps every message sent with what the member says of its cluster identity
+    (`ClusterIdentity.stamp_identity`)."""
+
+    def send(self, node: Any, message: Any) -> bool:
+        if self.announce is not None and type(message) is dict:
+            self.announce(message)
+        return bool(super().send(node, message))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._handshaking: set[int] = set()

@@ -628,6 +628,7 @@ class Replica:
             down = sorted(self.machine.down_nodes())
         return {
             "node": self.node_id,
+            "cluster": member.cluster_identity,
             "leader": node_of_address.get(leader) if leader else None,
             "is_leader": member.is_leader(),
             "role": member.role(),
