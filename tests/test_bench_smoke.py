@@ -99,17 +99,35 @@ def test_the_path_breakdown_joins_the_marks_of_every_process() -> None:
     assert "| follower's fdatasync done | follower |" in out, out
 
 
-def test_the_embedded_benchmark_measures_both_paths_side_by_side() -> None:
-    """`benchmarks/bench_embedded.py`, small: node A in the benchmark's process (and
-    leading), B and C node processes; both paths measured, the ratios printed."""
-    command = [sys.executable, "-m", "benchmarks.bench_embedded", "--seconds", "1"]
-    command += ["--messages", "500", "--rounds", "1", "--rate", "300", "--fsync", "never"]
+def _run_benchmark(module: str, *options: str) -> str:
+    """`python -m benchmarks.<module> <options>` from the checkout: its output, after
+    checking that it exited 0 (within 240 s)."""
+    command = [sys.executable, "-m", f"benchmarks.{module}", *options]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
+    return out
+
+
+def test_the_embedded_benchmark_measures_both_paths_side_by_side() -> None:
+    """`benchmarks/bench_embedded.py`, small: node A in the benchmark's process (and
+    leading), B and C node processes; both paths measured, the ratios printed."""
+    out = _run_benchmark(
+        "bench_embedded",
+        "--seconds",
+        "1",
+        "--messages",
+        "500",
+        "--rounds",
+        "1",
+        "--rate",
+        "300",
+        "--fsync",
+        "never",
+    )
     assert "| in-process | 1 |" in out and "| tcp | 1 |" in out, out
     assert "in-process / tcp (medians of the rounds): p50 " in out, out
 
@@ -117,14 +135,9 @@ def test_the_embedded_benchmark_measures_both_paths_side_by_side() -> None:
 def test_the_reads_benchmark_measures_publishes_under_each_load_of_waiting_reads() -> None:
     """`benchmarks/bench_reads.py`, small: one node process, a few connections of
     waiting reads, each load's publishes measured."""
-    command = [sys.executable, "-m", "benchmarks.bench_reads", "--connections", "3"]
-    command += ["--reads", "4", "--seconds", "0.5", "--rate", "100"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env
+    out = _run_benchmark(
+        "bench_reads", "--connections", "3", "--reads", "4", "--seconds", "0.5", "--rate", "100"
     )
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
     for load in ("none", "idle queue", "same queue"):
         assert f"| this tree | {load} | " in out, out
 
@@ -132,13 +145,14 @@ def test_the_reads_benchmark_measures_publishes_under_each_load_of_waiting_reads
 def test_the_idle_benchmark_measures_cpu_and_both_failovers() -> None:
     """`benchmarks/bench_idle.py`, small: three node processes, short idle samples, one
     failover of each kind (the nodes it stops and kills, it starts again and stops)."""
-    command = [sys.executable, "-m", "benchmarks.bench_idle", "--seconds", "1"]
-    command += ["--kills", "1", "--messages", "10"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env
-    )
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
+    out = _run_benchmark("bench_idle", "--seconds", "1", "--kills", "1", "--messages", "10")
     for line in ("idle, fresh:", "idle, after traffic:", "idle leader SIGKILL:", "SIGSTOP:"):
+        assert line in out, out
+
+
+def test_the_roles_benchmark_measures_each_roles_cpu_and_projects_it() -> None:
+    """`benchmarks/bench_roles.py`, small: three node processes, each workload once, the
+    per-role CPU and the projection for 3, 9 and 27 nodes."""
+    out = _run_benchmark("bench_roles", "--messages", "400", "--repeat", "1", "--seconds", "1")
+    for line in ("| publish-confirm | ", "| end to end | ", "| paced 1,000 msg/s | 27 | "):
         assert line in out, out
