@@ -155,6 +155,7 @@ class ClusterIdentity(RaftFields):
     _foreign_error: ForeignClusterError | None = None
     """Set once no majority can form without peers of another history: the next tick
     raises it, and the member stops."""
+    _crc_of: tuple[bytes | None, int] = (None, 0)
     _stamped_entry: tuple[Any, list[Any] | None] = (None, None)
     """(the journal's identity entry, what messages say of it), kept from message to
     message."""
@@ -191,10 +192,19 @@ class ClusterIdentity(RaftFields):
             self._stamped_entry = (carried, said)
         if said is not None:
             message[IDENTITY_ENTRY] = said
-        if message.get("type") == "append_entries" and "prevLogIdx" in message:
+        if "prevLogIdx" in message and message.get("type") == "append_entries":
             held = self._held(message["prevLogIdx"], message.get("prevLogTerm"))
             if held is not None:
-                message[PREV_CRC] = zlib.crc32(held)
+                message[PREV_CRC] = self._crc(held)
+
+    def _crc(self, command: bytes) -> int:
+        """The CRC-32 of `command`, an entry's, kept for the same entry (a leader names
+        one entry to a follower at every heartbeat; a follower is named its last)."""
+        cached, crc = self._crc_of
+        if cached is not command:
+            crc = zlib.crc32(command)
+            self._crc_of = (command, crc)
+        return crc
 
     def new_cluster_identity(self) -> str:
         """A fresh identity (the simulator draws it from its world's randomness)."""
@@ -248,6 +258,9 @@ class ClusterIdentity(RaftFields):
             return
         if self._foreign(node, message):
             return
+        if self.cluster_identity is not None:
+            super()._SyncObj__onMessageReceived(node, message)
+            return
         applied = self.raftLastApplied
         super()._SyncObj__onMessageReceived(node, message)
         if (
@@ -289,16 +302,20 @@ class ClusterIdentity(RaftFields):
         another history is not heard at all for `FOREIGN_WINDOW_S`: a leader whose
         snapshots are dropped would otherwise hold its followers with heartbeats that
         they refuse, and nobody would elect."""
-        seen = self._foreign_peers.get(node)
-        if seen is not None and _syncobj.monotonicTime() - seen[1] <= FOREIGN_WINDOW_S:
-            return True
+        peers = self.__dict__.get("_foreign_peers_")
+        if peers:
+            seen = peers.get(node)
+            if seen is not None and _syncobj.monotonicTime() - seen[1] <= FOREIGN_WINDOW_S:
+                return True
         known = self.cluster_identity
         append = message.get("type") == "append_entries"
         said = message.get(CLUSTER)
-        if known is not None and valid_identity(said) and said != known:
+        if said != known and known is not None and valid_identity(said):
             return self._heard_foreign(node, said, "it knows another identity")
         entry = message.get(IDENTITY_ENTRY)
-        if type(entry) is list and len(entry) == 3 and valid_identity(entry[2]):
+        if entry is None or entry == self._stamped_entry[1]:
+            pass  # none named, or the very entry this node names (held by the same history)
+        elif type(entry) is list and len(entry) == 3 and valid_identity(entry[2]):
             index, term, theirs = entry
             held = self._held(index, term)
             if held is not None and held != identity_no_op(theirs):
@@ -313,7 +330,7 @@ class ClusterIdentity(RaftFields):
             crc = message.get(PREV_CRC)
             if type(crc) is int:
                 held = self._held(message.get("prevLogIdx"), message.get("prevLogTerm"))
-                if held is not None and zlib.crc32(held) != crc:
+                if held is not None and self._crc(held) != crc:
                     index = message.get("prevLogIdx")
                     return self._heard_foreign(node, "", f"its entry {index} differs")
             log = self._SyncObj__raftLog
