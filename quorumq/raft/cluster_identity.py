@@ -32,24 +32,28 @@ tell the histories apart.
   node that knows an identity drops every message that says it knows another; and an
   AppendEntries whose leader's log holds another's identity entry, or that carries one
   (a leader's log holds every committed entry, so the identity entry this node applied
-  is the one in its leader's log); and a snapshot from a leader that says it knows none
-  (it would replace what this node applied with what it cannot match). A message
-  without the keys comes from an earlier version and is read as before.
+  is the one in its leader's log). A message without the keys comes from an earlier
+  version and is read as before.
 * **A peer of another history is not heard** for `FOREIGN_WINDOW_S` after it showed it:
-  a leader whose snapshots are dropped would otherwise hold its followers with
-  heartbeats they refuse, and nobody would elect.
+  a restored leader whose colliding AppendEntries are dropped would otherwise hold its
+  followers with heartbeats that name no entry they hold, and nobody would elect.
 * **The odd one out stops.** A node that heard so many of its configuration's other
   members of another history (each within `FOREIGN_WINDOW_S`) that no majority can form
   without them stops with `ForeignClusterError`, saying what to do; the others only
   drop its messages, so a cluster goes on beside a wrongly restored node, its terms not
   raised by the restored node's campaigns.
 
-What it does not catch: two histories of which no node knows an identity (data from
-before the identity, or a cluster that compacted its logs before it was upgraded: it
-draws none) and that share no entry of the same index and term, or attach at an entry
-of the same bytes in both (a plain no-op); there Raft's own rule decides, by log length
-and term, which history the nodes keep. A cluster upgraded after its first compaction
-(50,000 entries by default) has no identity: only the log-matching checks guard it.
+What it does not catch: a leader that knows no identity and whose log shares no entry
+of the same index and term with a follower's (data from before the identity, or a
+cluster that compacted its logs before it was upgraded: it draws none) sends that
+follower its snapshot, and the follower takes it even if it knows an identity (a
+snapshot from a leader that knows none is what a follower that knew the identity
+needs after a rolling upgrade: refusing it left such a node behind for good, and a
+live majority without a leader); and two histories that attach at an entry of the
+same bytes in both (a plain no-op). There Raft's own rule decides, by log length and
+term, which whole history the nodes keep; none mixes the two. A cluster upgraded after
+its first compaction (50,000 entries by default) has no identity: only the
+log-matching checks guard it.
 """
 
 from __future__ import annotations
@@ -299,9 +303,9 @@ class ClusterIdentity(RaftFields):
 
     def _foreign(self, node: Any, message: dict[str, Any]) -> bool:
         """Whether `message` comes from another history (dropped unread). A peer found of
-        another history is not heard at all for `FOREIGN_WINDOW_S`: a leader whose
-        snapshots are dropped would otherwise hold its followers with heartbeats that
-        they refuse, and nobody would elect."""
+        another history is not heard at all for `FOREIGN_WINDOW_S`: a restored leader
+        whose colliding AppendEntries are dropped would otherwise hold its followers with
+        the heartbeats that name no entry they hold, and nobody would elect."""
         peers = self.__dict__.get("_foreign_peers_")
         if peers:
             seen = peers.get(node)
@@ -313,8 +317,8 @@ class ClusterIdentity(RaftFields):
         if said != known and known is not None and valid_identity(said):
             return self._heard_foreign(node, said, "it knows another identity")
         entry = message.get(IDENTITY_ENTRY)
-        if entry is None or entry == self._stamped_entry[1]:
-            pass  # none named, or the very entry this node names (held by the same history)
+        if entry is None or (entry == self._stamped_entry[1] and entry[2] == known):
+            pass  # none named, or the very entry this node names, of the identity it knows
         elif type(entry) is list and len(entry) == 3 and valid_identity(entry[2]):
             index, term, theirs = entry
             held = self._held(index, term)
@@ -322,10 +326,6 @@ class ClusterIdentity(RaftFields):
                 return self._heard_foreign(node, theirs, f"its entry {index} differs")
             if append and known is not None and theirs != known:
                 return self._heard_foreign(node, theirs, "its leader's log holds another")
-        if append and known is not None and said == "" and "serialized" in message:
-            # a snapshot would replace what this node applied with a history it cannot
-            # match: from a leader that knows no identity, it is taken from no one
-            return self._heard_foreign(node, "", "it sends a snapshot knowing no identity")
         if append:
             crc = message.get(PREV_CRC)
             if type(crc) is int:
