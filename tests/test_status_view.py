@@ -169,3 +169,22 @@ def test_a_cluster_is_ready_once_every_node_answers_one_leads_and_none_lags() ->
     assert not_ready(_reading(A=(14, 14), B=(12, 12), C=None), first) == "no status from C:1"
     no_leader = _reading(B=(10, 10), C=(10, 10))
     assert not_ready(no_leader, no_leader) == "no node leads yet"
+
+
+def test_a_node_of_another_cluster_or_knowing_one_its_leader_does_not_has_a_note() -> None:
+    from quorumq.ops.status_view import identity_note
+
+    leader = {**_status("A", leader=True), "cluster": "9f2c" * 8}
+    assert identity_note({**_status("B"), "cluster": "9f2c" * 8}, leader) is None
+    assert identity_note({**_status("B"), "cluster": None}, leader) is None  # learning
+    assert identity_note({**_status("B"), "cluster": "41d7" * 8}, leader) == (
+        "of another cluster (41d741d7, the leader's 9f2c9f2c)"
+    )
+    unknowing = {**_status("A", leader=True), "cluster": None}
+    assert identity_note({**_status("B"), "cluster": "41d7" * 8}, unknowing) == (
+        "knows cluster 41d741d7, the leader none"
+    )
+    older = _status("A", leader=True)  # a version without the identity says nothing
+    assert identity_note({**_status("B"), "cluster": "41d7" * 8}, older) is None
+    assert identity_note(leader, leader) is None
+    assert identity_note({**_status("B"), "cluster": "41d7" * 8}, None) is None

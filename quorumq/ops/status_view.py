@@ -212,6 +212,21 @@ def _others(clients: Any) -> Any:
     return max(clients - 1, 0) if isinstance(clients, int) else clients
 
 
+def identity_note(status: Mapping[str, Any], leader: Mapping[str, Any] | None) -> str | None:
+    """A node's note on its cluster identity against its leader's: of another cluster
+    (restored beside nodes started empty, or another cluster's data), or knowing one
+    the leader does not (a leader of a cluster upgraded after compacting, which draws
+    none; or of another history, which the node then does not follow)."""
+    mine, theirs = status.get("cluster"), (leader or {}).get("cluster")
+    if not mine or leader is None or status is leader:
+        return None
+    if theirs and mine != theirs:
+        return f"of another cluster ({mine[:8]}, the leader's {theirs[:8]})"
+    if not theirs and "cluster" in leader:
+        return f"knows cluster {mine[:8]}, the leader none"
+    return None
+
+
 def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
     """One row per node: role, Raft term, commit and applied index, its lag (entries
     the leader has committed that it has not applied yet) and its client connections
@@ -254,9 +269,9 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
             rows.append((known or "~", [*cells, node.endpoint, note]))
             continue
         notes = []
-        cluster, leaders = status.get("cluster"), (leader or {}).get("cluster")
-        if cluster and leaders and cluster != leaders:
-            notes.append(f"of another cluster ({cluster[:8]}, the leader's {leaders[:8]})")
+        identity = identity_note(status, leader)
+        if identity:
+            notes.append(identity)
         down = status.get("down_nodes") or []
         if down:
             notes.append(f"sees down: {', '.join(down)}")
