@@ -67,9 +67,8 @@ from typing import Any, TypeGuard
 
 import pysyncobj.syncobj as _syncobj
 
-from ..machine import encoding
 from .base import CLUSTER, IDENTITY_ENTRY, NO_OP_PREFIX, PREV_CRC, Entry, RaftFields
-from .files import Files, write_atomically
+from .files import Files, decode_record, encode_record, write_atomically
 from .journal import JournalDamagedError, JournalFailedError
 
 logger = logging.getLogger(__name__)
@@ -110,27 +109,16 @@ def identity_in(command: bytes) -> str | None:
 
 
 def encode_identity(identity: str) -> bytes:
-    payload = encoding.encode({"format": _FORMAT, "version": _VERSION, "identity": identity})
-    return _MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload
+    return encode_record(_MAGIC, {"format": _FORMAT, "version": _VERSION, "identity": identity})
 
 
 def decode_identity(data: bytes, source: str) -> str:
     """The identity `encode_identity` wrote; `ValueError` naming `source` otherwise."""
-    payload = data[8:]
-    if data[:4] != _MAGIC or zlib.crc32(payload) != int.from_bytes(data[4:8], "little"):
-        raise ValueError(f"{source} is damaged or not a quorumq cluster identity")
-    try:
-        value = encoding.decode(payload)
-    except ValueError as e:
-        raise ValueError(f"{source} cannot be read ({e})") from None
-    if not (
-        isinstance(value, dict)
-        and value.get("format") == _FORMAT
-        and value.get("version") == _VERSION
-        and valid_identity(value.get("identity"))
-    ):
+    value = decode_record(data, source, _MAGIC, _FORMAT, "a quorumq cluster identity")
+    identity = value.get("identity")
+    if value.get("version") != _VERSION or not valid_identity(identity):
         raise ValueError(f"{source} is not a quorumq cluster identity of version {_VERSION}")
-    return str(value["identity"])
+    return identity
 
 
 def load_identity(files: Files, data_dir: str) -> str | None:

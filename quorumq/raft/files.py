@@ -12,7 +12,10 @@ Descriptors are ints, as the os module's are. `write` may write less than it was
 from __future__ import annotations
 
 import os
-from typing import Protocol
+import zlib
+from typing import Any, Protocol
+
+from ..machine import encoding
 
 
 class Files(Protocol):
@@ -118,3 +121,29 @@ def write_atomically(files: Files, path: str, data: bytes, *, durable: bool = Tr
     files.replace(tmp, path)
     if durable:
         files.sync_directory(os.path.dirname(path))
+
+
+def encode_record(magic: bytes, fields: dict[str, Any]) -> bytes:
+    """A small checksummed file's bytes (a node's first configuration, its cluster
+    identity): `magic` (4 bytes), the CRC-32 of the payload, the payload (`fields` in
+    our encoding, with their `format` and `version`)."""
+    payload = encoding.encode(fields)
+    return magic + zlib.crc32(payload).to_bytes(4, "little") + payload
+
+
+def decode_record(data: bytes, source: str, magic: bytes, form: str, what: str) -> dict[str, Any]:
+    """The fields `encode_record` wrote with `magic` and `format` `form`, read from
+    `source`; `ValueError` naming `source` and what is wrong (`what`: "a quorumq first
+    configuration") otherwise. Their version is the caller's to check."""
+    if data[:4] != magic or len(data) < 8:
+        raise ValueError(f"{source} is not {what}")
+    payload = data[8:]
+    if zlib.crc32(payload) != int.from_bytes(data[4:8], "little"):
+        raise ValueError(f"{source} fails its checksum: it is damaged")
+    try:
+        value = encoding.decode(payload)
+    except ValueError as e:
+        raise ValueError(f"{source} cannot be read ({e})") from None
+    if not isinstance(value, dict) or value.get("format") != form:
+        raise ValueError(f"{source} is not {what}")
+    return value

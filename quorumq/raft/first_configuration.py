@@ -48,11 +48,9 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from collections.abc import Mapping
 
-from ..machine import encoding
-from .files import Files, write_atomically
+from .files import Files, decode_record, encode_record, write_atomically
 from .journal import JournalDamagedError
 
 logger = logging.getLogger(__name__)
@@ -78,24 +76,13 @@ class PeersChangedError(Exception):
 
 def encode_first_configuration(members: Mapping[str, str]) -> bytes:
     """The record's bytes: magic, CRC-32 of the payload, the payload."""
-    payload = encoding.encode({"format": _FORMAT, "version": VERSION, "members": dict(members)})
-    return _MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload
+    return encode_record(_MAGIC, {"format": _FORMAT, "version": VERSION, "members": dict(members)})
 
 
 def decode_first_configuration(data: bytes, source: str) -> dict[str, str]:
     """The members `encode_first_configuration` wrote, read from `source`; `ValueError`
     naming `source` and what is wrong if the bytes are not such a record."""
-    if data[:4] != _MAGIC or len(data) < 8:
-        raise ValueError(f"{source} is not a quorumq first configuration")
-    payload = data[8:]
-    if zlib.crc32(payload) != int.from_bytes(data[4:8], "little"):
-        raise ValueError(f"{source} fails its checksum: it is damaged")
-    try:
-        value = encoding.decode(payload)
-    except ValueError as e:
-        raise ValueError(f"{source} cannot be read ({e})") from None
-    if not isinstance(value, dict) or value.get("format") != _FORMAT:
-        raise ValueError(f"{source} is not a quorumq first configuration")
+    value = decode_record(data, source, _MAGIC, _FORMAT, "a quorumq first configuration")
     if value.get("version") != VERSION:
         raise ValueError(f"{source} has unsupported version {value.get('version')!r}")
     members = value.get("members")
