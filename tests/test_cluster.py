@@ -337,7 +337,8 @@ def test_a_node_restored_beside_nodes_started_empty_stops_and_they_go_on() -> No
     with Cluster(3) as cluster:
         client = cluster.client("A")
         client.declare("q")
-        old = [client.publish("q", b"old %d" % i) for i in range(20)]
+        for i in range(20):
+            client.publish("q", b"old %d" % i)
         client.close()
         wait_for(
             lambda: (
@@ -378,7 +379,6 @@ def test_a_node_restored_beside_nodes_started_empty_stops_and_they_go_on() -> No
             read = cluster.client(node).read("q", 0, 1000)
             assert [m.body for m in read] == [b"new %d" % i for i in range(5)], node
         assert [m.offset for m in cluster.client("B").read("q", 0, 1000)] == new
-        assert len(old) == 20
         digests = {cluster.status(n, audit=True)["digest"] for n in ("B", "C")}
         assert len(digests) == 1
 

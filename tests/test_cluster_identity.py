@@ -4,12 +4,15 @@ clusters: `test_sim_cluster_identity` (simulated) and `test_cluster` (processes)
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from quorumq.raft.base import CLUSTER, IDENTITY_ENTRY
+from quorumq.raft.base import CLUSTER, IDENTITY_ENTRY, PREV_CRC
 from quorumq.raft.cluster_identity import (
     FILE_NAME,
     ClusterIdentity,
@@ -171,3 +174,55 @@ def test_the_journal_keeps_track_of_its_identity_entry(tmp_path: Path) -> None:
     journal.deleteEntriesFrom(1)
     assert journal.carrying_no_op is None
     journal._destroy()
+
+
+_ODD = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=40),
+    st.binary(max_size=40),
+    st.sampled_from([MINE, THEIRS, "", MINE.upper()]),
+    st.lists(st.integers(), max_size=4),
+)
+
+
+@given(
+    kind=st.sampled_from(["append_entries", "request_vote", "quorumq_keepalive", None]),
+    said=_ODD,
+    entry=st.one_of(_ODD, st.tuples(_ODD, _ODD, _ODD).map(list)),
+    crc=_ODD,
+    prev=st.tuples(_ODD, _ODD),
+    entries=st.one_of(
+        _ODD,
+        st.lists(st.one_of(_ODD, st.tuples(st.binary(max_size=8), _ODD, _ODD)), max_size=4),
+    ),
+)
+def test_whatever_a_peer_puts_in_the_keys_a_node_judges_without_raising(
+    kind: Any, said: Any, entry: Any, crc: Any, prev: Any, entries: Any
+) -> None:
+    """A Raft message comes from an authenticated peer, but of any version, and the
+    check runs on the Raft thread before anything else: odd values in the keys it reads
+    are an answer (read as absent, or another history), never an exception."""
+    message = {"type": kind, CLUSTER: said, IDENTITY_ENTRY: entry, PREV_CRC: crc}
+    message.update({"prevLogIdx": prev[0], "prevLogTerm": prev[1], "entries": entries})
+    for member in (_Member(), _Member(known=None, holds=Y)):
+        assert member._foreign("B", message) in (True, False)
+
+
+@given(st.integers(1, 3), st.integers(0, 3), st.booleans())
+def test_a_peer_of_the_same_log_is_never_taken_for_another_history(
+    prev: int, sent: int, leading: bool
+) -> None:
+    """What this node's own log says, said back by a peer (its identity, its identity
+    entry, the CRC of an entry it holds, entries it holds): never another history."""
+    member = _Member()
+    log = member._SyncObj__raftLog
+    message: dict[str, Any] = {"type": "append_entries" if leading else "request_vote"}
+    message[CLUSTER] = MINE
+    message[IDENTITY_ENTRY] = [2, 1, MINE]
+    message["prevLogIdx"], message["prevLogTerm"] = log[prev - 1][1], log[prev - 1][2]
+    message[PREV_CRC] = zlib.crc32(log[prev - 1][0])
+    message["entries"] = list(log[prev : prev + sent])
+    assert not member._foreign("B", message)

@@ -323,7 +323,11 @@ class ClusterIdentity(RaftFields):
                     return self._heard_foreign(node, "", f"its entry {index} differs")
             log = self._SyncObj__raftLog
             last = log[-1][1] if len(log) else 0
-            for command, index, term in message.get("entries") or ():
+            entries: Any = message.get("entries")
+            for entry in entries if type(entries) in (list, tuple) else ():
+                if type(entry) not in (tuple, list) or len(entry) != 3:
+                    break  # (not an entry: PySyncObj's own handling judges the message)
+                command, index, term = entry
                 if type(index) is not int or index > last:
                     break  # (in order: the rest are new to this log)
                 held = self._held(index, term)
