@@ -143,6 +143,52 @@ def end_to_end(cluster: Cluster, messages: int, window: int) -> float:
     return messages / elapsed
 
 
+Route = tuple[str, str, str]
+"""One queue of a many-queues run: (its name, its leader's endpoint, a follower's)."""
+
+
+def _queue_process(route: Route, n: int, window: int, start: Any, out: Any) -> None:
+    """One queue's client process (see `run_producer_processes`): publish `n` to the
+    queue's leader, consume and ack them on a follower; reports once all are delivered."""
+    queue, leader, follower = route
+    try:
+        producer = Client([leader])
+        producer.declare(queue)
+        got = [0]
+        done = threading.Event()
+
+        def count(_d: Delivery) -> None:
+            got[0] += 1
+            if got[0] >= n:
+                done.set()
+
+        stop = _consume_in_thread(Client([follower]).subscribe(queue, prefetch=window), count)
+        out.put("ready")
+        start.wait()
+        publish_windowed(producer, queue, range(n), window)
+        finished = done.wait(300)
+        stop()
+        producer.close()
+        out.put(n if finished else f"only {got[0]} of {n} delivered in 300 s")
+    except Exception as e:
+        out.put(f"{type(e).__name__}: {e}")
+
+
+def end_to_end_queues(clusters: list[Cluster], queues: int, messages: int, window: int) -> float:
+    """publish -> deliver -> ack msg/s of `queues` queues at once, `messages` in all, each
+    with a client process of its own; queue q lives in `clusters[q % len(clusters)]`
+    (one cluster: one Raft group), its consumer on a follower."""
+    leaders = [c.leader() for c in clusters]
+    tag = time.monotonic_ns()
+    routes = []
+    for q in range(queues):
+        cluster, leader = clusters[q % len(clusters)], leaders[q % len(clusters)]
+        followers = [n for n in cluster.nodes if n != leader]
+        follower = followers[q // len(clusters) % len(followers)]
+        routes.append((f"e2eq-{tag}-{q}", cluster.endpoint(leader), cluster.endpoint(follower)))
+    return run_producer_processes(_queue_process, [(r, messages // queues, window) for r in routes])
+
+
 def paced(cluster: Cluster, rate: int, seconds: float, kill_at: float | None = None) -> Trace:
     """Publish at `rate` msg/s to the leader with a consumer on a follower; with
     `kill_at`, SIGKILL the leader that many seconds in (and restart it afterwards)."""
@@ -209,6 +255,9 @@ class QuorumqSystem:
     def server_pids(self) -> dict[str, int]:
         return {n: self.cluster.pid(n) for n in self.cluster.nodes if self.cluster.alive(n)}
 
+    def pids(self) -> list[int]:
+        return list(self.server_pids().values())
+
     def raft_term(self) -> int:
         """The highest Raft term a live node reports: its growth counts elections."""
         terms = []
@@ -223,6 +272,9 @@ class QuorumqSystem:
 
     def end_to_end(self, messages: int, window: int) -> float:
         return end_to_end(self.cluster, messages, window)
+
+    def end_to_end_queues(self, queues: int, messages: int, window: int) -> float:
+        return end_to_end_queues([self.cluster], queues, messages, window)
 
     def paced(self, rate: int, seconds: float, kill_at: float | None = None) -> Trace:
         return paced(self.cluster, rate, seconds, kill_at)

@@ -58,6 +58,7 @@ class System(Protocol):
     def server_pids(self) -> dict[str, int]: ...
     def publish_confirm(self, producers: int, messages: int, window: int) -> float: ...
     def end_to_end(self, messages: int, window: int) -> float: ...
+    def end_to_end_queues(self, queues: int, messages: int, window: int) -> float: ...
     def paced(self, rate: int, seconds: float, kill_at: float | None = None) -> Trace: ...
 
 
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "failover_seconds": args.failover_seconds,
             "producers": producers,
             "rates": rates,
+            "queues": args.queues,
         },
         "skipped": skipped,
         "systems": {},
@@ -140,6 +142,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     workloads.append(
         ("end_to_end", args.messages, lambda s: s.end_to_end(args.messages, args.window))
     )
+    if args.queues > 1:
+        workloads.append(
+            (
+                f"end_to_end_{args.queues}_queues",
+                args.messages,
+                lambda s: s.end_to_end_queues(args.queues, args.messages, max(1, args.window // 2)),
+            )
+        )
     for rate in rates:
         workloads.append((f"latency_{rate}", 0, lambda s, r=rate: s.paced(r, args.latency_seconds)))
     workloads.append(
@@ -249,6 +259,16 @@ def _rows(settings: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         for p in settings["producers"]
     ]
     rows.append(("publish->consume->ack msg/s, consumers on followers", "end_to_end", "", "rate"))
+    queues = settings.get("queues", 0)
+    if queues > 1:
+        rows.append(
+            (
+                f"publish->consume->ack msg/s, {queues} queues (a client process each)",
+                f"end_to_end_{queues}_queues",
+                "",
+                "rate",
+            )
+        )
     for rate in settings["rates"]:
         w = f"latency_{rate}"
         rows += [
@@ -415,6 +435,13 @@ def targets(results: dict[str, Any]) -> list[str]:
     ):
         ratio = med(workload, "", "quorumq") / med(workload, "", rabbit)
         check(label, ratio, 2.5, True, f"{ratio:.2f}x")
+    queues = results["settings"].get("queues", 0)
+    if queues > 1:  # issue 33's
+        many = f"end_to_end_{queues}_queues"
+        ratio = med(many, "", "quorumq") / med("end_to_end", "", "quorumq")
+        check(f"{queues} queues end to end >= 1.2x one queue's", ratio, 1.2, True, f"{ratio:.2f}x")
+        ratio = med(many, "", "quorumq") / med(many, "", rabbit)
+        check(f"{queues} queues end to end >= 2.5x RabbitMQ's", ratio, 2.5, True, f"{ratio:.2f}x")
     cpu = results["cpu_s_per_100k"].get("end_to_end", {})
     if "quorumq" in cpu and rabbit in cpu:
         ours_cpu, theirs_cpu = statistics.median(cpu["quorumq"]), statistics.median(cpu[rabbit])
@@ -458,9 +485,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     names = list(results["systems"])
-    throughput = [
-        w for w in results["runs"] if w.startswith("publish_confirm") or w == "end_to_end"
-    ]
+    throughput = [w for w in results["runs"] if w.startswith(("publish_confirm", "end_to_end"))]
     latencies = sorted(results["latency_samples"], key=lambda w: int(w.split("_")[1]))
     fig, axes = plt.subplots(1, 1 + len(latencies), figsize=(5 + 4.5 * len(latencies), 4.5))
     axes = list(axes) if latencies else [axes]
@@ -477,7 +502,10 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     axes[0].set_xticks(range(len(throughput)))
     axes[0].set_xticklabels(
         [
-            w.replace("publish_confirm_", "confirm, ").replace("end_to_end", "pub->ack")
+            w.replace("publish_confirm_", "confirm, ")
+            .replace("end_to_end_", "pub->ack,\n")
+            .replace("_queues", " queues")
+            .replace("end_to_end", "pub->ack")
             for w in throughput
         ]
     )
@@ -529,6 +557,7 @@ def main(argv: list[str] | None = None) -> None:
     add("--messages", type=int, default=20_000, help="messages per throughput run")
     add("--window", type=int, default=1000, help="unconfirmed publishes / consumer prefetch")
     add("--producers", default="1,16", help="producer process counts, comma-separated")
+    add("--queues", type=int, default=16, help="queues of the many-queues run (1: none)")
     add("--rates", default="1000,5000", help="paced latency rates in msg/s, comma-separated")
     add("--latency-seconds", type=float, default=5.0, help="length of a paced latency run")
     add("--failover-seconds", type=float, default=6.0, help="paced run; the kill is at 1/3")

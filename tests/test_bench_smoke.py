@@ -22,6 +22,7 @@ def test_comparison_measures_every_quorumq_workload_and_skips_missing_peers(
 ) -> None:
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
     small = ["--repeat", "1", "--messages", "600", "--producers", "1,2", "--rates", "300"]
+    small += ["--queues", "3"]
     short = ["--latency-seconds", "1", "--failover-seconds", "3", "--idle-seconds", "0.5"]
     command = [sys.executable, "-m", "benchmarks", "compare", "--systems", "quorumq,rabbitmq,nats"]
     result = subprocess.run(
@@ -42,7 +43,7 @@ def test_comparison_measures_every_quorumq_workload_and_skips_missing_peers(
     assert list(results["systems"]) == ["quorumq"]
     assert results["failures"] == []
     runs = {workload: by_system["quorumq"] for workload, by_system in results["runs"].items()}
-    for workload in ("publish_confirm_1", "publish_confirm_2", "end_to_end"):
+    for workload in ("publish_confirm_1", "publish_confirm_2", "end_to_end", "end_to_end_3_queues"):
         assert runs[workload][0] > 0, workload
     latency = runs["latency_300"][0]
     assert latency["sent"] == 300
@@ -61,6 +62,7 @@ def test_comparison_measures_every_quorumq_workload_and_skips_missing_peers(
 
     page = (tmp_path / "compare.md").read_text()
     assert "| publish-confirm msg/s, 1 producer | " in page
+    assert "| publish->consume->ack msg/s, 3 queues (a client process each) | " in page
     assert "- **rabbitmq**: not measured (RabbitMQ is not installed" in page
 
 
@@ -155,4 +157,17 @@ def test_the_roles_benchmark_measures_each_roles_cpu_and_projects_it() -> None:
     per-role CPU and the projection for 3, 9 and 27 nodes."""
     out = _run_benchmark("bench_roles", "--messages", "400", "--repeat", "1", "--seconds", "1")
     for line in ("| publish-confirm | ", "| end to end | ", "| paced 1,000 msg/s | 27 | "):
+        assert line in out, out
+
+
+def test_the_queues_benchmark_measures_one_group_and_three_side_by_side() -> None:
+    """`benchmarks/bench_queues.py`, small: one cluster with 1 and 3 queues, three
+    clusters with 3 queues spread over them (12 node processes, all stopped)."""
+    out = _run_benchmark(
+        "bench_queues", "--queues", "3", "--messages", "300", "--repeat", "1", "--no-rabbitmq"
+    )
+    for line in (
+        "| quorumq, 1 group, 1 queue | ",
+        "| quorumq, 3 groups (9 processes), 3 queues | ",
+    ):
         assert line in out, out

@@ -268,6 +268,38 @@ def _producer_process(url: str, subject: str, n: int, window: int, start: Any, o
         out.put(f"{type(e).__name__}: {e}")
 
 
+def _queue_process(
+    route: tuple[str, list[str], str], n: int, window: int, start: Any, out: Any
+) -> None:
+    """One stream's client process of a many-queues run: publish `n` through the
+    stream's leader, consume and ack them on another server; reports once all arrived."""
+    subject, leader_urls, follower = route
+
+    async def main() -> None:
+        got = [0]
+        finished = asyncio.Event()
+
+        def on_message(_index: int, _redelivered: bool) -> None:
+            got[0] += 1
+            if got[0] >= n:
+                finished.set()
+
+        consumer = await _consume(follower, subject, window, on_message)
+        nc, publish = await _publisher(leader_urls, subject)
+        out.put("ready")
+        await asyncio.get_running_loop().run_in_executor(None, start.wait)
+        await publish_windowed(publish, n, window)
+        await asyncio.wait_for(finished.wait(), 300)
+        for c in (nc, consumer):
+            await c.close()
+        out.put(n)
+
+    try:
+        asyncio.run(main())
+    except Exception as e:
+        out.put(f"{type(e).__name__}: {e}")
+
+
 class NatsSystem:
     """The benchmark workloads against a `NatsCluster`."""
 
@@ -341,6 +373,21 @@ class NatsSystem:
             return asyncio.run(main())
         finally:
             self._delete(subject)
+
+    def end_to_end_queues(self, queues: int, messages: int, window: int) -> float:
+        """`queues` R3 streams at once (their leaders where the servers put them), each
+        with a client process of its own."""
+        routes = []
+        try:
+            for _ in range(queues):
+                subject, leader = self._fresh_stream("e2eq")
+                follower = next(s for s in self._live() if s != leader)
+                routes.append((subject, self._urls(leader), self.cluster.url(follower)))
+            args = [(r, messages // queues, window) for r in routes]
+            return run_producer_processes(_queue_process, args)
+        finally:
+            for subject, *_ in routes:
+                self._delete(subject)
 
     def paced(self, rate: int, seconds: float, kill_at: float | None = None) -> Trace:
         subject, leader = self._fresh_stream("lat")

@@ -472,6 +472,37 @@ def _producer_process(url: str, queue: str, n: int, window: int, start: Any, out
         out.put(f"{type(e).__name__}: {e}")
 
 
+def _queue_process(route: tuple[str, str, str], n: int, window: int, start: Any, out: Any) -> None:
+    """One queue's client process of a many-queues run: publish `n` on the queue's
+    leader, consume and ack them on a follower; reports once all are delivered."""
+    queue, leader, follower = route
+
+    async def main() -> None:
+        got = [0]
+        finished = asyncio.Event()
+
+        def on_message(_index: int, _redelivered: bool) -> None:
+            got[0] += 1
+            if got[0] >= n:
+                finished.set()
+
+        consumer = await _consume(follower, queue, window, on_message)
+        producer = _Producer([leader], queue)
+        await producer.connect()
+        out.put("ready")
+        await asyncio.get_running_loop().run_in_executor(None, start.wait)
+        await publish_windowed(producer.publish, n, window)
+        await asyncio.wait_for(finished.wait(), 300)
+        producer.close()
+        consumer.close()
+        out.put(n)
+
+    try:
+        asyncio.run(main())
+    except Exception as e:
+        out.put(f"{type(e).__name__}: {e}")
+
+
 class RabbitSystem:
     """The benchmark workloads against a `RabbitCluster`."""
 
@@ -485,6 +516,9 @@ class RabbitSystem:
 
     def server_pids(self) -> dict[str, int]:
         return self.cluster.pids()
+
+    def pids(self) -> list[int]:
+        return list(self.server_pids().values())
 
     def _fresh_queue(self, kind: str, leader: str) -> str:
         """A new quorum queue led by `leader` (a reused name can leave a member down)."""
@@ -545,6 +579,22 @@ class RabbitSystem:
             return asyncio.run(main())
         finally:
             self._delete(queue)
+
+    def end_to_end_queues(self, queues: int, messages: int, window: int) -> float:
+        """`queues` quorum queues at once, their leaders round robin over the nodes
+        (client-local declares), each with a client process of its own."""
+        nodes = [n for n in self.cluster.nodes if self.cluster.alive(n)]
+        routes = []
+        try:
+            for q in range(queues):
+                leader, follower = nodes[q % len(nodes)], nodes[(q + 1) % len(nodes)]
+                queue = self._fresh_queue("e2eq", leader)
+                routes.append((queue, self.cluster.url(leader), self.cluster.url(follower)))
+            args = [(r, messages // queues, window) for r in routes]
+            return run_producer_processes(_queue_process, args)
+        finally:
+            for queue, *_ in routes:
+                self._delete(queue)
 
     def paced(self, rate: int, seconds: float, kill_at: float | None = None) -> Trace:
         leader, nodes = self._roles()
