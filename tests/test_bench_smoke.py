@@ -171,3 +171,15 @@ def test_the_queues_benchmark_measures_one_group_and_three_side_by_side() -> Non
         "| quorumq, 3 groups (9 processes), 3 queues | ",
     ):
         assert line in out, out
+
+
+def test_the_spread_benchmark_pauses_each_node_in_turn() -> None:
+    """`benchmarks/bench_spread.py`, small: one cluster, two queues, its leader and each
+    follower paused for a second in turn (and continued: the test stops the nodes)."""
+    out = _run_benchmark(
+        "bench_spread",
+        *("--queues", "2", "--rate", "20", "--pause-at", "1", "--pause-seconds", "1"),
+        "--no-rabbitmq",
+    )
+    for role in ("its leader", "a follower", "the other follower"):
+        assert f"| quorumq (one Raft group), {role} paused | " in out, out

@@ -1,0 +1,289 @@
+"""What pausing one node does to many queues (issue 33: "with 6 queues, pausing any one
+node stalls at most 4 of them"), measured before there are many Raft groups.
+
+    python -m benchmarks.bench_spread [--queues 6] [--pause-seconds 3] [--repeat 2]
+
+Every queue gets a process of its own publishing to it at `--rate` msg/s with confirms,
+through a node that stays up; `--pause-at` seconds in, one node is stopped (SIGSTOP:
+its connections stay open, as with a host that hangs) and `--pause-seconds` later it is
+continued. For each queue the stall is the longest time without a confirm from the
+pause to two seconds after the continue; a queue stalled if that is at least
+`STALLED_S`. Each system has each of its nodes paused in turn (quorumq: the leader and
+the followers of its one Raft group; RabbitMQ: every node, each leading a third of the
+quorum queues, declared round robin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import itertools
+import multiprocessing as mp
+import os
+import queue as queue_module
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from quorumq.client import Client
+from quorumq.ops.local_cluster import Cluster
+
+from .peers.common import message_body
+from .peers.rabbitmq import RabbitCluster, _declare, _delete, _Producer, rabbitmq_missing
+
+STALLED_S = 0.25
+"""A queue with no confirm for this long while a node is paused counts as stalled (at
+the default 50 msg/s a queue confirms every 20 ms)."""
+
+
+def _paced(publish: Callable[[int], None], rate: int, seconds: float) -> None:
+    """Call `publish(i)` at `rate` a second for `seconds` (a message due while the
+    publisher was held is sent as soon as it can be)."""
+    began = time.monotonic()
+    for i in range(int(rate * seconds)):
+        delay = began + i / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        publish(i)
+
+
+def _quorumq_queue(
+    queue: str, endpoint: str, rate: int, seconds: float, start: Any, out: Any
+) -> None:
+    """One queue's publisher process: confirm times (monotonic) on `out`."""
+    try:
+        client = Client([endpoint])
+        client.declare(queue)
+        confirmed: list[float] = []
+        failed = [0]
+        lock = threading.Lock()
+
+        def publish(i: int) -> None:
+            def done(f: Any) -> None:
+                with lock:
+                    if f.exception() is None:
+                        confirmed.append(time.monotonic())
+                    else:
+                        failed[0] += 1
+
+            client.publish_async(queue, message_body(i)).add_done_callback(done)
+
+        out.put(("ready", queue))
+        start.wait()
+        _paced(publish, rate, seconds)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with lock:
+                if len(confirmed) + failed[0] >= int(rate * seconds):
+                    break
+            time.sleep(0.05)
+        client.close()
+        with lock:
+            out.put(("done", queue, list(confirmed), failed[0]))
+    except Exception as e:
+        out.put(("error", queue, f"{type(e).__name__}: {e}"))
+
+
+def _rabbit_queue(queue: str, url: str, rate: int, seconds: float, start: Any, out: Any) -> None:
+    """As `_quorumq_queue`, against a RabbitMQ quorum queue (declared by the parent)."""
+
+    async def main() -> None:
+        producer = _Producer([url], queue)
+        await producer.connect()
+        confirmed: list[float] = []
+        out.put(("ready", queue))
+        await asyncio.get_running_loop().run_in_executor(None, start.wait)
+        tasks = set()
+
+        async def one(i: int) -> None:
+            await producer.publish(i)
+            confirmed.append(time.monotonic())
+
+        began = time.monotonic()
+        for i in range(int(rate * seconds)):
+            delay = began + i / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one(i))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        producer.close()
+        out.put(("done", queue, confirmed, int(rate * seconds) - len(confirmed)))
+
+    try:
+        asyncio.run(main())
+    except Exception as e:
+        out.put(("error", queue, f"{type(e).__name__}: {e}"))
+
+
+def stall_s(confirms: list[float], paused: float, until: float) -> float:
+    """The longest time in [paused, until] with no confirm."""
+    inside = sorted(t for t in confirms if paused <= t <= until)
+    edges = [paused, *inside, until]
+    return max(b - a for a, b in itertools.pairwise(edges))
+
+
+def run_paused(
+    target: Callable[..., None],
+    routes: list[tuple[str, str]],
+    rate: int,
+    pause_at: float,
+    pause_s: float,
+    pause: Callable[[], None],
+    resume: Callable[[], None],
+) -> dict[str, dict[str, float]]:
+    """One process per (queue, endpoint) publishing for `pause_at + pause_s + 3` s; the
+    node paused `pause_at` s after they start, continued `pause_s` later. Per queue:
+    its stall (s) and the publishes that failed."""
+    seconds = pause_at + pause_s + 3
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=target, args=(q, e, rate, seconds, start, out), daemon=True)
+        for q, e in routes
+    ]
+    for p in procs:
+        p.start()
+
+    def take(within: float) -> Any:
+        try:
+            return out.get(timeout=within)
+        except queue_module.Empty:
+            raise RuntimeError("a publisher process hung") from None
+
+    resumed = True
+    try:
+        for _ in procs:
+            message = take(120)
+            if message[0] != "ready":
+                raise RuntimeError(f"publisher failed before start: {message}")
+        began = time.monotonic()
+        start.set()
+        time.sleep(max(0.0, began + pause_at - time.monotonic()))
+        paused = time.monotonic()
+        pause()
+        resumed = False
+        time.sleep(pause_s)
+        resume()
+        resumed = True
+        until = time.monotonic() + 2
+        results = {}
+        for _ in procs:
+            message = take(seconds + 60)
+            if message[0] != "done":
+                raise RuntimeError(f"publisher failed: {message}")
+            _, queue, confirms, failed = message
+            results[queue] = {"stall_s": stall_s(confirms, paused, until), "failed": failed}
+        return results
+    finally:
+        if not resumed:
+            resume()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _summary(name: str, by_queue: dict[str, dict[str, float]]) -> str:
+    stalls = sorted((r["stall_s"] for r in by_queue.values()), reverse=True)
+    stalled = sum(s >= STALLED_S for s in stalls)
+    failed = sum(int(r["failed"]) for r in by_queue.values())
+    shown = ", ".join(f"{s:.2f}" for s in stalls)
+    return f"| {name} | {stalled} of {len(stalls)} | {shown} | {failed} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_spread")
+    parser.add_argument("--queues", type=int, default=6)
+    parser.add_argument("--rate", type=int, default=50, help="msg/s per queue")
+    parser.add_argument("--pause-at", type=float, default=2.0)
+    parser.add_argument("--pause-seconds", type=float, default=3.0)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--no-rabbitmq", action="store_true")
+    args = parser.parse_args()
+    skip_rabbit = "--no-rabbitmq" if args.no_rabbitmq else rabbitmq_missing()
+    rows: list[str] = []
+    timing = (args.rate, args.pause_at, args.pause_seconds)
+    with (
+        tempfile.TemporaryDirectory(prefix="quorumq-bench-spread-") as root,
+        contextlib.ExitStack() as stack,
+    ):
+        path = Path(root) / "quorumq"
+        path.mkdir()
+        cluster = stack.enter_context(Cluster(3, str(path), node_down_grace=30.0))
+        rabbit = None
+        if skip_rabbit is None:
+            path = Path(root) / "rabbitmq"
+            path.mkdir()
+            rabbit = stack.enter_context(RabbitCluster(root=str(path)))
+        else:
+            print(f"RabbitMQ skipped: {skip_rabbit}")
+        for run in range(args.repeat):
+            for role in ("its leader", "a follower", "the other follower"):
+                leader = cluster.leader(timeout=30)  # settled again after the last pause
+                followers = [n for n in cluster.nodes if n != leader]
+                node = {"its leader": leader, "a follower": followers[0]}.get(role, followers[-1])
+                other = next(n for n in cluster.nodes if n != node)
+                routes = [
+                    (f"spread-{run}-{node}-{q}-{time.monotonic_ns()}", cluster.endpoint(other))
+                    for q in range(args.queues)
+                ]
+                result = run_paused(
+                    _quorumq_queue,
+                    routes,
+                    *timing,
+                    functools.partial(cluster.pause, node),
+                    functools.partial(cluster.resume, node),
+                )
+                rows.append(_summary(f"quorumq (one Raft group), {role} paused", result))
+                print(rows[-1], flush=True)
+            if rabbit is not None:
+                nodes = rabbit.nodes
+                for node in nodes:
+                    other = next(n for n in nodes if n != node)
+                    routes = []
+                    for q in range(args.queues):
+                        name = f"spread-{run}-{q}-{time.monotonic_ns()}"
+                        asyncio.run(_declare(rabbit.url(nodes[q % len(nodes)]), name))
+                        routes.append((name, rabbit.url(other)))
+                    pid = rabbit.pid(node)
+                    try:
+                        result = run_paused(
+                            _rabbit_queue,
+                            routes,
+                            *timing,
+                            functools.partial(os.kill, pid, signal.SIGSTOP),
+                            functools.partial(os.kill, pid, signal.SIGCONT),
+                        )
+                    finally:
+                        for name, url in routes:
+                            with contextlib.suppress(Exception):
+                                asyncio.run(_delete(url, name))
+                    led = sum(1 for q in range(args.queues) if nodes[q % len(nodes)] == node)
+                    rows.append(
+                        _summary(f"RabbitMQ, a node leading {led} of {args.queues} paused", result)
+                    )
+                    print(rows[-1], flush=True)
+    print()
+    print(
+        f"{args.queues} queues at {args.rate} msg/s each; one node paused {args.pause_seconds} s; "
+        f"a queue stalled if it had no confirm for {STALLED_S} s or more"
+    )
+    print()
+    print("| paused | queues stalled | each queue's stall, s | publishes failed |")
+    print("|---|---:|---|---:|")
+    for row in rows:
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
