@@ -167,9 +167,11 @@ def _queue_process(route: Route, n: int, window: int, start: Any, out: Any) -> N
         start.wait()
         publish_windowed(producer, queue, range(n), window)
         finished = done.wait(300)
-        stop()
-        producer.close()
+        # counted before the teardown (stopping the consumer's thread takes up to 0.1 s)
         out.put(n if finished else f"only {got[0]} of {n} delivered in 300 s")
+        stop()
+        producer.delete_queue(queue, force=True)  # as the peers' runs delete theirs
+        producer.close()
     except Exception as e:
         out.put(f"{type(e).__name__}: {e}")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from quorumq.ops.local_cluster import Cluster
 
 from .bench_cluster import QuorumqSystem, end_to_end_queues
-from .peers.common import cpu_seconds
+from .peers.common import cpu_seconds, stop_on_sigterm
 from .peers.rabbitmq import RabbitCluster, RabbitSystem, rabbitmq_missing
 
 _Case = tuple[str, Callable[[], list[int]], Callable[[], float], Callable[[], int] | None]
@@ -69,6 +69,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-rabbitmq", action="store_true")
     args = parser.parse_args()
+    if args.messages < args.queues:
+        parser.error("--messages must be at least --queues (each queue carries some)")
+    stop_on_sigterm()
     q, m, w = args.queues, args.messages, args.window
     skip_rabbit = "--no-rabbitmq" if args.no_rabbitmq else rabbitmq_missing()
     results: dict[str, list[dict[str, float]]] = {}

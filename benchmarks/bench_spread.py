@@ -34,7 +34,7 @@ from typing import Any
 from quorumq.client import Client
 from quorumq.ops.local_cluster import Cluster
 
-from .peers.common import message_body
+from .peers.common import message_body, stop_on_sigterm
 from .peers.rabbitmq import RabbitCluster, _declare, _delete, _Producer, rabbitmq_missing
 
 STALLED_S = 0.25
@@ -154,12 +154,19 @@ def run_paused(
         p.start()
 
     def take(within: float) -> Any:
-        try:
-            return out.get(timeout=within)
-        except queue_module.Empty:
-            raise RuntimeError("a publisher process hung") from None
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                return out.get(timeout=0.5)
+            except queue_module.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"publisher processes died (exit codes {dead}) or hung"
+                    ) from None
 
-    resumed = True
+    paused: float | None = None
+    continued = results_taken = False
     try:
         for _ in procs:
             message = take(120)
@@ -168,26 +175,28 @@ def run_paused(
         began = time.monotonic()
         start.set()
         time.sleep(max(0.0, began + pause_at - time.monotonic()))
-        paused = time.monotonic()
+        paused = time.monotonic()  # (set first: a signal during `pause` still continues it)
         pause()
-        resumed = False
         time.sleep(pause_s)
         resume()
-        resumed = True
-        until = time.monotonic() + 2
+        continued = True
+        resumed_at = time.monotonic()
         results = {}
         for _ in procs:
             message = take(seconds + 60)
             if message[0] != "done":
                 raise RuntimeError(f"publisher failed: {message}")
             _, queue, confirms, failed = message
-            results[queue] = {"stall_s": stall_s(confirms, paused, until), "failed": failed}
+            stall = stall_s(confirms, paused, resumed_at + 2)
+            results[queue] = {"stall_s": stall, "failed": failed}
+        results_taken = True
         return results
     finally:
-        if not resumed:
-            resume()
-        for p in procs:
-            p.join(timeout=30)
+        if paused is not None and not continued:  # (a second SIGCONT is harmless)
+            with contextlib.suppress(OSError):
+                resume()
+        for p in procs:  # done, or (an error, a signal) stopped at once
+            p.join(timeout=30 if results_taken else 0)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -210,6 +219,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--no-rabbitmq", action="store_true")
     args = parser.parse_args()
+    stop_on_sigterm()
     skip_rabbit = "--no-rabbitmq" if args.no_rabbitmq else rabbitmq_missing()
     rows: list[str] = []
     timing = (args.rate, args.pause_at, args.pause_seconds)
@@ -251,12 +261,12 @@ def main() -> None:
                 for node in nodes:
                     other = next(n for n in nodes if n != node)
                     routes = []
-                    for q in range(args.queues):
-                        name = f"spread-{run}-{q}-{time.monotonic_ns()}"
-                        asyncio.run(_declare(rabbit.url(nodes[q % len(nodes)]), name))
-                        routes.append((name, rabbit.url(other)))
                     pid = rabbit.pid(node)
                     try:
+                        for q in range(args.queues):
+                            name = f"spread-{run}-{q}-{time.monotonic_ns()}"
+                            asyncio.run(_declare(rabbit.url(nodes[q % len(nodes)]), name))
+                            routes.append((name, rabbit.url(other)))
                         result = run_paused(
                             _rabbit_queue,
                             routes,

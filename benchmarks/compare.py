@@ -43,7 +43,14 @@ from typing import Any, Protocol
 from quorumq.ops.local_cluster import Cluster
 
 from .bench_cluster import QuorumqSystem
-from .peers.common import PAYLOAD, Trace, cpu_seconds, latency_sample, peak_rss_mb
+from .peers.common import (
+    PAYLOAD,
+    Trace,
+    cpu_seconds,
+    latency_sample,
+    peak_rss_mb,
+    stop_on_sigterm,
+)
 from .peers.jetstream import NatsCluster, NatsSystem, nats_missing
 from .peers.rabbitmq import RabbitCluster, RabbitSystem, rabbitmq_missing
 
@@ -572,6 +579,9 @@ def main(argv: list[str] | None = None) -> None:
         (args.report_only.parent / "compare.md").write_text(report(results))
         plot(results, args.report_only.parent / "compare.png")
         return
+    if args.queues > 1 and args.messages < args.queues:
+        parser.error("--messages must be at least --queues (each queue carries some)")
+    stop_on_sigterm()
     print(f"load average {_load()}", flush=True)
     results = run(args, argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -103,15 +105,35 @@ def test_the_path_breakdown_joins_the_marks_of_every_process() -> None:
 
 def _run_benchmark(module: str, *options: str) -> str:
     """`python -m benchmarks.<module> <options>` from the checkout: its output, after
-    checking that it exited 0 (within 240 s)."""
+    checking that it exited 0 (within 240 s; past that it gets SIGTERM, which the
+    benchmarks turn into their own teardown, and SIGKILL only 60 s later)."""
     command = [sys.executable, "-m", f"benchmarks.{module}", *options]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env
-    )
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        try:
+            out, _ = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                out, _ = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+            raise AssertionError(f"{module} ran past 240 s:\n{out}") from None
+    assert proc.returncode == 0, out
     return out
+
+
+def _table_rows(out: str, first_cell: str) -> list[list[str]]:
+    """The cells of every markdown table row of `out` whose first cell starts so."""
+    rows = []
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0].startswith(first_cell):
+            rows.append(cells)
+    return rows
 
 
 def test_the_embedded_benchmark_measures_both_paths_side_by_side() -> None:
@@ -162,24 +184,45 @@ def test_the_roles_benchmark_measures_each_roles_cpu_and_projects_it() -> None:
 
 def test_the_queues_benchmark_measures_one_group_and_three_side_by_side() -> None:
     """`benchmarks/bench_queues.py`, small: one cluster with 1 and 3 queues, three
-    clusters with 3 queues spread over them (12 node processes, all stopped)."""
+    clusters with 3 queues spread over them (12 node processes, all stopped). Every
+    setup moved messages and took Raft entries to do it."""
     out = _run_benchmark(
         "bench_queues", "--queues", "3", "--messages", "300", "--repeat", "1", "--no-rabbitmq"
     )
-    for line in (
-        "| quorumq, 1 group, 1 queue | ",
-        "| quorumq, 3 groups (9 processes), 3 queues | ",
+    rows = {cells[0]: cells for cells in _table_rows(out, "quorumq, ")}
+    for setup in (
+        "quorumq, 1 group, 1 queue",
+        "quorumq, 1 group, 3 queues",
+        "quorumq, 3 groups (9 processes), 3 queues",
     ):
-        assert line in out, out
+        assert setup in rows, out
+        rate, _cpu, entries = rows[setup][1:]
+        assert float(rate.split()[0].replace(",", "")) > 0, out
+        assert float(entries) > 0, out
 
 
 def test_the_spread_benchmark_pauses_each_node_in_turn() -> None:
     """`benchmarks/bench_spread.py`, small: one cluster, two queues, its leader and each
-    follower paused for a second in turn (and continued: the test stops the nodes)."""
+    follower paused for a second in turn (and continued: the test stops the nodes).
+    With the leader paused every queue waits for a new leader, which Raft cannot elect
+    before an election timeout (at least 0.25 s) has passed without a heartbeat (sent
+    at most 0.1 s apart): a stall of at least 0.1 s whatever the machine's speed."""
     out = _run_benchmark(
         "bench_spread",
         *("--queues", "2", "--rate", "20", "--pause-at", "1", "--pause-seconds", "1"),
         "--no-rabbitmq",
     )
+    rows = {cells[0]: cells for cells in _table_rows(out, "quorumq (one Raft group)")}
     for role in ("its leader", "a follower", "the other follower"):
-        assert f"| quorumq (one Raft group), {role} paused | " in out, out
+        assert f"quorumq (one Raft group), {role} paused" in rows, out
+    stalls = rows["quorumq (one Raft group), its leader paused"][2].split(", ")
+    assert len(stalls) == 2 and all(float(s) >= 0.1 for s in stalls), out
+
+
+def test_a_queues_stall_is_the_longest_time_without_a_confirm() -> None:
+    from benchmarks.bench_spread import stall_s
+
+    assert stall_s([], 10.0, 12.0) == 2.0  # nothing confirmed: the whole window
+    assert stall_s([9.0, 10.5, 11.9, 13.0], 10.0, 12.0) == pytest.approx(1.4)  # between two
+    assert stall_s([10.1, 10.2], 10.0, 12.0) == pytest.approx(1.8)  # the last to the end
+    assert stall_s([11.0, 11.5], 10.0, 12.0) == pytest.approx(1.0)  # the pause to the first

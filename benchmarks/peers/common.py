@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_module
+import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -70,11 +71,14 @@ def peak_rss_mb(pid: int) -> float:
 
 
 def stop_process(proc: subprocess.Popen[bytes], pid: int | None = None, grace: float = 20) -> None:
-    """SIGTERM `pid` (default: the child itself), wait for the child, SIGKILL after `grace`."""
+    """SIGTERM `pid` (default: the child itself), wait for the child, SIGKILL after `grace`.
+    A process a benchmark paused (SIGSTOP) is continued first: it would not act on the
+    SIGTERM before."""
     target = proc.pid if pid is None else pid
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(target, 15)
+            os.kill(target, signal.SIGCONT)
+            os.kill(target, signal.SIGTERM)
         try:
             proc.wait(timeout=grace)
             return
@@ -84,6 +88,17 @@ def stop_process(proc: subprocess.Popen[bytes], pid: int | None = None, grace: f
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim, 9)
         proc.wait(timeout=10)
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM end the benchmark as Ctrl-C does: through its `finally` blocks, which
+    continue a paused node and stop every process it started (a test harness's timeout
+    or a CI cancel sends SIGTERM; by default Python died at once and left them running)."""
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 # ------------------------------------------------------------ producer processes
