@@ -22,7 +22,6 @@ import functools
 import itertools
 import multiprocessing as mp
 import os
-import queue as queue_module
 import signal
 import tempfile
 import threading
@@ -34,7 +33,7 @@ from typing import Any
 from quorumq.client import Client
 from quorumq.ops.local_cluster import Cluster
 
-from .peers.common import message_body, stop_on_sigterm
+from .peers.common import message_body, stop_on_sigterm, take_message
 from .peers.rabbitmq import RabbitCluster, _declare, _delete, _Producer, rabbitmq_missing
 
 STALLED_S = 0.25
@@ -154,16 +153,7 @@ def run_paused(
         p.start()
 
     def take(within: float) -> Any:
-        deadline = time.monotonic() + within
-        while True:
-            try:
-                return out.get(timeout=0.5)
-            except queue_module.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"publisher processes died (exit codes {dead}) or hung"
-                    ) from None
+        return take_message(out, procs, within)
 
     paused: float | None = None
     continued = results_taken = False

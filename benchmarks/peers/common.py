@@ -15,7 +15,7 @@ import queue as queue_module
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,43 @@ def stop_on_sigterm() -> None:
 # ------------------------------------------------------------ producer processes
 
 
+def take_message(out: Any, procs: Sequence[Any], within: float) -> Any:
+    """The next message a child process put on `out`; RuntimeError if a child died
+    (a nonzero exit code) or nothing came within `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return out.get(timeout=0.5)
+        except queue_module.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"child processes died (exit codes {dead}) or hung") from None
+
+
+class Countdown:
+    """Deliveries counted down to `n` (`on_message`, a consumer's callback); `finished`
+    is set at the `n`th."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.got = 0
+        self.finished = asyncio.Event()
+
+    def on_message(self, _index: int, _redelivered: bool) -> None:
+        self.got += 1
+        if self.got >= self.n:
+            self.finished.set()
+
+
+def run_async_child(main: Callable[[], Coroutine[Any, Any, None]], out: Any) -> None:
+    """Run a child process's asyncio `main`; an exception goes to `out` as the child's
+    answer (`run_producer_processes` reports it)."""
+    try:
+        asyncio.run(main())
+    except Exception as e:
+        out.put(f"{type(e).__name__}: {e}")
+
+
 def run_producer_processes(target: Callable[..., None], args: Sequence[tuple[Any, ...]]) -> float:
     """Run one spawned process per `args` entry calling `target(*a, ready, start, out)`.
 
@@ -117,14 +154,7 @@ def run_producer_processes(target: Callable[..., None], args: Sequence[tuple[Any
         p.start()
 
     def next_message(within: float) -> Any:
-        deadline = time.monotonic() + within
-        while True:
-            try:
-                return out.get(timeout=0.5)
-            except queue_module.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"producers died (exit codes {dead}) or hung") from None
+        return take_message(out, procs, within)
 
     try:
         for _ in procs:

@@ -22,11 +22,13 @@ from typing import Any
 from quorumq.ops.local_cluster import free_ports
 
 from .common import (
+    Countdown,
     Trace,
     message_body,
     message_index,
     publish_paced,
     publish_windowed,
+    run_async_child,
     run_producer_processes,
     stop_process,
     wait_delivered,
@@ -276,28 +278,18 @@ def _queue_process(
     subject, leader_urls, follower = route
 
     async def main() -> None:
-        got = [0]
-        finished = asyncio.Event()
-
-        def on_message(_index: int, _redelivered: bool) -> None:
-            got[0] += 1
-            if got[0] >= n:
-                finished.set()
-
-        consumer = await _consume(follower, subject, window, on_message)
+        delivered = Countdown(n)
+        consumer = await _consume(follower, subject, window, delivered.on_message)
         nc, publish = await _publisher(leader_urls, subject)
         out.put("ready")
         await asyncio.get_running_loop().run_in_executor(None, start.wait)
         await publish_windowed(publish, n, window)
-        await asyncio.wait_for(finished.wait(), 300)
+        await asyncio.wait_for(delivered.finished.wait(), 300)
         for c in (nc, consumer):
             await c.close()
         out.put(n)
 
-    try:
-        asyncio.run(main())
-    except Exception as e:
-        out.put(f"{type(e).__name__}: {e}")
+    run_async_child(main, out)
 
 
 class NatsSystem:

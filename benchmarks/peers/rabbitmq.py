@@ -25,11 +25,13 @@ from typing import Any
 from quorumq.ops.local_cluster import free_ports
 
 from .common import (
+    Countdown,
     Trace,
     message_body,
     message_index,
     publish_paced,
     publish_windowed,
+    run_async_child,
     run_producer_processes,
     stop_process,
     wait_delivered,
@@ -478,29 +480,19 @@ def _queue_process(route: tuple[str, str, str], n: int, window: int, start: Any,
     queue, leader, follower = route
 
     async def main() -> None:
-        got = [0]
-        finished = asyncio.Event()
-
-        def on_message(_index: int, _redelivered: bool) -> None:
-            got[0] += 1
-            if got[0] >= n:
-                finished.set()
-
-        consumer = await _consume(follower, queue, window, on_message)
+        delivered = Countdown(n)
+        consumer = await _consume(follower, queue, window, delivered.on_message)
         producer = _Producer([leader], queue)
         await producer.connect()
         out.put("ready")
         await asyncio.get_running_loop().run_in_executor(None, start.wait)
         await publish_windowed(producer.publish, n, window)
-        await asyncio.wait_for(finished.wait(), 300)
+        await asyncio.wait_for(delivered.finished.wait(), 300)
         producer.close()
         consumer.close()
         out.put(n)
 
-    try:
-        asyncio.run(main())
-    except Exception as e:
-        out.put(f"{type(e).__name__}: {e}")
+    run_async_child(main, out)
 
 
 class RabbitSystem:
