@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from quorumq.client import Client
+from quorumq.client import Client, QuorumqError
 from quorumq.ops.local_cluster import Cluster
 
 from .peers.common import message_body, stop_on_sigterm, take_message
@@ -200,6 +200,85 @@ def _summary(name: str, by_queue: dict[str, dict[str, float]]) -> str:
     return f"| {name} | {stalled} of {len(stalls)} | {shown} | {failed} |"
 
 
+def _agreed_leader(cluster: Cluster, among: list[str], timeout: float = 30.0) -> str:
+    """The leader the nodes `among` agree on (the others may be paused)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = set()
+        for node in among:
+            try:
+                seen.add(cluster.status(node)["leader"])
+            except (QuorumqError, OSError):
+                seen.add(None)
+        if len(seen) == 1 and None not in seen and seen <= set(among):
+            return str(seen.pop())
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{among} agreed on no leader within {timeout} s (seen {seen})")
+        time.sleep(0.05)
+
+
+def steer_leader(cluster: Cluster, wanted: str, tries: int = 20) -> None:
+    """Make `wanted` the cluster's leader with nothing but pauses: while another node
+    leads, pause it until the rest elect a new leader, then continue it (it rejoins as a
+    follower). quorumq has no command to move a leader yet (issue 33's placement); this
+    is the benchmark placing the leaders of separate clusters, the groups to come."""
+    for _ in range(tries):
+        leader = cluster.leader(timeout=30)
+        if leader == wanted:
+            return
+        cluster.pause(leader)
+        try:
+            _agreed_leader(cluster, [n for n in cluster.nodes if n != leader])
+        finally:
+            cluster.resume(leader)
+    raise RuntimeError(f"{wanted} did not become the leader in {tries} tries")
+
+
+def _on_host(clusters: list[Cluster], action: str, host: str) -> None:
+    """Pause or continue the node named `host` in every cluster (one host's processes);
+    every cluster is tried, the first failure raised after."""
+    failures = []
+    for cluster in clusters:
+        try:
+            getattr(cluster, action)(host)
+        except OSError as e:
+            failures.append(e)
+    if failures:
+        raise failures[0]
+
+
+def _groups_paused(
+    clusters: list[Cluster], queues: int, timing: tuple[int, float, float], run: int
+) -> list[str]:
+    """Queue q in cluster q mod len(clusters), cluster g led by node g mod 3 (its name in
+    every cluster is a host's); each host paused in turn: one node of every cluster."""
+    rows = []
+    hosts = clusters[0].nodes
+    for host in hosts:
+        for g, cluster in enumerate(clusters):
+            steer_leader(cluster, hosts[g % len(hosts)])
+        other = next(n for n in hosts if n != host)
+        routes = [
+            (
+                f"spread-{run}-{host}-{q}-{time.monotonic_ns()}",
+                clusters[q % len(clusters)].endpoint(other),
+            )
+            for q in range(queues)
+        ]
+        led = sum(1 for q in range(queues) if hosts[q % len(clusters) % len(hosts)] == host)
+        result = run_paused(
+            _quorumq_queue,
+            routes,
+            *timing,
+            functools.partial(_on_host, clusters, "pause", host),
+            functools.partial(_on_host, clusters, "resume", host),
+        )
+        spread = f"quorumq, {len(clusters)} groups, leaders spread"
+        rows.append(_summary(f"{spread}: host {host}, leading {led} of {queues}, paused", result))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_spread")
     parser.add_argument("--queues", type=int, default=6)
@@ -207,6 +286,9 @@ def main() -> None:
     parser.add_argument("--pause-at", type=float, default=2.0)
     parser.add_argument("--pause-seconds", type=float, default=3.0)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument(
+        "--groups", type=int, default=3, help="separate clusters of the spread run (1: none)"
+    )
     parser.add_argument("--no-rabbitmq", action="store_true")
     args = parser.parse_args()
     stop_on_sigterm()
@@ -220,6 +302,11 @@ def main() -> None:
         path = Path(root) / "quorumq"
         path.mkdir()
         cluster = stack.enter_context(Cluster(3, str(path), node_down_grace=30.0))
+        groups = []
+        for g in range(args.groups if args.groups > 1 else 0):
+            path = Path(root) / f"group{g}"
+            path.mkdir()
+            groups.append(stack.enter_context(Cluster(3, str(path), node_down_grace=30.0)))
         rabbit = None
         if skip_rabbit is None:
             path = Path(root) / "rabbitmq"
@@ -246,6 +333,8 @@ def main() -> None:
                 )
                 rows.append(_summary(f"quorumq (one Raft group), {role} paused", result))
                 print(rows[-1], flush=True)
+            if groups:
+                rows += _groups_paused(groups, args.queues, timing, run)
             if rabbit is not None:
                 nodes = rabbit.nodes
                 for node in nodes:

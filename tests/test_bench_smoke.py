@@ -203,20 +203,25 @@ def test_the_queues_benchmark_measures_one_group_and_three_side_by_side() -> Non
 
 def test_the_spread_benchmark_pauses_each_node_in_turn() -> None:
     """`benchmarks/bench_spread.py`, small: one cluster, two queues, its leader and each
-    follower paused for a second in turn (and continued: the test stops the nodes).
-    With the leader paused every queue waits for a new leader, which Raft cannot elect
-    before an election timeout (at least 0.25 s) has passed without a heartbeat (sent
-    at most 0.1 s apart): a stall of at least 0.1 s whatever the machine's speed."""
+    follower paused for a second in turn (and continued: the test stops the nodes); then
+    two clusters led by A and B, each host paused in turn. A queue whose leader is
+    paused waits for a new leader, which Raft cannot elect before an election timeout
+    (at least 0.25 s) has passed without a heartbeat (sent at most 0.1 s apart): a stall
+    of at least 0.1 s whatever the machine's speed."""
     out = _run_benchmark(
         "bench_spread",
         *("--queues", "2", "--rate", "20", "--pause-at", "1", "--pause-seconds", "1"),
-        "--no-rabbitmq",
+        *("--groups", "2", "--no-rabbitmq"),
     )
-    rows = {cells[0]: cells for cells in _table_rows(out, "quorumq (one Raft group)")}
+    rows = {cells[0]: cells for cells in _table_rows(out, "quorumq")}
     for role in ("its leader", "a follower", "the other follower"):
         assert f"quorumq (one Raft group), {role} paused" in rows, out
     stalls = rows["quorumq (one Raft group), its leader paused"][2].split(", ")
     assert len(stalls) == 2 and all(float(s) >= 0.1 for s in stalls), out
+    spread = [cells for name, cells in rows.items() if "leaders spread" in name]
+    assert len(spread) == 3, out  # hosts A, B and C
+    leading = [cells for cells in spread if "leading 1 of 2" in cells[0]]
+    assert len(leading) == 2 and all(float(c[2].split(", ")[0]) >= 0.1 for c in leading), out
 
 
 def test_a_queues_stall_is_the_longest_time_without_a_confirm() -> None:
