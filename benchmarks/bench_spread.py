@@ -1,7 +1,7 @@
 """What pausing one node does to many queues (issue 33: "with 6 queues, pausing any one
 node stalls at most 4 of them"), measured before there are many Raft groups.
 
-    python -m benchmarks.bench_spread [--queues 6] [--pause-seconds 3] [--repeat 2]
+    python -m benchmarks.bench_spread [--queues 6] [--pause-seconds 3] [--groups 3]
 
 Every queue gets a process of its own publishing to it at `--rate` msg/s with confirms,
 through a node that stays up; `--pause-at` seconds in, one node is stopped (SIGSTOP:
@@ -10,7 +10,10 @@ continued. For each queue the stall is the longest time without a confirm from t
 pause to two seconds after the continue; a queue stalled if that is at least
 `STALLED_S`. Each system has each of its nodes paused in turn (quorumq: the leader and
 the followers of its one Raft group; RabbitMQ: every node, each leading a third of the
-quorum queues, declared round robin).
+quorum queues, declared round robin). With `--groups N`, N separate quorumq clusters
+stand in for N Raft groups (nothing in quorumq places queues on groups yet): the queues
+round robin over them, their leaders steered onto hosts A, B, C, ... (`steer_leader`),
+and a host, the node of that name in every cluster, paused whole.
 """
 
 from __future__ import annotations
@@ -226,8 +229,8 @@ def steer_leader(cluster: Cluster, wanted: str, tries: int = 20) -> None:
         leader = cluster.leader(timeout=30)
         if leader == wanted:
             return
-        cluster.pause(leader)
         try:
+            cluster.pause(leader)
             _agreed_leader(cluster, [n for n in cluster.nodes if n != leader])
         finally:
             cluster.resume(leader)
@@ -245,6 +248,12 @@ def _on_host(clusters: list[Cluster], action: str, host: str) -> None:
             failures.append(e)
     if failures:
         raise failures[0]
+
+
+def _leader_and_term(cluster: Cluster) -> tuple[str, int]:
+    """The cluster's agreed leader and its Raft term."""
+    leader = cluster.leader(timeout=30)
+    return leader, int(cluster.status(leader)["term"])
 
 
 def _groups_paused(
@@ -265,16 +274,27 @@ def _groups_paused(
             )
             for q in range(queues)
         ]
-        led = sum(1 for q in range(queues) if hosts[q % len(clusters) % len(hosts)] == host)
+        seen: dict[str, Any] = {}
+
+        def pause(host: str = host, seen: dict[str, Any] = seen) -> None:
+            # who leads each cluster, and its term, read just before the pause (a leader
+            # moved since it was steered is counted where it is)
+            seen["before"] = [_leader_and_term(c) for c in clusters]
+            _on_host(clusters, "pause", host)
+
         result = run_paused(
             _quorumq_queue,
             routes,
             *timing,
-            functools.partial(_on_host, clusters, "pause", host),
+            pause,
             functools.partial(_on_host, clusters, "resume", host),
         )
-        spread = f"quorumq, {len(clusters)} groups, leaders spread"
-        rows.append(_summary(f"{spread}: host {host}, leading {led} of {queues}, paused", result))
+        after = [_leader_and_term(c) for c in clusters]
+        before = seen["before"]
+        led = sum(1 for q in range(queues) if before[q % len(clusters)][0] == host)
+        elected = sum(1 for b, a in zip(before, after, strict=True) if a[1] > b[1])
+        name = f"quorumq, {len(clusters)} groups, leaders spread: host {host}, leading {led}"
+        rows.append(_summary(f"{name} of {queues}, paused ({elected} new terms)", result))
         print(rows[-1], flush=True)
     return rows
 
@@ -287,7 +307,7 @@ def main() -> None:
     parser.add_argument("--pause-seconds", type=float, default=3.0)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument(
-        "--groups", type=int, default=3, help="separate clusters of the spread run (1: none)"
+        "--groups", type=int, default=1, help="separate clusters standing in for groups (1: none)"
     )
     parser.add_argument("--no-rabbitmq", action="store_true")
     args = parser.parse_args()
@@ -364,7 +384,8 @@ def main() -> None:
                     print(rows[-1], flush=True)
     print()
     print(
-        f"{args.queues} queues at {args.rate} msg/s each; one node paused {args.pause_seconds} s; "
+        f"{args.queues} queues at {args.rate} msg/s each; one node (or host) paused "
+        f"{args.pause_seconds} s; "
         f"a queue stalled if it had no confirm for {STALLED_S} s or more"
     )
     print()
