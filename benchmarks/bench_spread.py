@@ -36,7 +36,7 @@ from typing import Any
 from quorumq.client import Client, QuorumqError
 from quorumq.ops.local_cluster import Cluster
 
-from .peers.common import message_body, stop_on_sigterm, take_message
+from .peers.common import Trace, message_body, publish_paced, stop_on_sigterm, take_message
 from .peers.rabbitmq import RabbitCluster, _declare, _delete, _Producer, rabbitmq_missing
 
 STALLED_S = 0.25
@@ -62,9 +62,11 @@ def _quorumq_queue(
     try:
         client = Client([endpoint])
         client.declare(queue)
+        total = int(rate * seconds)
         confirmed: list[float] = []
         failed = [0]
         lock = threading.Lock()
+        answered = threading.Event()
 
         def publish(i: int) -> None:
             def done(f: Any) -> None:
@@ -73,18 +75,15 @@ def _quorumq_queue(
                         confirmed.append(time.monotonic())
                     else:
                         failed[0] += 1
+                    if len(confirmed) + failed[0] >= total:
+                        answered.set()
 
             client.publish_async(queue, message_body(i)).add_done_callback(done)
 
         out.put(("ready", queue))
         start.wait()
         _paced(publish, rate, seconds)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with lock:
-                if len(confirmed) + failed[0] >= int(rate * seconds):
-                    break
-            time.sleep(0.05)
+        answered.wait(30)  # (unanswered by then: reported as not confirmed)
         client.close()
         with lock:
             out.put(("done", queue, list(confirmed), failed[0]))
@@ -101,22 +100,13 @@ def _rabbit_queue(queue: str, url: str, rate: int, seconds: float, start: Any, o
         confirmed: list[float] = []
         out.put(("ready", queue))
         await asyncio.get_running_loop().run_in_executor(None, start.wait)
-        tasks = set()
 
         async def one(i: int) -> None:
             await producer.publish(i)
             confirmed.append(time.monotonic())
 
-        began = time.monotonic()
-        for i in range(int(rate * seconds)):
-            delay = began + i / rate - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            task = asyncio.create_task(one(i))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        with contextlib.suppress(TimeoutError):  # (unanswered by then: not confirmed)
+            await asyncio.wait_for(publish_paced(Trace(rate), seconds, one), seconds + 30)
         producer.close()
         out.put(("done", queue, confirmed, int(rate * seconds) - len(confirmed)))
 

@@ -32,10 +32,6 @@ RAW_COMMAND = 4
 RAW_PREFIX = bytes([RAW_COMMAND])
 MEMBERSHIP_PREFIX = bytes([2])
 """PySyncObj's command type of a configuration change (`_COMMAND_TYPE.MEMBERSHIP`)."""
-NO_OP_COMMAND = 1
-NO_OP_PREFIX = bytes([NO_OP_COMMAND])
-"""PySyncObj's no-op command type (`_COMMAND_TYPE.NO_OP`), applied as nothing by it:
-a new leader's first entry, and the cluster's identity (`cluster_identity`)."""
 MAX_COMMAND_BYTES = 3 * 1024 * 1024
 """Commands must stay below PySyncObj's AppendEntries batch size (4 MiB here): its chunked
 path for bigger single commands is broken."""

@@ -67,9 +67,9 @@ from typing import Any, TypeGuard
 
 import pysyncobj.syncobj as _syncobj
 
-from .base import CLUSTER, IDENTITY_ENTRY, NO_OP_PREFIX, PREV_CRC, Entry, RaftFields
+from .base import CLUSTER, IDENTITY_ENTRY, PREV_CRC, Entry, RaftFields
 from .files import Files, decode_record, encode_record, write_atomically
-from .journal import JournalDamagedError, JournalFailedError
+from .journal import NO_OP_PREFIX, JournalDamagedError, JournalFailedError
 
 logger = logging.getLogger(__name__)
 

@@ -78,8 +78,9 @@ _LEGACY_ENTRY = struct.Struct("<QQ")
 _META_MAGIC = b"QQM1"
 
 Entry = tuple[bytes, int, int]
-_NO_OP = bytes([1])
-"""PySyncObj's no-op command type (a new leader's first entry of its term)."""
+NO_OP_PREFIX = bytes([1])
+"""PySyncObj's no-op command type (`_COMMAND_TYPE.NO_OP`), applied as nothing by it: a
+new leader's first entry of its term, and the cluster's identity (`cluster_identity`)."""
 
 
 class JournalDamagedError(Exception):
@@ -269,7 +270,7 @@ class DurableJournal:
         self.last_index_at_open = self._last_index()
         self._replay = ReplayBoundary(self._entries)
         self.carrying_no_op = next(
-            (e for e in reversed(self._entries) if e[0][:1] == _NO_OP and len(e[0]) > 1), None
+            (e for e in reversed(self._entries) if e[0][:1] == NO_OP_PREFIX and len(e[0]) > 1), None
         )
 
     @property
@@ -510,8 +511,8 @@ class DurableJournal:
 
     def add(self, command: bytes, idx: int, term: int) -> None:
         self._check_usable()
-        if command[:1] == _NO_OP:
-            if self.next_no_op is not None and command == _NO_OP:
+        if command[:1] == NO_OP_PREFIX:
+            if self.next_no_op is not None and command == NO_OP_PREFIX:
                 command, self.next_no_op = self.next_no_op, None
             if len(command) > 1:
                 self.carrying_no_op = (bytes(command), idx, term)

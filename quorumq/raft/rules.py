@@ -99,7 +99,6 @@ from .base import (
     MAX_REACHED,
     MEMBERS,
     MEMBERSHIP_PREFIX,
-    NO_OP_PREFIX,
     PEER_KEEPALIVE_S,
     PRE_VOTE,
     PRE_VOTE_ANSWER,
@@ -136,6 +135,7 @@ from .base import (
 )
 from .cluster_identity import ClusterIdentity
 from .elections import Elections
+from .journal import NO_OP_PREFIX
 from .membership import MembershipRules
 from .proposing import Proposing
 from .quiescence import Quiescence
