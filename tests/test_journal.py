@@ -399,7 +399,9 @@ def test_a_body_holding_a_whole_record_is_not_taken_for_one(tmp_path: Path) -> N
     j = DurableJournal(path)
     _fill(j, 1, 2)
     # what a client can forge: records checksummed without the salt, or with a guess
-    forged = journal._record((b"forged", 4, 1), 0) + journal._record((b"forged", 4, 1), 12345)
+    forged = journal.entry_record((b"forged", 4, 1), 0) + journal.entry_record(
+        (b"forged", 4, 1), 12345
+    )
     j.add(b"x" * 100 + forged + b"y" * 100, 3, 1)
     j._destroy()
     data = Path(path).read_bytes()

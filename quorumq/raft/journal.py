@@ -58,8 +58,8 @@ from .files import OS_FILES, Files, write_all, write_atomically
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"QQJ2"
-_SALT_BYTES = 8
-_START = len(_MAGIC) + _SALT_BYTES + 4
+SALT_BYTES = 8
+RECORDS_START = len(_MAGIC) + SALT_BYTES + 4
 """Where the first record starts: after the magic, the salt and their checksum."""
 _HEAD = struct.Struct("<IQQII")
 """length, idx, term, crc(command), crc(the four fields before)."""
@@ -110,13 +110,13 @@ def damaged(path: str, what: str) -> JournalDamagedError:
 # -------------------------------------------------------------------- records
 
 
-def _record(entry: Entry, seed: int) -> bytes:
+def entry_record(entry: Entry, seed: int) -> bytes:
     command, idx, term = entry
     fields = struct.pack("<IQQI", len(command), idx, term, zlib.crc32(command, seed))
     return fields + struct.pack("<I", zlib.crc32(fields, seed)) + command
 
 
-def _crc_bytes(data: bytes) -> bytes:
+def crc_bytes(data: bytes) -> bytes:
     return zlib.crc32(data).to_bytes(4, "little")
 
 
@@ -130,7 +130,7 @@ def _header(data: bytes, pos: int, seed: int) -> tuple[int, int, int, int] | Non
     return length, idx, term, crc
 
 
-def _parse(data: bytes, pos: int, seed: int) -> tuple[Entry, int] | None:
+def parse_entry_record(data: bytes, pos: int, seed: int) -> tuple[Entry, int] | None:
     """The intact record at `pos` and the offset past it, or None."""
     header = _header(data, pos, seed)
     if header is None:
@@ -146,7 +146,7 @@ def _parse(data: bytes, pos: int, seed: int) -> tuple[Entry, int] | None:
     return (command, idx, term), end
 
 
-def _next_intact(data: bytes, start: int, last: int, seed: int) -> tuple[int, int] | None:
+def next_intact_record(data: bytes, start: int, last: int, seed: int) -> tuple[int, int] | None:
     """(offset, index) of the first intact record at or after `start` whose index is
     among the next `FIND_INTACT_AFTER` after `last`: a record that survived damage
     before it. Found by its index's bytes (`bytes.find`), then both checksums."""
@@ -155,14 +155,14 @@ def _next_intact(data: bytes, start: int, last: int, seed: int) -> tuple[int, in
         found = data.find(pattern, start + 4)
         while found != -1:
             pos = found - 4
-            parsed = _parse(data, pos, seed)
+            parsed = parse_entry_record(data, pos, seed)
             if parsed is not None and parsed[0][1] == idx:
                 return pos, idx
             found = data.find(pattern, found + 1)
     return None
 
 
-def _torn(data: bytes, pos: int, seed: int) -> bool:
+def torn_at(data: bytes, pos: int, seed: int) -> bool:
     """What follows `pos` is what a crash while appending leaves: a header cut short, a
     record that runs past the end of the file, zeros (the file grew, its data never
     came), or a last record whose last page came back as zeros (`PAGE`; a header or a
@@ -202,7 +202,7 @@ def _legacy_entries(data: bytes) -> tuple[list[Entry], int]:
 def meta_bytes(meta: dict[str, Any]) -> bytes:
     """A meta file's bytes: magic, CRC-32 of the payload, the payload."""
     payload = encoding.encode(meta)
-    return _META_MAGIC + _crc_bytes(payload) + payload
+    return _META_MAGIC + crc_bytes(payload) + payload
 
 
 class ReplayBoundary:
@@ -233,49 +233,59 @@ class ReplayBoundary:
 # -------------------------------------------------------------------- journal
 
 
-class DurableJournal:
-    """PySyncObj's Journal interface (duck-typed) on a checksummed, fsynced file."""
+class RaftJournal:
+    """What every journal of ours keeps alike: PySyncObj's Journal interface over entries
+    held in memory; term, vote and commit index in a checksummed meta file
+    (`meta_path`); the no-op that carries the cluster's identity; the replay boundary.
+    Subclasses store the entries: `DurableJournal` in a file of its own,
+    `wal.GroupJournal` as one group's records in a node's write-ahead log."""
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        durable: bool = True,
-        strict: bool | None = None,
-        files: Files = OS_FILES,
-    ) -> None:
-        """`durable`: sync at all. `strict`: every acknowledged entry was synced first
-        (`fsync=always`), so any loss below the recorded commit index is damage; by
-        default the same as `durable`. Not strict, a short log is cut and the commit
-        index clamped to its end (`fsync=batch` acknowledges before syncing). `files`:
-        where the bytes go (the simulator gives its disk)."""
+    path: str
+    """What messages name (a file, or a group of a write-ahead log)."""
+    meta_path: str
+    durable: bool
+    strict: bool
+    files: Files
+    _entries: list[Entry]
+    _meta: dict[str, Any]
+    _meta_dirty: bool
+    _replay: ReplayBoundary
+    last_index_at_open: int
+    _ready = False
+    """Opening is over: storing the meta file syncs the entries first."""
+
+    def _begin(
+        self, path: str, meta_path: str, durable: bool, strict: bool | None, files: Files
+    ) -> bool:
+        """Set the common fields and read the meta file; whether there is one."""
         self.path = path
+        self.meta_path = meta_path
         self.durable = durable
         self.strict = durable if strict is None else strict
         self.files = files
-        self.failed: BaseException | None = None
-        self._entries: list[Entry] = []
-        self._ends: list[int] = []
-        """File offset just past each entry's record, for truncation."""
-        self._dirty = False
-        self._reset = False
-        """The entries were replaced (a snapshot install): the file is rewritten whole,
-        atomically, at the next sync, never truncated in place first."""
+        self._entries = []
         self._meta, meta_found, unchecked = self._load_meta()
         self._meta_dirty = unchecked
         """A first-format meta file (no checksum) is stored again in the current format at
         the next one-second timer, not only once its commit index changes."""
-        self._salt = b""
-        self._fd = self._open(meta_found)
+        return meta_found
+
+    def _opened(self) -> None:
+        """The entries on disk are read: where replay ends, which no-op carries a payload."""
         self.last_index_at_open = self._last_index()
         self._replay = ReplayBoundary(self._entries)
         self.carrying_no_op = next(
             (e for e in reversed(self._entries) if e[0][:1] == NO_OP_PREFIX and len(e[0]) > 1), None
         )
+        self._ready = True
 
-    @property
-    def _seed(self) -> int:
-        return zlib.crc32(self._salt)
+    next_no_op: bytes | None = None
+    """Set by a new leader around PySyncObj's no-op append: the command it writes in
+    place of the bare no-op (the cluster's identity, `cluster_identity`)."""
+    carrying_no_op: Entry | None = None
+    """The last no-op entry of the log that carries a payload (the cluster's identity),
+    if the log holds one, or compacted it away since it was opened; None once cut or
+    replaced, and None at open if the entries on disk hold none."""
 
     @property
     def replay_until(self) -> int:
@@ -283,76 +293,8 @@ class DurableJournal:
         and are still the same entries (`ReplayBoundary`)."""
         return self._replay.until
 
-    # ------------------------------------------------------------------ files
-
-    def _open(self, meta_found: bool) -> int:
-        data = self.files.read(self.path)
-        if data is None:
-            if meta_found:
-                raise damaged(self.path, "the journal is missing but its meta file is not")
-            return self._rewrite([])
-        if data[:4] == _LEGACY_MAGIC:
-            self._entries, pos = _legacy_entries(data)
-            if pos != len(data):
-                raise damaged(self.path, f"a first-format journal stops being intact at {pos}")
-            self._check_meta_for(meta_found)
-            self._check_commit_index()
-            logger.info("%s: rewriting a first-format journal in the current one", self.path)
-            return self._rewrite(self._entries)
-        if data[:4] != _MAGIC or len(data) < _START:
-            raise JournalDamagedError(f"{self.path} is not a quorumq journal")
-        if _crc_bytes(data[: _START - 4]) != data[_START - 4 : _START]:
-            raise damaged(self.path, "its header (the checksums' salt) fails its checksum")
-        self._salt = data[4 : _START - 4]
-        seed = self._seed
-        pos = _START
-        while pos < len(data):
-            parsed = _parse(data, pos, seed)
-            if parsed is None or (self._entries and parsed[0][1] != self._entries[-1][1] + 1):
-                break
-            self._entries.append(parsed[0])
-            pos = parsed[1]
-            self._ends.append(pos)
-        if pos != len(data):
-            self._check_cut(data, pos)
-        self._check_meta_for(meta_found)
-        self._check_commit_index()
-        try:
-            fd = self.files.open_append(self.path)
-            if pos != len(data):
-                logger.warning(
-                    "%s: cutting a torn tail of %d bytes after entry %d",
-                    self.path,
-                    len(data) - pos,
-                    self._last_index(),
-                )
-                self.files.truncate(fd, pos)
-                if self.durable:
-                    self.files.sync(fd)
-        except OSError as e:
-            raise self._fail("open", e) from e
-        return fd
-
     def _last_index(self) -> int:
         return self._entries[-1][1] if self._entries else 0
-
-    def _check_cut(self, data: bytes, pos: int) -> None:
-        """Refuse to cut at `pos` unless what follows is a torn tail (or, not strict,
-        a record that was maybe never synced, with nothing intact after it)."""
-        last = self._last_index()
-        after = _next_intact(data, pos + 1, last, self._seed)
-        if after is not None:
-            raise damaged(
-                self.path,
-                f"a corrupt record at byte {pos} (after entry {last}) is followed by an "
-                f"intact one at byte {after[0]} (entry {after[1]})",
-            )
-        if self.strict and not _torn(data, pos, self._seed):
-            raise damaged(
-                self.path,
-                f"the record at byte {pos} (after entry {last}) fails its checksum but is "
-                "not a torn write: it was written whole, so it may have been acknowledged",
-            )
 
     def _check_meta_for(self, meta_found: bool) -> None:
         """A journal with entries of a term has a meta file: the node stored the term
@@ -388,7 +330,7 @@ class DurableJournal:
     def _load_meta(self) -> tuple[dict[str, Any], bool, bool]:
         """The meta file's contents, whether there is one, and whether it is of the
         first format (no checksum)."""
-        data = self.files.read(self.path + ".meta")
+        data = self.files.read(self.meta_path)
         if data is None:
             return {}, False, False
         unchecked = data[:4] != _META_MAGIC
@@ -407,31 +349,197 @@ class DurableJournal:
         return meta, True, unchecked
 
     def _store_meta(self) -> None:
-        if hasattr(self, "_fd"):
+        if self._ready:
             # The commit index stored must never be ahead of the entries on disk (a
             # strict journal that ends below it refuses to open).
             self.sync()
         try:
             write_atomically(
-                self.files, self.path + ".meta", meta_bytes(self._meta), durable=self.durable
+                self.files, self.meta_path, meta_bytes(self._meta), durable=self.durable
             )
         except OSError as e:
             raise self._fail("writing the meta file", e) from e
         self._meta_dirty = False
+
+    def _carry(self, command: bytes, idx: int, term: int) -> Entry:
+        """The entry to store for `command`: a new leader's bare no-op becomes the one
+        that carries the cluster's identity (`next_no_op`)."""
+        if command[:1] == NO_OP_PREFIX:
+            if self.next_no_op is not None and command == NO_OP_PREFIX:
+                command, self.next_no_op = self.next_no_op, None
+            if len(command) > 1:
+                self.carrying_no_op = (bytes(command), idx, term)
+        self._replay.added(idx, term)
+        return (bytes(command), idx, term)
+
+    def __getitem__(self, item: int | slice) -> Any:
+        return self._entries[item]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def setRaftCommitIndex(self, index: int) -> None:
+        if self._meta.get("commit_index") == index:
+            return  # every heartbeat sets it: an idle node rewrote and synced its meta each second
+        self._meta["commit_index"] = index
+        self._meta_dirty = True
+
+    def getRaftCommitIndex(self) -> int:
+        return int(self._meta.get("commit_index", 1))
+
+    def setCurrentTerm(self, term: int, voted_for: str | None) -> None:
+        self._meta["term"] = term
+        self._meta["voted_for"] = voted_for
+        self._store_meta()
+
+    def getCurrentTerm(self) -> int:
+        return int(self._meta.get("term", 0))
+
+    def getVotedForNodeId(self) -> str | None:
+        voted: str | None = self._meta.get("voted_for")
+        return voted
+
+    def onOneSecondTimer(self) -> None:
+        if self._meta_dirty:
+            self._store_meta()
+
+    def _check_cut_above_commit(self, entry_from: int) -> None:
+        """Raft never deletes a committed entry: refuse (and so stop) rather than lose one."""
+        committed = self._meta.get("commit_index", 0)
+        if self._entries[entry_from][1] <= committed:
+            raise JournalDamagedError(
+                f"{self.path}: refusing to delete entries from "
+                f"{self._entries[entry_from][1]}, at or below the commit index {committed}"
+            )
+
+    def _cut_entries(self, entry_from: int) -> None:
+        carried = self.carrying_no_op
+        if carried is not None and carried[1] >= self._entries[entry_from][1]:
+            self.carrying_no_op = None
+        del self._entries[entry_from:]
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def _fail(self, what: str, error: BaseException) -> JournalFailedError:
+        raise NotImplementedError
+
+
+class DurableJournal(RaftJournal):
+    """PySyncObj's Journal interface (duck-typed) on a checksummed, fsynced file."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        durable: bool = True,
+        strict: bool | None = None,
+        files: Files = OS_FILES,
+    ) -> None:
+        """`durable`: sync at all. `strict`: every acknowledged entry was synced first
+        (`fsync=always`), so any loss below the recorded commit index is damage; by
+        default the same as `durable`. Not strict, a short log is cut and the commit
+        index clamped to its end (`fsync=batch` acknowledges before syncing). `files`:
+        where the bytes go (the simulator gives its disk)."""
+        self.failed: BaseException | None = None
+        self._ends: list[int] = []
+        """File offset just past each entry's record, for truncation."""
+        self._dirty = False
+        self._reset = False
+        """The entries were replaced (a snapshot install): the file is rewritten whole,
+        atomically, at the next sync, never truncated in place first."""
+        meta_found = self._begin(path, path + ".meta", durable, strict, files)
+        self._salt = b""
+        self._fd = self._open(meta_found)
+        self._opened()
+
+    @property
+    def _seed(self) -> int:
+        return zlib.crc32(self._salt)
+
+    # ------------------------------------------------------------------ files
+
+    def _open(self, meta_found: bool) -> int:
+        data = self.files.read(self.path)
+        if data is None:
+            if meta_found:
+                raise damaged(self.path, "the journal is missing but its meta file is not")
+            return self._rewrite([])
+        if data[:4] == _LEGACY_MAGIC:
+            self._entries, pos = _legacy_entries(data)
+            if pos != len(data):
+                raise damaged(self.path, f"a first-format journal stops being intact at {pos}")
+            self._check_meta_for(meta_found)
+            self._check_commit_index()
+            logger.info("%s: rewriting a first-format journal in the current one", self.path)
+            return self._rewrite(self._entries)
+        if data[:4] != _MAGIC or len(data) < RECORDS_START:
+            raise JournalDamagedError(f"{self.path} is not a quorumq journal")
+        if crc_bytes(data[: RECORDS_START - 4]) != data[RECORDS_START - 4 : RECORDS_START]:
+            raise damaged(self.path, "its header (the checksums' salt) fails its checksum")
+        self._salt = data[4 : RECORDS_START - 4]
+        seed = self._seed
+        pos = RECORDS_START
+        while pos < len(data):
+            parsed = parse_entry_record(data, pos, seed)
+            if parsed is None or (self._entries and parsed[0][1] != self._entries[-1][1] + 1):
+                break
+            self._entries.append(parsed[0])
+            pos = parsed[1]
+            self._ends.append(pos)
+        if pos != len(data):
+            self._check_cut(data, pos)
+        self._check_meta_for(meta_found)
+        self._check_commit_index()
+        try:
+            fd = self.files.open_append(self.path)
+            if pos != len(data):
+                logger.warning(
+                    "%s: cutting a torn tail of %d bytes after entry %d",
+                    self.path,
+                    len(data) - pos,
+                    self._last_index(),
+                )
+                self.files.truncate(fd, pos)
+            if self.durable:
+                # a process that crashed may have written entries it never synced: this
+                # one must not acknowledge them as if they were durable
+                self.files.sync(fd)
+        except OSError as e:
+            raise self._fail("open", e) from e
+        return fd
+
+    def _check_cut(self, data: bytes, pos: int) -> None:
+        """Refuse to cut at `pos` unless what follows is a torn tail (or, not strict,
+        a record that was maybe never synced, with nothing intact after it)."""
+        last = self._last_index()
+        after = next_intact_record(data, pos + 1, last, self._seed)
+        if after is not None:
+            raise damaged(
+                self.path,
+                f"a corrupt record at byte {pos} (after entry {last}) is followed by an "
+                f"intact one at byte {after[0]} (entry {after[1]})",
+            )
+        if self.strict and not torn_at(data, pos, self._seed):
+            raise damaged(
+                self.path,
+                f"the record at byte {pos} (after entry {last}) fails its checksum but is "
+                "not a torn write: it was written whole, so it may have been acknowledged",
+            )
 
     def _rewrite(self, entries: list[Entry]) -> int:
         """Replace the file with `entries`, atomically; the descriptor to append to. The
         new file is written, synced, renamed over the old one and the directory synced;
         the journal appends to it from then on. Any failure breaks the journal (after the
         rename, an old descriptor would append to a file no longer on disk)."""
-        self._salt = self.files.random_bytes(_SALT_BYTES)
+        self._salt = self.files.random_bytes(SALT_BYTES)
         seed = self._seed
-        records = [_record(e, seed) for e in entries]
+        records = [entry_record(e, seed) for e in entries]
         tmp = self.path + ".tmp"
         try:
             fd = self.files.create(tmp)
             head = _MAGIC + self._salt
-            write_all(self.files, fd, head + _crc_bytes(head) + b"".join(records))
+            write_all(self.files, fd, head + crc_bytes(head) + b"".join(records))
             if self.durable:
                 self.files.sync(fd)
             self.files.replace(tmp, self.path)
@@ -440,7 +548,7 @@ class DurableJournal:
         except OSError as e:
             raise self._fail("rewriting the journal", e) from e
         self._ends = []
-        end = _START
+        end = RECORDS_START
         for r in records:
             end += len(r)
             self._ends.append(end)
@@ -501,27 +609,13 @@ class DurableJournal:
 
     # ------------------------------------------------------ PySyncObj Journal
 
-    next_no_op: bytes | None = None
-    """Set by a new leader around PySyncObj's no-op append: the command it writes in
-    place of the bare no-op (the cluster's identity, `cluster_identity`)."""
-    carrying_no_op: Entry | None = None
-    """The last no-op entry of the log that carries a payload (the cluster's identity),
-    if the log holds one, or compacted it away since it was opened; None once cut or
-    replaced, and None at open if the entries on disk hold none."""
-
     def add(self, command: bytes, idx: int, term: int) -> None:
         self._check_usable()
-        if command[:1] == NO_OP_PREFIX:
-            if self.next_no_op is not None and command == NO_OP_PREFIX:
-                command, self.next_no_op = self.next_no_op, None
-            if len(command) > 1:
-                self.carrying_no_op = (bytes(command), idx, term)
-        entry = (bytes(command), idx, term)
-        self._replay.added(idx, term)
+        entry = self._carry(command, idx, term)
         if not self._reset:
-            record = _record(entry, self._seed)
+            record = entry_record(entry, self._seed)
             self._write(record)
-            self._ends.append((self._ends[-1] if self._ends else _START) + len(record))
+            self._ends.append((self._ends[-1] if self._ends else RECORDS_START) + len(record))
         self._entries.append(entry)
         self._dirty = True
 
@@ -541,19 +635,11 @@ class DurableJournal:
     def deleteEntriesFrom(self, entry_from: int) -> None:
         if entry_from >= len(self._entries):
             return
-        committed = self._meta.get("commit_index", 0)
-        if self._entries[entry_from][1] <= committed:
-            raise JournalDamagedError(
-                f"{self.path}: refusing to delete entries from "
-                f"{self._entries[entry_from][1]}, at or below the commit index {committed}"
-            )
+        self._check_cut_above_commit(entry_from)
         if not self._reset:
-            self._truncate(self._ends[entry_from - 1] if entry_from else _START)
+            self._truncate(self._ends[entry_from - 1] if entry_from else RECORDS_START)
             del self._ends[entry_from:]
-        carried = self.carrying_no_op
-        if carried is not None and carried[1] >= self._entries[entry_from][1]:
-            self.carrying_no_op = None
-        del self._entries[entry_from:]
+        self._cut_entries(entry_from)
         self._dirty = True
 
     def deleteEntriesTo(self, entry_to: int) -> None:
@@ -566,12 +652,6 @@ class DurableJournal:
         self._reset = False
         self._dirty = False
 
-    def __getitem__(self, item: int | slice) -> Any:
-        return self._entries[item]
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def _destroy(self) -> None:
         if self.failed is not None:  # nothing more is written, the meta file included
             self._close(self._fd)
@@ -582,28 +662,3 @@ class DurableJournal:
                 self._store_meta()
         finally:
             self._close(self._fd)
-
-    def setRaftCommitIndex(self, index: int) -> None:
-        if self._meta.get("commit_index") == index:
-            return  # every heartbeat sets it: an idle node rewrote and synced its meta each second
-        self._meta["commit_index"] = index
-        self._meta_dirty = True
-
-    def getRaftCommitIndex(self) -> int:
-        return int(self._meta.get("commit_index", 1))
-
-    def setCurrentTerm(self, term: int, voted_for: str | None) -> None:
-        self._meta["term"] = term
-        self._meta["voted_for"] = voted_for
-        self._store_meta()
-
-    def getCurrentTerm(self) -> int:
-        return int(self._meta.get("term", 0))
-
-    def getVotedForNodeId(self) -> str | None:
-        voted: str | None = self._meta.get("voted_for")
-        return voted
-
-    def onOneSecondTimer(self) -> None:
-        if self._meta_dirty:
-            self._store_meta()
