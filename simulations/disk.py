@@ -26,6 +26,7 @@ damaged log, stop for good after a failed write or sync.
 from __future__ import annotations
 
 import errno
+import os
 import random
 from typing import Any
 
@@ -142,6 +143,9 @@ class SimFiles:
 
     def remove(self, path: str) -> None:
         del self.names[path]
+
+    def list_directory(self, path: str) -> list[str]:
+        return [os.path.basename(name) for name in self.names if os.path.dirname(name) == path]
 
     def random_bytes(self, n: int) -> bytes:
         return self.random.randbytes(n)

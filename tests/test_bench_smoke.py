@@ -234,3 +234,17 @@ def test_a_queues_stall_is_the_longest_time_without_a_confirm() -> None:
     assert stall_s([9.0, 10.5, 11.9, 13.0], 10.0, 12.0) == pytest.approx(1.4)  # between two
     assert stall_s([10.1, 10.2], 10.0, 12.0) == pytest.approx(1.8)  # the last to the end
     assert stall_s([11.0, 11.5], 10.0, 12.0) == pytest.approx(1.0)  # the pause to the first
+
+
+def test_the_wal_benchmark_syncs_once_a_round_for_every_group(tmp_path: Path) -> None:
+    """`benchmarks/bench_wal.py`, small: three groups in one log make one fdatasync a
+    round, three journals three (counted, not assumed)."""
+    out = _run_benchmark(
+        "bench_wal", "--groups", "1,3", "--rounds", "20", "--repeat", "1", "--dir", str(tmp_path)
+    )
+    rows = {(r[0], r[1]): r for r in _table_rows(out, "")}
+    assert rows[("3", "one log")][4] == "1.00", out
+    assert rows[("3", "a journal each")][4] == "3.00", out
+    assert rows[("1", "one log")][4] == "1.00", out
+    assert "wal / journals, 3 groups (rounds/s, medians): " in out, out
+    assert os.listdir(tmp_path) == [], "the benchmark left its data behind"

@@ -46,6 +46,9 @@ class Files(Protocol):
 
     def remove(self, path: str) -> None: ...
 
+    def list_directory(self, path: str) -> list[str]:
+        """The names of the files in directory `path` (none if there is no such directory)."""
+
     def random_bytes(self, n: int) -> bytes:
         """Random bytes (a journal's salt): the OS's, or the simulation's seeded ones."""
 
@@ -90,6 +93,12 @@ class OsFiles:
 
     def remove(self, path: str) -> None:
         os.unlink(path)
+
+    def list_directory(self, path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except FileNotFoundError:
+            return []
 
     def random_bytes(self, n: int) -> bytes:
         return os.urandom(n)

@@ -96,6 +96,9 @@ class TimedFiles:
     def remove(self, path: str) -> None:
         self._files.remove(path)
 
+    def list_directory(self, path: str) -> list[str]:
+        return self._files.list_directory(path)
+
     def random_bytes(self, n: int) -> bytes:
         return self._files.random_bytes(n)
 

@@ -1,0 +1,622 @@
+"""One write-ahead log for every Raft group a node hosts: one fdatasync per round for all.
+
+Issue 33's engine runs many Raft groups in one node process. With a journal per group,
+each group that wrote in a round pays its own fdatasync; here every group appends to
+one log, and one `sync()` makes all of them durable (group commit, as Ra's
+`ra_log_wal`). Each group sees its part through a `GroupJournal`, PySyncObj's Journal
+interface as `journal.DurableJournal` gives it, with the same checks and the same
+refusals; its term, vote and commit index stay in a meta file of its own.
+
+The log is a directory of segments, `wal-<seq>.log`, each
+
+    b"QQW1", 8 random bytes (the salt), u32 crc(the 12 bytes before), then records in
+    the journal's format (`journal.entry_record`), whose command is
+    [u8 kind][u32 group][body]:
+
+    ENTRY  idx, term, body: an entry of the group's log
+    CUT    idx: the group's entries from idx on are gone (a follower's conflicting tail)
+    FIRST  idx: the group's entries below idx are gone (compaction behind a snapshot)
+    RESET  idx = n, term = the first index: the group's log is the n ENTRY records of
+           the group that follow, all written together (a snapshot install, or a
+           rewrite that frees an old segment). Opening takes them only whole.
+
+Replaying every segment in order gives each group's log. What opening tells apart is
+the journal's (`journal` module docstring): a torn tail of the newest segment (never
+synced, so never acknowledged) is cut; a bad record anywhere else, an intact record
+after a bad one, a record that does not follow its group's log, a missing segment
+between two others, or (strict) a whole record failing its checksum refuse to open
+(`JournalDamagedError`). A failed write or sync breaks the whole log for good
+(`JournalFailedError` for every group): a node stops, it never retries.
+
+Segments roll over at `segment_bytes`; the segment being left is synced first, so only
+the newest one can end torn. The oldest segment is removed once no group has a live
+entry in it (each group's entries there are below its first entry, or the group was
+reset since). A quiet group that never compacts would keep the oldest segment forever,
+so once more than `KEPT_SEGMENTS` exist, the groups pinning the oldest are rewritten at
+the end (a RESET with their live entries) when that costs at most half of what they
+pin (`_free_segments`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import struct
+import zlib
+
+from .files import OS_FILES, Files, write_all
+from .journal import (
+    RECORDS_START,
+    SALT_BYTES,
+    Entry,
+    JournalDamagedError,
+    JournalFailedError,
+    RaftJournal,
+    crc_bytes,
+    damaged,
+    entry_record,
+    next_intact_record,
+    parse_entry_record,
+    torn_at,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KEPT_SEGMENTS", "SEGMENT_BYTES", "GroupJournal", "WriteAheadLog"]
+
+_MAGIC = b"QQW1"
+SEGMENT_BYTES = 64 * 1024 * 1024
+"""A segment past this size is left for a new one at the next write."""
+KEPT_SEGMENTS = 2
+"""Past this many segments, groups pinning the oldest are rewritten to free it."""
+
+_TAG = struct.Struct("<BI")
+"""A record's kind and group, before its body."""
+ENTRY, CUT, FIRST, RESET = range(4)
+_KINDS = {ENTRY: "entry", CUT: "cut", FIRST: "first", RESET: "reset"}
+
+Record = tuple[int, int, int, int, bytes]
+"""(kind, group, idx, term, body)."""
+
+
+def _segment_name(seq: int) -> str:
+    return f"wal-{seq:010d}.log"
+
+
+def _segment_seq(name: str) -> int | None:
+    if not (name.startswith("wal-") and name.endswith(".log")):
+        return None
+    digits = name[4:-4]
+    return int(digits) if digits.isdigit() else None
+
+
+class _GroupLog:
+    """One group's entries as replayed and kept up to date."""
+
+    __slots__ = ("entries", "next_index", "reset_segment")
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.next_index: int | None = None
+        """The index the next entry must have while `entries` is empty (after a
+        compaction or a cut), if known."""
+        self.reset_segment = 0
+        """The segment of the group's last RESET: nothing of it in older ones is live."""
+
+    def follows(self, idx: int) -> bool:
+        if self.entries:
+            return idx == self.entries[-1][1] + 1
+        return self.next_index is None or idx == self.next_index
+
+    def cut(self, idx: int) -> None:
+        """Drop entries from `idx` on."""
+        keep = len(self.entries)
+        while keep and self.entries[keep - 1][1] >= idx:
+            keep -= 1
+        del self.entries[keep:]
+        if not self.entries:
+            self.next_index = idx
+
+    def first(self, idx: int, *, replaying: bool = False) -> None:
+        """Drop entries below `idx`. Replayed, a FIRST that empties the log says nothing
+        of the next entry: the ones between may have been in a segment freed since
+        (dead by a later compaction)."""
+        drop = 0
+        while drop < len(self.entries) and self.entries[drop][1] < idx:
+            drop += 1
+        del self.entries[:drop]
+        self.next_index = None if replaying and not self.entries else idx
+
+    def live_bytes(self) -> int:
+        return sum(len(command) for command, _, _ in self.entries)
+
+
+class _Segment:
+    __slots__ = ("highest", "path", "seed", "seq", "size")
+
+    def __init__(self, seq: int, path: str, seed: int, size: int) -> None:
+        self.seq = seq
+        self.path = path
+        self.seed = seed
+        self.size = size
+        self.highest: dict[int, int] = {}
+        """Per group, the highest index of an entry written here."""
+
+    def holds(self, group: int, idx: int) -> None:
+        if idx > self.highest.get(group, -1):
+            self.highest[group] = idx
+
+
+class _PendingReset:
+    __slots__ = ("count", "entries", "first", "group", "start")
+
+    def __init__(self, group: int, count: int, first: int, start: int) -> None:
+        self.group = group
+        self.count = count
+        self.first = first
+        self.start = start
+        self.entries: list[Entry] = []
+
+
+class WriteAheadLog:
+    """Every group's journal records in one directory of segments, synced together."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        durable: bool = True,
+        strict: bool | None = None,
+        files: Files = OS_FILES,
+        segment_bytes: int = SEGMENT_BYTES,
+    ) -> None:
+        """`durable` and `strict` as `DurableJournal`'s. `segment_bytes`: roll over past it."""
+        self.directory = directory
+        self.durable = durable
+        self.strict = durable if strict is None else strict
+        self.files = files
+        self.segment_bytes = segment_bytes
+        self.failed: BaseException | None = None
+        self.syncs = 0
+        """fdatasyncs of segments so far (what group commit saves is counted here)."""
+        self._logs: dict[int, _GroupLog] = {}
+        self._journals: dict[int, GroupJournal] = {}
+        self._segments: list[_Segment] = []
+        self._pending_resets: set[int] = set()
+        """Groups whose log was replaced (`clear`): written whole at the next sync."""
+        self._dirty = False
+        self._may_free = False
+        """A segment rolled, or a group compacted, cut or reset: look for one to free."""
+        self._fd = self._open()
+
+    # ------------------------------------------------------------------ opening
+
+    def _segment_files(self) -> list[tuple[int, str]]:
+        found = []
+        for name in self.files.list_directory(self.directory):
+            seq = _segment_seq(name)
+            if seq is not None:
+                found.append((seq, os.path.join(self.directory, name)))
+        return sorted(found)
+
+    def _open(self) -> int:
+        found = self._segment_files()
+        for (seq, path), (next_seq, _) in itertools.pairwise(found):
+            if next_seq != seq + 1:
+                raise damaged(path, f"the write-ahead log's segment {seq + 1} is missing")
+        if not found:
+            if any(n.endswith(".meta") for n in self.files.list_directory(self.directory)):
+                raise damaged(
+                    self.directory, "the write-ahead log is missing but group meta files are not"
+                )
+            return self._start_segment(1)
+        newest_seq, newest_path = found[-1]
+        if len(self.files.read(newest_path) or b"") < RECORDS_START:
+            # started by a rollover a crash cut short: it holds no record
+            logger.warning("%s: removing a segment whose header was never written", newest_path)
+            self._remove(newest_path)
+            found.pop()
+            if not found:
+                return self._start_segment(newest_seq)
+        cut: tuple[str, int] | None = None
+        for i, (seq, path) in enumerate(found):
+            data = self.files.read(path) or b""
+            segment = self._read_header(seq, path, data)
+            self._segments.append(segment)
+            pos = self._replay(segment, data, newest=i == len(found) - 1)
+            if pos != len(data):
+                cut = (path, pos)
+        return self._reopen(cut)
+
+    def _read_header(self, seq: int, path: str, data: bytes) -> _Segment:
+        if data[:4] != _MAGIC or len(data) < RECORDS_START:
+            raise JournalDamagedError(f"{path} is not a quorumq write-ahead log segment")
+        if crc_bytes(data[: RECORDS_START - 4]) != data[RECORDS_START - 4 : RECORDS_START]:
+            raise damaged(path, "its header (the checksums' salt) fails its checksum")
+        return _Segment(seq, path, zlib.crc32(data[4 : RECORDS_START - 4]), len(data))
+
+    def _replay(self, segment: _Segment, data: bytes, newest: bool) -> int:
+        """Apply the segment's records to the groups' logs; where they stop being intact
+        (past a torn tail, or the start of a RESET cut short)."""
+        pos = RECORDS_START
+        pending: _PendingReset | None = None
+        while pos < len(data):
+            parsed = parse_entry_record(data, pos, segment.seed)
+            if parsed is None:
+                break
+            (command, idx, term), end = parsed
+            if len(command) < _TAG.size or command[0] not in _KINDS:
+                raise damaged(segment.path, f"the record at byte {pos} is of no known kind")
+            kind, group = _TAG.unpack_from(command)
+            body = command[_TAG.size :]
+            if pending is not None:
+                if kind != ENTRY or group != pending.group:
+                    raise damaged(
+                        segment.path,
+                        f"group {pending.group}'s reset at byte {pending.start} is "
+                        f"interrupted by a {_KINDS[kind]} record of group {group}",
+                    )
+                pending.entries.append((body, idx, term))
+                if len(pending.entries) == pending.count:
+                    self._install_reset(pending, segment)
+                    pending = None
+            elif kind == RESET:
+                pending = _PendingReset(group, idx, term, pos)
+                if idx == 0:
+                    self._install_reset(pending, segment)
+                    pending = None
+            else:
+                self._apply(segment, pos, kind, group, idx, term, body)
+            if kind == ENTRY:
+                segment.holds(group, idx)
+            pos = end
+        if pos == len(data) and pending is None:
+            return pos
+        if not newest:
+            raise damaged(
+                segment.path,
+                f"a record at byte {pos} fails its checksum in a segment that was synced "
+                "whole before the next one began",
+            )
+        if pos != len(data):
+            self._check_cut(segment, data, pos, pending)
+        return pending.start if pending is not None else pos
+
+    def _apply(
+        self, segment: _Segment, pos: int, kind: int, group: int, idx: int, term: int, body: bytes
+    ) -> None:
+        log = self._logs.setdefault(group, _GroupLog())
+        if kind == ENTRY:
+            if not log.follows(idx):
+                last = log.entries[-1][1] if log.entries else log.next_index
+                raise damaged(
+                    segment.path,
+                    f"entry {idx} of group {group} at byte {pos} does not follow "
+                    f"its log (at {last})",
+                )
+            log.entries.append((body, idx, term))
+        elif kind == CUT:
+            log.cut(idx)
+        else:
+            log.first(idx, replaying=True)
+
+    def _install_reset(self, pending: _PendingReset, segment: _Segment) -> None:
+        log = self._logs.setdefault(pending.group, _GroupLog())
+        log.entries[:] = pending.entries
+        log.next_index = pending.first or None
+        log.reset_segment = segment.seq
+
+    def _check_cut(
+        self, segment: _Segment, data: bytes, pos: int, pending: _PendingReset | None
+    ) -> None:
+        """Refuse to cut the newest segment at `pos` unless what follows is a torn tail
+        (or, not strict, a record maybe never synced with nothing intact after it).
+        An intact record after `pos` is looked for by the indexes that would come next
+        in each group's log, as the journal does."""
+        lasts = {g: log.entries[-1][1] for g, log in self._logs.items() if log.entries}
+        if pending is not None and pending.entries:
+            lasts[pending.group] = max(lasts.get(pending.group, 0), pending.entries[-1][1])
+        for group, last in sorted(lasts.items()):
+            after = next_intact_record(data, pos + 1, last, segment.seed)
+            if after is not None:
+                raise damaged(
+                    segment.path,
+                    f"a corrupt record at byte {pos} is followed by an intact one at byte "
+                    f"{after[0]} (index {after[1]}, after group {group}'s {last})",
+                )
+        if self.strict and not torn_at(data, pos, segment.seed):
+            raise damaged(
+                segment.path,
+                f"the record at byte {pos} fails its checksum but is not a torn write: it "
+                "was written whole, so it may have been acknowledged",
+            )
+
+    def _reopen(self, cut: tuple[str, int] | None) -> int:
+        """Open the newest segment for appending, its torn tail cut first, and sync it:
+        a process that crashed may have written records it never synced, and this one
+        must not acknowledge them (nor roll past them) as if they were durable."""
+        segment = self._segments[-1]
+        try:
+            fd = self.files.open_append(segment.path)
+            if cut is not None:
+                path, pos = cut
+                logger.warning(
+                    "%s: cutting a torn tail of %d bytes at byte %d", path, segment.size - pos, pos
+                )
+                self.files.truncate(fd, pos)
+                segment.size = pos
+            if self.durable:
+                self.files.sync(fd)
+                self.files.sync_directory(self.directory)  # and the names it made
+        except OSError as e:
+            raise self._fail("opening the newest segment", e) from e
+        return fd
+
+    def _start_segment(self, seq: int) -> int:
+        """A new, empty segment, synced with its name: the descriptor to append to."""
+        path = os.path.join(self.directory, _segment_name(seq))
+        salt = self.files.random_bytes(SALT_BYTES)
+        head = _MAGIC + salt
+        try:
+            fd = self.files.create(path)
+            write_all(self.files, fd, head + crc_bytes(head))
+            if self.durable:
+                self.files.sync(fd)
+                self.files.sync_directory(self.directory)
+        except OSError as e:
+            raise self._fail("starting a segment", e) from e
+        self._segments.append(_Segment(seq, path, zlib.crc32(salt), RECORDS_START))
+        return fd
+
+    # ------------------------------------------------------------------ groups
+
+    def journal(self, group: int) -> GroupJournal:
+        """Group `group`'s journal (an empty one if the log holds nothing of it)."""
+        if not 0 <= group < 2**32:
+            raise ValueError(f"group {group} is not a 32-bit unsigned number")
+        if group in self._journals:
+            raise ValueError(f"group {group}'s journal is already open")
+        log = self._logs.setdefault(group, _GroupLog())
+        journal = self._journals[group] = GroupJournal(self, group, log)
+        return journal
+
+    def groups(self) -> list[int]:
+        """The groups the log holds entries of."""
+        return sorted(g for g, log in self._logs.items() if log.entries)
+
+    # ------------------------------------------------------------------ writing
+
+    def _check_usable(self) -> None:
+        if self.failed is not None:
+            raise JournalFailedError(f"{self.directory}: unusable since {self.failed}")
+
+    def _fail(self, what: str, error: BaseException) -> JournalFailedError:
+        self.failed = error
+        logger.critical(
+            "%s: %s failed (%s); the write-ahead log accepts nothing more and the node "
+            "must stop (a retried fdatasync may report success for lost writes)",
+            self.directory,
+            what,
+            error,
+        )
+        return JournalFailedError(f"{self.directory}: {what} failed: {error}")
+
+    def _write(self, records: list[Record]) -> None:
+        """Append `records` in one write, to one segment; `JournalFailedError` if not all."""
+        self._check_usable()
+        if self._segments[-1].size >= self.segment_bytes:
+            self._roll()
+        segment = self._segments[-1]
+        data = b"".join(
+            entry_record((_TAG.pack(kind, group) + body, idx, term), segment.seed)
+            for kind, group, idx, term, body in records
+        )
+        try:
+            write_all(self.files, self._fd, data)
+        except OSError as e:
+            raise self._fail("write", e) from e
+        segment.size += len(data)
+        for kind, group, idx, _, _ in records:
+            if kind == ENTRY:
+                segment.holds(group, idx)
+            else:
+                self._may_free = True
+        self._dirty = True
+
+    def _roll(self) -> None:
+        """Sync the segment being left (so only the newest can end torn), start the next."""
+        try:
+            if self.durable and self._dirty:
+                self.files.sync(self._fd)
+                self.syncs += 1
+        except OSError as e:
+            raise self._fail("fdatasync", e) from e
+        self._dirty = False
+        self._may_free = True
+        old = self._fd
+        self._fd = self._start_segment(self._segments[-1].seq + 1)
+        self._close(old)
+
+    def _write_reset(self, group: int) -> None:
+        log = self._logs[group]
+        first = log.entries[0][1] if log.entries else (log.next_index or 0)
+        records: list[Record] = [(RESET, group, len(log.entries), first, b"")]
+        records += [(ENTRY, group, idx, term, command) for command, idx, term in log.entries]
+        self._write(records)
+        self._pending_resets.discard(group)
+        log.reset_segment = self._segments[-1].seq
+
+    def sync(self) -> None:
+        """Make every record of every group written so far durable, with one fdatasync;
+        then free what no group needs. A failure breaks the log for good."""
+        self._check_usable()
+        for group in sorted(self._pending_resets):
+            self._write_reset(group)
+        self._sync_segment()
+        if self._may_free:
+            self._may_free = False
+            self._free_segments()
+
+    def _sync_segment(self) -> None:
+        if not self._dirty:
+            return
+        if self.durable:
+            try:
+                self.files.sync(self._fd)
+            except OSError as e:
+                raise self._fail("fdatasync", e) from e
+            self.syncs += 1
+        self._dirty = False
+
+    def _live_in(self, segment: _Segment, group: int) -> bool:
+        """Whether `segment` holds an entry of `group` that is still in its log."""
+        log = self._logs.get(group)
+        if log is None or log.reset_segment > segment.seq or not log.entries:
+            return False
+        return segment.highest.get(group, -1) >= log.entries[0][1]
+
+    def _free_segments(self) -> None:
+        """Remove the oldest segments no group needs; everything written is synced.
+
+        Groups that pin the oldest are rewritten at the end once more than
+        `KEPT_SEGMENTS` exist, if that costs at most half the segments they pin: a
+        quiet group is copied forward, never left to keep old segments; a group whose
+        live entries fill what it pins (one that cannot compact) keeps them, so the
+        disk holds at most about twice the live entries and a rewrite is paid for by
+        what it frees."""
+        while len(self._segments) > 1:
+            oldest = self._segments[0]
+            pinning = [g for g in oldest.highest if self._live_in(oldest, g)]
+            if pinning:
+                if len(self._segments) <= KEPT_SEGMENTS:
+                    return
+                for group in pinning:
+                    pinned = sum(self._live_in(s, group) for s in self._segments[:-1])
+                    if self._logs[group].live_bytes() > pinned * self.segment_bytes // 2:
+                        return
+                for group in pinning:
+                    self._write_reset(group)
+                self._sync_segment()
+                continue
+            self._remove(oldest.path)
+            self._segments.pop(0)
+
+    def _remove(self, path: str) -> None:
+        """Remove a segment, durably: a removal lost to a crash while the next one's
+        stayed would leave a gap, which opening refuses."""
+        try:
+            self.files.remove(path)
+            if self.durable:
+                self.files.sync_directory(self.directory)
+        except OSError as e:
+            raise self._fail(f"removing {path}", e) from e
+
+    def _close(self, fd: int) -> None:
+        try:
+            self.files.close(fd)
+        except OSError as e:
+            logger.warning("%s: closing a descriptor failed: %s", self.directory, e)
+
+    def close(self) -> None:
+        """Sync what is written (unless the log failed) and close the newest segment."""
+        try:
+            if self.failed is None:
+                self.sync()
+        finally:
+            self._close(self._fd)
+
+
+class GroupJournal(RaftJournal):
+    """One group's journal in a `WriteAheadLog`: PySyncObj's Journal interface, as
+    `DurableJournal`'s, with its meta file (`group-<n>.meta`) beside the segments."""
+
+    def __init__(self, wal: WriteAheadLog, group: int, log: _GroupLog) -> None:
+        self._wal = wal
+        self.group = group
+        self._log = log
+        meta_found = self._begin(
+            f"{wal.directory} (group {group})",
+            os.path.join(wal.directory, f"group-{group}.meta"),
+            wal.durable,
+            wal.strict,
+            wal.files,
+        )
+        self._entries = log.entries
+        self._check_meta_for(meta_found)
+        self._check_commit_index()
+        self._opened()
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._wal.failed
+
+    def sync(self) -> None:
+        """Sync the whole log (every group's records: that is the point)."""
+        self._wal.sync()
+
+    def _fail(self, what: str, error: BaseException) -> JournalFailedError:
+        return self._wal._fail(what, error)
+
+    @property
+    def _resetting(self) -> bool:
+        return self.group in self._wal._pending_resets
+
+    # ------------------------------------------------------ PySyncObj Journal
+
+    def add(self, command: bytes, idx: int, term: int) -> None:
+        self._wal._check_usable()
+        entry = self._carry(command, idx, term)
+        if not self._resetting and not self._log.follows(idx):
+            # opening would refuse a record that does not follow: what PySyncObj holds
+            # is written whole instead, at the next sync
+            logger.warning(
+                "%s: entry %d does not follow the log; it is rewritten whole", self.path, idx
+            )
+            self._wal._pending_resets.add(self.group)
+        if not self._resetting:
+            self._wal._write([(ENTRY, self.group, idx, term, entry[0])])
+        self._entries.append(entry)
+
+    def clear(self) -> None:
+        """A snapshot install replaces the log: written whole at the next sync (a RESET
+        with the entries added meanwhile), so a crash before it leaves the old log."""
+        self._wal._check_usable()
+        self._entries.clear()
+        self._log.next_index = None
+        self.carrying_no_op = None
+        self._wal._pending_resets.add(self.group)
+        if not self.durable:
+            self._wal.sync()  # nobody syncs a log that is never synced: write it now
+
+    def deleteEntriesFrom(self, entry_from: int) -> None:
+        if entry_from >= len(self._entries):
+            return
+        self._check_cut_above_commit(entry_from)
+        idx = self._entries[entry_from][1]
+        if not self._resetting:
+            self._wal._write([(CUT, self.group, idx, 0, b"")])
+        self._cut_entries(entry_from)
+        if not self._entries:
+            self._log.next_index = idx
+
+    def deleteEntriesTo(self, entry_to: int) -> None:
+        """Compaction: entries before position `entry_to` go (their segments once no
+        group needs them)."""
+        self._wal._check_usable()
+        if entry_to <= 0 or not self._entries:
+            return
+        entry_to = min(entry_to, len(self._entries))
+        first = self._entries[entry_to - 1][1] + 1
+        if not self._resetting:
+            self._wal._write([(FIRST, self.group, first, 0, b"")])
+        self._log.first(first)
+
+    def _destroy(self) -> None:
+        """Sync and store the meta file (unless the log failed); the view closes."""
+        self._wal._journals.pop(self.group, None)
+        if self.failed is not None:
+            return
+        self.sync()
+        if self._meta_dirty:
+            self._store_meta()
