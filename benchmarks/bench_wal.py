@@ -27,7 +27,7 @@ import tempfile
 import time
 
 from quorumq.raft.files import OS_FILES
-from quorumq.raft.journal import DurableJournal
+from quorumq.raft.journal import DurableJournal, RaftJournal
 from quorumq.raft.wal import WriteAheadLog
 from quorumq.server.metrics import TimedFiles
 
@@ -47,11 +47,19 @@ Run = tuple[float, int]
 """Seconds for the rounds, and the fdatasyncs they made."""
 
 
-def _rounds_journals(root: str, groups: int, rounds: int, entries: int, body: bytes) -> Run:
+def _rounds(kind: str, root: str, groups: int, rounds: int, entries: int, body: bytes) -> Run:
+    """`rounds` rounds through a journal per group ("journals") or one log ("wal")."""
     counted = _Counted()
-    journals = [
-        DurableJournal(os.path.join(root, f"g{g}.log"), files=counted.files) for g in range(groups)
-    ]
+    if kind == "journals":
+        journals: list[RaftJournal] = [
+            DurableJournal(os.path.join(root, f"g{g}.log"), files=counted.files)
+            for g in range(groups)
+        ]
+        durable = journals
+    else:
+        wal = WriteAheadLog(root, files=counted.files)
+        journals = [wal.journal(g) for g in range(groups)]
+        durable = journals[:1]  # one sync covers every group
     for journal in journals:
         journal.setCurrentTerm(1, None)
     idx = 1
@@ -62,7 +70,7 @@ def _rounds_journals(root: str, groups: int, rounds: int, entries: int, body: by
             for i in range(entries):
                 journal.add(body, idx + i, 1)
         idx += entries
-        for journal in journals:
+        for journal in durable:
             journal.sync()
     elapsed, syncs = time.perf_counter() - start, counted.syncs
     for journal in journals:
@@ -70,34 +78,11 @@ def _rounds_journals(root: str, groups: int, rounds: int, entries: int, body: by
     return elapsed, syncs
 
 
-def _rounds_wal(root: str, groups: int, rounds: int, entries: int, body: bytes) -> Run:
-    counted = _Counted()
-    wal = WriteAheadLog(root, files=counted.files)
-    journals = [wal.journal(g) for g in range(groups)]
-    for journal in journals:
-        journal.setCurrentTerm(1, None)
-    idx = 1
-    counted.syncs = 0
-    start = time.perf_counter()
-    for _ in range(rounds):
-        for journal in journals:
-            for i in range(entries):
-                journal.add(body, idx + i, 1)
-        idx += entries
-        wal.sync()
-    elapsed, syncs = time.perf_counter() - start, counted.syncs
-    for journal in journals:
-        journal._destroy()
-    wal.close()
-    return elapsed, syncs
-
-
 def measure(base: str, kind: str, groups: int, rounds: int, entries: int, size: int) -> Run:
     """`rounds` rounds of `kind` ("journals" or "wal") in a fresh directory."""
     root = tempfile.mkdtemp(prefix=f"{kind}-", dir=base)
     try:
-        run = _rounds_journals if kind == "journals" else _rounds_wal
-        return run(root, groups, rounds, entries, os.urandom(size))
+        return _rounds(kind, root, groups, rounds, entries, os.urandom(size))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

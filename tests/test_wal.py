@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from quorumq.raft.journal import JournalDamagedError, JournalFailedError
+from quorumq.raft.journal import DurableJournal, JournalDamagedError, JournalFailedError
 from quorumq.raft.wal import ENTRY, KEPT_SEGMENTS, GroupJournal, WriteAheadLog
+from quorumq.server.metrics import TimedFiles
 from simulations.disk import SimFiles
 
 DIR = "/node/wal"
@@ -243,6 +244,40 @@ def test_a_quiet_group_is_rewritten_so_it_cannot_keep_old_segments() -> None:
     assert [e[1] for e in logs[6]] == list(range(1991, 2001))
 
 
+def test_groups_that_never_compact_keep_each_sync_bounded_and_the_disk_near_what_is_live() -> None:
+    """Eight groups appending in turn, never compacting, on small segments: every
+    sync does a bounded amount of work (a review found one that copied groups forward
+    forever once they pinned more than two segments), and the segments hold at most
+    twice the live records and a few segments besides."""
+    files = _sim()
+    wal = WriteAheadLog(DIR, files=files, segment_bytes=4096)
+    journals = [wal.journal(g) for g in range(8)]
+    for journal in journals:
+        journal.setCurrentTerm(1, None)
+    real_write = files.write
+    budget = [0]
+
+    def write(fd: int, data: bytes | memoryview) -> int:
+        budget[0] -= 1
+        assert budget[0] >= 0, "a sync that does not end"
+        return real_write(fd, data)
+
+    files.write = write  # type: ignore[method-assign]
+    for n in range(1, 81):
+        budget[0] = 10**9
+        for g, journal in enumerate(journals):
+            journal.add(bytes([g + 1]) * 300, n, 1)
+        budget[0] = 3 * len(journals)  # each group copied at most once, rollovers
+        wal.sync()
+        names = [x for x in files.list_directory(DIR) if x.endswith(".log")]
+        on_disk = sum(len(files.read(f"{DIR}/{x}") or b"") for x in names)
+        live = sum(sum(len(c) + 50 for c, _, _ in j[:]) for j in journals)
+        assert on_disk <= 2 * live + (KEPT_SEGMENTS + 1) * 4096, (n, on_disk, live)
+    files.power_loss()
+    logs = _logs(WriteAheadLog(DIR, files=files), list(range(8)))
+    assert all([e[1] for e in logs[g]] == list(range(1, 81)) for g in range(8))
+
+
 def test_a_group_too_large_to_rewrite_keeps_its_segments() -> None:
     """A log that cannot compact (its snapshots fail) is never rewritten again and
     again: its segments stay, as a journal of its own would grow."""
@@ -339,7 +374,7 @@ def test_a_group_journal_is_opened_once() -> None:
 
 # ---------------------------------------------------------------- properties
 
-GROUPS = (0, 1, 2)
+GROUPS = (0, 1, 2, 3, 4)
 Logs = dict[int, tuple[tuple[bytes, int, int], ...]]
 
 
@@ -439,6 +474,54 @@ class WalMachine(RuleBasedStateMachine):
         self.history = [self._moment()]
 
     @precondition(lambda self: not self.broken)
+    @rule(rounds=st.integers(1, 30), size=st.integers(50, 400))
+    def a_busy_spell(self, rounds: int, size: int) -> None:
+        """Every group appends, round after round, with a sync each: segments roll
+        over, fill with every group's records and are freed or copied forward."""
+        for _ in range(rounds):
+            for group in GROUPS:
+                self.append(group, 1, size)
+            if self.broken:
+                return
+            self.sync()
+            if self.broken:
+                return
+
+    @precondition(lambda self: not self.broken)
+    @rule(at=st.integers(1, 12), torn=st.booleans())
+    def power_loss_inside_a_sync(self, at: int, torn: bool) -> None:
+        """The host loses power at the `at`-th write, sync, rename or removal of a
+        sync: inside a rollover, a copy forward, a FREED record or a removal."""
+
+        class PowerLossError(Exception):
+            pass
+
+        countdown = [at]
+        originals = {}
+        for name in ("write", "sync", "replace", "remove", "sync_directory", "create"):
+            original = originals[name] = getattr(self.files, name)
+
+            def hooked(*args: object, _original: object = original) -> object:
+                countdown[0] -= 1
+                if countdown[0] == 0:
+                    raise PowerLossError
+                return _original(*args)  # type: ignore[operator]
+
+            setattr(self.files, name, hooked)
+        try:
+            self.wal.sync()
+            finished = True
+        except (PowerLossError, JournalFailedError):  # (a fault armed before)
+            finished = False
+        finally:
+            for name, original in originals.items():
+                setattr(self.files, name, original)
+        if finished:
+            self.history = [self._moment()]
+        self.files.power_loss(torn=torn)
+        self._reopen_and_check()
+
+    @precondition(lambda self: not self.broken)
     @rule()
     def a_write_fails(self) -> None:
         self.files.fail_next_write()
@@ -498,8 +581,127 @@ class WalMachine(RuleBasedStateMachine):
 
 TestWalMachine = WalMachine.TestCase
 TestWalMachine.settings = settings(
-    max_examples=150,
+    max_examples=1000,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+# ---------------------------------------------------------------- adopting a journal file
+
+
+def _journal_file(files: SimFiles, count: int) -> list[tuple[bytes, int, int]]:
+    old = DurableJournal("/node/raft.log", files=files)
+    old.setCurrentTerm(3, "B")
+    for idx in range(1, count + 1):
+        old.add(b"e%d" % idx, idx, 3)
+    old.setRaftCommitIndex(count - 1)
+    entries = list(old[:])
+    old._destroy()
+    return entries
+
+
+def test_a_journal_file_is_carried_into_a_group_once_and_set_aside() -> None:
+    files = _sim()
+    entries = _journal_file(files, 20)
+    wal = WriteAheadLog(DIR, files=files)
+    wal.adopt(0, "/node/raft.log")
+    journal = wal.journal(0)
+    assert list(journal[:]) == entries
+    assert (journal.getCurrentTerm(), journal.getVotedForNodeId()) == (3, "B")
+    assert journal.getRaftCommitIndex() == 19
+    assert files.read("/node/raft.log") is None
+    assert files.read("/node/raft.log.adopted") is not None
+    assert files.read("/node/raft.log.meta.adopted") is not None
+    journal._destroy()
+    files.power_loss()
+    again = WriteAheadLog(DIR, files=files)
+    again.adopt(0, "/node/raft.log")  # nothing left to carry: a no-op
+    assert list(again.journal(0)[:]) == entries
+
+
+@pytest.mark.parametrize("crash_after", ["sync", "meta", "first_rename"])
+def test_an_adoption_cut_short_by_a_power_loss_is_finished_by_the_next(crash_after: str) -> None:
+    files = _sim()
+    entries = _journal_file(files, 12)
+    real_replace, real_write = files.replace, files.sync_directory
+
+    class PowerLossError(Exception):
+        pass
+
+    def replace(source: str, target: str) -> None:
+        if crash_after == "meta" and target.endswith("group-0.meta"):
+            real_replace(source, target)
+            real_write(DIR)
+            raise PowerLossError
+        if target.endswith(".adopted"):
+            real_replace(source, target)
+            if crash_after == "first_rename":
+                real_write("/node")
+                raise PowerLossError
+            return
+        real_replace(source, target)
+
+    wal = WriteAheadLog(DIR, files=files)
+    if crash_after == "sync":
+        real_sync = wal.sync
+
+        def sync_then_fail() -> None:
+            real_sync()
+            raise PowerLossError
+
+        wal.sync = sync_then_fail  # type: ignore[method-assign]
+    files.replace = replace  # type: ignore[method-assign]
+    with pytest.raises(PowerLossError):
+        wal.adopt(0, "/node/raft.log")
+    files.replace = real_replace  # type: ignore[method-assign]
+    files.power_loss()
+    again = WriteAheadLog(DIR, files=files)
+    again.adopt(0, "/node/raft.log")
+    journal = again.journal(0)
+    assert list(journal[:]) == entries, crash_after
+    assert journal.getCurrentTerm() == 3
+    assert files.read("/node/raft.log") is None and files.read("/node/raft.log.meta") is None
+
+
+def test_wrapping_a_group_journals_files_wraps_the_logs() -> None:
+    """The fsync metrics wrap `journal.files`: every group's syncs go through it."""
+    files = _sim()
+    wal = WriteAheadLog(DIR, files=files)
+    journal = wal.journal(0)
+    seen: list[float] = []
+    journal.files = TimedFiles(files, seen.append)
+    _fill(journal, 1, 3)
+    wal.sync()
+    assert wal.files is journal.files and len(seen) >= 2  # the term's and the entries'
+
+
+def test_the_log_closes_with_its_last_group_journal() -> None:
+    files = _sim()
+    wal = WriteAheadLog(DIR, files=files)
+    a, b = wal.journal(0), wal.journal(1)
+    a._destroy()
+    _fill(b, 1, 2)
+    b._destroy()
+    with pytest.raises(KeyError):  # its descriptor is closed
+        files.sync(wal._fd)
+    wal.close()  # idempotent
+
+
+def test_a_flipped_bit_with_another_groups_records_after_it_refuses_to_open() -> None:
+    """Not strict (`fsync=batch`), one damaged record of group 0 followed by intact
+    records of group 1: cutting there would drop group 1's synced entries too."""
+    files = _sim()
+    wal = WriteAheadLog(DIR, files=files, strict=False)
+    a, b = wal.journal(0), wal.journal(1)
+    _fill(a, 1, 5, size=60)
+    _fill(b, 1, 3, size=60)
+    wal.sync()
+    path = f"{DIR}/wal-0000000001.log"
+    data = bytearray(files.read(path) or b"")
+    records_of_a_end = len(data) - 3 * (28 + 5 + 60)
+    data[records_of_a_end - 10] ^= 0x04  # inside group 0's last entry
+    files.names[path].reset(bytes(data))
+    with pytest.raises(JournalDamagedError, match="followed by an intact one"):
+        WriteAheadLog(DIR, files=files, strict=False)

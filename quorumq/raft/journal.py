@@ -165,20 +165,23 @@ def next_intact_record(data: bytes, start: int, last: int, seed: int) -> tuple[i
 def torn_at(data: bytes, pos: int, seed: int) -> bool:
     """What follows `pos` is what a crash while appending leaves: a header cut short, a
     record that runs past the end of the file, zeros (the file grew, its data never
-    came), or a last record whose last page came back as zeros (`PAGE`; a header or a
-    command written in part)."""
+    came), or pages at the end that came back as zeros (`PAGE`) from inside the record
+    at `pos` on (a header or a command written in part, whatever the torn write kept
+    after it: those bytes are zeros too)."""
     rest = data[pos:]
     if len(rest) < _HEAD.size or not rest.strip(b"\0"):
         return True
     header = _header(data, pos, seed)
-    if header is not None:
-        end = pos + _HEAD.size + header[0]
-        if end > len(data):
-            return True
-        if end < len(data):
-            return False  # a whole record, and more after it: not the tail
-    last_page = max(pos, (len(data) - 1) // PAGE * PAGE)
-    return not data[last_page:].strip(b"\0")
+    if header is None:
+        last_page = max(pos, (len(data) - 1) // PAGE * PAGE)
+        return not data[last_page:].strip(b"\0")
+    end = pos + _HEAD.size + header[0]
+    if end > len(data):
+        return True
+    # the first page boundary past the header from which the file is zeros to its end
+    zeros_from = max(len(data.rstrip(b"\0")), pos + _HEAD.size)
+    boundary = -(-zeros_from // PAGE) * PAGE
+    return boundary < end  # inside the record: it was cut by the zeroed pages
 
 
 def _legacy_entries(data: bytes) -> tuple[list[Entry], int]:
@@ -422,6 +425,10 @@ class RaftJournal:
         raise NotImplementedError
 
     def _fail(self, what: str, error: BaseException) -> JournalFailedError:
+        raise NotImplementedError
+
+    def _destroy(self) -> None:
+        """PySyncObj's close: sync, store the meta file, close (unless it failed)."""
         raise NotImplementedError
 
 

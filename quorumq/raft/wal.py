@@ -15,6 +15,7 @@ The log is a directory of segments, `wal-<seq>.log`, each
 
     ENTRY  idx, term, body: an entry of the group's log
     CUT    idx: the group's entries from idx on are gone (a follower's conflicting tail)
+    FREED  idx: segment idx and those before it were freed (group 0, no body)
     FIRST  idx: the group's entries below idx are gone (compaction behind a snapshot)
     RESET  idx = n, term = the first index: the group's log is the n ENTRY records of
            the group that follow, all written together (a snapshot install, or a
@@ -32,9 +33,8 @@ Segments roll over at `segment_bytes`; the segment being left is synced first, s
 the newest one can end torn. The oldest segment is removed once no group has a live
 entry in it (each group's entries there are below its first entry, or the group was
 reset since). A quiet group that never compacts would keep the oldest segment forever,
-so once more than `KEPT_SEGMENTS` exist, the groups pinning the oldest are rewritten at
-the end (a RESET with their live entries) when that costs at most half of what they
-pin (`_free_segments`).
+so the groups pinning the oldest are rewritten at the end (a RESET with their live
+entries) while the segments hold more than twice what is live (`_free_segments`).
 """
 
 from __future__ import annotations
@@ -42,13 +42,16 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import struct
 import zlib
+from typing import Literal
 
-from .files import OS_FILES, Files, write_all
+from .files import OS_FILES, Files, write_all, write_atomically
 from .journal import (
     RECORDS_START,
     SALT_BYTES,
+    DurableJournal,
     Entry,
     JournalDamagedError,
     JournalFailedError,
@@ -56,28 +59,62 @@ from .journal import (
     crc_bytes,
     damaged,
     entry_record,
-    next_intact_record,
+    meta_bytes,
     parse_entry_record,
     torn_at,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KEPT_SEGMENTS", "SEGMENT_BYTES", "GroupJournal", "WriteAheadLog"]
+__all__ = [
+    "KEPT_SEGMENTS",
+    "SEGMENT_BYTES",
+    "GroupJournal",
+    "JournalKind",
+    "WriteAheadLog",
+    "WrongJournalError",
+    "open_node_journal",
+]
 
 _MAGIC = b"QQW1"
 SEGMENT_BYTES = 64 * 1024 * 1024
 """A segment past this size is left for a new one at the next write."""
 KEPT_SEGMENTS = 2
-"""Past this many segments, groups pinning the oldest are rewritten to free it."""
+"""Segments of dead records tolerated beside twice the live ones before the groups
+pinning the oldest segment are copied forward to free it."""
 
 _TAG = struct.Struct("<BI")
 """A record's kind and group, before its body."""
-ENTRY, CUT, FIRST, RESET = range(4)
-_KINDS = {ENTRY: "entry", CUT: "cut", FIRST: "first", RESET: "reset"}
+_RECORD_OVERHEAD = len(entry_record((b"", 0, 0), 0)) + _TAG.size
+ENTRY, CUT, FIRST, RESET, FREED = b"ECFRD"
+"""Printable kinds: a record's command never starts with a zero byte, so a page that
+came back as zeros is never taken for the rest of a whole record."""
+_KIND_BYTES = re.compile(b"[ECFRD]")
+_HEADER_BYTES = 28
+"""A record's header before its command (`journal.entry_record`)."""
+_KINDS = {ENTRY: "entry", CUT: "cut", FIRST: "first", RESET: "reset", FREED: "freed"}
 
+JournalKind = Literal["file", "wal"]
+"""A node's journal: a file of its own, or group 0 of the write-ahead log."""
 Record = tuple[int, int, int, int, bytes]
 """(kind, group, idx, term, body)."""
+
+
+def _intact_record_after(data: bytes, start: int, seed: int) -> int | None:
+    """Where the first intact record of any group and kind at or after `start` is, if
+    there is one: every record's command starts with its kind byte, so candidates are
+    found by that byte (in C), then their length's high byte (our records are under 16
+    MiB), then both salted checksums. One pass over the tail, whatever the number of
+    groups (the journal's search by the indexes that come next took minutes with many
+    groups, and missed records of groups with none before the damage)."""
+    for match in _KIND_BYTES.finditer(data, start + _HEADER_BYTES):
+        pos = match.start() - _HEADER_BYTES
+        if data[pos + 3] > 1:
+            continue
+        parsed = parse_entry_record(data, pos, seed)
+        if parsed is not None and len(parsed[0][0]) >= _TAG.size:
+            return pos
+    return None
 
 
 def _segment_name(seq: int) -> str:
@@ -129,7 +166,8 @@ class _GroupLog:
         self.next_index = None if replaying and not self.entries else idx
 
     def live_bytes(self) -> int:
-        return sum(len(command) for command, _, _ in self.entries)
+        """What the group's entries take in a segment, record headers included."""
+        return sum(len(command) + _RECORD_OVERHEAD for command, _, _ in self.entries)
 
 
 class _Segment:
@@ -186,6 +224,9 @@ class WriteAheadLog:
         self._pending_resets: set[int] = set()
         """Groups whose log was replaced (`clear`): written whole at the next sync."""
         self._dirty = False
+        self._closed = False
+        self._freed = 0
+        """The highest segment freed, as the log's FREED records say."""
         self._may_free = False
         """A segment rolled, or a group compacted, cut or reset: look for one to free."""
         self._fd = self._open()
@@ -222,12 +263,47 @@ class WriteAheadLog:
         cut: tuple[str, int] | None = None
         for i, (seq, path) in enumerate(found):
             data = self.files.read(path) or b""
-            segment = self._read_header(seq, path, data)
+            try:
+                segment = self._read_header(seq, path, data)
+            except JournalDamagedError:
+                if self.durable:
+                    raise
+                # never synced: its header was torn with the rest; the log ends before it
+                for _, later in found[i:]:
+                    logger.warning("%s: removing a segment whose header was torn", later)
+                    self._remove(later)
+                if not self._segments:
+                    return self._start_segment(seq)
+                cut = None
+                break
             self._segments.append(segment)
-            pos = self._replay(segment, data, newest=i == len(found) - 1)
+            newest = i == len(found) - 1
+            pos = self._replay(segment, data, newest=newest or not self.durable)
             if pos != len(data):
                 cut = (path, pos)
+                if not newest:
+                    # never synced (`fsync=never`): a power loss may tear any segment;
+                    # the log ends at the first tear, and what came after goes with it
+                    for _, later in found[i + 1 :]:
+                        logger.warning("%s: removing a segment after a torn one", later)
+                        self._remove(later)
+                    break
+        self._check_oldest()
         return self._reopen(cut)
+
+    def _check_oldest(self) -> None:
+        """Every segment after the last one freed is here: a missing oldest segment is
+        no gap between two others, so only the FREED records tell it was not freed.
+        One whose removal a crash cut short is removed now (nothing of it is live)."""
+        while len(self._segments) > 1 and self._segments[0].seq <= self._freed:
+            self._remove(self._segments.pop(0).path)
+        first = self._segments[0]
+        if self.durable and first.seq > self._freed + 1:
+            raise damaged(
+                first.path,
+                f"the write-ahead log's segments {self._freed + 1} to {first.seq - 1} are "
+                "missing (never freed)",
+            )
 
     def _read_header(self, seq: int, path: str, data: bytes) -> _Segment:
         if data[:4] != _MAGIC or len(data) < RECORDS_START:
@@ -286,6 +362,9 @@ class WriteAheadLog:
     def _apply(
         self, segment: _Segment, pos: int, kind: int, group: int, idx: int, term: int, body: bytes
     ) -> None:
+        if kind == FREED:
+            self._freed = max(self._freed, idx)
+            return
         log = self._logs.setdefault(group, _GroupLog())
         if kind == ENTRY:
             if not log.follows(idx):
@@ -311,20 +390,13 @@ class WriteAheadLog:
         self, segment: _Segment, data: bytes, pos: int, pending: _PendingReset | None
     ) -> None:
         """Refuse to cut the newest segment at `pos` unless what follows is a torn tail
-        (or, not strict, a record maybe never synced with nothing intact after it).
-        An intact record after `pos` is looked for by the indexes that would come next
-        in each group's log, as the journal does."""
-        lasts = {g: log.entries[-1][1] for g, log in self._logs.items() if log.entries}
-        if pending is not None and pending.entries:
-            lasts[pending.group] = max(lasts.get(pending.group, 0), pending.entries[-1][1])
-        for group, last in sorted(lasts.items()):
-            after = next_intact_record(data, pos + 1, last, segment.seed)
-            if after is not None:
-                raise damaged(
-                    segment.path,
-                    f"a corrupt record at byte {pos} is followed by an intact one at byte "
-                    f"{after[0]} (index {after[1]}, after group {group}'s {last})",
-                )
+        (or, not strict, a record maybe never synced with nothing intact after it)."""
+        after = _intact_record_after(data, pos + 1, segment.seed)
+        if after is not None:
+            raise damaged(
+                segment.path,
+                f"a corrupt record at byte {pos} is followed by an intact one at byte {after}",
+            )
         if self.strict and not torn_at(data, pos, segment.seed):
             raise damaged(
                 segment.path,
@@ -479,28 +551,34 @@ class WriteAheadLog:
     def _free_segments(self) -> None:
         """Remove the oldest segments no group needs; everything written is synced.
 
-        Groups that pin the oldest are rewritten at the end once more than
-        `KEPT_SEGMENTS` exist, if that costs at most half the segments they pin: a
-        quiet group is copied forward, never left to keep old segments; a group whose
-        live entries fill what it pins (one that cannot compact) keeps them, so the
-        disk holds at most about twice the live entries and a rewrite is paid for by
-        what it frees."""
-        while len(self._segments) > 1:
+        When groups still need the oldest, they are copied forward (a RESET with
+        their live entries, at the end) only while the segments hold more than
+        twice every group's live records and `KEPT_SEGMENTS` segments besides: a
+        quiet group is never left keeping old segments, the disk holds at most about
+        twice what is live, and a copy is paid for by what it frees. One pass: a
+        segment started during it is never freed by it, so each group is copied at
+        most once and the pass ends (the review found one that never did)."""
+        started = self._segments[-1].seq
+        while len(self._segments) > 1 and self._segments[0].seq < started:
             oldest = self._segments[0]
             pinning = [g for g in oldest.highest if self._live_in(oldest, g)]
             if pinning:
-                if len(self._segments) <= KEPT_SEGMENTS:
+                if not self._too_much_dead_data():
                     return
-                for group in pinning:
-                    pinned = sum(self._live_in(s, group) for s in self._segments[:-1])
-                    if self._logs[group].live_bytes() > pinned * self.segment_bytes // 2:
-                        return
                 for group in pinning:
                     self._write_reset(group)
                 self._sync_segment()
                 continue
+            # recorded (and synced) first: opening tells a freed segment from a lost one
+            self._write([(FREED, 0, oldest.seq, 0, b"")])
+            self._sync_segment()
             self._remove(oldest.path)
             self._segments.pop(0)
+
+    def _too_much_dead_data(self) -> bool:
+        on_disk = sum(segment.size for segment in self._segments)
+        live = sum(log.live_bytes() for log in self._logs.values())
+        return on_disk > 2 * live + KEPT_SEGMENTS * self.segment_bytes
 
     def _remove(self, path: str) -> None:
         """Remove a segment, durably: a removal lost to a crash while the next one's
@@ -519,12 +597,69 @@ class WriteAheadLog:
             logger.warning("%s: closing a descriptor failed: %s", self.directory, e)
 
     def close(self) -> None:
-        """Sync what is written (unless the log failed) and close the newest segment."""
+        """Sync what is written (unless the log failed) and close the newest segment.
+        Idempotent; the log is closed too once its last open group journal is."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             if self.failed is None:
                 self.sync()
         finally:
             self._close(self._fd)
+
+    def _release(self, group: int) -> None:
+        self._journals.pop(group, None)
+        if not self._journals:
+            self.close()
+
+    def adopt(self, group: int, journal_path: str) -> None:
+        """Carry a journal file of its own (`DurableJournal`, a node's before it ran on
+        this log) into `group`, once: its entries are written as the group's log and
+        synced, its meta file becomes the group's, then both files are renamed
+        `<name>.adopted` (kept for inspection, never read again). A crash anywhere on
+        the way leaves what a next `adopt` finishes: before the group's meta file is
+        written the journal is carried again whole; after it, only the renames are
+        left to do."""
+        if group in self._journals:
+            raise ValueError(f"group {group}'s journal is open: adopt before opening it")
+        old = [journal_path, journal_path + ".meta"]
+        present = [path for path in old if self.files.read(path) is not None]
+        if not present:
+            return
+        meta_path = self._meta_path(group)
+        if self.files.read(meta_path) is None:
+            journal = DurableJournal(
+                journal_path, durable=self.durable, strict=self.strict, files=self.files
+            )
+            entries, meta = list(journal[:]), dict(journal._meta)
+            journal._destroy()
+            log = self._logs.setdefault(group, _GroupLog())
+            log.entries[:] = entries
+            log.next_index = None
+            self._pending_resets.add(group)
+            self.sync()
+            try:
+                write_atomically(self.files, meta_path, meta_bytes(meta), durable=self.durable)
+            except OSError as e:
+                raise self._fail("writing an adopted journal's meta file", e) from e
+            logger.info(
+                "%s: carried %d entries of %s into group %d",
+                self.directory,
+                len(entries),
+                journal_path,
+                group,
+            )
+        try:
+            for path in present:
+                self.files.replace(path, path + ".adopted")
+            if self.durable:
+                self.files.sync_directory(os.path.dirname(journal_path))
+        except OSError as e:
+            raise self._fail("setting an adopted journal aside", e) from e
+
+    def _meta_path(self, group: int) -> str:
+        return os.path.join(self.directory, f"group-{group}.meta")
 
 
 class GroupJournal(RaftJournal):
@@ -537,7 +672,7 @@ class GroupJournal(RaftJournal):
         self._log = log
         meta_found = self._begin(
             f"{wal.directory} (group {group})",
-            os.path.join(wal.directory, f"group-{group}.meta"),
+            wal._meta_path(group),
             wal.durable,
             wal.strict,
             wal.files,
@@ -550,6 +685,15 @@ class GroupJournal(RaftJournal):
     @property
     def failed(self) -> BaseException | None:
         return self._wal.failed
+
+    @property
+    def files(self) -> Files:
+        """The log's files: wrapping them (the fsync metrics) wraps every group's."""
+        return self._wal.files
+
+    @files.setter
+    def files(self, files: Files) -> None:
+        self._wal.files = files
 
     def sync(self) -> None:
         """Sync the whole log (every group's records: that is the point)."""
@@ -613,10 +757,45 @@ class GroupJournal(RaftJournal):
         self._log.first(first)
 
     def _destroy(self) -> None:
-        """Sync and store the meta file (unless the log failed); the view closes."""
-        self._wal._journals.pop(self.group, None)
-        if self.failed is not None:
-            return
-        self.sync()
-        if self._meta_dirty:
-            self._store_meta()
+        """Sync and store the meta file (unless the log failed); the view closes, and
+        the log with its last one."""
+        try:
+            if self.failed is None:
+                self.sync()
+                if self._meta_dirty:
+                    self._store_meta()
+        finally:
+            self._wal._release(self.group)
+
+
+class WrongJournalError(Exception):
+    """The data directory's journal is of the other kind than the node was started with."""
+
+
+def open_node_journal(
+    data_dir: str, kind: JournalKind, *, durable: bool, strict: bool
+) -> RaftJournal:
+    """A node's journal in `data_dir`: `raft.log` of its own ("file"), or group 0 of
+    the write-ahead log in `wal/` ("wal"), which takes a `raft.log` over once
+    (`WriteAheadLog.adopt`). A directory whose journal is a write-ahead log is refused
+    as "file" (`WrongJournalError`): going back is not built."""
+    journal_path = os.path.join(data_dir, "raft.log")
+    wal_dir = os.path.join(data_dir, "wal")
+    if kind == "file":
+        if OS_FILES.list_directory(wal_dir):
+            raise WrongJournalError(
+                f"{data_dir} holds a write-ahead log ({wal_dir}): this node was run with "
+                "--journal wal; start it with --journal wal (going back to a journal file "
+                "is not supported)"
+            )
+        return DurableJournal(journal_path, durable=durable, strict=strict)
+    if kind != "wal":
+        raise ValueError(f"journal must be file or wal, not {kind!r}")
+    os.makedirs(wal_dir, exist_ok=True)
+    wal = WriteAheadLog(wal_dir, durable=durable, strict=strict)
+    try:
+        wal.adopt(0, journal_path)
+        return wal.journal(0)
+    except BaseException:
+        wal.close()
+        raise
