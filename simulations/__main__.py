@@ -71,6 +71,7 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
         ),
         variant=REAL,
         compaction_entries=args.compaction,
+        journal=args.journal,
         disk_faults=not args.no_disk_faults,
         disk_space_faults=not args.no_disk_space_faults,
         membership_faults=not args.no_membership_faults,
@@ -239,6 +240,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         type=int,
         metavar="ENTRIES",
         help="compact a node's log into a snapshot past this many entries (default: never)",
+    )
+    common.add_argument(
+        "--journal",
+        choices=("file", "wal"),
+        default="file",
+        help="each node's journal: a file of its own, or group 0 of the shared "
+        "write-ahead log (default: file)",
     )
     common.add_argument(
         "--ttl", type=int, metavar="MS", help="give the queue a message TTL (default: none)"

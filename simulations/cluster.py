@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from quorumq.machine import Applied, Command, NodeDown, NodeUp
 from quorumq.node.config import DISK_CHECK_EVERY_S, START_FREE_BYTES
-from quorumq.raft.journal import DurableJournal, JournalDamagedError
+from quorumq.raft.journal import JournalDamagedError, RaftJournal
 
 from .network import Network, name_at
 from .node import REAL, SimNode, Variant
@@ -74,7 +74,10 @@ class Cluster:
         grace_s: float = 5.0,
         raft_timeouts: tuple[float, float] = (0.25, 0.6),
         compaction_entries: int | None = None,
+        wal: bool = False,
     ) -> None:
+        """`wal`: every node's journal is group 0 of the shared write-ahead log
+        (`quorumq.raft.wal`) instead of a journal file of its own."""
         self.world = world
         self.names = [chr(ord("A") + i) for i in range(n)]
         """The first members (the fault schedules draw their targets from them)."""
@@ -103,7 +106,9 @@ class Cluster:
         """PySyncObj's `logCompactionMinEntries` (None: it never compacts)."""
         self.network = Network(world, self.names)
         self.network.on_arrival = self._woken
-        self.disks = {name: SimDisk(name, world.stream(f"disk-{name}")) for name in self.hosts}
+        self.disks = {
+            name: SimDisk(name, world.stream(f"disk-{name}"), wal=wal) for name in self.hosts
+        }
         self.wall_offset_ms: dict[str, int] = dict.fromkeys(self.hosts, 0)
         """How far each host's wall clock is off (the `clock_skew` and `clock_jump`
         faults); it stays off across the node's restarts, as a host's clock does."""
@@ -123,7 +128,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ disks
 
-    def create_journal(self, path: str) -> DurableJournal:
+    def create_journal(self, path: str) -> RaftJournal:
         """PySyncObj's `createJournal`, patched for a run: the real journal, opened on the
         disk of the node starting (`JournalDamagedError` if it refuses)."""
         return self._disk_of_starting(path).open_journal()
@@ -238,7 +243,9 @@ class Cluster:
         with a new first configuration, at a new Raft address (`new_address`)."""
         assert self.nodes[name] is None, f"{name} is running"
         self.wipes[name] += 1
-        self.disks[name] = SimDisk(name, self.world.stream(f"disk-{name}-{self.wipes[name]}"))
+        self.disks[name] = SimDisk(
+            name, self.world.stream(f"disk-{name}-{self.wipes[name]}"), wal=self.disks[name].wal
+        )
         if new_address:
             self.address[name] = f"{name}@{self.wipes[name] + 1}"
         self.first_peers.pop(name, None)

@@ -753,10 +753,10 @@ class Injector:
         last_index = node.member.journal[-1][1] if len(node.member.journal) else 0
         cluster.crash(name, torn=True)
         if kind == "bit_flip":
-            disk.files.flip_bit(disk.JOURNAL)
+            disk.files.flip_bit(disk.journal_data_path())
             disk.doomed = True
         elif kind == "meta_ahead":  # a disk that said the journal was synced, and lied
-            disk.files.set_commit_index(disk.JOURNAL + ".meta", last_index + 3)
+            disk.files.set_commit_index(disk.meta_path, last_index + 3)
             disk.doomed = True
         end = self.world.now_us + micros(fault.duration_s)
         self._down_until[name] = end

@@ -11,7 +11,7 @@ from typing import Any
 from pysyncobj import SyncObjConf
 
 from quorumq.raft.first_configuration import settle_first_configuration
-from quorumq.raft.journal import DurableJournal, JournalDamagedError
+from quorumq.raft.journal import JournalDamagedError, RaftJournal
 from quorumq.raft.rules import (
     Entry,
     LeaderClock,
@@ -82,7 +82,7 @@ class SimMember(RaftRules):
             "/",
             peers or {n: n for n in network.names},
             holds_raft_state=disk.snapshot is not None
-            or disk.files.read(disk.JOURNAL + ".meta") is not None,
+            or disk.files.read(disk.meta_path) is not None,
         )
         self.name = name
         self.keep_identity_in(disk.files, "/")
@@ -114,7 +114,7 @@ class SimMember(RaftRules):
         others = [network.node(a) for n, a in peers.items() if n != name]
         super().__init__(network.node(address), others, conf, transport=self.transport)
         self.announce_identity()
-        self.journal: DurableJournal = self._SyncObj__raftLog
+        self.journal: RaftJournal = self._SyncObj__raftLog
         self.check_stored_state()
         self.poller = SimPoller(network, address, self)
         self._poller = self.poller

@@ -19,7 +19,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import attrs
 
@@ -69,6 +69,9 @@ class RunConfig:
     """PySyncObj's `logCompactionMinEntries`: a node writes a snapshot and compacts its
     journal when it holds more entries than this (None: never, as the real node's
     50,000 within a run). Small values make lagging followers install snapshots."""
+    journal: Literal["file", "wal"] = "file"
+    """Each node's journal: a file of its own (`DurableJournal`), or group 0 of the
+    shared write-ahead log (`quorumq.raft.wal`, issue 33), under the same disk faults."""
     disk_faults: bool = True
     """Add the disk faults (`faults.disk_schedule`) to the schedule."""
     disk_space_faults: bool = True
@@ -102,6 +105,8 @@ class RunConfig:
         if self.workload.bursts is not None:
             args += ["--bursts", ",".join(f"{s!r}" for s in self.workload.bursts)]
         args += shlex.split(self.workload.queue_option_flags())
+        if self.journal != "file":
+            args += ["--journal", self.journal]
         if not self.disk_faults:
             args.append("--no-disk-faults")
         elif not self.disk_space_faults:
@@ -281,6 +286,7 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         variant=config.variant,
         grace_s=config.grace_s,
         compaction_entries=config.compaction_entries,
+        wal=config.journal == "wal",
     )
     checker = Checker(
         world,
@@ -512,7 +518,13 @@ class _CountingHandler(logging.Handler):
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[None]:
-        names = ("pysyncobj", "quorumq.raft.journal", "quorumq.client", "quorumq.node")
+        names = (
+            "pysyncobj",
+            "quorumq.raft.journal",
+            "quorumq.raft.wal",
+            "quorumq.client",
+            "quorumq.node",
+        )
         logs = [logging.getLogger(name) for name in names]
         propagate = [log.propagate for log in logs]
         for log in logs:

@@ -13,7 +13,8 @@ from typing import Any
 
 from pysyncobj.config import SERIALIZER_STATE
 
-from quorumq.raft.journal import DurableJournal
+from quorumq.raft.journal import DurableJournal, RaftJournal
+from quorumq.raft.wal import WriteAheadLog
 
 from .disk import SimFiles
 
@@ -22,15 +23,18 @@ from .disk import SimFiles
 
 class SimDisk:
     """A node's durable storage: what a restarted node finds. Its journal is the real
-    `DurableJournal` on `files` (this disk's `SimFiles`); its snapshot is stored whole
-    and synced before PySyncObj compacts the journal behind it, as the real node writes
-    its file."""
+    `DurableJournal` on `files` (this disk's `SimFiles`), or with `wal` group 0 of the
+    real `WriteAheadLog` (issue 33's shared log, one group in it); its snapshot is
+    stored whole and synced before PySyncObj compacts the journal behind it, as the
+    real node writes its file."""
 
     JOURNAL = "/raft.log"
+    WAL = "/wal"
 
-    def __init__(self, name: str, rng: random.Random) -> None:
+    def __init__(self, name: str, rng: random.Random, *, wal: bool = False) -> None:
         self.name = name
         self.files = SimFiles(rng)
+        self.wal = wal
         self.snapshot: bytes | None = None
         """The node's snapshot (`encode_snapshot` bytes)."""
         self.damaged: str | None = None
@@ -39,9 +43,23 @@ class SimDisk:
         """A fault damaged this disk: the node will refuse to start from it (until its
         operator wipes it)."""
 
-    def open_journal(self) -> DurableJournal:
+    def open_journal(self) -> RaftJournal:
         """The journal a starting node opens: `JournalDamagedError` if it must refuse."""
+        if self.wal:
+            return WriteAheadLog(self.WAL, files=self.files).journal(0)
         return DurableJournal(self.JOURNAL, files=self.files)
+
+    @property
+    def meta_path(self) -> str:
+        """The journal's meta file (term, vote, commit index)."""
+        return f"{self.WAL}/group-0.meta" if self.wal else self.JOURNAL + ".meta"
+
+    def journal_data_path(self) -> str:
+        """The file holding the journal's newest records (where a fault flips a bit)."""
+        if not self.wal:
+            return self.JOURNAL
+        segments = sorted(n for n in self.files.list_directory(self.WAL) if n.endswith(".log"))
+        return f"{self.WAL}/{segments[-1]}" if segments else self.WAL
 
     def crash(self) -> None:
         self.files.crash()
