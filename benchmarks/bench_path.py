@@ -246,6 +246,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="py-spy the nodes end to end")
     parser.add_argument("--messages", type=int, default=30000, help="end-to-end messages")
     parser.add_argument("--fsync", default="always", choices=("always", "batch", "never"))
+    parser.add_argument("--journal", default="file", choices=("file", "wal"))
     args = parser.parse_args()
     marks = Path(tempfile.mkdtemp(prefix="quorumq-path-"))
     os.environ["QUORUMQ_PATH_TIMING"] = str(marks)
@@ -259,7 +260,9 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     data = Path(tempfile.mkdtemp(prefix="quorumq-path-data-"))
     try:
-        with Cluster(3, str(data), node_down_grace=30.0, fsync=args.fsync) as cluster:
+        with Cluster(
+            3, str(data), node_down_grace=30.0, fsync=args.fsync, journal=args.journal
+        ) as cluster:
             leader = cluster.leader()
             trace = paced(cluster, args.rate, args.seconds)
             follower = trace_follower = next(n for n in cluster.nodes if n != leader)

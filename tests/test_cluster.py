@@ -135,6 +135,57 @@ def test_every_confirmed_message_survives_compaction_and_killing_all_nodes() -> 
         del consumer
 
 
+def test_every_confirmed_message_survives_compaction_and_kills_on_the_write_ahead_log() -> None:
+    """Issue 33's shared log, one group in it, as every node's journal: compaction,
+    snapshots and a SIGKILL of every node lose nothing, and the journal is the log's
+    segments, not a file of its own."""
+    with Cluster(3, compaction_entries=100, journal="wal") as cluster:
+        client = cluster.client()
+        client.declare("q")
+        confirmed = [client.publish("q", b"m%d" % i) for i in range(400)]
+        wait_for(
+            lambda: all((cluster.root / n / "snapshot").exists() for n in cluster.nodes),
+            "a snapshot on every node",
+        )
+        kill_all_and_restart(cluster)
+        confirmed += [client.publish("q", b"n%d" % i) for i in range(100)]
+        kill_all_and_restart(cluster)
+        for node in cluster.nodes:
+            reader = cluster.client(node)
+            assert [m.offset for m in reader.read("q", 0, 1000)] == confirmed, node
+            assert reader.status()["queues"]["q"]["ready"] == 500
+            data = cluster.root / node
+            assert sorted(p.name for p in (data / "wal").iterdir())[-1].startswith("wal-")
+            assert not (data / "raft.log").exists()
+
+
+def test_a_node_carries_its_journal_file_into_the_log_once_and_cannot_go_back() -> None:
+    """The upgrade path: nodes that ran on journal files, started with `--journal wal`,
+    carry their journals over (set aside as `raft.log.adopted`) and lose nothing; a
+    node on the log started with `--journal file` is refused and says what to do."""
+    with Cluster(3) as cluster:
+        client = cluster.client()
+        client.declare("q")
+        confirmed = [client.publish("q", b"m%d" % i) for i in range(200)]
+        client.close()
+        cluster.journal = "wal"
+        kill_all_and_restart(cluster)
+        client = cluster.client()
+        confirmed += [client.publish("q", b"n%d" % i) for i in range(50)]
+        for node in cluster.nodes:
+            assert [m.offset for m in cluster.client(node).read("q", 0, 1000)] == confirmed
+            assert (cluster.root / node / "raft.log.adopted").exists()
+            assert not (cluster.root / node / "raft.log").exists()
+        cluster.kill("A")
+        cluster.journal = "file"
+        with pytest.raises(RuntimeError, match="start it with --journal wal"):
+            cluster.restart("A")
+        cluster.journal = "wal"
+        cluster.restart("A")
+        wait_for(lambda: converged(cluster), "all replicas applying the same log", 30)
+        assert [m.offset for m in cluster.client("A").read("q", 0, 1000)] == confirmed
+
+
 def test_a_paused_node_loses_its_consumers_messages_to_others_and_rejoins() -> None:
     with Cluster(3, node_down_grace=1.5) as cluster:
         leader = cluster.leader()

@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument("--tls-key", metavar="FILE", help="the PEM private key of --tls-cert")
     node.add_argument("--fsync", choices=["always", "batch", "never"], default="always")
+    node.add_argument(
+        "--journal",
+        choices=["file", "wal"],
+        default="file",
+        help="the Raft journal: a file of its own, or the write-ahead log that many Raft "
+        "groups will share (issue 33; not the default yet: a file is carried over once, "
+        "and a node on the log cannot go back)",
+    )
     node.add_argument("--node-down-grace", type=seconds, default=5.0, metavar="SECONDS")
     node.add_argument(
         "--election-timeout",

@@ -35,6 +35,7 @@ def run_node(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             fsync=args.fsync,
+            journal=args.journal,
             node_down_grace_s=args.node_down_grace,
             election_timeout_s=args.election_timeout,
             compaction_entries=args.compaction_entries,
@@ -66,8 +67,15 @@ def run_node(args: argparse.Namespace) -> int:
 
     from ..raft.first_configuration import PeersChangedError  # noqa: PLC0415
     from ..raft.journal import JournalDamagedError, JournalFailedError  # noqa: PLC0415
+    from ..raft.wal import WrongJournalError  # noqa: PLC0415
 
-    refusals = (JournalDamagedError, JournalFailedError, PeersChangedError, OSError)
+    refusals = (
+        JournalDamagedError,
+        JournalFailedError,
+        PeersChangedError,
+        WrongJournalError,
+        OSError,
+    )
     try:
         trio.run(run)
     except (*refusals, ConfigError) as e:  # start-up

@@ -158,6 +158,7 @@ class Cluster:
         *,
         token: str | None = None,
         fsync: str = "always",
+        journal: str = "file",
         node_down_grace: float = 5.0,
         compaction_entries: int = 50_000,
         outbound_frames: int = 20_000,
@@ -190,6 +191,7 @@ class Cluster:
         )
         self.token = token
         self.fsync = fsync
+        self.journal = journal
         self.node_down_grace = node_down_grace
         self.compaction_entries = compaction_entries
         self.outbound_frames = outbound_frames
@@ -254,6 +256,8 @@ class Cluster:
             f"127.0.0.1:{self.raft_ports[node]}",
             "--fsync",
             self.fsync,
+            "--journal",
+            self.journal,
             "--node-down-grace",
             str(self.node_down_grace),
             "--compaction-entries",

@@ -18,7 +18,7 @@ from pysyncobj import FAIL_REASON, SyncObj
 from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
 from ..machine import encoding
-from .journal import DurableJournal
+from .journal import RaftJournal
 
 logger = logging.getLogger(__name__)
 
@@ -544,7 +544,7 @@ class RaftFields(SyncObj):  # type: ignore[misc]
 
     leader_clock: LeaderClock | None = None
     """Stamps the time on the entries this node appends as leader (`use_leader_clock`)."""
-    journal: DurableJournal
+    journal: RaftJournal
     """This member's journal (subclasses open it)."""
     _snapshot: Callable[[], bytes]
     """The machine's state, for a snapshot (subclasses set it)."""

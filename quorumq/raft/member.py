@@ -4,7 +4,8 @@ The Raft rules it changes (prompt sends, the stale-reply fixes, truncation only 
 conflict, durability points, raw commands, our snapshot encoding) are in
 `rules.RaftRules`, shared with the simulator. What this module adds for a real node:
 
-* durability: our `DurableJournal`; with `fsync="always"` a follower fsyncs before it
+* durability: our `DurableJournal` (or, with `journal="wal"`, group 0 of the
+  write-ahead log, `wal.py`); with `fsync="always"` a follower fsyncs before it
   acknowledges entries and a leader fsyncs its own entries before the next tick counts
   them toward commit. Snapshots are written and fsynced by us, in a forked child
   (`_write_snapshots_in_a_child`), so that the Raft thread goes on meanwhile. The
@@ -51,7 +52,7 @@ from ..codec import UnreadableEntryError
 from .cipher import RaftCipher
 from .files import OS_FILES
 from .first_configuration import settle_first_configuration
-from .journal import DurableJournal, JournalDamagedError, JournalFailedError, fsync_directory
+from .journal import JournalDamagedError, JournalFailedError, RaftJournal, fsync_directory
 from .rules import (
     MAX_COMMAND_BYTES,
     RAW_COMMAND,
@@ -62,6 +63,7 @@ from .rules import (
 )
 from .snapshot_writer import SnapshotWriter, written_by_a_child
 from .transport import Transport
+from .wal import JournalKind, open_node_journal
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ __all__ = ["MAX_COMMAND_BYTES", "NOT_APPLIED", "RAW_COMMAND", "Fsync", "RaftMemb
 
 # --------------------------------------------------------------- module hooks
 
-_JOURNALS: dict[str, DurableJournal] = {}
+_JOURNALS: dict[str, RaftJournal] = {}
 _original_create_journal = _syncobj.createJournal
 
 
@@ -118,6 +120,7 @@ class RaftMember(RaftRules):
         raft_timeouts: tuple[float, float] = (0.25, 0.6),
         compaction_entries: int = 50_000,
         tick_period: float = 0.05,
+        journal: JournalKind = "file",
     ) -> None:
         address = members[name]
         if not address.rsplit(":", 1)[0]:
@@ -134,11 +137,12 @@ class RaftMember(RaftRules):
             data_dir,
             members,
             holds_raft_state=os.path.exists(journal_path + ".meta")
+            or os.path.exists(os.path.join(data_dir, "wal", "group-0.meta"))
             or os.path.exists(snapshot_path),
         )
         self.keep_identity_in(OS_FILES, data_dir)
-        self.journal = DurableJournal(
-            journal_path, durable=fsync != "never", strict=fsync == "always"
+        self.journal: RaftJournal = open_node_journal(
+            data_dir, journal, durable=fsync != "never", strict=fsync == "always"
         )
         _JOURNALS[journal_path] = self.journal
         self._apply = apply

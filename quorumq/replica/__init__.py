@@ -187,6 +187,7 @@ def _raft_member(config: ReplicaConfig) -> MemberFactory:
             data_dir=config.data_dir,
             password=config.secret or None,
             fsync=config.fsync,
+            journal=config.journal,
             raft_timeouts=config.raft_timeouts,
             compaction_entries=config.compaction_entries,
             **callbacks,

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import attrs
 
 from ..raft.member import Fsync
+from ..raft.wal import JournalKind
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class ReplicaConfig:
     insecure: bool = False
     """Allow no secret; only when every Raft address is loopback."""
     fsync: Fsync = "always"
+    journal: JournalKind = "file"
+    """The Raft journal: a file of its own, or group 0 of the write-ahead log."""
     node_down_grace_s: float = 5.0
     proposal_timeout_s: float = PROPOSAL_TIMEOUT_S
     raft_timeouts: tuple[float, float] = (0.25, 0.6)
@@ -68,6 +71,8 @@ class ReplicaConfig:
             raise ConfigError(f"node {self.node_id!r} is not among the peers {sorted(self.peers)}")
         if self.fsync not in ("always", "batch", "never"):
             raise ConfigError(f"fsync must be always, batch or never, not {self.fsync!r}")
+        if self.journal not in ("file", "wal"):
+            raise ConfigError(f"journal must be file or wal, not {self.journal!r}")
         if not self.secret:
             if not self.insecure:
                 raise ConfigError(

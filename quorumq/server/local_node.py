@@ -42,6 +42,7 @@ from ..client.blocking import Client
 from ..client.core import ConnectionLostError
 from ..node import NodeConfig, check_node_config
 from ..raft.member import Fsync
+from ..raft.wal import JournalKind
 from ..replica import ConfigError, ReplicaConfig
 from ..wire.inprocess import ThreadEnd, TrioEnd
 from ..wire.protocol import DEFAULT_MAX_BODY
@@ -81,6 +82,8 @@ class NodeSettings(TypedDict, total=False):
     """PEM file of `tls_cert`'s private key."""
     fsync: Fsync
     """"always" (the default), "batch" or "never" (see the README)."""
+    journal: JournalKind
+    """"file" (the default) or "wal": the Raft journal (`quorumq.raft.wal`)."""
     node_down_grace_s: float
     election_timeout_s: tuple[float, float]
     compaction_entries: int
@@ -114,6 +117,7 @@ def node_config(**settings: Unpack[NodeSettings]) -> NodeConfig:
         secret=settings["secret"],
         insecure=insecure,
         fsync=settings.get("fsync", "always"),
+        journal=settings.get("journal", "file"),
         node_down_grace_s=settings.get("node_down_grace_s", 5.0),
         raft_timeouts=settings.get("election_timeout_s", (0.25, 0.6)),
         compaction_entries=settings.get("compaction_entries", 50_000),
