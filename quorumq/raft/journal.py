@@ -95,6 +95,20 @@ def fsync_directory(path: str) -> None:
     OS_FILES.sync_directory(path)
 
 
+def failed_for_good(where: str, thing: str, what: str, error: BaseException) -> JournalFailedError:
+    """Log that `what` failed on `thing` at `where`, which accepts nothing more from
+    now on; the error to raise."""
+    logger.critical(
+        "%s: %s failed (%s); %s accepts nothing more and the node must stop (a retried "
+        "fdatasync may report success for lost writes)",
+        where,
+        what,
+        error,
+        thing,
+    )
+    return JournalFailedError(f"{where}: {what} failed: {error}")
+
+
 def damaged(path: str, what: str) -> JournalDamagedError:
     """The refusal to start, with the way out."""
     return JournalDamagedError(
@@ -590,14 +604,7 @@ class DurableJournal(RaftJournal):
 
     def _fail(self, what: str, error: BaseException) -> JournalFailedError:
         self.failed = error
-        logger.critical(
-            "%s: %s failed (%s); the journal accepts nothing more and the node must stop "
-            "(a retried fdatasync may report success for lost writes)",
-            self.path,
-            what,
-            error,
-        )
-        return JournalFailedError(f"{self.path}: {what} failed: {error}")
+        return failed_for_good(self.path, "the journal", what, error)
 
     def _write(self, data: bytes) -> None:
         """All of `data`, or `JournalFailedError` (a short write is never left unnoticed)."""

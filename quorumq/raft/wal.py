@@ -59,6 +59,7 @@ from .journal import (
     crc_bytes,
     damaged,
     entry_record,
+    failed_for_good,
     meta_bytes,
     parse_entry_record,
     torn_at,
@@ -98,6 +99,18 @@ JournalKind = Literal["file", "wal"]
 """A node's journal: a file of its own, or group 0 of the write-ahead log."""
 Record = tuple[int, int, int, int, bytes]
 """(kind, group, idx, term, body)."""
+
+
+_FIELDS = struct.Struct("<IQQI")
+_CRC = struct.Struct("<I")
+
+
+def _record_bytes(kind: int, group: int, idx: int, term: int, body: bytes, seed: int) -> bytes:
+    """`journal.entry_record` of the command [kind][group][body], without copying the
+    body into a command first (this is every entry's path)."""
+    tag = _TAG.pack(kind, group)
+    fields = _FIELDS.pack(len(tag) + len(body), idx, term, zlib.crc32(body, zlib.crc32(tag, seed)))
+    return b"".join((fields, _CRC.pack(zlib.crc32(fields, seed)), tag, body))
 
 
 def _intact_record_after(data: bytes, start: int, seed: int) -> int | None:
@@ -465,14 +478,7 @@ class WriteAheadLog:
 
     def _fail(self, what: str, error: BaseException) -> JournalFailedError:
         self.failed = error
-        logger.critical(
-            "%s: %s failed (%s); the write-ahead log accepts nothing more and the node "
-            "must stop (a retried fdatasync may report success for lost writes)",
-            self.directory,
-            what,
-            error,
-        )
-        return JournalFailedError(f"{self.directory}: {what} failed: {error}")
+        return failed_for_good(self.directory, "the write-ahead log", what, error)
 
     def _write(self, records: list[Record]) -> None:
         """Append `records` in one write, to one segment; `JournalFailedError` if not all."""
@@ -480,9 +486,12 @@ class WriteAheadLog:
         if self._segments[-1].size >= self.segment_bytes:
             self._roll()
         segment = self._segments[-1]
+        seed = segment.seed
         data = b"".join(
-            entry_record((_TAG.pack(kind, group) + body, idx, term), segment.seed)
-            for kind, group, idx, term, body in records
+            [
+                _record_bytes(kind, group, idx, term, body, seed)
+                for kind, group, idx, term, body in records
+            ]
         )
         try:
             write_all(self.files, self._fd, data)
