@@ -158,6 +158,8 @@ class Result:
     the output)."""
     converged_after_s: float
     snapshots: dict[str, int]
+    wal_segments_freed: int
+    """Write-ahead log segments the nodes removed (`--journal wal`; 0 otherwise)."""
     """Snapshots written (compactions), sent to followers, installed and refused (stale),
     and loaded (the leader's, or a node's own at start-up)."""
     membership: dict[str, int]
@@ -429,6 +431,9 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         raft_log=dict(sorted(raft_log.counts.items())),
         converged_after_s=converged_after,
         snapshots=dict(sorted(cluster.snapshot_counts.items())),
+        wal_segments_freed=sum(
+            log.segments_freed for disk in cluster.disks.values() for log in disk.wals
+        ),
         membership=dict(sorted((checker.config_changes + operator.counts).items())),
         members=members,
         confirm_pauses=fault_pauses(windows, checker.confirm_times_s, seconds(heal_at)),
@@ -560,6 +565,8 @@ class Outcome:
     violation_kinds: dict[str, int] = attrs.field(factory=dict)
     """Violations by kind (a failing run's reasons)."""
     liveness: LivenessReport | None = None
+    wal_segments_freed: int = 0
+    """Write-ahead log segments the nodes removed (`--journal wal`)."""
     worker_died: str | None = None
     """How the worker running this seed died (`signal 9, SIGKILL`): a failed seed
     with no result, no trace."""
@@ -588,6 +595,7 @@ def outcome(config: RunConfig) -> Outcome:
         confirm_pauses=dict(result.confirm_pauses),
         violation_kinds=dict(sorted(Counter(v.kind for v in result.violations).items())),
         liveness=result.liveness,
+        wal_segments_freed=result.wal_segments_freed,
     )
 
 

@@ -30,11 +30,16 @@ class SimDisk:
 
     JOURNAL = "/raft.log"
     WAL = "/wal"
+    WAL_SEGMENT_BYTES = 8192
+    """Small segments, so that a run rolls over, frees and copies forward (a node's are
+    64 MiB: a simulated run never filled one)."""
 
     def __init__(self, name: str, rng: random.Random, *, wal: bool = False) -> None:
         self.name = name
         self.files = SimFiles(rng)
         self.wal = wal
+        self.wals: list[WriteAheadLog] = []
+        """Every write-ahead log opened on this disk (its counters)."""
         self.snapshot: bytes | None = None
         """The node's snapshot (`encode_snapshot` bytes)."""
         self.damaged: str | None = None
@@ -46,7 +51,9 @@ class SimDisk:
     def open_journal(self) -> RaftJournal:
         """The journal a starting node opens: `JournalDamagedError` if it must refuse."""
         if self.wal:
-            return WriteAheadLog(self.WAL, files=self.files).journal(0)
+            log = WriteAheadLog(self.WAL, files=self.files, segment_bytes=self.WAL_SEGMENT_BYTES)
+            self.wals.append(log)
+            return log.journal(0)
         return DurableJournal(self.JOURNAL, files=self.files)
 
     @property

@@ -923,8 +923,9 @@ def test_wal_sweep_every_seed_passes_under_the_disk_faults() -> None:
     """Issue 33's write-ahead log, one group in it, as every node's journal: the CI
     sweep's checks (no confirmed record lost or duplicated, order, bounded recovery)
     under the same faults, the disk's among them (torn power loss, short write, failed
-    sync, flipped bit, a meta file ahead), with log compaction on every seed so that
-    segments are freed and snapshots installed."""
+    sync, flipped bit, a meta file ahead), with log compaction on every seed and 8 KiB
+    segments, so that segments are freed (in at least half the seeds) and snapshots
+    installed."""
     configs = [ci_config(s, journal="wal", compaction_entries=(30, 100)[s % 2]) for s in WAL_SEEDS]
     with ProcessPoolExecutor(2) as pool:
         outcomes = list(pool.map(outcome, configs))
@@ -933,6 +934,8 @@ def test_wal_sweep_every_seed_passes_under_the_disk_faults() -> None:
     kinds: Counter[str] = Counter()
     for o in outcomes:
         kinds.update(o.fault_kinds)
+    # the simulated disks' segments are small: runs roll over and free them
+    assert sum(o.wal_segments_freed > 0 for o in outcomes) >= len(outcomes) // 2
     for kind in ("torn_power_loss", "short_write", "sync_failure", "bit_flip", "meta_ahead"):
         assert kinds[kind] >= 3, (kind, kinds)
 

@@ -20,7 +20,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from quorumq.raft.journal import DurableJournal, JournalDamagedError, JournalFailedError
-from quorumq.raft.wal import ENTRY, KEPT_SEGMENTS, GroupJournal, WriteAheadLog
+from quorumq.raft.wal import (
+    ENTRY,
+    KEPT_SEGMENTS,
+    MOVED_MARKER,
+    GroupJournal,
+    WriteAheadLog,
+    WrongJournalError,
+)
 from quorumq.server.metrics import TimedFiles
 from simulations.disk import SimFiles
 
@@ -602,6 +609,10 @@ def _journal_file(files: SimFiles, count: int) -> list[tuple[bytes, int, int]]:
     return entries
 
 
+def _set_aside(files: SimFiles, name: str) -> list[str]:
+    return [n for n in files.list_directory("/node") if n.startswith(name + ".adopted-")]
+
+
 def test_a_journal_file_is_carried_into_a_group_once_and_set_aside() -> None:
     files = _sim()
     entries = _journal_file(files, 20)
@@ -611,9 +622,10 @@ def test_a_journal_file_is_carried_into_a_group_once_and_set_aside() -> None:
     assert list(journal[:]) == entries
     assert (journal.getCurrentTerm(), journal.getVotedForNodeId()) == (3, "B")
     assert journal.getRaftCommitIndex() == 19
-    assert files.read("/node/raft.log") is None
-    assert files.read("/node/raft.log.adopted") is not None
-    assert files.read("/node/raft.log.meta.adopted") is not None
+    assert (files.read("/node/raft.log") or b"")[:4] == MOVED_MARKER
+    assert len(_set_aside(files, "raft.log")) == len(_set_aside(files, "raft.log.meta")) == 1
+    with pytest.raises(JournalDamagedError, match="not a quorumq journal"):
+        DurableJournal("/node/raft.log", files=files)  # an older release refuses the marker
     journal._destroy()
     files.power_loss()
     again = WriteAheadLog(DIR, files=files)
@@ -621,48 +633,61 @@ def test_a_journal_file_is_carried_into_a_group_once_and_set_aside() -> None:
     assert list(again.journal(0)[:]) == entries
 
 
-@pytest.mark.parametrize("crash_after", ["sync", "meta", "first_rename"])
-def test_an_adoption_cut_short_by_a_power_loss_is_finished_by_the_next(crash_after: str) -> None:
+@pytest.mark.parametrize("durable", [True, False])
+@pytest.mark.parametrize("at", range(1, 21))
+def test_an_adoption_cut_short_by_a_power_loss_anywhere_is_finished_by_the_next(
+    at: int, durable: bool
+) -> None:
+    """The host loses power at the `at`-th file operation of an adoption (with
+    `fsync=never` too: the adoption is synced whatever the mode); the next start
+    carries the journal over whole, term and vote with it, or finds it done."""
     files = _sim()
     entries = _journal_file(files, 12)
-    real_replace, real_write = files.replace, files.sync_directory
 
     class PowerLossError(Exception):
         pass
 
-    def replace(source: str, target: str) -> None:
-        if crash_after == "meta" and target.endswith("group-0.meta"):
-            real_replace(source, target)
-            real_write(DIR)
-            raise PowerLossError
-        if target.endswith(".adopted"):
-            real_replace(source, target)
-            if crash_after == "first_rename":
-                real_write("/node")
+    wal = WriteAheadLog(DIR, files=files, durable=durable)
+    countdown = [at]
+    originals = {}
+    for name in ("write", "sync", "replace", "remove", "sync_directory", "create"):
+        original = originals[name] = getattr(files, name)
+
+        def hooked(*args: object, _original: object = original) -> object:
+            countdown[0] -= 1
+            if countdown[0] == 0:
                 raise PowerLossError
-            return
-        real_replace(source, target)
+            return _original(*args)  # type: ignore[operator]
 
-    wal = WriteAheadLog(DIR, files=files)
-    if crash_after == "sync":
-        real_sync = wal.sync
-
-        def sync_then_fail() -> None:
-            real_sync()
-            raise PowerLossError
-
-        wal.sync = sync_then_fail  # type: ignore[method-assign]
-    files.replace = replace  # type: ignore[method-assign]
-    with pytest.raises(PowerLossError):
+        setattr(files, name, hooked)
+    with contextlib.suppress(PowerLossError, JournalFailedError):
         wal.adopt(0, "/node/raft.log")
-    files.replace = real_replace  # type: ignore[method-assign]
-    files.power_loss()
-    again = WriteAheadLog(DIR, files=files)
+    for name, original in originals.items():
+        setattr(files, name, original)
+    files.power_loss(torn=True)
+    again = WriteAheadLog(DIR, files=files, durable=durable)
     again.adopt(0, "/node/raft.log")
     journal = again.journal(0)
-    assert list(journal[:]) == entries, crash_after
-    assert journal.getCurrentTerm() == 3
-    assert files.read("/node/raft.log") is None and files.read("/node/raft.log.meta") is None
+    assert list(journal[:]) == entries, at
+    assert (journal.getCurrentTerm(), journal.getVotedForNodeId()) == (3, "B")
+    assert (files.read("/node/raft.log") or b"")[:4] == MOVED_MARKER
+    assert files.read("/node/raft.log.meta") is None
+
+
+def test_a_journal_file_written_after_the_adoption_is_refused_not_set_aside() -> None:
+    """A release without the log, run on the directory after the adoption (it had to
+    get past the marker: a restored backup, say), wrote a journal of its own: carrying
+    either over would lose the other's term, vote and entries, so opening refuses."""
+    files = _sim()
+    _journal_file(files, 5)
+    wal = WriteAheadLog(DIR, files=files)
+    wal.adopt(0, "/node/raft.log")
+    wal.close()
+    files.remove("/node/raft.log")  # the marker, gone with a restore
+    newer = _journal_file(files, 3)
+    with pytest.raises(WrongJournalError, match="holds other entries"):
+        WriteAheadLog(DIR, files=files).adopt(0, "/node/raft.log")
+    assert [e for e in DurableJournal("/node/raft.log", files=files)[:]] == newer
 
 
 def test_wrapping_a_group_journals_files_wraps_the_logs() -> None:

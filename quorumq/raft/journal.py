@@ -179,9 +179,8 @@ def next_intact_record(data: bytes, start: int, last: int, seed: int) -> tuple[i
 def torn_at(data: bytes, pos: int, seed: int) -> bool:
     """What follows `pos` is what a crash while appending leaves: a header cut short, a
     record that runs past the end of the file, zeros (the file grew, its data never
-    came), or pages at the end that came back as zeros (`PAGE`) from inside the record
-    at `pos` on (a header or a command written in part, whatever the torn write kept
-    after it: those bytes are zeros too)."""
+    came), or the file's last page come back as zeros from inside the record at `pos`
+    on (a header or a command written in part, and whatever the write kept after it)."""
     rest = data[pos:]
     if len(rest) < _HEAD.size or not rest.strip(b"\0"):
         return True
@@ -192,10 +191,12 @@ def torn_at(data: bytes, pos: int, seed: int) -> bool:
     end = pos + _HEAD.size + header[0]
     if end > len(data):
         return True
-    # the first page boundary past the header from which the file is zeros to its end
+    # the first page boundary past the header from which the file is zeros to its end:
+    # inside the record, and the file's last page, it cut the record short (more pages
+    # of zeros, or zeros from past the record on, are damage)
     zeros_from = max(len(data.rstrip(b"\0")), pos + _HEAD.size)
     boundary = -(-zeros_from // PAGE) * PAGE
-    return boundary < end  # inside the record: it was cut by the zeroed pages
+    return boundary < end and len(data) - boundary <= PAGE
 
 
 def _legacy_entries(data: bytes) -> tuple[list[Entry], int]:
@@ -214,6 +215,23 @@ def _legacy_entries(data: bytes) -> tuple[list[Entry], int]:
         entries.append((body[_LEGACY_ENTRY.size :], idx, term))
         pos = end
     return entries, pos
+
+
+def decode_meta(data: bytes) -> dict[str, Any]:
+    """A meta file's contents (the first format, with no checksum, too); `ValueError`
+    saying what is wrong."""
+    payload = data  # the first format: no checksum
+    if data[:4] == _META_MAGIC:
+        crc, payload = int.from_bytes(data[4:8], "little"), data[8:]
+        if zlib.crc32(payload) != crc:
+            raise ValueError("the meta file (term, vote) fails its checksum")
+    try:
+        meta = encoding.decode(payload)
+    except ValueError as e:
+        raise ValueError(f"the meta file cannot be read ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError("the meta file is not a journal meta file")
+    return meta
 
 
 def meta_bytes(meta: dict[str, Any]) -> bytes:
@@ -350,20 +368,11 @@ class RaftJournal:
         data = self.files.read(self.meta_path)
         if data is None:
             return {}, False, False
-        unchecked = data[:4] != _META_MAGIC
-        if not unchecked:
-            crc, payload = int.from_bytes(data[4:8], "little"), data[8:]
-            if zlib.crc32(payload) != crc:
-                raise damaged(self.path, "the meta file (term, vote) fails its checksum")
-        else:
-            payload = data  # the first format: no checksum
         try:
-            meta = encoding.decode(payload)
+            meta = decode_meta(data)
         except ValueError as e:
-            raise damaged(self.path, f"the meta file cannot be read ({e})") from None
-        if not isinstance(meta, dict):
-            raise damaged(self.path, "the meta file is not a journal meta file")
-        return meta, True, unchecked
+            raise damaged(self.path, str(e)) from None
+        return meta, True, data[:4] != _META_MAGIC
 
     def _store_meta(self) -> None:
         if self._ready:

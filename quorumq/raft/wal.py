@@ -45,7 +45,7 @@ import os
 import re
 import struct
 import zlib
-from typing import Literal
+from typing import Any, Literal
 
 from .files import OS_FILES, Files, write_all, write_atomically
 from .journal import (
@@ -58,6 +58,7 @@ from .journal import (
     RaftJournal,
     crc_bytes,
     damaged,
+    decode_meta,
     entry_record,
     failed_for_good,
     meta_bytes,
@@ -111,6 +112,18 @@ def _record_bytes(kind: int, group: int, idx: int, term: int, body: bytes, seed:
     tag = _TAG.pack(kind, group)
     fields = _FIELDS.pack(len(tag) + len(body), idx, term, zlib.crc32(body, zlib.crc32(tag, seed)))
     return b"".join((fields, _CRC.pack(zlib.crc32(fields, seed)), tag, body))
+
+
+MOVED_MARKER = b"QQWA"
+MOVED_TEXT = (
+    MOVED_MARKER + b"\nThis node's Raft journal moved into wal/ (quorumq node --journal wal).\n"
+)
+"""What stays at `raft.log` once the log took the journal over: a file journal refuses
+to open it (not its magic), so an older release does not start with no term or vote."""
+
+
+def _fingerprint(data: bytes) -> str:
+    return f"{len(data)}-{zlib.crc32(data):08x}"
 
 
 def _intact_record_after(data: bytes, start: int, seed: int) -> int | None:
@@ -231,6 +244,8 @@ class WriteAheadLog:
         self.failed: BaseException | None = None
         self.syncs = 0
         """fdatasyncs of segments so far (what group commit saves is counted here)."""
+        self.segments_freed = 0
+        """Segments removed since this log was opened."""
         self._logs: dict[int, _GroupLog] = {}
         self._journals: dict[int, GroupJournal] = {}
         self._segments: list[_Segment] = []
@@ -539,10 +554,10 @@ class WriteAheadLog:
             self._may_free = False
             self._free_segments()
 
-    def _sync_segment(self) -> None:
+    def _sync_segment(self, *, force: bool = False) -> None:
         if not self._dirty:
             return
-        if self.durable:
+        if self.durable or force:
             try:
                 self.files.sync(self._fd)
             except OSError as e:
@@ -583,6 +598,7 @@ class WriteAheadLog:
             self._sync_segment()
             self._remove(oldest.path)
             self._segments.pop(0)
+            self.segments_freed += 1
 
     def _too_much_dead_data(self) -> bool:
         on_disk = sum(segment.size for segment in self._segments)
@@ -624,48 +640,103 @@ class WriteAheadLog:
 
     def adopt(self, group: int, journal_path: str) -> None:
         """Carry a journal file of its own (`DurableJournal`, a node's before it ran on
-        this log) into `group`, once: its entries are written as the group's log and
-        synced, its meta file becomes the group's, then both files are renamed
-        `<name>.adopted` (kept for inspection, never read again). A crash anywhere on
-        the way leaves what a next `adopt` finishes: before the group's meta file is
-        written the journal is carried again whole; after it, only the renames are
-        left to do."""
+        this log) into `group`, once, and leave a marker in its place.
+
+        The journal's entries are written as the group's log, its meta file becomes
+        the group's (with the journal's fingerprint, `adopted_from`), both synced
+        whatever the fsync mode; then the journal and its meta file are renamed
+        `<name>.adopted-<fingerprint>` (kept, never read again) and `journal_path`
+        becomes a marker (`MOVED_MARKER`) that a file journal refuses to open: a node
+        rolled back to a release without this log, or started with `--journal file`,
+        refuses instead of starting with no term or vote. A crash anywhere on the way
+        leaves what the next `adopt` finishes. A journal file found beside a group
+        that holds another one's entries (a rollback that ran on it, a restored
+        backup) is refused (`WrongJournalError`), never set aside silently."""
         if group in self._journals:
             raise ValueError(f"group {group}'s journal is open: adopt before opening it")
-        old = [journal_path, journal_path + ".meta"]
-        present = [path for path in old if self.files.read(path) is not None]
-        if not present:
+        data = self.files.read(journal_path)
+        old_meta = journal_path + ".meta"
+        group_meta = self._read_group_meta(group)
+        if data is not None and data[:4] == MOVED_MARKER:
+            self._set_aside(old_meta, group_meta)
             return
-        meta_path = self._meta_path(group)
-        if self.files.read(meta_path) is None:
-            journal = DurableJournal(
-                journal_path, durable=self.durable, strict=self.strict, files=self.files
+        if data is None:
+            if group_meta is None or self.files.read(old_meta) is None:
+                if group_meta is None and self.files.read(old_meta) is not None:
+                    DurableJournal(journal_path, files=self.files)  # refuses: meta, no journal
+                self._mark_moved(journal_path)  # a node on the log from its first start
+                return
+            self._mark_moved(journal_path)  # renamed aside, the marker not yet written
+            self._set_aside(old_meta, group_meta)
+            return
+        if group_meta is None:
+            group_meta = self._carry(group, journal_path)
+            data = self.files.read(journal_path) or b""
+        if group_meta.get("adopted_from") != _fingerprint(data):
+            raise WrongJournalError(
+                f"{journal_path} is a journal file beside a write-ahead log whose group "
+                f"{group} holds other entries ({self._meta_path(group)}): it was written "
+                "after the log took this node's journal over (a release without the log, "
+                "or a restored backup), and carrying it over would lose what the log "
+                "holds. Move one of them away"
             )
-            entries, meta = list(journal[:]), dict(journal._meta)
-            journal._destroy()
-            log = self._logs.setdefault(group, _GroupLog())
-            log.entries[:] = entries
-            log.next_index = None
-            self._pending_resets.add(group)
-            self.sync()
-            try:
-                write_atomically(self.files, meta_path, meta_bytes(meta), durable=self.durable)
-            except OSError as e:
-                raise self._fail("writing an adopted journal's meta file", e) from e
-            logger.info(
-                "%s: carried %d entries of %s into group %d",
-                self.directory,
-                len(entries),
-                journal_path,
-                group,
-            )
+        self._set_aside(journal_path, group_meta)
+        self._mark_moved(journal_path)
+        self._set_aside(old_meta, group_meta)
+
+    def _carry(self, group: int, journal_path: str) -> dict[str, Any]:
+        """Write the journal's entries and meta as the group's, durably; its meta."""
+        journal = DurableJournal(
+            journal_path, durable=self.durable, strict=self.strict, files=self.files
+        )
+        entries, meta = list(journal[:]), dict(journal._meta)
+        journal._destroy()  # (it may have cut a torn tail: fingerprint what stays)
+        meta["adopted_from"] = _fingerprint(self.files.read(journal_path) or b"")
+        log = self._logs.setdefault(group, _GroupLog())
+        log.entries[:] = entries
+        log.next_index = None
+        self._pending_resets.add(group)
+        self._check_usable()
+        self._write_reset(group)
+        self._sync_segment(force=True)
         try:
-            for path in present:
-                self.files.replace(path, path + ".adopted")
-            if self.durable:
-                self.files.sync_directory(os.path.dirname(journal_path))
+            write_atomically(self.files, self._meta_path(group), meta_bytes(meta))
+        except OSError as e:
+            raise self._fail("writing an adopted journal's meta file", e) from e
+        logger.info(
+            "%s: carried %d entries of %s into group %d",
+            self.directory,
+            len(entries),
+            journal_path,
+            group,
+        )
+        return meta
+
+    def _read_group_meta(self, group: int) -> dict[str, Any] | None:
+        data = self.files.read(self._meta_path(group))
+        if data is None:
+            return None
+        try:
+            meta = decode_meta(data)
+        except ValueError as e:
+            raise damaged(self._meta_path(group), str(e)) from None
+        return meta
+
+    def _set_aside(self, path: str, group_meta: dict[str, Any] | None) -> None:
+        if self.files.read(path) is None:
+            return
+        mark = str((group_meta or {}).get("adopted_from", "unknown"))
+        try:
+            self.files.replace(path, f"{path}.adopted-{mark}")
+            self.files.sync_directory(os.path.dirname(path))
         except OSError as e:
             raise self._fail("setting an adopted journal aside", e) from e
+
+    def _mark_moved(self, journal_path: str) -> None:
+        try:
+            write_atomically(self.files, journal_path, MOVED_TEXT)
+        except OSError as e:
+            raise self._fail("leaving the journal's marker", e) from e
 
     def _meta_path(self, group: int) -> str:
         return os.path.join(self.directory, f"group-{group}.meta")
@@ -791,7 +862,8 @@ def open_node_journal(
     journal_path = os.path.join(data_dir, "raft.log")
     wal_dir = os.path.join(data_dir, "wal")
     if kind == "file":
-        if OS_FILES.list_directory(wal_dir):
+        moved = (OS_FILES.read(journal_path) or b"")[:4] == MOVED_MARKER
+        if moved or os.path.exists(os.path.join(wal_dir, "group-0.meta")):
             raise WrongJournalError(
                 f"{data_dir} holds a write-ahead log ({wal_dir}): this node was run with "
                 "--journal wal; start it with --journal wal (going back to a journal file "
@@ -800,7 +872,9 @@ def open_node_journal(
         return DurableJournal(journal_path, durable=durable, strict=strict)
     if kind != "wal":
         raise ValueError(f"journal must be file or wal, not {kind!r}")
-    os.makedirs(wal_dir, exist_ok=True)
+    if not os.path.isdir(wal_dir):
+        os.makedirs(wal_dir, exist_ok=True)
+        OS_FILES.sync_directory(data_dir)
     wal = WriteAheadLog(wal_dir, durable=durable, strict=strict)
     try:
         wal.adopt(0, journal_path)
