@@ -158,10 +158,10 @@ class Result:
     the output)."""
     converged_after_s: float
     snapshots: dict[str, int]
-    wal_segments_freed: int
-    """Write-ahead log segments the nodes removed (`--journal wal`; 0 otherwise)."""
     """Snapshots written (compactions), sent to followers, installed and refused (stale),
     and loaded (the leader's, or a node's own at start-up)."""
+    wal_segments_freed: int
+    """Write-ahead log segments the nodes removed (`--journal wal`; 0 otherwise)."""
     membership: dict[str, int]
     """Configuration changes leaders accepted and refused; the operator's requests
     sent, confirmed and failed (then sent again)."""

@@ -155,6 +155,8 @@ def test_every_confirmed_message_survives_compaction_and_kills_on_the_write_ahea
             assert [m.offset for m in reader.read("q", 0, 1000)] == confirmed, node
             assert reader.status()["queues"]["q"]["ready"] == 500
             data = cluster.root / node
+            journal = reader.status()["journal"]
+            assert journal["kind"] == "wal" and journal["segments"] >= 1, journal
             names = {p.name for p in (data / "wal").iterdir()}
             assert "group-0.meta" in names and any(n.startswith("wal-") for n in names)
             assert (data / "raft.log").read_bytes()[:4] == b"QQWA"  # the marker, no journal

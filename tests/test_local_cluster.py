@@ -108,3 +108,37 @@ def test_three_programs_deliver_locally_in_order_through_a_sigkill_of_the_leader
     assert {n: p.returncode for n, p in programs.items()} == {
         n: -9 if n == leader else 0 for n in NAMES
     }
+
+
+def test_a_client_port_taken_before_the_node_binds_it_is_moved_at_the_first_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port picked free can be taken before the node binds it (another connection's
+    ephemeral port: a suite run once lost a test to it). The local cluster starts the
+    node again on another client port instead of failing."""
+    import socket
+
+    from quorumq.ops import local_cluster
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    real = local_cluster.free_ports
+    calls = []
+
+    def first_one_taken(n: int) -> list[int]:
+        calls.append(n)
+        ports = real(n)
+        return [taken, *ports[1:]] if len(calls) == 1 else ports
+
+    monkeypatch.setattr(local_cluster, "free_ports", first_one_taken)
+    try:
+        with local_cluster.Cluster(1) as cluster:
+            assert cluster.client_ports["A"] != taken
+            client = cluster.client()
+            client.declare("q")
+            assert client.publish("q", b"x") == 0
+            assert "Address already in use" in cluster.log_path("A").read_text()
+    finally:
+        holder.close()

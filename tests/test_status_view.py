@@ -188,3 +188,20 @@ def test_a_node_of_another_cluster_or_knowing_one_its_leader_does_not_has_a_note
     assert identity_note({**_status("B"), "cluster": "41d7" * 8}, older) is None
     assert identity_note(leader, leader) is None
     assert identity_note({**_status("B"), "cluster": "41d7" * 8}, None) is None
+
+
+def test_a_node_on_the_write_ahead_log_says_so_with_its_size() -> None:
+    from quorumq.ops.status_view import read_cluster
+
+    def status_of(endpoint: str) -> dict[str, object]:
+        status = _status(endpoint, leader=endpoint == "A")
+        if endpoint == "B":
+            status["journal"] = {"kind": "wal", "entries": 9, "segments": 3, "bytes": 5 << 20}
+        else:
+            status["journal"] = {"kind": "file", "entries": 9, "bytes": 1 << 20}
+        return status
+
+    reading = read_cluster(["A", "B"], status_of, (OSError,))
+    notes = {row[0]: row[-1] for row in _rows(reading)}
+    assert notes["B"].endswith("journal: write-ahead log, 3 segment(s), 5.0 MiB"), notes
+    assert "journal" not in notes["A"], notes

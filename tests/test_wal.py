@@ -730,3 +730,86 @@ def test_a_flipped_bit_with_another_groups_records_after_it_refuses_to_open() ->
     files.names[path].reset(bytes(data))
     with pytest.raises(JournalDamagedError, match="followed by an intact one"):
         WriteAheadLog(DIR, files=files, strict=False)
+
+
+def test_a_group_journal_says_what_the_log_holds_for_status() -> None:
+    files = _sim()
+    wal = WriteAheadLog(DIR, files=files, segment_bytes=1000)
+    a, b = wal.journal(0), wal.journal(1)
+    _fill(a, 1, 12, size=100)
+    _fill(b, 1, 3, size=100)
+    wal.sync()
+    segments = [n for n in files.list_directory(DIR) if n.endswith(".log")]
+    on_disk = sum(len(files.read(f"{DIR}/{n}") or b"") for n in segments)
+    assert a.usage() == {"kind": "wal", "entries": 12, "segments": len(segments), "bytes": on_disk}
+    assert b.usage()["entries"] == 3 and len(segments) > 1
+
+
+def test_an_adoption_under_fsync_never_of_a_journal_never_synced_is_finished_not_refused() -> None:
+    """A node run with `fsync=never` never synced its journal: the adoption syncs it
+    (and its meta file) before fingerprinting it, so a power loss right after the
+    group's meta file is durable does not leave a fingerprint that no longer matches
+    (a review found every later start refused)."""
+    files = _sim()
+    old = DurableJournal("/node/raft.log", files=files, durable=False)
+    old.setCurrentTerm(3, "B")
+    for idx in range(1, 11):
+        old.add(b"e%d" % idx, idx, 3)
+    entries = list(old[:])
+    old._destroy()
+    wal = WriteAheadLog(DIR, files=files, durable=False)
+    real_replace = files.replace
+
+    class PowerLossError(Exception):
+        pass
+
+    def replace(source: str, target: str) -> None:
+        real_replace(source, target)
+        if target.endswith("group-0.meta"):
+            files.sync_directory(DIR)
+            raise PowerLossError
+
+    files.replace = replace  # type: ignore[method-assign]
+    with pytest.raises(PowerLossError):
+        wal.adopt(0, "/node/raft.log")
+    files.replace = real_replace  # type: ignore[method-assign]
+    files.power_loss()
+    again = WriteAheadLog(DIR, files=files, durable=False)
+    again.adopt(0, "/node/raft.log")
+    journal = again.journal(0)
+    assert list(journal[:]) == entries and journal.getCurrentTerm() == 3
+
+
+def test_a_meta_file_that_moved_on_after_the_adoption_is_refused() -> None:
+    """A restored journal file identical to the one carried over, but with a meta
+    file a rolled-back run moved on (a term and a vote of its own): setting both aside
+    would forget that vote, so opening refuses."""
+    files = _sim()
+    _journal_file(files, 5)
+    journal_bytes = files.read("/node/raft.log")
+    wal = WriteAheadLog(DIR, files=files)
+    wal.adopt(0, "/node/raft.log")
+    wal.close()
+    files.remove("/node/raft.log")  # a restore: journal and meta as they were
+    for name in (*_set_aside(files, "raft.log"), *_set_aside(files, "raft.log.meta")):
+        files.replace(f"/node/{name}", "/node/" + name.split(".adopted-")[0])
+    assert files.read("/node/raft.log") == journal_bytes
+    rolled_back = DurableJournal("/node/raft.log", files=files)
+    rolled_back.setCurrentTerm(9, "C")
+    rolled_back._destroy()
+    with pytest.raises(WrongJournalError, match="another term"):
+        WriteAheadLog(DIR, files=files).adopt(0, "/node/raft.log")
+
+
+def test_the_marker_without_the_log_refuses_to_open() -> None:
+    """`raft.log` says the journal moved, but the log has no group 0 (a restore left
+    `wal/` out): starting empty would forget the term and the vote."""
+    files = _sim()
+    _journal_file(files, 5)
+    wal = WriteAheadLog(DIR, files=files)
+    wal.adopt(0, "/node/raft.log")
+    wal.close()
+    for name in files.list_directory(DIR):
+        files.remove(f"{DIR}/{name}")
+    with pytest.raises(JournalDamagedError, match="no group 0"):
+        WriteAheadLog("/node/wal2", files=files).adopt(0, "/node/raft.log")

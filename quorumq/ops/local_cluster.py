@@ -235,7 +235,24 @@ class Cluster:
         for node in self.nodes:
             self._spawn(node)
         for node in self.nodes:
-            self._wait_ready(node)
+            self._wait_ready_moving_a_taken_client_port(node)
+
+    def _wait_ready_moving_a_taken_client_port(self, node: str, tries: int = 3) -> None:
+        """Wait for a first start; if the node found its client port taken, start it
+        again on another. A port picked free (`free_ports`) can be taken before the
+        node binds it, by another connection's ephemeral port (a suite's other tests
+        make plenty): the client port is the cluster's to choose, unlike the Raft
+        port its peers already know."""
+        for attempt in range(tries):
+            try:
+                self._wait_ready(node)
+                return
+            except RuntimeError as e:
+                taken = "the client port" in str(e) and "Address already in use" in str(e)
+                if not taken or attempt == tries - 1:
+                    raise
+            self.client_ports[node] = free_ports(1)[0]
+            self._spawn(node)
 
     def log_path(self, node: str) -> Path:
         return self.root / f"{node}.log"

@@ -277,6 +277,12 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
             notes.append(f"sees down: {', '.join(down)}")
         if status.get("compaction_error"):
             notes.append(f"compaction failed: {status['compaction_error']}")
+        journal = status.get("journal") or {}
+        if journal.get("kind") == "wal":
+            notes.append(
+                f"journal: write-ahead log, {journal.get('segments')} segment(s), "
+                f"{(journal.get('bytes') or 0) / 2**20:.1f} MiB"
+            )
         notes += _near_limits(status)
         learners = status.get("learners") or {}
         if learners:

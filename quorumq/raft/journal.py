@@ -191,12 +191,10 @@ def torn_at(data: bytes, pos: int, seed: int) -> bool:
     end = pos + _HEAD.size + header[0]
     if end > len(data):
         return True
-    # the first page boundary past the header from which the file is zeros to its end:
-    # inside the record, and the file's last page, it cut the record short (more pages
-    # of zeros, or zeros from past the record on, are damage)
-    zeros_from = max(len(data.rstrip(b"\0")), pos + _HEAD.size)
-    boundary = -(-zeros_from // PAGE) * PAGE
-    return boundary < end and len(data) - boundary <= PAGE
+    # the file's last page, all zeros, beginning inside this record: it cut the record
+    # short (zeros over more pages, or from past the record on, are damage)
+    last_page = max(pos, (len(data) - 1) // PAGE * PAGE)
+    return last_page < end and not data[last_page:].strip(b"\0")
 
 
 def _legacy_entries(data: bytes) -> tuple[list[Entry], int]:
@@ -454,6 +452,10 @@ class RaftJournal:
         """PySyncObj's close: sync, store the meta file, close (unless it failed)."""
         raise NotImplementedError
 
+    def usage(self) -> dict[str, Any]:
+        """What the journal holds and takes on disk, for status."""
+        raise NotImplementedError
+
 
 class DurableJournal(RaftJournal):
     """PySyncObj's Journal interface (duck-typed) on a checksummed, fsynced file."""
@@ -674,6 +676,14 @@ class DurableJournal(RaftJournal):
         self._entries = kept
         self._reset = False
         self._dirty = False
+
+    def usage(self) -> dict[str, Any]:
+        last = self._ends[-1:]  # (the Raft thread may empty the list meanwhile)
+        return {
+            "kind": "file",
+            "entries": len(self._entries),
+            "bytes": last[0] if last else RECORDS_START,
+        }
 
     def _destroy(self) -> None:
         if self.failed is not None:  # nothing more is written, the meta file included

@@ -658,6 +658,13 @@ class WriteAheadLog:
         old_meta = journal_path + ".meta"
         group_meta = self._read_group_meta(group)
         if data is not None and data[:4] == MOVED_MARKER:
+            if group_meta is None:
+                raise damaged(
+                    journal_path,
+                    "the journal moved into the write-ahead log, but the log has no group "
+                    f"{group} ({self._meta_path(group)} is missing): its term and vote are gone",
+                )
+            self._check_meta_matches(old_meta, group_meta, journal_path, group)
             self._set_aside(old_meta, group_meta)
             return
         if data is None:
@@ -667,31 +674,52 @@ class WriteAheadLog:
                 self._mark_moved(journal_path)  # a node on the log from its first start
                 return
             self._mark_moved(journal_path)  # renamed aside, the marker not yet written
+            self._check_meta_matches(old_meta, group_meta, journal_path, group)
             self._set_aside(old_meta, group_meta)
             return
         if group_meta is None:
             group_meta = self._carry(group, journal_path)
             data = self.files.read(journal_path) or b""
         if group_meta.get("adopted_from") != _fingerprint(data):
-            raise WrongJournalError(
-                f"{journal_path} is a journal file beside a write-ahead log whose group "
-                f"{group} holds other entries ({self._meta_path(group)}): it was written "
-                "after the log took this node's journal over (a release without the log, "
-                "or a restored backup), and carrying it over would lose what the log "
-                "holds. Move one of them away"
-            )
+            raise self._not_adopted(journal_path, group)
+        self._check_meta_matches(old_meta, group_meta, journal_path, group)
         self._set_aside(journal_path, group_meta)
         self._mark_moved(journal_path)
         self._set_aside(old_meta, group_meta)
 
-    def _carry(self, group: int, journal_path: str) -> dict[str, Any]:
-        """Write the journal's entries and meta as the group's, durably; its meta."""
-        journal = DurableJournal(
-            journal_path, durable=self.durable, strict=self.strict, files=self.files
+    def _not_adopted(self, journal_path: str, group: int) -> WrongJournalError:
+        return WrongJournalError(
+            f"{journal_path} is a journal file beside a write-ahead log whose group "
+            f"{group} holds other entries or another term ({self._meta_path(group)}): it "
+            "was written after the log took this node's journal over (a release without "
+            "the log, or a restored backup), and carrying it over would lose what the log "
+            "holds. Move one of them away"
         )
+
+    def _check_meta_matches(
+        self, old_meta: str, group_meta: dict[str, Any], journal_path: str, group: int
+    ) -> None:
+        """A journal's meta file left beside the log must be the one carried over: one
+        that moved on since (a term or vote of a rolled-back run) is refused."""
+        data = self.files.read(old_meta)
+        if data is not None and group_meta.get("adopted_meta") != _fingerprint(data):
+            raise self._not_adopted(journal_path, group)
+
+    def _carry(self, group: int, journal_path: str) -> dict[str, Any]:
+        """Write the journal's entries and meta as the group's, durably; its meta. The
+        journal is opened durable whatever the log is: a rewrite or a cut it makes,
+        and the bytes fingerprinted, must be the ones a power loss leaves."""
+        journal = DurableJournal(journal_path, durable=True, strict=self.strict, files=self.files)
         entries, meta = list(journal[:]), dict(journal._meta)
         journal._destroy()  # (it may have cut a torn tail: fingerprint what stays)
+        old_meta = self.files.read(journal_path + ".meta")
+        if old_meta is not None:  # written by a run that never synced, maybe: sync it
+            try:
+                write_atomically(self.files, journal_path + ".meta", old_meta)
+            except OSError as e:
+                raise self._fail("syncing the journal's meta file", e) from e
         meta["adopted_from"] = _fingerprint(self.files.read(journal_path) or b"")
+        meta["adopted_meta"] = _fingerprint(old_meta or b"")
         log = self._logs.setdefault(group, _GroupLog())
         log.entries[:] = entries
         log.next_index = None
@@ -726,8 +754,12 @@ class WriteAheadLog:
         if self.files.read(path) is None:
             return
         mark = str((group_meta or {}).get("adopted_from", "unknown"))
+        target = f"{path}.adopted-{mark}"
+        kept = self.files.read(target)
+        if kept is not None and kept != self.files.read(path):
+            raise WrongJournalError(f"{target} exists and differs from {path}: move one away")
         try:
-            self.files.replace(path, f"{path}.adopted-{mark}")
+            self.files.replace(path, target)
             self.files.sync_directory(os.path.dirname(path))
         except OSError as e:
             raise self._fail("setting an adopted journal aside", e) from e
@@ -835,6 +867,16 @@ class GroupJournal(RaftJournal):
         if not self._resetting:
             self._wal._write([(FIRST, self.group, first, 0, b"")])
         self._log.first(first)
+
+    def usage(self) -> dict[str, Any]:
+        """The group's entries, and the whole log's segments (shared by every group)."""
+        segments = list(self._wal._segments)
+        return {
+            "kind": "wal",
+            "entries": len(self._entries),
+            "segments": len(segments),
+            "bytes": sum(segment.size for segment in segments),
+        }
 
     def _destroy(self) -> None:
         """Sync and store the meta file (unless the log failed); the view closes, and

@@ -644,6 +644,7 @@ class Replica:
             "connected": member.connected(),
             "snapshots_loaded": self.snapshots_loaded,
             "compaction_error": member.compaction_error,
+            "journal": member.journal.usage(),
             "elections": member.elections,
             "pre_votes_lost": member.pre_votes_lost,
             "stalls": member.stalls,
