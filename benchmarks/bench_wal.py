@@ -33,7 +33,8 @@ from quorumq.server.metrics import TimedFiles
 
 
 class _Counted:
-    """fdatasyncs (and directory syncs) counted through the files both kinds write."""
+    """fdatasyncs counted through the files both kinds write (`TimedFiles` observes
+    each `sync`)."""
 
     def __init__(self) -> None:
         self.syncs = 0

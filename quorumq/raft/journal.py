@@ -63,6 +63,8 @@ RECORDS_START = len(_MAGIC) + SALT_BYTES + 4
 """Where the first record starts: after the magic, the salt and their checksum."""
 _HEAD = struct.Struct("<IQQII")
 """length, idx, term, crc(command), crc(the four fields before)."""
+HEADER_BYTES = _HEAD.size
+"""A record's header, before its command."""
 _CHECKED = _HEAD.size - 4
 MAX_ENTRY_BYTES = 16 * 1024 * 1024
 """No entry of ours is longer (commands are at most 3 MiB): a longer length is damage."""

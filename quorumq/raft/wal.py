@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 from .files import OS_FILES, Files, write_all, write_atomically
 from .journal import (
+    HEADER_BYTES,
     RECORDS_START,
     SALT_BYTES,
     DurableJournal,
@@ -59,7 +60,6 @@ from .journal import (
     crc_bytes,
     damaged,
     decode_meta,
-    entry_record,
     failed_for_good,
     meta_bytes,
     parse_entry_record,
@@ -87,13 +87,11 @@ pinning the oldest segment are copied forward to free it."""
 
 _TAG = struct.Struct("<BI")
 """A record's kind and group, before its body."""
-_RECORD_OVERHEAD = len(entry_record((b"", 0, 0), 0)) + _TAG.size
+_RECORD_OVERHEAD = HEADER_BYTES + _TAG.size
 ENTRY, CUT, FIRST, RESET, FREED = b"ECFRD"
 """Printable kinds: a record's command never starts with a zero byte, so a page that
 came back as zeros is never taken for the rest of a whole record."""
 _KIND_BYTES = re.compile(b"[ECFRD]")
-_HEADER_BYTES = 28
-"""A record's header before its command (`journal.entry_record`)."""
 _KINDS = {ENTRY: "entry", CUT: "cut", FIRST: "first", RESET: "reset", FREED: "freed"}
 
 JournalKind = Literal["file", "wal"]
@@ -107,8 +105,8 @@ _CRC = struct.Struct("<I")
 
 
 def _record_bytes(kind: int, group: int, idx: int, term: int, body: bytes, seed: int) -> bytes:
-    """`journal.entry_record` of the command [kind][group][body], without copying the
-    body into a command first (this is every entry's path)."""
+    """The journal's record (`journal.entry_record`) of the command [kind][group][body],
+    without copying the body into a command first (this is every entry's path)."""
     tag = _TAG.pack(kind, group)
     fields = _FIELDS.pack(len(tag) + len(body), idx, term, zlib.crc32(body, zlib.crc32(tag, seed)))
     return b"".join((fields, _CRC.pack(zlib.crc32(fields, seed)), tag, body))
@@ -133,8 +131,8 @@ def _intact_record_after(data: bytes, start: int, seed: int) -> int | None:
     MiB), then both salted checksums. One pass over the tail, whatever the number of
     groups (the journal's search by the indexes that come next took minutes with many
     groups, and missed records of groups with none before the damage)."""
-    for match in _KIND_BYTES.finditer(data, start + _HEADER_BYTES):
-        pos = match.start() - _HEADER_BYTES
+    for match in _KIND_BYTES.finditer(data, start + HEADER_BYTES):
+        pos = match.start() - HEADER_BYTES
         if data[pos + 3] > 1:
             continue
         parsed = parse_entry_record(data, pos, seed)
@@ -823,15 +821,16 @@ class GroupJournal(RaftJournal):
     def add(self, command: bytes, idx: int, term: int) -> None:
         self._wal._check_usable()
         entry = self._carry(command, idx, term)
-        if not self._resetting and not self._log.follows(idx):
-            # opening would refuse a record that does not follow: what PySyncObj holds
-            # is written whole instead, at the next sync
-            logger.warning(
-                "%s: entry %d does not follow the log; it is rewritten whole", self.path, idx
-            )
-            self._wal._pending_resets.add(self.group)
         if not self._resetting:
-            self._wal._write([(ENTRY, self.group, idx, term, entry[0])])
+            if self._log.follows(idx):
+                self._wal._write([(ENTRY, self.group, idx, term, entry[0])])
+            else:
+                # opening would refuse a record that does not follow: what PySyncObj
+                # holds is written whole instead, at the next sync
+                logger.warning(
+                    "%s: entry %d does not follow the log; it is rewritten whole", self.path, idx
+                )
+                self._wal._pending_resets.add(self.group)
         self._entries.append(entry)
 
     def clear(self) -> None:
@@ -890,6 +889,14 @@ class GroupJournal(RaftJournal):
             self._wal._release(self.group)
 
 
+def _starts_with(path: str, prefix: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(prefix)) == prefix
+    except FileNotFoundError:
+        return False
+
+
 class WrongJournalError(Exception):
     """The data directory's journal is of the other kind than the node was started with."""
 
@@ -904,7 +911,7 @@ def open_node_journal(
     journal_path = os.path.join(data_dir, "raft.log")
     wal_dir = os.path.join(data_dir, "wal")
     if kind == "file":
-        moved = (OS_FILES.read(journal_path) or b"")[:4] == MOVED_MARKER
+        moved = _starts_with(journal_path, MOVED_MARKER)  # (not the whole journal)
         if moved or os.path.exists(os.path.join(wal_dir, "group-0.meta")):
             raise WrongJournalError(
                 f"{data_dir} holds a write-ahead log ({wal_dir}): this node was run with "
