@@ -248,3 +248,27 @@ def test_the_wal_benchmark_syncs_once_a_round_for_every_group(tmp_path: Path) ->
     assert rows[("1", "one log")][4] == "1.00", out
     assert "wal / journals, 3 groups (rounds/s, medians): " in out, out
     assert os.listdir(tmp_path) == [], "the benchmark left its data behind"
+
+
+def test_the_engine_benchmark_commits_through_both_kinds_of_node_process(tmp_path: Path) -> None:
+    """`benchmarks/bench_engine.py`, small: three node processes with two groups each,
+    on one engine and one log, then a thread and a journal file per group; both
+    commit, the log syncs less per commit (counted in the processes)."""
+    out = _run_benchmark(
+        "bench_engine",
+        "--groups",
+        "2",
+        "--seconds",
+        "1",
+        "--repeat",
+        "1",
+        "--dir",
+        str(tmp_path),
+    )
+    rows = {r[1]: r for r in _table_rows(out, "2")}
+    engine, threads = rows["one engine, one log"], rows["a thread, a file each"]
+    for row in (engine, threads):
+        assert float(row[2].split()[0].replace(",", "")) > 0, out
+    assert float(engine[4]) < float(threads[4]), out
+    assert "engine / threads, 2 groups (commits/s, medians): " in out, out
+    assert os.listdir(tmp_path) == [], "the benchmark left its data behind"

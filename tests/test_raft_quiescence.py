@@ -117,25 +117,27 @@ def test_a_quiet_heartbeat_moves_a_followers_deadline_and_lease_out_by_its_perio
 def test_a_quiet_followers_tick_waits_for_its_deadline_not_a_whole_quiet_tick(
     cluster: Any, clock: Clock
 ) -> None:
-    """The wait is decided in the tick's own poll, while `_onTick` holds the election
-    deadline aside: it must still end just past the deadline (it ended up to a whole
-    quiet tick later, and a stopped leader was replaced in 1.5 s instead of 0.5)."""
+    """The engine's poll after the tick waits until just past the election deadline (it
+    waited up to a whole quiet tick longer when the wait was decided while `_onTick`
+    held the deadline aside, and a stopped leader was replaced in 1.5 s, not 0.5)."""
     member, peers, _ = cluster
     waits: list[float] = []
-    member._poller.poll = member._poll_with_group_commit(waits.append)
+    engine = member._engine
+    engine.add(member)
+    engine.poller.poll = waits.append
     member._SyncObj__onMessageReceived(peers[0], {**_heartbeat(5), QUIET: QUIET_HEARTBEAT_S})
     member._keepalive_due = clock.now + QUIET_KEEPALIVE_S
     member._SyncObj__raftElectionDeadline = clock.now + 0.3
-    member._onTick(0.05)
+    engine._round()
     assert waits and math.isclose(waits[-1], 0.301), waits
 
     member._SyncObj__raftElectionDeadline = clock.now + 5.0  # (not a real one: the cap)
-    member._onTick(0.05)
+    engine._round()
     assert math.isclose(waits[-1], min(QUIET_TICK_S, QUIET_KEEPALIVE_S)), waits
 
     member._SyncObj__onMessageReceived(peers[0], _heartbeat(5))  # busy again
-    member._onTick(0.05)
-    assert waits[-1] == 0.05
+    engine._round()
+    assert waits[-1] == engine.tick_period == 0.05
 
 
 def test_a_long_quiet_wait_is_no_stall_and_a_longer_one_is(cluster: Any, clock: Clock) -> None:

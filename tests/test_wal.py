@@ -813,3 +813,23 @@ def test_the_marker_without_the_log_refuses_to_open() -> None:
         files.remove(f"{DIR}/{name}")
     with pytest.raises(JournalDamagedError, match="no group 0"):
         WriteAheadLog("/node/wal2", files=files).adopt(0, "/node/raft.log")
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_node_on_the_log_from_its_first_start_stopped_before_any_term_starts_again(
+    durable: bool,
+) -> None:
+    """A fresh node on the log (no journal to carry over) leaves the marker at its
+    first start; stopped or crashed before its first term (its peers were not up yet,
+    or its Raft port was taken), it must start again: the group's meta file is written
+    before the marker. It was not, and every later start refused ("no group 0")."""
+    files = _sim()
+    wal = WriteAheadLog(DIR, files=files, durable=durable)
+    wal.adopt(0, "/node/raft.log")
+    assert (files.read("/node/raft.log") or b"")[:4] == MOVED_MARKER
+    wal.journal(0)._destroy()  # stopped before any term: nothing stored since
+    files.power_loss()
+    again = WriteAheadLog(DIR, files=files, durable=durable)
+    again.adopt(0, "/node/raft.log")
+    journal = again.journal(0)
+    assert (journal.getCurrentTerm(), list(journal[:])) == (0, [])

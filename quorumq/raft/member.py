@@ -33,26 +33,23 @@ quorumq/raft.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import pysyncobj.syncobj as _syncobj
 from pysyncobj import FAIL_REASON, SyncObjConf, SyncObjException
 from pysyncobj.node import TCPNode
-from pysyncobj.poller import POLL_EVENT_TYPE
 
-from ..codec import UnreadableEntryError
+from .. import pathtiming
 from .cipher import RaftCipher
+from .engine import RaftEngine
 from .files import OS_FILES
 from .first_configuration import settle_first_configuration
-from .journal import JournalDamagedError, JournalFailedError, RaftJournal, fsync_directory
+from .journal import JournalDamagedError, RaftJournal, fsync_directory
 from .rules import (
     MAX_COMMAND_BYTES,
     RAW_COMMAND,
@@ -63,7 +60,7 @@ from .rules import (
 )
 from .snapshot_writer import SnapshotWriter, written_by_a_child
 from .transport import Transport
-from .wal import JournalKind, open_node_journal
+from .wal import JournalKind
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +79,20 @@ def _create_journal(path: str | None) -> Any:
     return _original_create_journal(path)
 
 
+_building = threading.local()
+"""The poller of the member being built on this thread (`_create_poller`)."""
+_original_create_poller = _syncobj.createPoller
+
+
+def _create_poller(poller_type: str) -> Any:
+    poller = getattr(_building, "poller", None)
+    if poller is not None:
+        return poller
+    return _original_create_poller(poller_type)
+
+
 _syncobj.createJournal = _create_journal
+_syncobj.createPoller = _create_poller
 _syncobj.getEncryptor = RaftCipher
 
 
@@ -121,15 +131,27 @@ class RaftMember(RaftRules):
         compaction_entries: int = 50_000,
         tick_period: float = 0.05,
         journal: JournalKind = "file",
+        engine: RaftEngine | None = None,
+        group: int = 0,
+        node_dir: str | None = None,
     ) -> None:
+        """`engine`: the node's engine, ticking this member among its others (None: an
+        engine of its own). `group`: the Raft group this member belongs to; its
+        journal is its part of the node's write-ahead log in `node_dir` (by default
+        `data_dir`) with `journal="wal"`."""
         address = members[name]
         if not address.rsplit(":", 1)[0]:
             raise ValueError(f"raft address {address!r} needs a host")
+        if engine is not None:
+            engine.check_thread("a member is built")
         os.makedirs(data_dir, exist_ok=True)
+        self.name = name
         self.data_dir = data_dir
         self.fsync = fsync
+        self.group = group
         journal_path = os.path.join(data_dir, "raft.log")
         snapshot_path = os.path.join(data_dir, "snapshot")
+        node_dir = data_dir if node_dir is None else node_dir
         # the node runs with the members recorded at its first start; checked before
         # anything is opened, so a refusal (`PeersChangedError`) leaves nothing to close
         members = settle_first_configuration(
@@ -137,20 +159,36 @@ class RaftMember(RaftRules):
             data_dir,
             members,
             holds_raft_state=os.path.exists(journal_path + ".meta")
-            or os.path.exists(os.path.join(data_dir, "wal", "group-0.meta"))
+            or os.path.exists(os.path.join(node_dir, "wal", f"group-{group}.meta"))
             or os.path.exists(snapshot_path),
         )
         self.keep_identity_in(OS_FILES, data_dir)
-        self.journal: RaftJournal = open_node_journal(
-            data_dir, journal, durable=fsync != "never", strict=fsync == "always"
-        )
+        self._owns_engine = engine is None
+        if engine is None:
+            engine = RaftEngine(address, tick_period=tick_period)
+        self._engine = engine
+        try:
+            self.journal: RaftJournal = engine.open_journal(
+                node_dir,
+                data_dir,
+                group,
+                journal,
+                durable=fsync != "never",
+                strict=fsync == "always",
+            )
+        except BaseException:
+            self._stop_own_engine()
+            raise
+        self._owed_marks: list[int] = []
         _JOURNALS[journal_path] = self.journal
         self._apply = apply
         self._snapshot = snapshot
         self._restore = restore
         self._on_tick = on_tick
-        self._tick_period = tick_period
         self._stopping = threading.Event()
+        self._started = False
+        self.closed = threading.Event()
+        """Set once the member is closed (its connections, its journal synced)."""
         self.fatal_error: BaseException | None = None
         """Why this member stopped by itself (its journal failed): the node must stop."""
         self.on_fatal: Callable[[], None] = lambda: None
@@ -158,9 +196,6 @@ class RaftMember(RaftRules):
         self.compaction_error: str | None = None
         """Why the last snapshot could not be written (None: the last one was), for status."""
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        for fd in (self._wake_r, self._wake_w):
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
         conf = SyncObjConf(
             password=password,
             autoTick=False,
@@ -183,6 +218,8 @@ class RaftMember(RaftRules):
             bindRetryTime=0.2,
             maxBindRetries=5,  # PySyncObj's default, 0, retries forever: a taken port hangs
         )
+        self.poller = engine.member_poller()
+        _building.poller = self.poller
         try:
             super().__init__(
                 _named_node(address, name),
@@ -193,95 +230,96 @@ class RaftMember(RaftRules):
         except Exception as e:
             _JOURNALS.pop(journal_path, None)
             self.journal._destroy()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._stop_own_engine()
             if isinstance(e, SyncObjException) and "BindError" in str(e.errorCode):
                 raise OSError(f"cannot listen for Raft traffic on {address} (in use?)") from None
             raise
+        finally:
+            _building.poller = None
+        self.poller.member = self
         self.announce_identity()
         try:
             self.check_stored_state()
         except Exception:
             self._doDestroy()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._stop_own_engine()
             raise
         self._write_snapshots_in_a_child()
         self._close_snapshot_transmissions()
         self._refuse_stale_snapshots()
         self.addOnTickCallback(self._tick_callback)
-        self._poller.subscribe(self._wake_r, self._drain_wake, POLL_EVENT_TYPE.READ)
-        self._poller.poll = self._poll_with_group_commit(self._poller.poll)
-        self._thread = threading.Thread(target=self._tick_loop, name=f"raft-{address}", daemon=True)
 
     def start(self) -> None:
         """Start ticking (a separate step, so the owner is set up before the first tick
         calls back into it)."""
-        self._thread.start()
+        if self._started or self._stopping.is_set():
+            return
+        self._started = True
+        self._engine.add(self)
+        self._engine.start()
 
-    # ------------------------------------------------------------ tick thread
+    # ------------------------------------------------------------ the engine
 
-    def _tick_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                self.doTick(self._tick_period)  # its poll waits `tick_wait_s`
-            except (JournalFailedError, JournalDamagedError, UnreadableEntryError) as e:
-                # Nothing more may be acknowledged (or applied): stop taking part at once.
-                self.fatal_error = e
-                logger.critical("raft member stopped: %s", e)
-                self._stopping.set()
-                self.on_fatal()
-            except Exception:
-                logger.exception("raft tick failed")
-                time.sleep(self._tick_period)
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def tick_in_engine(self) -> None:
+        """One PySyncObj tick, without its poll (the engine polls for every member)."""
+        self.doTick(0.0)
+
+    def sync_in_engine(self) -> None:
+        """The engine's sync after every member ticked: what this member's tick wrote
+        (a leader's new entries, a new term's no-op) made durable."""
+        if self.fsync != "never":
+            self.journal.sync()
+        marks, self._owed_marks = self._owed_marks, []
+        for index in marks:
+            pathtiming.mark("raft.synced", ("i", index))
+
+    def fail(self, error: BaseException) -> None:
+        """Stop taking part at once (the journal failed, or an entry cannot be read):
+        nothing more may be acknowledged or applied; the node is told (`on_fatal`)."""
+        if self.fatal_error is not None:
+            return
+        self.fatal_error = error
+        logger.critical("raft member stopped: %s", error)
+        self._stopping.set()
+        self.on_fatal()
+
+    def close(self) -> None:
+        """Close the connections and the journal (synced), on the engine's thread or
+        once it is gone. Idempotent."""
+        if self.closed.is_set():
+            return
         try:
-            try:
-                self.snapshot_writer.stop()
-            finally:
-                self._doDestroy()
+            self.snapshot_writer.stop()
         finally:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            try:
+                self._doDestroy()
+            finally:
+                self.closed.set()
 
     def stop(self) -> None:
         """Stop ticking, close connections and the journal (fsyncing it). Idempotent."""
-        if self._stopping.is_set():
-            return
         self._stopping.set()
-        self._wake()
-        if self._thread.ident is None:  # never started: tear down here
-            self._tick_loop()
-        elif threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+        if not self._started:
+            self._engine.run(self.close)
+            self._stop_own_engine()
+        elif self._owns_engine:
+            self._engine.stop()
+        else:
+            self._engine.leave(self)
 
-    def _poll_with_group_commit(self, poll: Callable[[float], None]) -> Callable[[float], None]:
-        """PySyncObj's poll at the end of each tick, answering the AppendEntries it
-        reads after one sync; it waits until the next thing due (`tick_wait_s`: a tick
-        period, the election deadline, or longer when the group is quiet), decided
-        after the tick, with what the tick did."""
-
-        def poll_and_answer(tick_s: float) -> None:
-            self.hold_replies()
-            try:
-                poll(self.tick_wait_s(tick_s))
-            finally:
-                self.release_replies()
-
-        return poll_and_answer
+    def _stop_own_engine(self) -> None:
+        if self._owns_engine:
+            self._engine.stop()
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"!")
-
-    def _drain_wake(self, fd: int, _event: int) -> None:
-        try:
-            while os.read(fd, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
+        self._engine.wake()
 
     def _tick_callback(self) -> None:
-        if self.fsync != "never":
+        if self.fsync != "never" and not self._engine.ticking:
             self.journal.sync()  # the no-op of a new term; "batch" mode syncs only here
         self.push_commit_index()
         self.keep_peer_connections_alive()
@@ -301,6 +339,18 @@ class RaftMember(RaftRules):
     def make_durable(self) -> None:
         if self.fsync == "always":
             self.journal.sync()
+
+    def make_own_entries_durable(self, marks: range = range(0)) -> None:
+        if self._engine.ticking:  # the engine syncs once every member ticked (step 2)
+            self._owed_marks.extend(marks)
+        else:
+            super().make_own_entries_durable(marks)
+
+    def _SyncObj__onBecomeLeader(self) -> None:
+        super()._SyncObj__onBecomeLeader()
+        # the new term's no-op: elected in the engine's poll, a follower's answer read in
+        # the same poll would otherwise be counted with it before the next round synced it
+        self.make_own_entries_durable()
 
     def tick_soon(self) -> None:
         self._wake()

@@ -107,9 +107,7 @@ class Proposing(RaftFields):
             self._SyncObj__sendAppendEntries()  # send at once, not on the next heartbeat
             for index in timed:
                 pathtiming.mark("raft.sent", ("i", index))
-            self.make_durable()  # overlaps with the round trip; done before commit counts us
-            for index in timed:
-                pathtiming.mark("raft.synced", ("i", index))
+            self.make_own_entries_durable(timed)  # overlaps with the round trip
             if not self._SyncObj__otherNodes:
                 # A lone member commits its entries at the next tick, and no answer comes
                 # to wake it: it waited a whole tick period (50 ms) per proposal

@@ -75,7 +75,9 @@ __all__ = [
     "JournalKind",
     "WriteAheadLog",
     "WrongJournalError",
+    "open_group_journal",
     "open_node_journal",
+    "open_node_log",
 ]
 
 _MAGIC = b"QQW1"
@@ -631,6 +633,14 @@ class WriteAheadLog:
         finally:
             self._close(self._fd)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def groups_open(self) -> list[int]:
+        """The groups whose journal is open on this log."""
+        return sorted(self._journals)
+
     def _release(self, group: int) -> None:
         self._journals.pop(group, None)
         if not self._journals:
@@ -669,7 +679,12 @@ class WriteAheadLog:
             if group_meta is None or self.files.read(old_meta) is None:
                 if group_meta is None and self.files.read(old_meta) is not None:
                     DurableJournal(journal_path, files=self.files)  # refuses: meta, no journal
-                self._mark_moved(journal_path)  # a node on the log from its first start
+                if group_meta is None:
+                    # a group on the log from its first start: its meta file first, or a
+                    # node stopped before its first term would find the marker and no
+                    # group, and refuse every start after
+                    self._store_group_meta(group, {})
+                self._mark_moved(journal_path)
                 return
             self._mark_moved(journal_path)  # renamed aside, the marker not yet written
             self._check_meta_matches(old_meta, group_meta, journal_path, group)
@@ -725,10 +740,7 @@ class WriteAheadLog:
         self._check_usable()
         self._write_reset(group)
         self._sync_segment(force=True)
-        try:
-            write_atomically(self.files, self._meta_path(group), meta_bytes(meta))
-        except OSError as e:
-            raise self._fail("writing an adopted journal's meta file", e) from e
+        self._store_group_meta(group, meta)
         logger.info(
             "%s: carried %d entries of %s into group %d",
             self.directory,
@@ -737,6 +749,13 @@ class WriteAheadLog:
             group,
         )
         return meta
+
+    def _store_group_meta(self, group: int, meta: dict[str, Any]) -> None:
+        """The group's meta file, durably whatever the fsync mode (an adoption's)."""
+        try:
+            write_atomically(self.files, self._meta_path(group), meta_bytes(meta))
+        except OSError as e:
+            raise self._fail("writing a group's meta file", e) from e
 
     def _read_group_meta(self, group: int) -> dict[str, Any] | None:
         data = self.files.read(self._meta_path(group))
@@ -904,15 +923,47 @@ class WrongJournalError(Exception):
 def open_node_journal(
     data_dir: str, kind: JournalKind, *, durable: bool, strict: bool
 ) -> RaftJournal:
-    """A node's journal in `data_dir`: `raft.log` of its own ("file"), or group 0 of
-    the write-ahead log in `wal/` ("wal"), which takes a `raft.log` over once
-    (`WriteAheadLog.adopt`). A directory whose journal is a write-ahead log is refused
-    as "file" (`WrongJournalError`): going back is not built."""
+    """A node's journal in `data_dir` when it hosts one group: `raft.log` of its own
+    ("file"), or group 0 of the write-ahead log in `wal/` ("wal")."""
+    wal = open_node_log(data_dir, durable=durable, strict=strict) if kind == "wal" else None
+    try:
+        return open_group_journal(wal, data_dir, 0, kind, durable=durable, strict=strict)
+    except BaseException:
+        if wal is not None:
+            wal.close()
+        raise
+
+
+def open_node_log(node_dir: str, *, durable: bool, strict: bool) -> WriteAheadLog:
+    """The node's one write-ahead log, in `node_dir/wal` (made, and the directory
+    synced, at the first start)."""
+    wal_dir = os.path.join(node_dir, "wal")
+    if not os.path.isdir(wal_dir):
+        os.makedirs(wal_dir, exist_ok=True)
+        OS_FILES.sync_directory(node_dir)
+    return WriteAheadLog(wal_dir, durable=durable, strict=strict)
+
+
+def open_group_journal(
+    wal: WriteAheadLog | None,
+    data_dir: str,
+    group: int,
+    kind: JournalKind,
+    *,
+    durable: bool,
+    strict: bool,
+    node_dir: str | None = None,
+) -> RaftJournal:
+    """Group `group`'s journal: `data_dir/raft.log` ("file"), or its part of `wal`
+    ("wal"), which takes a `raft.log` in `data_dir` over once (`WriteAheadLog.adopt`).
+    A group whose journal is in a write-ahead log (the node's, in `node_dir/wal`,
+    `node_dir` by default `data_dir`) is refused as "file" (`WrongJournalError`):
+    going back is not built."""
     journal_path = os.path.join(data_dir, "raft.log")
-    wal_dir = os.path.join(data_dir, "wal")
     if kind == "file":
         moved = _starts_with(journal_path, MOVED_MARKER)  # (not the whole journal)
-        if moved or os.path.exists(os.path.join(wal_dir, "group-0.meta")):
+        wal_dir = os.path.join(data_dir if node_dir is None else node_dir, "wal")
+        if moved or os.path.exists(os.path.join(wal_dir, f"group-{group}.meta")):
             raise WrongJournalError(
                 f"{data_dir} holds a write-ahead log ({wal_dir}): this node was run with "
                 "--journal wal; start it with --journal wal (going back to a journal file "
@@ -921,13 +972,7 @@ def open_node_journal(
         return DurableJournal(journal_path, durable=durable, strict=strict)
     if kind != "wal":
         raise ValueError(f"journal must be file or wal, not {kind!r}")
-    if not os.path.isdir(wal_dir):
-        os.makedirs(wal_dir, exist_ok=True)
-        OS_FILES.sync_directory(data_dir)
-    wal = WriteAheadLog(wal_dir, durable=durable, strict=strict)
-    try:
-        wal.adopt(0, journal_path)
-        return wal.journal(0)
-    except BaseException:
-        wal.close()
-        raise
+    if wal is None:
+        raise ValueError("a group's journal in a write-ahead log needs the log")
+    wal.adopt(group, journal_path)
+    return wal.journal(group)
