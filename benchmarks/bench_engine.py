@@ -2,7 +2,8 @@
 and a journal file per group (issue 33, stage 2).
 
     python -m benchmarks.bench_engine [--groups 1,4] [--seconds 5] [--window 8]
-                                      [--bytes 200] [--repeat 3] [--kinds threads,engine]
+                                      [--bytes 200] [--repeat 3]
+                                      [--kinds threads,engine,link]
                                       [--dir PATH]
 
 Three node processes on 127.0.0.1 each host one member of every group, as a node of a
@@ -11,6 +12,8 @@ process keeps `--window` proposals of `--bytes` bytes outstanding in every group
 through its own member (a follower forwards to the leader, as a node forwards a
 publish), for `--seconds`, with fsync=always. "engine" ticks every group a process
 hosts on one thread (`RaftEngine`) with their journals in one `WriteAheadLog`;
+"link" is the engine with one Raft port per node for every group
+(`link.EngineLink`: one connection per pair of nodes, messages tagged by group);
 "threads" gives each group a thread and a journal file of its own (what separate
 groups in one process would be without the engine; it runs on a checkout from before
 the engine too, for a side-by-side run of the same code path). Rows give commits per
@@ -40,7 +43,12 @@ from typing import Any
 from benchmarks.peers.common import stop_on_sigterm
 
 NODES = "ABC"
-KINDS = ("threads", "engine")
+KINDS = ("threads", "engine", "link")
+LABELS = {
+    "threads": "a thread, a file each",
+    "engine": "one engine, one log",
+    "link": "one engine, one log, one port",
+}
 
 
 # ----------------------------------------------------------------- one node process
@@ -61,10 +69,13 @@ def _node(spec: dict[str, Any]) -> None:
 
     name, root, groups = spec["name"], spec["dir"], spec["groups"]
     engine = None
-    if spec["kind"] == "engine":
+    if spec["kind"] in ("engine", "link"):
         from quorumq.raft.engine import RaftEngine
 
-        engine = RaftEngine(name)
+        port = (
+            {"raft_address": groups[0][name], "password": "bench"} if spec["kind"] == "link" else {}
+        )
+        engine = RaftEngine(name, **port)
     on_engine: dict[str, Any] = {}  # (none for "threads": it runs on releases before the engine)
     members = [
         RaftMember(
@@ -167,8 +178,13 @@ def measure(
 ) -> dict[str, float]:
     """One run of `kind` with `groups` groups over three fresh node processes."""
     root = tempfile.mkdtemp(prefix=f"{kind}-", dir=base)
-    ports = iter(_free_ports(groups * len(NODES)))
-    layout = [{n: f"127.0.0.1:{next(ports)}" for n in NODES} for _ in range(groups)]
+    if kind == "link":  # one port per node for every group
+        ports = iter(_free_ports(len(NODES)))
+        shared = {n: f"127.0.0.1:{next(ports)}" for n in NODES}
+        layout = [dict(shared) for _ in range(groups)]
+    else:
+        ports = iter(_free_ports(groups * len(NODES)))
+        layout = [{n: f"127.0.0.1:{next(ports)}" for n in NODES} for _ in range(groups)]
     procs: list[subprocess.Popen[str]] = []
     try:
         for name in NODES:
@@ -234,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--bytes", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--kinds", default=",".join(KINDS), help="threads, engine or both")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="of threads, engine, link")
     parser.add_argument("--dir", default=None, help="where the data goes (a real disk)")
     parser.add_argument("--node", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -266,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         for groups in counts:
             for kind in chosen:
                 runs = results[(groups, kind)]
-                label = "one engine, one log" if kind == "engine" else "a thread, a file each"
+                label = LABELS[kind]
                 spread = "-".join(f"{r['rate']:,.0f}" for r in sorted(runs, key=_rate))
                 print(
                     f"| {groups} | {label} "
@@ -274,11 +290,14 @@ def main(argv: list[str] | None = None) -> None:
                     f"| {statistics.median(r['cpu'] for r in runs):.2f} "
                     f"| {statistics.median(r['syncs'] for r in runs):.1f} |"
                 )
-        for groups in counts if len(chosen) == 2 else ():
-            ratio = statistics.median(
-                r["rate"] for r in results[(groups, "engine")]
-            ) / statistics.median(r["rate"] for r in results[(groups, "threads")])
-            print(f"engine / threads, {groups} groups (commits/s, medians): {ratio:.2f}x")
+        for groups in counts if "threads" in chosen else ():
+            base_rate = statistics.median(r["rate"] for r in results[(groups, "threads")])
+            for kind in chosen[1:] if chosen[0] == "threads" else ():
+                rate = statistics.median(r["rate"] for r in results[(groups, kind)])
+                print(
+                    f"{kind} / threads, {groups} groups (commits/s, medians): "
+                    f"{rate / base_rate:.2f}x"
+                )
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

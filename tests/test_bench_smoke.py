@@ -252,8 +252,9 @@ def test_the_wal_benchmark_syncs_once_a_round_for_every_group(tmp_path: Path) ->
 
 def test_the_engine_benchmark_commits_through_both_kinds_of_node_process(tmp_path: Path) -> None:
     """`benchmarks/bench_engine.py`, small: three node processes with two groups each,
-    on one engine and one log, then a thread and a journal file per group; both
-    commit, the log syncs less per commit (counted in the processes)."""
+    a thread and a journal file per group, one engine and one log, and that on one
+    Raft port per node; all commit, the log syncs less per commit (counted in the
+    processes)."""
     out = _run_benchmark(
         "bench_engine",
         "--groups",
@@ -266,9 +267,11 @@ def test_the_engine_benchmark_commits_through_both_kinds_of_node_process(tmp_pat
         str(tmp_path),
     )
     rows = {r[1]: r for r in _table_rows(out, "2")}
-    engine, threads = rows["one engine, one log"], rows["a thread, a file each"]
-    for row in (engine, threads):
+    threads = rows["a thread, a file each"]
+    engine, link = rows["one engine, one log"], rows["one engine, one log, one port"]
+    for row in (engine, threads, link):
         assert float(row[2].split()[0].replace(",", "")) > 0, out
-    assert float(engine[4]) < float(threads[4]), out
+    assert float(engine[4]) < float(threads[4]) and float(link[4]) < float(threads[4]), out
     assert "engine / threads, 2 groups (commits/s, medians): " in out, out
+    assert "link / threads, 2 groups (commits/s, medians): " in out, out
     assert os.listdir(tmp_path) == [], "the benchmark left its data behind"

@@ -54,10 +54,17 @@ class Node:
         journal: str = "wal",
         fsync: str = "always",
         engine: RaftEngine | None = None,
+        compaction_entries: int = 50_000,
+        password: str = "secret",
     ) -> None:
         self.name = name
         self.dir = str(root / name)
-        self.engine = RaftEngine(name) if engine is None else engine
+        if engine is None:
+            shared = {group[name] for group in groups}
+            # every group at one address: the engine's link (one Raft port for all)
+            link = {"raft_address": shared.pop(), "password": password} if len(shared) == 1 else {}
+            engine = RaftEngine(name, **link)
+        self.engine = engine
         self.applied: list[list[bytes]] = [[] for _ in groups]
         self.members: list[RaftMember] = []
         for group, addresses in enumerate(groups):
@@ -70,12 +77,13 @@ class Node:
                     group=group,
                     engine=self.engine,
                     journal=journal,  # type: ignore[arg-type]
-                    password="secret",
+                    password=password,
                     fsync=fsync,  # type: ignore[arg-type]
                     apply=self._applier(group),
                     snapshot=lambda: b"",
                     restore=lambda machine: None,
                     on_tick=lambda: None,
+                    compaction_entries=compaction_entries,
                 )
             )
 
@@ -93,7 +101,15 @@ class Node:
         self.engine.stop()
 
 
-def _groups(count: int) -> list[dict[str, str]]:
+def _groups(count: int, *, link: bool = False) -> list[dict[str, str]]:
+    """Every group's members' addresses: a Raft port per node and group, or (`link`)
+    one per node, shared by every group."""
+    if link:
+        node_ports = _free_ports(len(NODES))
+        return [
+            {n: f"127.0.0.1:{p}" for n, p in zip(NODES, node_ports, strict=True)}
+            for _ in range(count)
+        ]
     ports = iter(_free_ports(count * len(NODES)))
     return [{n: f"127.0.0.1:{next(ports)}" for n in NODES} for _ in range(count)]
 
@@ -114,7 +130,7 @@ def _cluster(root: Any, groups: list[dict[str, str]], **options: Any) -> Iterato
 
 def _leader(nodes: list[Node], group: int) -> Node | None:
     for node in nodes:
-        if node.members[group]._isLeader():
+        if group < len(node.members) and node.members[group]._isLeader():
             return node
     return None
 
@@ -129,10 +145,14 @@ def _propose(member: RaftMember, payload: bytes) -> threading.Event:
     return done
 
 
-def test_three_groups_on_three_engines_commit_in_order_everywhere(tmp_path: Any) -> None:
+@pytest.mark.parametrize("link", [False, True], ids=["ports", "link"])
+def test_three_groups_on_three_engines_commit_in_order_everywhere(
+    tmp_path: Any, link: bool
+) -> None:
     """Every group elects, commits what is proposed to any of its members, and applies
-    it in one order on every node; each node's write-ahead log holds every group."""
-    groups = _groups(3)
+    it in one order on every node; each node's write-ahead log holds every group. On
+    one port per node, every group's messages share one connection per pair."""
+    groups = _groups(3, link=link)
     with _cluster(tmp_path, groups) as nodes:
         for g in range(3):
             _wait(lambda g=g: _leader(nodes, g) is not None, f"group {g} elects")
@@ -156,14 +176,19 @@ def test_three_groups_on_three_engines_commit_in_order_everywhere(tmp_path: Any)
             wal = node.members[0].journal._wal  # type: ignore[attr-defined]
             assert wal.groups_open() == [0, 1, 2]
             assert all(m.journal._wal is wal for m in node.members)  # type: ignore[attr-defined]
+            if link:
+                assert node.engine.link is not None
+                assert len(node.engine.link._connections) == 2  # one per peer, not per group
 
 
+@pytest.mark.parametrize("link", [False, True], ids=["ports", "link"])
 def test_a_node_restarted_from_its_write_ahead_log_catches_up_in_every_group(
-    tmp_path: Any,
+    tmp_path: Any, link: bool
 ) -> None:
     """A node stopped while its groups go on comes back from its one log with every
-    group's entries, and catches up; nothing a group committed is lost or reordered."""
-    groups = _groups(3)
+    group's entries, and catches up; nothing a group committed is lost or reordered.
+    On one port, the others see its connection close and dial it again."""
+    groups = _groups(3, link=link)
     with _cluster(tmp_path, groups) as nodes:
         for g in range(3):
             _wait(lambda g=g: _leader(nodes, g) is not None, f"group {g} elects")
@@ -437,3 +462,158 @@ def test_a_stopped_member_is_not_kept_alive_by_the_engine(tmp_path: Any) -> None
         assert _propose(node.members[0], b"on").wait(10)
     finally:
         engine.stop()
+
+
+def test_on_one_port_a_group_a_node_does_not_host_is_dropped_and_the_rest_go_on(
+    tmp_path: Any,
+) -> None:
+    """A and B host groups 0-2, C only 0 and 1: group 2's messages to C are dropped
+    by C's link (a group it does not host), group 2 commits on A and B, and C's
+    groups go on."""
+    groups = _groups(3, link=True)
+    nodes = [
+        Node("A", tmp_path, groups),
+        Node("B", tmp_path, groups),
+        Node("C", tmp_path, groups[:2]),
+    ]
+    try:
+        for node in nodes:
+            node.start()
+        for g in range(3):
+            _wait(lambda g=g: _leader(nodes, g) is not None, f"group {g} elects")
+        for g in range(3):
+            assert _propose(nodes[0].members[g], b"g%d" % g).wait(20)
+        _wait(lambda: all(nodes[2].applied[g][-1:] == [b"g%d" % g] for g in range(2)), "C applies")
+        _wait(lambda: nodes[1].applied[2][-1:] == [b"g2"], "B applies group 2")
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def test_on_one_port_a_node_with_another_secret_is_never_heard(tmp_path: Any) -> None:
+    """C's engine seals with another secret: A and B's groups elect and commit
+    without it, C's link never authenticates a connection, and C's groups never
+    elect (it cannot win a pre-vote with no one to answer)."""
+    groups = _groups(2, link=True)
+    a, b = Node("A", tmp_path, groups), Node("B", tmp_path, groups)
+    c_engine = RaftEngine("C", raft_address=groups[0]["C"], password="another")
+    c = Node("C", tmp_path, groups, engine=c_engine, password="another")
+    nodes = [a, b, c]
+    try:
+        for node in nodes:
+            node.start()
+        for g in range(2):
+            _wait(lambda g=g: _leader([a, b], g) is not None, f"group {g} elects without C")
+            assert _propose(a.members[g], b"x").wait(20)
+        _wait(lambda: all(b.applied[g][-1:] == [b"x"] for g in range(2)), "B applies")
+        assert c_engine.link is not None and not c_engine.link._remote
+        assert all(m._getLeader() is None for m in c.members)
+        assert all(n.applied == [[], []] for n in [c])
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def test_on_one_port_a_group_added_to_running_nodes_hears_the_peers_already_connected(
+    tmp_path: Any,
+) -> None:
+    """Group 1 joins three running nodes whose link is already connected (for group
+    0): it is told its peers are connected when it joins, elects and commits (a
+    member only told of connections made after it joined would wait for ever)."""
+    groups = _groups(2, link=True)
+    nodes = [Node(name, tmp_path, groups[:1]) for name in NODES]
+    try:
+        for node in nodes:
+            node.start()
+        _wait(lambda: _leader(nodes, 0) is not None, "group 0 elects")
+        _wait(lambda: all(len(n.engine.link._remote) == 2 for n in nodes), "linked")
+        for node in nodes:
+            node.applied.append([])
+
+            def build(node: Node = node) -> RaftMember:
+                return RaftMember(
+                    node.name,
+                    groups[1],
+                    data_dir=os.path.join(node.dir, "group-1"),
+                    node_dir=node.dir,
+                    group=1,
+                    engine=node.engine,
+                    journal="wal",
+                    password="secret",
+                    fsync="always",
+                    apply=node._applier(1),
+                    snapshot=lambda: b"",
+                    restore=lambda machine: None,
+                    on_tick=lambda: None,
+                )
+
+            node.members.append(node.engine.run(build))
+            node.members[1].start()
+        _wait(lambda: _leader(nodes, 1) is not None, "group 1 elects")
+        assert _propose(nodes[2].members[1], b"late").wait(20)
+        _wait(lambda: all(n.applied[1][-1:] == [b"late"] for n in nodes), "every node applies")
+        # every member said hello to every other, whichever joined first (the last to
+        # join heard none when hellos went out only as connections opened)
+        _wait(
+            lambda: all(len(n.members[1]._quiet_speakers) == 2 for n in nodes),
+            "every group-1 member knows both peers quiesce",
+        )
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def test_on_one_port_groups_restarted_from_their_snapshots_elect_and_commit(
+    tmp_path: Any,
+) -> None:
+    """Every node of a group compacts behind a snapshot, then all restart from it:
+    PySyncObj gives the member new node objects, equal to the old ones, which the
+    link's groups must take for the same peers (taken by identity, a group on one
+    port never elected again after loading a snapshot)."""
+    groups = _groups(2, link=True)
+    with _cluster(tmp_path, groups, compaction_entries=10) as nodes:
+        for g in range(2):
+            _wait(lambda g=g: _leader(nodes, g) is not None, f"group {g} elects")
+            for i in range(40):
+                assert _propose(nodes[0].members[g], b"s%d" % i).wait(20)
+
+        def snapshots() -> bool:
+            return all(
+                os.path.exists(os.path.join(m.data_dir, "snapshot"))
+                for n in nodes
+                for m in n.members
+            )
+
+        _wait(snapshots, "every member wrote a snapshot")
+    again = [Node(name, tmp_path, groups, compaction_entries=10) for name in NODES]
+    try:
+        for node in again:
+            node.start()
+        for g in range(2):
+            _wait(lambda g=g: _leader(again, g) is not None, f"group {g} elects again")
+            assert _propose(again[1].members[g], b"after").wait(20)
+    finally:
+        for node in again:
+            node.stop()
+
+
+def test_on_one_port_a_member_that_stops_is_gone_for_its_peers_at_once(tmp_path: Any) -> None:
+    """Group 1's member on A stops while A's node (and its group 0) goes on: B and
+    C's group-1 members are told A is gone (their early-election and failed-forward
+    rules run on that), while group 0 keeps A connected."""
+    groups = _groups(2, link=True)
+    with _cluster(tmp_path, groups) as nodes:
+        a, b, c = nodes
+        for g in range(2):
+            _wait(lambda g=g: _leader(nodes, g) is not None, f"group {g} elects")
+
+        def connected(node: Node, group: int) -> set[str]:
+            return {n.address for n in node.members[group]._SyncObj__connectedNodes}
+
+        address = groups[0]["A"]
+        _wait(lambda: all(address in connected(n, g) for n in (b, c) for g in range(2)), "linked")
+        a.members[1].stop()
+        _wait(lambda: all(address not in connected(n, 1) for n in (b, c)), "A's group 1 is gone")
+        assert all(address in connected(n, 0) for n in (b, c))
+        _wait(lambda: _leader([b, c], 1) is not None, "group 1 leads without A")
+        assert _propose(b.members[1], b"without A").wait(20)

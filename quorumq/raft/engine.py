@@ -37,6 +37,7 @@ from pysyncobj.poller import POLL_EVENT_TYPE
 
 from ..codec import UnreadableEntryError
 from .journal import JournalDamagedError, JournalFailedError, RaftJournal
+from .link import EngineLink
 from .wal import JournalKind, WriteAheadLog, open_group_journal, open_node_log
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class EngineMember(Protocol):
     """What the engine asks of a member (`member.RaftMember`)."""
 
     name: str
+    group: int
     fsync: str
     journal: RaftJournal
     poller: MemberPoller
@@ -62,6 +64,8 @@ class EngineMember(Protocol):
 
     @property
     def stopping(self) -> bool: ...
+
+    def join_engine(self) -> None: ...
 
     def tick_in_engine(self) -> None: ...
 
@@ -178,7 +182,23 @@ class RaftEngine:
     the engine's thread once it runs: a member of a running engine is built there
     (`run`), and closed there."""
 
-    def __init__(self, name: str, *, tick_period: float = 0.05) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        tick_period: float = 0.05,
+        raft_address: str | None = None,
+        password: str | None = None,
+        insecure: bool = False,
+    ) -> None:
+        """`raft_address`: the node's one Raft port for every group (`link.EngineLink`,
+        messages tagged by group; `password`, the cluster secret, seals them and is
+        required unless `insecure`). None: each member listens at its own address."""
+        if raft_address is not None and not password and not insecure:
+            raise ValueError(
+                "a Raft port without a cluster secret takes any peer's word: give "
+                "password, or insecure=True"
+            )
         self.name = name
         self.tick_period = tick_period
         self.poller = EnginePoller()
@@ -189,13 +209,20 @@ class RaftEngine:
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._wal: WriteAheadLog | None = None
-        self._failures_logged: dict[str, float] = {}
+        self._failures_logged: dict[tuple[str, int], float] = {}
         self._pipe_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
         self.poller.subscribe(self._wake_r, self._drain_wake, POLL_EVENT_TYPE.READ)
         self._thread = threading.Thread(target=self._run, name=f"raft-{name}", daemon=True)
+        self.link: EngineLink | None = None
+        if raft_address is not None:
+            try:
+                self.link = EngineLink(raft_address, password, self.poller, self._guard)
+            except BaseException:
+                self._close()
+                raise
 
     # ------------------------------------------------------------------ journals
 
@@ -248,7 +275,7 @@ class RaftEngine:
 
         def join() -> None:
             try:
-                member.poller.join()
+                member.join_engine()
             except BaseException as e:
                 member.fail(e)
                 self._close_member(member)
@@ -331,9 +358,10 @@ class RaftEngine:
         """Log a failed step of `member` (not fatal), its traceback at most every
         `TICK_FAILURE_LOG_S` (a tick that fails at every wake-up is not a flood)."""
         now = time.monotonic()
-        if now - self._failures_logged.get(member.name, -TICK_FAILURE_LOG_S) >= TICK_FAILURE_LOG_S:
-            self._failures_logged[member.name] = now
-            logger.exception("raft member %s: %s failed", member.name, what)
+        key = (member.name, member.group)
+        if now - self._failures_logged.get(key, -TICK_FAILURE_LOG_S) >= TICK_FAILURE_LOG_S:
+            self._failures_logged[key] = now
+            logger.exception("raft member %s, group %d: %s failed", *key, what)
 
     # ------------------------------------------------------------------ the thread
 
@@ -362,6 +390,8 @@ class RaftEngine:
     def _round(self) -> None:
         self._run_calls()
         self.rounds += 1
+        if self.link is not None:
+            self.link.tick()
         members = [m for m in self._members if not m.stopping]
         slow = False
         # 1. every member's tick
@@ -428,6 +458,8 @@ class RaftEngine:
         members, self._members = self._members, []
         for member in members:
             self._close_member(member)
+        if self.link is not None:
+            self.link.destroy()
         with self._pipe_lock:
             for fd in (self._wake_r, self._wake_w):
                 if fd >= 0:

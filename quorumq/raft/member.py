@@ -50,6 +50,7 @@ from .engine import RaftEngine
 from .files import OS_FILES
 from .first_configuration import settle_first_configuration
 from .journal import JournalDamagedError, RaftJournal, fsync_directory
+from .link import GroupTransport
 from .rules import (
     MAX_COMMAND_BYTES,
     RAW_COMMAND,
@@ -167,6 +168,16 @@ class RaftMember(RaftRules):
         if engine is None:
             engine = RaftEngine(address, tick_period=tick_period)
         self._engine = engine
+        if engine.link is not None and engine.link.address != address:
+            raise ValueError(
+                f"member {name} of group {group} is at {address}, its node's Raft port "
+                f"at {engine.link.address}"
+            )
+        if engine.link is not None and (password or None) != engine.link.password:
+            raise ValueError(
+                f"member {name} of group {group} has another cluster secret than its "
+                "node's Raft port, which seals every group's messages"
+            )
         try:
             self.journal: RaftJournal = engine.open_journal(
                 node_dir,
@@ -220,15 +231,21 @@ class RaftMember(RaftRules):
         )
         self.poller = engine.member_poller()
         _building.poller = self.poller
+        transport: Any = Transport
+        if engine.link is not None:
+            transport = engine.link.group_transport(group)
         try:
             super().__init__(
                 _named_node(address, name),
                 [_named_node(a, n) for n, a in members.items() if n != name],
                 conf,
-                transportClass=Transport,
+                transportClass=transport,
             )
         except Exception as e:
             _JOURNALS.pop(journal_path, None)
+            half_built = getattr(self, "_SyncObj__transport", None)
+            if isinstance(half_built, GroupTransport):
+                half_built.destroy()  # (its group could never be built again on the link)
             self.journal._destroy()
             self._stop_own_engine()
             if isinstance(e, SyncObjException) and "BindError" in str(e.errorCode):
@@ -263,6 +280,13 @@ class RaftMember(RaftRules):
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    def join_engine(self) -> None:
+        """Joined the engine's round: its sockets polled, its peers heard."""
+        self.poller.join()
+        transport = self._SyncObj__transport
+        if isinstance(transport, GroupTransport):
+            transport.join()
 
     def tick_in_engine(self) -> None:
         """One PySyncObj tick, without its poll (the engine polls for every member)."""
