@@ -65,27 +65,34 @@ class Node:
             link = {"raft_address": shared.pop(), "password": password} if len(shared) == 1 else {}
             engine = RaftEngine(name, **link)
         self.engine = engine
-        self.applied: list[list[bytes]] = [[] for _ in groups]
+        self._options = {
+            "journal": journal,
+            "fsync": fsync,
+            "password": password,
+            "compaction_entries": compaction_entries,
+        }
+        self.applied: list[list[bytes]] = []
         self.members: list[RaftMember] = []
         for group, addresses in enumerate(groups):
-            self.members.append(
-                RaftMember(
-                    name,
-                    addresses,
-                    data_dir=self.dir if group == 0 else os.path.join(self.dir, f"group-{group}"),
-                    node_dir=self.dir,
-                    group=group,
-                    engine=self.engine,
-                    journal=journal,  # type: ignore[arg-type]
-                    password=password,
-                    fsync=fsync,  # type: ignore[arg-type]
-                    apply=self._applier(group),
-                    snapshot=lambda: b"",
-                    restore=lambda machine: None,
-                    on_tick=lambda: None,
-                    compaction_entries=compaction_entries,
-                )
-            )
+            self.members.append(self.member(group, addresses))
+
+    def member(self, group: int, addresses: dict[str, str]) -> RaftMember:
+        """This node's member of `group` (not started), its entries in `applied`."""
+        while len(self.applied) <= group:
+            self.applied.append([])
+        return RaftMember(
+            self.name,
+            addresses,
+            data_dir=self.dir if group == 0 else os.path.join(self.dir, f"group-{group}"),
+            node_dir=self.dir,
+            group=group,
+            engine=self.engine,
+            apply=self._applier(group),
+            snapshot=lambda: b"",
+            restore=lambda machine: None,
+            on_tick=lambda: None,
+            **self._options,  # type: ignore[arg-type]
+        )
 
     def _applier(self, group: int) -> Callable[[int, bytes], None]:
         def apply(index: int, payload: bytes) -> None:
@@ -412,21 +419,7 @@ def test_a_member_of_a_running_engine_is_built_and_closed_on_its_thread(tmp_path
         _wait(node.members[0]._isLeader, "the first group leads")
 
         def build(group: int) -> RaftMember:
-            return RaftMember(
-                "A",
-                {"A": f"127.0.0.1:{ports[group]}"},
-                data_dir=str(tmp_path / "A" / f"group-{group}"),
-                node_dir=str(tmp_path / "A"),
-                group=group,
-                engine=engine,
-                journal="wal",
-                password="secret",
-                fsync="always",
-                apply=lambda index, payload: None,
-                snapshot=lambda: b"",
-                restore=lambda machine: None,
-                on_tick=lambda: None,
-            )
+            return node.member(group, {"A": f"127.0.0.1:{ports[group]}"})
 
         with pytest.raises(RuntimeError, match=r"RaftEngine\.run"):
             build(1)
@@ -528,26 +521,7 @@ def test_on_one_port_a_group_added_to_running_nodes_hears_the_peers_already_conn
         _wait(lambda: _leader(nodes, 0) is not None, "group 0 elects")
         _wait(lambda: all(len(n.engine.link._remote) == 2 for n in nodes), "linked")
         for node in nodes:
-            node.applied.append([])
-
-            def build(node: Node = node) -> RaftMember:
-                return RaftMember(
-                    node.name,
-                    groups[1],
-                    data_dir=os.path.join(node.dir, "group-1"),
-                    node_dir=node.dir,
-                    group=1,
-                    engine=node.engine,
-                    journal="wal",
-                    password="secret",
-                    fsync="always",
-                    apply=node._applier(1),
-                    snapshot=lambda: b"",
-                    restore=lambda machine: None,
-                    on_tick=lambda: None,
-                )
-
-            node.members.append(node.engine.run(build))
+            node.members.append(node.engine.run(lambda node=node: node.member(1, groups[1])))
             node.members[1].start()
         _wait(lambda: _leader(nodes, 1) is not None, "group 1 elects")
         assert _propose(nodes[2].members[1], b"late").wait(20)
