@@ -62,7 +62,11 @@ class Node:
         if engine is None:
             shared = {group[name] for group in groups}
             # every group at one address: the engine's link (one Raft port for all)
-            link = {"raft_address": shared.pop(), "password": password} if len(shared) == 1 else {}
+            link = (
+                {"raft_address": shared.pop(), "password": password, "insecure": not password}
+                if len(shared) == 1
+                else {}
+            )
             engine = RaftEngine(name, **link)
         self.engine = engine
         self._options = {
@@ -591,3 +595,16 @@ def test_on_one_port_a_member_that_stops_is_gone_for_its_peers_at_once(tmp_path:
         assert all(address in connected(n, 0) for n in (b, c))
         _wait(lambda: _leader([b, c], 1) is not None, "group 1 leads without A")
         assert _propose(b.members[1], b"without A").wait(20)
+
+
+def test_on_one_port_without_a_secret_every_group_elects_and_commits(tmp_path: Any) -> None:
+    """An insecure link (no cluster secret): PySyncObj takes a dialled connection as
+    connected while it is still connecting, and refused what was sent then: the
+    dialler's groups were never heard by the node it dialled, and group 0 never
+    elected. Each node says which of its groups are there on the connection as it is."""
+    groups = _groups(2, link=True)
+    with _cluster(tmp_path, groups, password="") as nodes:
+        for g in range(2):
+            _wait(lambda g=g: _leader(nodes, g) is not None, f"group {g} elects")
+            assert _propose(nodes[1].members[g], b"plain").wait(20)
+        _wait(lambda: all(n.applied[g][-1:] == [b"plain"] for n in nodes for g in range(2)), "all")

@@ -36,6 +36,7 @@ from typing import Any, Protocol, TypeVar
 from pysyncobj.poller import POLL_EVENT_TYPE
 
 from ..codec import UnreadableEntryError
+from .cipher import ThrottledWarning
 from .journal import JournalDamagedError, JournalFailedError, RaftJournal
 from .link import EngineLink
 from .wal import JournalKind, WriteAheadLog, open_group_journal, open_node_log
@@ -90,6 +91,9 @@ class EnginePoller:
     def __init__(self) -> None:
         self._poll = select.poll()
         self._callbacks: dict[int, Callable[[int, int], None]] = {}
+        self._failed = ThrottledWarning(
+            logger, "a Raft connection's event failed (a peer sent what no group asked for?)"
+        )
 
     def subscribe(self, descr: int, callback: Callable[[int, int], None], mask: int) -> None:
         events = 0
@@ -118,7 +122,10 @@ class EnginePoller:
                 mask |= POLL_EVENT_TYPE.ERROR
             callback = self._callbacks.get(descr)
             if callback is not None:
-                callback(descr, mask)
+                try:
+                    callback(descr, mask)
+                except Exception:  # (a member's are guarded already: the link's)
+                    self._failed()
 
     def __len__(self) -> int:
         return len(self._callbacks)

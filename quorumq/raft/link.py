@@ -24,6 +24,7 @@ from typing import Any
 
 from pysyncobj import SyncObjConf
 from pysyncobj.node import TCPNode
+from pysyncobj.tcp_connection import CONNECTION_STATE
 from pysyncobj.transport import Transport as PySyncObjTransport
 from pysyncobj.transport import TransportNotReadyError
 
@@ -83,7 +84,7 @@ class EngineLink(Transport):
         )
         self._host = _LinkHost(poller, conf, password)
         self.address = address
-        self.password = password
+        self.password = password or None
         self._groups: dict[int, GroupTransport] = {}
         self._wanted: dict[str, int] = {}
         """Peer address -> how many groups have it."""
@@ -165,16 +166,26 @@ class EngineLink(Transport):
             return False
         return bool(super().send(node, (group, message)))
 
+    def _control(self, address: str, group: int, message: str) -> None:
+        """Send a presence message on the connection as it is: without a secret,
+        PySyncObj reports a dialled connection connected while it is still
+        connecting, and its `send` refuses anything not yet connected (the dialler's
+        JOINEDs were lost, and its groups never heard)."""
+        node = self._nodeAddrToNode.get(address)
+        conn = self._connections.get(node) if node is not None else None
+        if conn is not None and conn.state != CONNECTION_STATE.DISCONNECTED:
+            conn.send((group, message))
+
     def tell_joined(self, group: int, addresses: list[str]) -> None:
         """Tell the connected nodes among `addresses` that `group` is here now."""
         for address in addresses:
             if address in self._remote:
-                self.send_to(address, group, JOINED)
+                self._control(address, group, JOINED)
 
     def tell_left(self, group: int, addresses: list[str]) -> None:
         for address in addresses:
             if address in self._remote:
-                self.send_to(address, group, LEFT)
+                self._control(address, group, LEFT)
 
     # --------------------------------------------------------------- events
 
@@ -196,7 +207,9 @@ class EngineLink(Transport):
         transport = self._groups.get(group)
         live = transport is not None and transport.live
         if payload == JOINED:
-            self._remote.setdefault(address, set()).add(group)
+            if address not in self._remote:
+                return  # (a late message of a connection replaced since)
+            self._remote[address].add(group)
             if transport is not None:
                 transport.peer_connected(address)
         elif payload in (LEFT, ABSENT):
@@ -208,17 +221,22 @@ class EngineLink(Transport):
         elif not live:
             # its member is gone (or not here yet): the sender stops taking it as there
             self._unknown_group()
-            self.send_to(address, group, ABSENT)
+            self._control(address, group, ABSENT)
         else:
             assert transport is not None
             transport.deliver(address, payload)
 
     def _connected(self, node: Any) -> None:
         address: str = node.address
+        # a connection that replaces one not seen closed: what the old one said is gone
+        for group in self._remote.pop(address, set()):
+            transport = self._groups.get(group)
+            if transport is not None:
+                transport.peer_disconnected(address)
         self._remote[address] = set()
         for group, transport in list(self._groups.items()):
             if transport.live and address in transport.peers:
-                self.send_to(address, group, JOINED)
+                self._control(address, group, JOINED)
 
     def _disconnected(self, node: Any) -> None:
         there = self._remote.pop(node.address, set())
@@ -283,6 +301,8 @@ class GroupTransport(PySyncObjTransport):  # type: ignore[misc]
             return
         del self._peers[address]
         connected = self._link.connected_to(address, self.group)
+        if self.live:
+            self._link.tell_left(self.group, [address])  # (its messages would go nowhere)
         self._link.unwant(address)
         if connected and self.live:
             self._onNodeDisconnected(node)

@@ -208,7 +208,9 @@ class RaftMember(RaftRules):
         """Why the last snapshot could not be written (None: the last one was), for status."""
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         conf = SyncObjConf(
-            password=password,
+            # on the node's link, the link seals every group's messages: a cipher of the
+            # member's own would cost a key derivation (0.1 s) on the engine's thread
+            password=password if engine.link is None else None,
             autoTick=False,
             journalFile=journal_path,
             fullDumpFile=snapshot_path,
