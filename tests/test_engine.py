@@ -608,3 +608,22 @@ def test_on_one_port_without_a_secret_every_group_elects_and_commits(tmp_path: A
             _wait(lambda g=g: _leader(nodes, g) is not None, f"group {g} elects")
             assert _propose(nodes[1].members[g], b"plain").wait(20)
         _wait(lambda: all(n.applied[g][-1:] == [b"plain"] for n in nodes for g in range(2)), "all")
+
+
+def test_on_one_port_a_port_that_stops_listening_is_bound_again(tmp_path: Any) -> None:
+    """The link's server socket fails (an error event unbinds it): the next rounds
+    bind it again, and a peer can dial the node (PySyncObj bound only until its first
+    success, and every group on the one port would have stayed deaf)."""
+    from pysyncobj.tcp_server import SERVER_STATE
+
+    groups = _groups(1, link=True)
+    with _cluster(tmp_path, groups) as nodes:
+        _wait(lambda: _leader(nodes, 0) is not None, "group 0 elects")
+        link = nodes[0].engine.link
+        assert link is not None
+        nodes[0].engine.run(link._server.unbind)
+        _wait(lambda: link._server._TcpServer__state == SERVER_STATE.BINDED, "bound again")
+        host, port = groups[0]["A"].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5):
+            pass  # accepted
+        assert _propose(nodes[1].members[0], b"on").wait(20)

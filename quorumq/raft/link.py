@@ -25,6 +25,7 @@ from typing import Any
 from pysyncobj import SyncObjConf
 from pysyncobj.node import TCPNode
 from pysyncobj.tcp_connection import CONNECTION_STATE
+from pysyncobj.tcp_server import SERVER_STATE
 from pysyncobj.transport import Transport as PySyncObjTransport
 from pysyncobj.transport import TransportNotReadyError
 
@@ -111,9 +112,16 @@ class EngineLink(Transport):
         raise OSError(f"cannot listen for Raft traffic on {address} (in use?)")
 
     def tick(self) -> None:
-        """Bind again if needed, dial the peers it should, close handshakes that took
-        too long (once a round). A failure (out of descriptors for a dial) is logged
-        at most every few seconds, and the round goes on."""
+        """Bind again if the port stopped listening, dial the peers it should, close
+        handshakes that took too long (once a round). A failure (out of descriptors
+        for a dial) is logged at most every few seconds, and the round goes on."""
+        server: Any = self._server
+        ready = bool(self.ready)
+        if ready and server is not None and server._TcpServer__state == SERVER_STATE.UNBINDED:
+            # its socket failed (an error event, an accept error): every group would be
+            # deaf for good, as PySyncObj binds only until it first succeeds
+            logger.warning("the Raft port %s stopped listening; binding it again", self.address)
+            self._ready = False
         try:
             for callback in self._host.tick_callbacks:
                 callback()
