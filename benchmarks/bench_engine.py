@@ -31,7 +31,6 @@ import os
 import platform
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import time
 from typing import Any
 
 from benchmarks.peers.common import stop_on_sigterm
+from quorumq.ops.local_cluster import free_ports
 
 NODES = "ABC"
 KINDS = ("threads", "engine", "link")
@@ -162,28 +162,17 @@ def _node(spec: dict[str, Any]) -> None:
 # ----------------------------------------------------------------- the driver
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def measure(
     base: str, kind: str, groups: int, seconds: float, window: int, size: int
 ) -> dict[str, float]:
     """One run of `kind` with `groups` groups over three fresh node processes."""
     root = tempfile.mkdtemp(prefix=f"{kind}-", dir=base)
     if kind == "link":  # one port per node for every group
-        ports = iter(_free_ports(len(NODES)))
+        ports = iter(free_ports(len(NODES)))
         shared = {n: f"127.0.0.1:{next(ports)}" for n in NODES}
         layout = [dict(shared) for _ in range(groups)]
     else:
-        ports = iter(_free_ports(groups * len(NODES)))
+        ports = iter(free_ports(groups * len(NODES)))
         layout = [{n: f"127.0.0.1:{next(ports)}" for n in NODES} for _ in range(groups)]
     procs: list[subprocess.Popen[str]] = []
     try:

@@ -14,24 +14,12 @@ from typing import Any
 
 import pytest
 
+from quorumq.ops.local_cluster import free_ports
 from quorumq.raft.engine import RaftEngine
 from quorumq.raft.journal import JournalFailedError
 from quorumq.raft.member import RaftMember
 
 NODES = "ABC"
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _wait(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
@@ -116,12 +104,12 @@ def _groups(count: int, *, link: bool = False) -> list[dict[str, str]]:
     """Every group's members' addresses: a Raft port per node and group, or (`link`)
     one per node, shared by every group."""
     if link:
-        node_ports = _free_ports(len(NODES))
+        node_ports = free_ports(len(NODES))
         return [
             {n: f"127.0.0.1:{p}" for n, p in zip(NODES, node_ports, strict=True)}
             for _ in range(count)
         ]
-    ports = iter(_free_ports(count * len(NODES)))
+    ports = iter(free_ports(count * len(NODES)))
     return [{n: f"127.0.0.1:{next(ports)}" for n in NODES} for _ in range(count)]
 
 
@@ -231,7 +219,7 @@ def test_leaders_of_many_groups_on_one_engine_sync_once_a_round(tmp_path: Any) -
     what all three append in a round is made durable by one fdatasync of the log, not
     one per group. With each leader syncing in its own tick, it took three."""
     engine = RaftEngine("solo")
-    ports = _free_ports(3)
+    ports = free_ports(3)
     node = Node("A", tmp_path, [{"A": f"127.0.0.1:{p}"} for p in ports], engine=engine)
     for member in node.members:
         engine.add(member)
@@ -267,7 +255,7 @@ def test_a_member_whose_journal_fails_stops_alone_on_a_shared_engine(
     """With a journal file per group, the group whose journal fails stops (its node is
     told: `on_fatal`); the engine goes on ticking the other groups."""
     engine = RaftEngine("solo")
-    ports = _free_ports(2)
+    ports = free_ports(2)
     node = Node(
         "A", tmp_path, [{"A": f"127.0.0.1:{p}"} for p in ports], engine=engine, journal="file"
     )
@@ -298,7 +286,7 @@ def test_a_member_stopped_alone_leaves_the_engine_and_its_port(tmp_path: Any) ->
     """Stopping one member of a shared engine closes it (its port free again) and
     leaves the others ticking."""
     engine = RaftEngine("solo")
-    ports = _free_ports(2)
+    ports = free_ports(2)
     node = Node("A", tmp_path, [{"A": f"127.0.0.1:{p}"} for p in ports], engine=engine)
     first, second = node.members
     try:
@@ -320,7 +308,7 @@ def test_no_group_applies_an_entry_before_an_fdatasync_covers_it(tmp_path: Any) 
     fdatasync of the log began. Without the engine's sync after the ticks (a leader's
     sync owed, never paid), entries are applied unsynced."""
     engine = RaftEngine("solo")
-    ports = _free_ports(3)
+    ports = free_ports(3)
     node = Node("A", tmp_path, [{"A": f"127.0.0.1:{p}"} for p in ports], engine=engine)
     wal = node.members[0].journal._wal  # type: ignore[attr-defined]
 
@@ -386,7 +374,7 @@ def test_a_write_ahead_log_that_fails_stops_every_group_on_it(tmp_path: Any) -> 
     """The log's fdatasync fails: every group on it stops (each node told), none goes
     on acknowledging what it cannot make durable."""
     engine = RaftEngine("solo")
-    ports = _free_ports(3)
+    ports = free_ports(3)
     node = Node("A", tmp_path, [{"A": f"127.0.0.1:{p}"} for p in ports], engine=engine)
     told: list[int] = []
     for g, member in enumerate(node.members):
@@ -416,7 +404,7 @@ def test_a_member_of_a_running_engine_is_built_and_closed_on_its_thread(tmp_path
     one made its leader count entries no fdatasync covered: the two threads' syncs
     raced on the log's dirty flag.)"""
     engine = RaftEngine("solo")
-    ports = _free_ports(3)
+    ports = free_ports(3)
     node = Node("A", tmp_path, [{"A": f"127.0.0.1:{ports[0]}"}], engine=engine)
     try:
         node.start()
@@ -446,7 +434,7 @@ def test_a_stopped_member_is_not_kept_alive_by_the_engine(tmp_path: Any) -> None
     import weakref
 
     engine = RaftEngine("solo")
-    ports = _free_ports(2)
+    ports = free_ports(2)
     node = Node("A", tmp_path, [{"A": f"127.0.0.1:{p}"} for p in ports], engine=engine)
     try:
         node.start()

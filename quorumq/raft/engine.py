@@ -127,9 +127,6 @@ class EnginePoller:
                 except Exception:  # (a member's are guarded already: the link's)
                     self._failed()
 
-    def __len__(self) -> int:
-        return len(self._callbacks)
-
 
 class MemberPoller:
     """PySyncObj's poller as one member of an engine sees it: its descriptors join the
@@ -211,7 +208,6 @@ class RaftEngine:
         self.poller = EnginePoller()
         self.ticking = False
         """True while the members tick (step 1): a leader's sync is owed to step 2."""
-        self.rounds = 0
         self._members: list[EngineMember] = []
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopping = threading.Event()
@@ -396,7 +392,6 @@ class RaftEngine:
 
     def _round(self) -> None:
         self._run_calls()
-        self.rounds += 1
         if self.link is not None:
             self.link.tick()
         members = [m for m in self._members if not m.stopping]
