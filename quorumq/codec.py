@@ -40,6 +40,8 @@ from .machine import (
     NodeDown,
     NodeUp,
     Ok,
+    Place,
+    Placed,
     PurgeQueue,
     QueueDeleted,
     QueueOptions,
@@ -57,10 +59,12 @@ _DOWN, _NODE_DOWN, _NODE_UP, _COMMIT_OFFSET, _TICK = 8, 9, 10, 11, 12
 _FORGET_PRODUCERS = 13
 _PURGE_QUEUE, _DELETE_QUEUE = 14, 15
 _DISK_ALARM = 16
+_PLACE = 17
 # reply tags
 _OK, _DECLARED, _ENQUEUED, _ERROR = 100, 101, 102, 103
 _FORGOTTEN = 104
 _QUEUE_PURGED, _QUEUE_DELETED = 105, 106
+_PLACED = 107
 # envelope tags
 _ENTRY = 200
 
@@ -160,6 +164,8 @@ def _command_fields(cmd: Command) -> list[Any]:
             return [_TICK]
         case DiskAlarm():
             return [_DISK_ALARM, cmd.node, cmd.raised]
+        case Place():
+            return [_PLACE, cmd.queue, cmd.groups, cmd.dead_letter_queue]
     raise TypeError(f"not a command: {cmd!r}")
 
 
@@ -214,6 +220,7 @@ _COMMAND_BUILDERS: dict[int, tuple[int | tuple[int, ...], Callable[..., Command]
     _PURGE_QUEUE: (1, lambda q: PurgeQueue(queue=q)),
     _DELETE_QUEUE: (2, lambda q, f: DeleteQueue(queue=q, force=f)),
     _DISK_ALARM: (2, lambda n, r: DiskAlarm(node=n, raised=r)),
+    _PLACE: (3, lambda q, g, d: Place(queue=q, groups=g, dead_letter_queue=d)),
 }
 
 
@@ -306,6 +313,8 @@ def encode_reply(reply: Reply) -> bytes:
             return _pack([VERSION, _QUEUE_PURGED, reply.messages])
         case QueueDeleted():
             return _pack([VERSION, _QUEUE_DELETED, reply.messages, reply.consumers])
+        case Placed():
+            return _pack([VERSION, _PLACED, reply.group])
         case Error():
             return _pack(
                 [
@@ -336,6 +345,8 @@ def decode_reply(data: bytes) -> Reply:
             return QueuePurged(messages=args[0])
         if tag == _QUEUE_DELETED and len(args) == 2 and all(type(a) is int for a in args):
             return QueueDeleted(messages=args[0], consumers=args[1])
+        if tag == _PLACED and len(args) == 1 and type(args[0]) is int:
+            return Placed(group=args[0])
         if tag == _ERROR and len(args) in (3, 4):  # 3: before producer generations
             generation = args[3] if len(args) == 4 else None
             return Error(

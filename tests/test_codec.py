@@ -42,6 +42,8 @@ from quorumq.machine import (
     Nack,
     NodeDown,
     NodeUp,
+    Place,
+    Placed,
     PurgeQueue,
     QueueDeleted,
     QueueOptions,
@@ -97,6 +99,7 @@ commands = st.one_of(
     st.builds(ForgetProducers, queue=names, prefix=names, seal=st.booleans()),
     st.builds(PurgeQueue, queue=names),
     st.builds(DeleteQueue, queue=names, force=st.booleans()),
+    st.builds(Place, queue=names, groups=st.integers(1, 64), dead_letter_queue=st.none() | names),
     st.just(Tick()),
 )
 replies = st.one_of(
@@ -111,6 +114,7 @@ replies = st.one_of(
     st.builds(Forgotten, count=st.integers(0, 2**40)),
     st.builds(QueuePurged, messages=st.integers(0, 2**40)),
     st.builds(QueueDeleted, messages=st.integers(0, 2**40), consumers=st.integers(0, 10**6)),
+    st.builds(Placed, group=st.integers(0, 63)),
     st.builds(
         Error,
         code=st.sampled_from(list(ErrorCode)),
@@ -159,6 +163,9 @@ def _raw(*fields: object) -> bytes:
         (_raw(VERSION, 3, "q", [["body-not-bytes", None, None]], None, None), "body must be bytes"),
         (b"\xc1", "not msgpack"),
         (_raw("just", "strings"), "unsupported codec version"),
+        (_raw(VERSION, 17, "q", 0, None), "groups must be from 1 to 64"),
+        (_raw(VERSION, 17, "q", 65, None), "groups must be from 1 to 64"),
+        (_raw(VERSION, 17, "q", True, None), "groups must be an int"),
     ],
 )
 def test_invalid_commands_are_refused_with_a_reason(data: bytes, complaint: str) -> None:
@@ -200,6 +207,8 @@ def test_new_tags_are_pinned() -> None:
     assert encode_command(DeleteQueue(queue="q", force=True)) == _raw(VERSION, 15, "q", True)
     assert encode_reply(QueuePurged(messages=3)) == _raw(VERSION, 105, 3)
     assert encode_reply(QueueDeleted(messages=3, consumers=1)) == _raw(VERSION, 106, 3, 1)
+    assert encode_command(Place(queue="q", groups=4)) == _raw(VERSION, 17, "q", 4, None)
+    assert encode_reply(Placed(group=2)) == _raw(VERSION, 107, 2)
 
 
 def test_a_retry_delay_and_backoff_travel_only_when_set() -> None:

@@ -34,6 +34,7 @@ from quorumq.machine import (
     Nack,
     NodeDown,
     NodeUp,
+    Place,
     PurgeQueue,
     QueueOptions,
     Subscribe,
@@ -79,6 +80,7 @@ _ARITY = {
     **{1: 2, 2: 6, 3: 4, 4: 4, 5: 2, 6: 3, 7: 4, 8: 1, 9: 1, 10: 1, 11: 3, 12: 0, 13: 2},
     **{14: 1, 15: 2},  # purge, delete (queue, force)
     16: 2,  # a disk alarm (node, raised)
+    17: 3,  # a placement (queue, groups, dead-letter queue)
 }
 _OPTIONAL_LAST = {3: 2, 4: 1, 7: 1}
 """Commands with optional last fields, how many: a batch's seqs and opens, a
@@ -199,6 +201,12 @@ COMMANDS = st.one_of(
     st.builds(PurgeQueue, queue=_NAME),
     st.builds(DeleteQueue, queue=_NAME, force=st.booleans()),
     st.builds(DiskAlarm, node=st.sampled_from(["A", "B"]), raised=st.booleans()),
+    st.builds(
+        Place,
+        queue=_NAME,
+        groups=st.sampled_from([1, 3, 3, 64]),
+        dead_letter_queue=st.none() | _NAME,
+    ),
 )
 """Every command type, well-formed: the share of accepted frames of each type is the
 share drawn whole (a half), asserted in the test below."""

@@ -421,6 +421,32 @@ class DiskAlarm:
     raised: bool = attrs.field(validator=_exact_bool)
 
 
+MAX_GROUPS = 64
+"""The most Raft groups a cluster may place its queues over (`Place.groups`)."""
+
+
+@attrs.frozen(kw_only=True)
+class Place:
+    """Give `queue` one of `groups` Raft groups, for good: the directory a node with
+    many groups keeps in group 0's log and routes every command for the queue by.
+
+    A queue already placed keeps its group (declared again after a delete, it carries
+    on from its offsets there). A queue group 0 holds from before there were groups is
+    in group 0. A new queue goes to the group with the fewest placements (ties to the
+    lowest), or to the group of its `dead_letter_queue`, which is placed with it if it
+    is not yet: a queue dead-letters within its own group's log only. The first `Place`
+    fixes the cluster's group count; one that names another is refused."""
+
+    queue: str = attrs.field(validator=_str)
+    groups: int = attrs.field(validator=_non_negative)
+    dead_letter_queue: str | None = attrs.field(default=None, validator=_opt_str)
+
+    @groups.validator
+    def _check_groups(self, _attr: object, value: int) -> None:
+        if not 1 <= value <= MAX_GROUPS:
+            raise ValueError(f"groups must be from 1 to {MAX_GROUPS}, got {value}")
+
+
 @attrs.frozen(kw_only=True)
 class Tick:
     """Moves time (message TTL, producer expiry, consumer timeouts, retry delays) when
@@ -443,5 +469,6 @@ Command: TypeAlias = (
     | ForgetProducers
     | PurgeQueue
     | DeleteQueue
+    | Place
     | Tick
 )

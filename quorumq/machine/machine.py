@@ -38,6 +38,7 @@ from .commands import (
     Nack,
     NodeDown,
     NodeUp,
+    Place,
     PurgeQueue,
     QueueOptions,
     Subscribe,
@@ -56,6 +57,7 @@ from .replies import (
     Error,
     ErrorCode,
     Forgotten,
+    Placed,
     QueueDeleted,
     QueuePurged,
     Reply,
@@ -81,6 +83,11 @@ MAX_DELETED_NAMES = 10_000
 declared again under one carries on from there). Past it the oldest is folded into one
 floor that every other new queue starts from, so memory stays bounded as queues come
 and go, and no name ever gives an offset or takes a producer id twice."""
+MAX_PLACEMENTS = 100_000
+"""Most queue names the directory places (`Place`), every name ever declared in a cluster
+with groups: a placement is never forgotten (a queue deleted and declared again must
+come back to its group, to carry on from its offsets there), so past it a new name is
+refused (`too_many_queues`), not placed where it could collide. About 15 MB."""
 
 
 @attrs.frozen
@@ -367,6 +374,54 @@ class Machine(Enqueueing, Queries, Snapshots):
             floor = self._deleted_floor
             self._deleted_floor = (max(floor[0], offset), max(floor[1], generation))
 
+    def _place(self, cmd: Place, effects: list[Any]) -> Reply:
+        count = self._group_count
+        if count is not None and cmd.groups != count:
+            return _error(
+                ErrorCode.INVALID,
+                f"this cluster places its queues over {count} Raft groups, not {cmd.groups}: "
+                f"every node must run with groups={count}",
+            )
+        dlq = cmd.dead_letter_queue
+        if dlq == cmd.queue:
+            return _error(ErrorCode.INVALID, "a queue cannot be its own dead_letter_queue")
+        group = self.placement(cmd.queue)
+        dlq_group = None if dlq is None else self.placement(dlq)
+        if group is not None and dlq_group is not None and dlq_group != group:
+            return _error(
+                ErrorCode.INVALID,
+                f"queue {cmd.queue!r} is in Raft group {group} and its dead_letter_queue "
+                f"{dlq!r} in group {dlq_group}: a queue dead-letters within its own group "
+                "only; choose a dead-letter queue not yet declared, or one in its group",
+            )
+        new = [n for n, g in ((cmd.queue, group), (dlq, dlq_group)) if n is not None and g is None]
+        if new and len(self._placements) + len(new) > MAX_PLACEMENTS:
+            return _error(
+                ErrorCode.TOO_MANY_QUEUES,
+                f"the cluster has placed {len(self._placements)} queue names, its most "
+                f"({MAX_PLACEMENTS}); a placement is kept after a delete",
+            )
+        if count is None:
+            self._fix_group_count(cmd.groups)
+        if group is None:
+            group = dlq_group if dlq_group is not None else self._least_loaded()
+        for name in new:
+            self._placements[name] = group
+            self._group_loads[group] += 1
+        return Placed(group=group)
+
+    def _fix_group_count(self, groups: int) -> None:
+        """The first `Place`: the queues group 0 holds or held are placed there."""
+        self._group_count = groups
+        self._group_loads = [0] * groups
+        for name in [*self._queues, *self._deleted]:
+            self._placements[name] = 0
+            self._group_loads[0] += 1
+
+    def _least_loaded(self) -> int:
+        loads = self._group_loads
+        return loads.index(min(loads))
+
     def needs_tick(self) -> bool:
         """Whether time must move on even with no other command (`tick_due_ms`)."""
         return self.tick_due_ms() is not None
@@ -452,12 +507,14 @@ _HANDLERS: dict[type, Callable[[Machine, Any, list[Any]], Reply]] = {
     ForgetProducers: Machine._forget_producers,
     PurgeQueue: Machine._purge_queue,
     DeleteQueue: Machine._delete_queue,
+    Place: Machine._place,
     Tick: Machine._tick,
 }
 
 __all__ = [
     "EVICT_SILENT_MS",
     "IDLE_TICK_MS",
+    "MAX_PLACEMENTS",
     "MAX_PRODUCERS",
     "MAX_SEALED",
     "MAX_SEALED_PREFIX",

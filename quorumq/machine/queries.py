@@ -31,6 +31,24 @@ class Queries(MachineState):
     def queues(self) -> tuple[str, ...]:
         return tuple(self._queues)
 
+    @property
+    def group_count(self) -> int | None:
+        """How many Raft groups the queues are placed over (None: none placed yet)."""
+        return self._group_count
+
+    def placement(self, queue: str) -> int | None:
+        """The Raft group of `queue` in the directory (`Place`), asked of group 0's
+        machine: 0 for a queue group 0 holds (or held) from before there were groups;
+        None for a queue never placed."""
+        group = self._placements.get(queue)
+        if group is None and (queue in self._queues or queue in self._deleted):
+            return 0
+        return group
+
+    def group_loads(self) -> tuple[int, ...]:
+        """Queue names placed in each group (empty before the first `Place`)."""
+        return tuple(self._group_loads)
+
     def options(self, queue: str) -> QueueOptions:
         return self._get(queue).options
 

@@ -35,6 +35,8 @@ class ErrorCode(enum.StrEnum):
     """The queue remembers as many producers as it may, each active within the hour."""
     QUEUE_IN_USE = "queue_in_use"
     """A delete of a queue with consumers, without `force`."""
+    TOO_MANY_QUEUES = "too_many_queues"
+    """The directory holds `MAX_PLACEMENTS` queue names, every one ever declared (`Place`)."""
     DISK_ALARM = "disk_alarm"
     """A node's data disk is below its free-space limit: publishes wait (`DiskAlarm`)."""
 
@@ -89,6 +91,13 @@ class QueueDeleted:
 
 
 @attrs.frozen(kw_only=True)
+class Placed:
+    """The queue's Raft group (`Place`)."""
+
+    group: int
+
+
+@attrs.frozen(kw_only=True)
 class Error:
     code: ErrorCode
     message: str
@@ -98,4 +107,6 @@ class Error:
     """With PRODUCER_FORGOTTEN: a new producer id's generation must be above this."""
 
 
-Reply: TypeAlias = Ok | Declared | Enqueued | Forgotten | QueuePurged | QueueDeleted | Error
+Reply: TypeAlias = (
+    Ok | Declared | Enqueued | Forgotten | QueuePurged | QueueDeleted | Placed | Error
+)

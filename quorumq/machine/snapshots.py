@@ -22,7 +22,7 @@ from .queue import (
 from .state import MachineState
 
 _SNAPSHOT_FORMAT = "quorumq-machine"
-_SNAPSHOT_VERSION = 6
+_SNAPSHOT_VERSION = 7
 """2: retention counts keys, headers and an overhead per message (`message_cost`), and
 dead-lettered messages carry their death path. 3: each queue ends with the highest
 producer generation it forgot. 4: and then its messages waiting for a retry delay, its
@@ -34,8 +34,10 @@ end take their defaults, and no queue was deleted). 5: and then the disk alarms 
 the version before read too (an upgraded leader's snapshot installs on an old
 follower). 6: a queue may end with its sealed producer prefixes
 (`ForgetProducers.seal`); written only when one has some (a node of an earlier version
-restoring it would drop them silently, and then take producers the others refuse)."""
-_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+restoring it would drop them silently, and then take producers the others refuse). 7:
+and then the group count and the directory (`Place`); written only once a queue was
+placed (a node of an earlier version would route without it)."""
+_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 _OPTION_FIELDS = tuple(f.name for f in attrs.fields(QueueOptions))
 
 
@@ -44,10 +46,11 @@ class Snapshots(MachineState):
 
     def snapshot(self) -> bytes:
         """The whole state in a canonical, versioned encoding (no pickle)."""
+        version = self._snapshot_version()
         return encoding.encode(
             [
                 _SNAPSHOT_FORMAT,
-                self._snapshot_version(),
+                version,
                 self._last_index,
                 self._now,
                 sorted(self._down_nodes),
@@ -56,15 +59,23 @@ class Snapshots(MachineState):
                     list(self._deleted_floor),
                     [[name, *ended] for name, ended in self._deleted.items()],  # oldest first
                 ],
-                *([sorted(self._disk_alarms)] if self._snapshot_version() >= 5 else []),
+                *([sorted(self._disk_alarms)] if version >= 5 else []),
+                *(
+                    [[self._group_count, sorted([n, g] for n, g in self._placements.items())]]
+                    if version >= 7
+                    else []
+                ),
             ]
         )
 
     def _snapshot_version(self) -> int:
-        """6 with a sealed prefix in any queue, 5 with a disk alarm raised, else 4: a
-        snapshot an older node could install but not fully read it refuses instead."""
-        if any(q.sealed for q in self._queues.values()):
+        """7 once a queue was placed, 6 with a sealed prefix in any queue, 5 with a disk
+        alarm raised, else 4: a snapshot an older node could install but not fully read
+        it refuses instead."""
+        if self._group_count is not None:
             return _SNAPSHOT_VERSION
+        if any(q.sealed for q in self._queues.values()):
+            return 6
         return 5 if self._disk_alarms else 4
 
     def digest(self) -> str:
@@ -75,12 +86,14 @@ class Snapshots(MachineState):
     def restore(cls, data: bytes) -> Self:
         value = encoding.decode(data)
         if not (
-            isinstance(value, list) and len(value) in (6, 7, 8) and value[0] == _SNAPSHOT_FORMAT
+            isinstance(value, list) and len(value) in (6, 7, 8, 9) and value[0] == _SNAPSHOT_FORMAT
         ):
             raise encoding.DecodeError("not a quorumq machine snapshot")
-        if value[1] not in _READABLE_VERSIONS:
-            raise encoding.DecodeError(f"unsupported snapshot version {value[1]}")
-        if len(value) != (8 if value[1] >= 5 else 7 if value[1] >= 4 else 6):
+        version = value[1]
+        if version not in _READABLE_VERSIONS:
+            raise encoding.DecodeError(f"unsupported snapshot version {version}")
+        parts = 9 if version >= 7 else 8 if version >= 5 else 7 if version >= 4 else 6
+        if len(value) != parts:
             raise encoding.DecodeError(f"a version {value[1]} snapshot of {len(value)} parts")
         m = cls()
         m._last_index, m._now = value[2], value[3]
@@ -94,8 +107,15 @@ class Snapshots(MachineState):
             floor, deleted = value[6]
             m._deleted_floor = (floor[0], floor[1])
             m._deleted = {name: (offset, generation) for name, offset, generation in deleted}
-        if len(value) == 8:  # version 5: the disk alarms raised
+        if len(value) >= 8:  # version 5: the disk alarms raised
             m._disk_alarms = set(value[7])
+        if len(value) == 9:  # version 7: the directory
+            count, placements = value[8]
+            m._group_count = count
+            m._group_loads = [0] * count
+            for name, group in placements:
+                m._placements[name] = group
+                m._group_loads[group] += 1
         return m
 
 

@@ -71,6 +71,13 @@ class MachineState:
         self._deleted_floor = (0, 0)
         """The highest of each over the names `_deleted` let go (`MAX_DELETED_NAMES`):
         where every other new queue starts."""
+        self._group_count: int | None = None
+        """How many Raft groups the cluster places its queues over: fixed by the first
+        `Place` (None: no queue was ever placed)."""
+        self._placements: dict[str, int] = {}
+        """The directory (`Place`): every queue name ever placed -> its group, for good."""
+        self._group_loads: list[int] = []
+        """Placements per group (derived from `_placements`)."""
 
     def _disk_alarm_error(self) -> Error:
         return _error(
