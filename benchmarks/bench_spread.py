@@ -2,6 +2,7 @@
 node stalls at most 4 of them"), measured before there are many Raft groups.
 
     python -m benchmarks.bench_spread [--queues 6] [--pause-seconds 3] [--groups 3]
+                                      [--node-groups 3]
 
 Every queue gets a process of its own publishing to it at `--rate` msg/s with confirms,
 through a node that stays up; `--pause-at` seconds in, one node is stopped (SIGSTOP:
@@ -13,7 +14,10 @@ the followers of its one Raft group; RabbitMQ: every node, each leading a third 
 quorum queues, declared round robin). With `--groups N`, N separate quorumq clusters
 stand in for N Raft groups (nothing in quorumq places queues on groups yet): the queues
 round robin over them, their leaders steered onto hosts A, B, C, ... (`steer_leader`),
-and a host, the node of that name in every cluster, paused whole.
+and a host, the node of that name in every cluster, paused whole. With `--node-groups
+N`, one quorumq cluster whose nodes host N Raft groups each (`quorumq node --groups`):
+queues placed over the groups at declare, their leaders spread by the nodes themselves
+(each group's preferred node), each node paused in turn.
 """
 
 from __future__ import annotations
@@ -289,6 +293,48 @@ def _groups_paused(
     return rows
 
 
+def _groups_led(cluster: Cluster, node: str) -> list[str | None]:
+    return [g["leader"] for g in cluster.status(node)["groups"]]
+
+
+def _node_groups_paused(
+    cluster: Cluster, groups: int, queues: int, timing: tuple[int, float, float], run: int
+) -> list[str]:
+    """One cluster of nodes hosting `groups` Raft groups: wait until the leaders are
+    spread (group g led by the (g mod 3)-th node), then pause each node in turn."""
+    rows = []
+    nodes = cluster.nodes
+    spread = [nodes[g % len(nodes)] for g in range(groups)]
+    for node in nodes:
+        other = next(n for n in nodes if n != node)
+        deadline = time.monotonic() + 60
+        while (led_now := _groups_led(cluster, other)) != spread:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"leaders not spread within 60 s: {led_now}")
+            time.sleep(0.2)
+        routes = [
+            (f"spread-{run}-{node}-{q}-{time.monotonic_ns()}", cluster.endpoint(other))
+            for q in range(queues)
+        ]
+        seen: dict[str, Any] = {}
+
+        def pause(node: str = node, other: str = other, seen: dict[str, Any] = seen) -> None:
+            seen["before"] = cluster.status(other)["groups"]
+            cluster.pause(node)
+
+        result = run_paused(
+            _quorumq_queue, routes, *timing, pause, functools.partial(cluster.resume, node)
+        )
+        after = cluster.status(other)["groups"]
+        before = seen["before"]
+        led = sum(g["leader"] == node for g in before)
+        elected = sum(a["term"] > b["term"] for b, a in zip(before, after, strict=True))
+        name = f"quorumq, {groups} groups in each node: {node} leading {led} of them"
+        rows.append(_summary(f"{name}, paused ({elected} new terms)", result))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_spread")
     parser.add_argument("--queues", type=int, default=6)
@@ -298,6 +344,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument(
         "--groups", type=int, default=1, help="separate clusters standing in for groups (1: none)"
+    )
+    parser.add_argument(
+        "--node-groups", type=int, default=0, help="also one cluster of nodes hosting N groups"
     )
     parser.add_argument("--no-rabbitmq", action="store_true")
     args = parser.parse_args()
@@ -317,6 +366,13 @@ def main() -> None:
             path = Path(root) / f"group{g}"
             path.mkdir()
             groups.append(stack.enter_context(Cluster(3, str(path), node_down_grace=30.0)))
+        node_groups = None
+        if args.node_groups > 1:
+            path = Path(root) / "node-groups"
+            path.mkdir()
+            node_groups = stack.enter_context(
+                Cluster(3, str(path), node_down_grace=30.0, groups=args.node_groups)
+            )
         rabbit = None
         if skip_rabbit is None:
             path = Path(root) / "rabbitmq"
@@ -345,6 +401,8 @@ def main() -> None:
                 print(rows[-1], flush=True)
             if groups:
                 rows += _groups_paused(groups, args.queues, timing, run)
+            if node_groups is not None:
+                rows += _node_groups_paused(node_groups, args.node_groups, args.queues, timing, run)
             if rabbit is not None:
                 nodes = rabbit.nodes
                 for node in nodes:

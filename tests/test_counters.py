@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from quorumq.machine import (
     Ack,
     Applied,
     Command,
     Declare,
+    DeleteQueue,
     Enqueue,
     Meta,
     Nack,
@@ -23,13 +26,14 @@ class Counted:
     """A machine driven with increasing indexes, its entries shown to a `QueueCounters`
     as a replica shows them."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica: object = None) -> None:
         self.driver = Driver()
         self.counters = QueueCounters()
+        self.replica = replica
 
     def __call__(self, command: Command, *, ts_ms: int | None = None) -> Applied:
         applied = self.driver(command, ts_ms=ts_ms)
-        self.counters.applied(None, self.driver.index, b"", command, applied)
+        self.counters.applied(self.replica, self.driver.index, b"", command, applied)
         return applied
 
 
@@ -80,7 +84,11 @@ def test_purged_messages_are_counted_and_a_deleted_queues_counts_go_with_it() ->
     declared again under the name counts from zero."""
     from quorumq.machine import DeleteQueue, Machine, PurgeQueue
 
-    apply = Counted()
+    class _Replica:
+        def query(self, read: object) -> object:
+            return read(machine)  # type: ignore[operator]
+
+    apply = Counted(_Replica())
     apply(Declare(queue="q"), ts_ms=0)
     apply(Declare(queue="kept"), ts_ms=0)
     apply(Subscribe(queue="q", consumer="c", node="A", prefetch=1), ts_ms=0)
@@ -92,11 +100,6 @@ def test_purged_messages_are_counted_and_a_deleted_queues_counts_go_with_it() ->
     assert "q" not in apply.counters.counts()
     apply(Declare(queue="q"), ts_ms=0)
     assert apply.counters.counts(["q"])["q"] == dict.fromkeys(COUNTS, 0)
-
-    class _Replica:
-        def query(self, read: object) -> object:
-            return read(machine)  # type: ignore[operator]
-
     apply(Enqueue(queue="q", body=b"m"), ts_ms=0)
     apply(PurgeQueue(queue="q"), ts_ms=0)  # counted: "q" has a row again
     apply(Enqueue(queue="kept", body=b"m"), ts_ms=0)
@@ -104,5 +107,35 @@ def test_purged_messages_are_counted_and_a_deleted_queues_counts_go_with_it() ->
     assert sorted(apply.counters.counts()) == ["kept", "q"]
     machine = Machine()  # a snapshot taken after "q" was deleted again
     machine.apply(Meta(1, 0), Declare(queue="kept"))
-    apply.counters.snapshot_loaded(_Replica(), 10, 20)
+    apply.counters.snapshot_loaded(apply.replica, 10, 20)
     assert list(apply.counters.counts()) == ["kept"]
+
+
+class _Group:
+    """One Raft group's replica as the counters see it: its machine, queried."""
+
+    def __init__(self) -> None:
+        self.driver = Driver()
+
+    def query(self, read: Any) -> Any:
+        return read(self.driver.machine)
+
+    def apply(self, counters: QueueCounters, command: Command) -> None:
+        counters.applied(self, self.driver.index + 1, b"", command, self.driver(command))
+
+
+def test_one_groups_snapshot_keeps_the_counts_of_the_other_groups_queues() -> None:
+    """A node with many Raft groups counts every group's queues in one place: a group's
+    snapshot drops the counts of its own queues that are gone, not of the others'
+    (found by review: any group's snapshot reset every other group's counts)."""
+    counters = QueueCounters()
+    groups = [_Group(), _Group()]
+    for group, queues in zip(groups, (["q0"], ["q1", "gone"]), strict=True):
+        for queue in queues:
+            group.apply(counters, Declare(queue=queue))
+            group.apply(counters, Subscribe(queue=queue, consumer=f"c-{queue}", node="A"))
+            group.apply(counters, Enqueue(queue=queue, body=b"m"))
+    assert sorted(counters.counts()) == ["gone", "q0", "q1"]
+    groups[1].driver(DeleteQueue(queue="gone", force=True))  # an entry the snapshot skipped
+    counters.snapshot_loaded(groups[1], 0, 0)
+    assert {q: c["delivered"] for q, c in counters.counts().items()} == {"q0": 1, "q1": 1}

@@ -23,8 +23,9 @@ from quorumq.machine import (
     QueueOptions,
     encoding,
 )
-from quorumq.machine import machine as machine_module
+from quorumq.machine import state as state_module
 from quorumq.machine.snapshots import _SNAPSHOT_FORMAT
+from quorumq.machine.state import hashed_group
 
 
 class _Log:
@@ -104,20 +105,47 @@ def test_another_group_count_is_refused_once_the_first_place_fixed_it() -> None:
     assert isinstance(refused_again, Error)
 
 
-def test_past_the_most_placements_a_new_name_is_refused_a_placed_one_is_not(
+def test_past_the_most_placements_new_names_go_by_their_hash_and_placed_ones_stay(
     monkeypatch: Any,
 ) -> None:
-    monkeypatch.setattr(machine_module, "MAX_PLACEMENTS", 3)
+    """A placement is kept for good, so the directory stops growing at its most and a
+    new name goes where a stable hash of it says, for good too: no name is refused for
+    the directory's size (temporary queues declared and deleted for ever would have
+    run the cluster out of names)."""
+    monkeypatch.setattr(state_module, "MAX_PLACEMENTS", 3)
     log = _Log()
     log(Place(queue="a", groups=2))
     log(Place(queue="b", groups=2))
-    refused = log(Place(queue="c", groups=2, dead_letter_queue="d"))  # two new names
-    assert isinstance(refused, Error) and refused.code == ErrorCode.TOO_MANY_QUEUES
-    assert log.machine.placement("c") is None and log.machine.placement("d") is None
-    assert log(Place(queue="c", groups=2)) == Placed(group=0)
-    assert log(Place(queue="a", groups=2)) == Placed(group=0)
-    refused = log(Place(queue="e", groups=2))
-    assert isinstance(refused, Error) and refused.code == ErrorCode.TOO_MANY_QUEUES
+    assert log(Place(queue="c", groups=2, dead_letter_queue="d")) == Placed(group=0)  # 4 names
+    loads = log.machine.group_loads()
+    for name in ("e", "f", "g", "h"):
+        hashed = hashed_group(name, 2)
+        assert log(Place(queue=name, groups=2)) == Placed(group=hashed)
+        assert log.machine.placement(name) == hashed
+    assert log.machine.group_loads() == loads  # recorded nowhere
+    assert log.machine.placement("never") == hashed_group("never", 2)
+    assert log(Place(queue="a", groups=2)) == Placed(group=0)  # as recorded
+    apart = next(n for n in ("x", "y", "z", "w") if hashed_group(n, 2) != hashed_group("e", 2))
+    refused = log(Place(queue="e", groups=2, dead_letter_queue=apart))
+    assert isinstance(refused, Error) and "dead-letters within its own group" in refused.message
+    together = next(n for n in ("x", "y", "z", "w") if hashed_group(n, 2) == hashed_group("e", 2))
+    assert log(Place(queue="e", groups=2, dead_letter_queue=together)) == Placed(
+        group=hashed_group("e", 2)
+    )
+    restored = Machine.restore(log.machine.snapshot())
+    assert restored.placement("f") == hashed_group("f", 2) and restored.placement("c") == 0
+
+
+def test_the_dead_letter_queues_of_queues_from_before_groups_stay_in_group_0() -> None:
+    """A queue from before groups names a dead-letter queue not declared yet: declared
+    after the upgrade, it must still be in group 0, or that queue's dead letters would
+    be dropped (found by review)."""
+    for first in ("other", "dead", "work"):  # the dead-letter queue's first of all, too
+        log = _Log()
+        log(Declare(queue="work", options=QueueOptions(dead_letter_queue="dead")))
+        log(Place(queue=first, groups=3, dead_letter_queue="dead" if first == "work" else None))
+        assert log(Place(queue="dead", groups=3)) == Placed(group=0)
+        assert log.machine.group_loads() == (2, int(first == "other"), 0)
 
 
 def test_a_snapshot_without_placements_is_written_as_before() -> None:
@@ -146,7 +174,9 @@ _OPERATIONS = st.lists(
             st.sampled_from([3, 3, 3, 3, 2]),  # now and then another count: refused
             st.none() | st.none() | st.sampled_from(_NAMES),
         ),
-        st.tuples(st.just("declare"), st.sampled_from(_NAMES)),  # by a node of one group
+        st.tuples(  # by a node of one group, now and then with a dead-letter queue
+            st.just("declare"), st.sampled_from(_NAMES), st.none() | st.sampled_from(_NAMES)
+        ),
         st.tuples(st.just("delete"), st.sampled_from(_NAMES)),
         st.tuples(st.just("restore")),
     ),
@@ -176,7 +206,7 @@ def test_placements_never_move_dead_letters_stay_in_their_group_and_loads_add_up
             continue
         if op[0] == "declare":
             if m.group_count is None:  # only before groups: a node with groups places first
-                log(Declare(queue=op[1], options=QueueOptions()))
+                log(Declare(queue=op[1], options=QueueOptions(dead_letter_queue=op[2])))
         elif op[0] == "delete":
             log(DeleteQueue(queue=op[1], force=True))
         else:
@@ -206,11 +236,14 @@ def test_placements_never_move_dead_letters_stay_in_their_group_and_loads_add_up
             elif group is not None and m.group_count is not None:
                 seen[name] = group
         if m.group_count is not None:
-            placed = [m.placement(n) for n in _NAMES if m.placement(n) is not None]
+            directory = dict(encoding.decode(m.snapshot())[8][1])
             loads = m.group_loads()
-            assert len(loads) == m.group_count and sum(loads) >= len(placed)
-            for g in range(m.group_count):
-                assert loads[g] >= placed.count(g)
+            assert loads == tuple(list(directory.values()).count(g) for g in range(len(loads)))
+            assert Machine.restore(m.snapshot()).group_loads() == loads  # as a replica would
+            for name in _NAMES:  # a queue from before groups shares its dead-letter queue's
+                if name in m.queues() and name in directory:
+                    dead = m.options(name).dead_letter_queue
+                    assert dead is None or m.placement(dead) == m.placement(name)
 
 
 @settings(max_examples=200, deadline=None)

@@ -119,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
         "groups will share (issue 33; not the default yet: a file is carried over once, "
         "and a node on the log cannot go back)",
     )
+    node.add_argument(
+        "--groups",
+        type=int,
+        default=1,
+        metavar="G",
+        help="Raft groups this node hosts, queues placed over them, on one Raft port "
+        "(default 1; every node of the cluster the same, and never changed; membership "
+        "changes are not built for groups yet)",
+    )
     node.add_argument("--node-down-grace", type=seconds, default=5.0, metavar="SECONDS")
     node.add_argument(
         "--election-timeout",

@@ -36,6 +36,7 @@ def run_node(args: argparse.Namespace) -> int:
             tls_key=args.tls_key,
             fsync=args.fsync,
             journal=args.journal,
+            groups=args.groups,
             node_down_grace_s=args.node_down_grace,
             election_timeout_s=args.election_timeout,
             compaction_entries=args.compaction_entries,

@@ -27,7 +27,7 @@ from .commands import (
     Tick,
 )
 from .effects import ConsumerDown, DeadLettered, Deliver, Dropped, Effect, Purged
-from .machine import Applied, Machine, Meta, UnknownQueueError, ends_moved
+from .machine import MAX_PLACEMENTS, Applied, Machine, Meta, UnknownQueueError, ends_moved
 from .replies import (
     OK,
     Declared,
@@ -44,6 +44,7 @@ from .replies import (
 from .views import QueueStats, StreamMessage, bucket_of
 
 __all__ = [
+    "MAX_PLACEMENTS",
     "OK",
     "Ack",
     "Applied",

@@ -65,6 +65,7 @@ from .replies import (
 from .snapshots import Snapshots
 from .state import (
     EVICT_SILENT_MS,
+    MAX_PLACEMENTS,
     MAX_PRODUCERS,
     MAX_SEALED,
     MAX_SEALED_PREFIX,
@@ -83,11 +84,6 @@ MAX_DELETED_NAMES = 10_000
 declared again under one carries on from there). Past it the oldest is folded into one
 floor that every other new queue starts from, so memory stays bounded as queues come
 and go, and no name ever gives an offset or takes a producer id twice."""
-MAX_PLACEMENTS = 100_000
-"""Most queue names the directory places (`Place`), every name ever declared in a cluster
-with groups: a placement is never forgotten (a queue deleted and declared again must
-come back to its group, to carry on from its offsets there), so past it a new name is
-refused (`too_many_queues`), not placed where it could collide. About 15 MB."""
 
 
 @attrs.frozen
@@ -107,10 +103,14 @@ class Applied:
 def ends_moved(command: Command, applied: Applied) -> set[str]:
     """The queues whose end (`stats(queue).next_offset`) applying `command` may have
     moved: the one a declare or an enqueue names (refused or not), and each a message
-    was dead-lettered to. A node wakes the reads waiting on these queues only
-    (`quorumq.node.reads`): one missing here would leave its reads waiting to their
-    deadline."""
+    was dead-lettered to; and, in group 0, the queues a `Place` names (a node with
+    many groups finds their ends only once it knows their group, which its group 0
+    may learn after the group applied them). A node wakes the reads waiting on these
+    queues only (`quorumq.node.reads`): one missing here would leave its reads waiting
+    to their deadline."""
     moved = {command.queue} if isinstance(command, Declare | Enqueue | EnqueueBatch) else set()
+    if type(command) is Place:
+        moved = {command.queue, command.dead_letter_queue or command.queue}
     for e in applied.effects:
         if type(e) is DeadLettered:
             moved.add(e.target_queue)
@@ -385,6 +385,11 @@ class Machine(Enqueueing, Queries, Snapshots):
         dlq = cmd.dead_letter_queue
         if dlq == cmd.queue:
             return _error(ErrorCode.INVALID, "a queue cannot be its own dead_letter_queue")
+        if count is None:  # first: what group 0 holds is placed before anything is looked up
+            self._fix_group_count(cmd.groups)  # (found by review: placed after, the loads
+            # counted some names twice, and a replica restored from a snapshot placed
+            # the next queues elsewhere). No refusal below follows a first Place, but for
+            # more than `MAX_PLACEMENTS` names from before groups (the count stays fixed).
         group = self.placement(cmd.queue)
         dlq_group = None if dlq is None else self.placement(dlq)
         if group is not None and dlq_group is not None and dlq_group != group:
@@ -392,17 +397,9 @@ class Machine(Enqueueing, Queries, Snapshots):
                 ErrorCode.INVALID,
                 f"queue {cmd.queue!r} is in Raft group {group} and its dead_letter_queue "
                 f"{dlq!r} in group {dlq_group}: a queue dead-letters within its own group "
-                "only; choose a dead-letter queue not yet declared, or one in its group",
+                f"only; choose a dead-letter queue in group {group}",
             )
         new = [n for n, g in ((cmd.queue, group), (dlq, dlq_group)) if n is not None and g is None]
-        if new and len(self._placements) + len(new) > MAX_PLACEMENTS:
-            return _error(
-                ErrorCode.TOO_MANY_QUEUES,
-                f"the cluster has placed {len(self._placements)} queue names, its most "
-                f"({MAX_PLACEMENTS}); a placement is kept after a delete",
-            )
-        if count is None:
-            self._fix_group_count(cmd.groups)
         if group is None:
             group = dlq_group if dlq_group is not None else self._least_loaded()
         for name in new:
@@ -411,10 +408,16 @@ class Machine(Enqueueing, Queries, Snapshots):
         return Placed(group=group)
 
     def _fix_group_count(self, groups: int) -> None:
-        """The first `Place`: the queues group 0 holds or held are placed there."""
+        """The first `Place`: the queues group 0 holds or held are placed there, with the
+        dead-letter queues they name (declared or not: a queue dead-letters within its
+        own group only)."""
         self._group_count = groups
         self._group_loads = [0] * groups
-        for name in [*self._queues, *self._deleted]:
+        names = [*self._queues, *self._deleted]
+        names += sorted(
+            {q.options.dead_letter_queue for q in self._queues.values()} - {None} - set(names)  # type: ignore[arg-type]
+        )
+        for name in names:
             self._placements[name] = 0
             self._group_loads[0] += 1
 

@@ -15,7 +15,7 @@ from .queue import (
 from .replies import (
     Error,
 )
-from .state import MachineState, UnknownQueueError, _is_resend
+from .state import MachineState, UnknownQueueError, _is_resend, hashed_group
 from .views import QueueStats, StreamMessage, bucket_of
 
 
@@ -43,6 +43,9 @@ class Queries(MachineState):
         group = self._placements.get(queue)
         if group is None and (queue in self._queues or queue in self._deleted):
             return 0
+        count = self._group_count
+        if group is None and count is not None and self._directory_full():
+            return hashed_group(queue, count)  # the directory is full: by the name's hash
         return group
 
     def group_loads(self) -> tuple[int, ...]:

@@ -35,8 +35,6 @@ class ErrorCode(enum.StrEnum):
     """The queue remembers as many producers as it may, each active within the hour."""
     QUEUE_IN_USE = "queue_in_use"
     """A delete of a queue with consumers, without `force`."""
-    TOO_MANY_QUEUES = "too_many_queues"
-    """The directory holds `MAX_PLACEMENTS` queue names, every one ever declared (`Place`)."""
     DISK_ALARM = "disk_alarm"
     """A node's data disk is below its free-space limit: publishes wait (`DiskAlarm`)."""
 

@@ -4,6 +4,8 @@ queue that does not exist (`UnknownQueueError`)."""
 
 from __future__ import annotations
 
+import zlib
+
 from .queue import (
     QueueState,
 )
@@ -43,6 +45,19 @@ the oldest seal goes (a late attempt of that job's tasks could then write again)
 MAX_SEALED_PREFIX = 128
 """Longest sealed prefix (a Spark sink's is at most about 70 characters): a new producer's
 id is looked up at its dashes within this many characters, so a long id costs no more."""
+MAX_PLACEMENTS = 100_000
+"""Most queue names the directory records (`Place`), about 15 MB. A placement is never
+forgotten (a queue deleted and declared again must come back to its group, to carry on
+from its offsets there), so past it a new name is placed by a stable hash of the name
+instead (`hashed_group`), recorded nowhere and as lasting; a queue placed so must have
+its dead-letter queue in the same group."""
+
+
+def hashed_group(queue: str, groups: int) -> int:
+    """The group of a name the full directory does not hold: a stable hash of it."""
+    return zlib.crc32(queue.encode("utf-8")) % groups
+
+
 EVICT_SILENT_MS = 3600 * 1000
 """How long a producer must be silent before it may be forgotten to make room."""
 
@@ -78,6 +93,11 @@ class MachineState:
         """The directory (`Place`): every queue name ever placed -> its group, for good."""
         self._group_loads: list[int] = []
         """Placements per group (derived from `_placements`)."""
+
+    def _directory_full(self) -> bool:
+        """Whether the directory holds `MAX_PLACEMENTS` names (it takes no more: a new
+        name is placed by its hash, `hashed_group`)."""
+        return len(self._placements) >= MAX_PLACEMENTS
 
     def _disk_alarm_error(self) -> Error:
         return _error(

@@ -25,7 +25,7 @@ from ..replica import (
 from ..wire.protocol import Frame
 from .connection import ConnectionCore
 from .disk import DiskWatch
-from .services import Services
+from .services import ReplicaHandle, Services
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,11 @@ class Admin:
                 for q in m.queues()
             }
 
-        status["queues"] = self.core.replica.query(queues)
+        status["queues"] = {}
+        for group in self.core.groups:
+            status["queues"].update(group.query(queues))
+        if len(self.core.groups) > 1:
+            status["groups"] = [self._group_status(g, r) for g, r in enumerate(self.core.groups)]
         if self.core.queue_counts is not None:
             for queue, counts in self.core.queue_counts(status["queues"]).items():
                 status["queues"][queue].update(counts)
@@ -166,6 +170,21 @@ class Admin:
             "min_free_disk_bytes": config.min_free_disk_bytes,
         }
         return status
+
+    def _group_status(self, group: int, replica: ReplicaHandle) -> dict[str, Any]:
+        """One Raft group as this node sees it: its leader, term, how far this replica
+        is, and how many queue names the directory placed in it."""
+        raft = replica.status()
+        loads = self.core.replica.query(lambda m: m.group_loads())
+        return {
+            "group": group,
+            "leader": raft["leader"],
+            "role": raft["role"],
+            "term": raft["term"],
+            "commit_index": raft["commit_index"],
+            "last_applied": raft["last_applied"],
+            "placed": loads[group] if group < len(loads) else 0,
+        }
 
 
 SPARK_PREFIXES = re.compile(

@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..machine import Declare, Effect, QueueOptions
@@ -80,10 +80,12 @@ class NodeCore(Services):
         clock: Callable[[], float],
         *,
         random_bytes: Callable[[int], bytes] = os.urandom,
+        groups: Sequence[ReplicaHandle] = (),
     ) -> None:
         """`clock`: monotonic seconds (trio's, the simulator's). `random_bytes`: for
-        nonces and this run's consumer ids (the simulator's are seeded)."""
-        super().__init__(config, replica, shell, clock, random_bytes=random_bytes)
+        nonces and this run's consumer ids (the simulator's are seeded). `groups`: this
+        node's replica of each Raft group, `replica` (group 0) first; none: one group."""
+        super().__init__(config, replica, shell, clock, random_bytes=random_bytes, groups=groups)
         self.unauthenticated: dict[ConnectionCore, None] = {}
         """The connections of `connections` that have not said `hello`, oldest first."""
         self._connection_counter = 0
@@ -102,9 +104,9 @@ class NodeCore(Services):
         """The effects this node's replica applied at `index` (`Serving`)."""
         self.serving.effects_applied(index, effects)
 
-    def state_replaced(self) -> None:
-        """This node's replica installed the leader's snapshot (`Serving`)."""
-        self.serving.state_replaced()
+    def state_replaced(self, group: int = 0) -> None:
+        """This node's replica of `group` installed the leader's snapshot (`Serving`)."""
+        self.serving.state_replaced(group)
 
     def ends_moved(self) -> None:
         """The replica moved the end of a queue reads wait on (`Reading`)."""
@@ -235,10 +237,10 @@ class NodeCore(Services):
         self.connections.discard(conn)
         self.unauthenticated.pop(conn, None)
         self.reading.waiting.drop(conn)
-        for consumer in conn.consumers:
+        for consumer, queue in conn.consumers.items():
             if self.consumers.get(consumer) is conn:
                 del self.consumers[consumer]
-            self.serving.down(consumer)
+            self.serving.down(consumer, queue)
         conn.consumers.clear()
 
     def sent(self, conn: ConnectionCore, frames: int, cost: int) -> None:

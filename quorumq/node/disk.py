@@ -13,7 +13,7 @@ from ..machine import (
 from ..replica import (
     ProposalError,
 )
-from .services import Services
+from .services import ReplicaHandle, Services
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,8 @@ class DiskWatch:
         """This node's disk alarm: raised below `min_free_disk_bytes` of free space."""
         self.alarms_in_log = False
         """Whether a disk alarm (any node's) was in the log at the last measure."""
-        self._alarm_proposing = False
+        self._alarm_proposing: set[int] = set()
+        """The groups a `DiskAlarm` of this node is proposed to, not yet answered."""
 
     def disk_free(self, free_bytes: int | None) -> None:
         """The shell measured the data disk's free space (every second): raise or clear
@@ -52,17 +53,21 @@ class DiskWatch:
                 _mib(free_bytes),
                 _mib(limit),
             )
-        alarms = self.core.replica.query(lambda m: m.disk_alarms())
-        self.alarms_in_log = bool(alarms)
-        in_log = self.core.node_id in alarms
-        if in_log == raised or self._alarm_proposing:
-            return
-        self._alarm_proposing = True
+        self.alarms_in_log = False
+        for group, replica in enumerate(self.core.groups):  # each group refuses its publishes
+            alarms = replica.query(lambda m: m.disk_alarms())
+            self.alarms_in_log = self.alarms_in_log or bool(alarms)
+            in_log = self.core.node_id in alarms
+            if in_log != raised and group not in self._alarm_proposing:
+                self._propose(group, replica, raised)
+
+    def _propose(self, group: int, replica: ReplicaHandle, raised: bool) -> None:
+        self._alarm_proposing.add(group)
 
         def done(_reply: Reply | None, _error: ProposalError | None) -> None:
-            self._alarm_proposing = False  # (checked again at the next measure)
+            self._alarm_proposing.discard(group)  # (checked again at the next measure)
 
-        self.core.replica.propose(DiskAlarm(node=self.core.node_id, raised=raised), done)
+        replica.propose(DiskAlarm(node=self.core.node_id, raised=raised), done)
 
 
 def _mib(n: int | None) -> str:

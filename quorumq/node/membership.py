@@ -44,8 +44,22 @@ class Membership:
         self.core = core
         self.admin = admin
 
+    def _groups_refused(self, conn: ConnectionCore, frame: Frame) -> bool:
+        """A membership change of a node with many Raft groups must reach every group
+        (or the groups end with different members): not built yet, so refused whole."""
+        if len(self.core.groups) == 1:
+            return False
+        self.core.error(
+            conn,
+            frame["id"],
+            "not_supported",
+            f"this node hosts {len(self.core.groups)} Raft groups: adding and removing "
+            "members of a node with groups is not built yet (docs/internals/groups.md)",
+        )
+        return True
+
     def add_member(self, conn: ConnectionCore, frame: Frame) -> None:
-        if self.admin.admin_refused(conn, frame):
+        if self.admin.admin_refused(conn, frame) or self._groups_refused(conn, frame):
             return
         request_id, name, address = frame["id"], frame["node"], frame["raft_address"]
         if not (self.core.config.replica.secret or is_loopback(address)):
@@ -82,7 +96,7 @@ class Membership:
     def remove_member(self, conn: ConnectionCore, frame: Frame) -> None:
         """Remove a replica (asking it to hand leadership over first if it leads), and
         answer once the change is committed. The node itself keeps running, cut off."""
-        if self.admin.admin_refused(conn, frame):
+        if self.admin.admin_refused(conn, frame) or self._groups_refused(conn, frame):
             return
         request_id, name = frame["id"], frame["node"]
         if name == self.core.node_id:

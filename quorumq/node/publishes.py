@@ -124,7 +124,7 @@ class Publishes:
             self.core.answered(conn, cost)
             self._answer_publishes(conn, ids, reply, error)
 
-        self.core.replica.propose(command, done)
+        self.core.propose_to_queue(command, done, conn)
         if pathtiming.ENABLED:
             for f in frames:
                 pathtiming.mark("node.proposed", ("p", f["producer"], f["seq"]))
@@ -198,7 +198,10 @@ class Publishes:
         alarm at its last measure (`disk_free`), or one is raised here."""
         if not (self.disk.alarms_in_log or self.disk.disk_alarm):
             return False
-        refusal = self.core.replica.query(
+        replica = self.core.replica_of(queue)
+        if replica is None:
+            return False  # (proposed, it is answered as a queue not placed)
+        refusal = replica.query(
             lambda m: m.disk_alarm_refusal(queue, producer, first_seq, count, seqs)
         )
         if refusal is None:

@@ -72,6 +72,18 @@ class Reading:
         ):
             raise ValueError(f"wait_ms must be an integer from 0 to {MAX_READ_WAIT_MS}")
         queue = frame["queue"]
+        if self.core.replica_of(queue) is None:
+            # not placed on this node's group 0 yet: after a barrier there, as it is
+            self.core.route(queue, lambda _replica, _error: self._placed(conn, frame))
+            return
+        self._read_placed(conn, frame)
+
+    def _placed(self, conn: ConnectionCore, frame: Frame) -> None:
+        if not conn.done:
+            self._read_placed(conn, frame)
+
+    def _read_placed(self, conn: ConnectionCore, frame: Frame) -> None:
+        queue, end, wait_ms = frame["queue"], frame["end"], frame.get("wait_ms")
         if wait_ms is None:
             self.answer_read(conn, frame)
             return
@@ -103,24 +115,29 @@ class Reading:
     def _watch(self, queue: str) -> None:
         if queue not in self._watched:
             self._watched = self._watched | {queue}
-            self.core.replica.watch_ends(self._watched)
+            for replica in self.core.groups:
+                replica.watch_ends(self._watched)
 
     def ends_moved(self) -> None:
         """The replica applied entries that moved the end of queues reads wait on (it says
         so once until they are taken: one call for a batch of entries). Answer the reads
         their ends now cover, and no other: the work is theirs, whatever else waits."""
-        moved = self.core.replica.take_ends_moved()
+        moved = set().union(*(r.take_ends_moved() for r in self.core.groups))
         waited = self.waiting.queues()
         if not moved <= waited:  # queues no read waits on any more: not watched
             self._watched = frozenset(waited)
-            self.core.replica.watch_ends(self._watched)
+            for replica in self.core.groups:
+                replica.watch_ends(self._watched)
         self.wake_reads(moved & waited)
 
     def wake_reads(self, queues: Iterable[str]) -> None:
         queues = list(queues)
         if not queues:
             return
-        ends = self.core.replica.query(lambda m: [_end_of(m, q) for q in queues])
+        if len(self.core.groups) == 1:
+            ends = self.core.replica.query(lambda m: [_end_of(m, q) for q in queues])
+        else:
+            ends = [self._applied_end(q) for q in queues]
         for queue, end in zip(queues, ends, strict=True):
             for read in self.waiting.ready(queue, end):
                 self._read_ready(read)
@@ -137,7 +154,10 @@ class Reading:
     def _applied_end(self, queue: str) -> int:
         """The offset after the last message this replica has applied to `queue`; -1
         when it has not applied the queue's declaration (yet)."""
-        end: int = self.core.replica.query(lambda m: _end_of(m, queue))
+        replica = self.core.replica_of(queue)
+        if replica is None:
+            return -1
+        end: int = replica.query(lambda m: _end_of(m, queue))
         return end
 
     def read_expired(self, read: WaitingRead[ConnectionCore]) -> None:
@@ -182,8 +202,11 @@ class Reading:
                 size += row_size
             return rows, stats, max(start, limit)
 
+        replica = self.core.replica_of(queue)
         try:
-            rows, stats, covered = self.core.replica.query(page)
+            if replica is None:
+                raise UnknownQueueError(f"no queue named {queue!r}")
+            rows, stats, covered = replica.query(page)
         except UnknownQueueError as e:
             self.core.error(conn, frame["id"], "unknown_queue", str(e))
             return

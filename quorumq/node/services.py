@@ -13,17 +13,23 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..machine import (
+    MAX_PLACEMENTS,
     Command,
+    Declare,
     Enqueued,
     Error,
+    ErrorCode,
     Forgotten,
+    Place,
+    Placed,
     QueueDeleted,
     QueuePurged,
     Reply,
+    Tick,
 )
 from ..replica import NotAppliedError, ProposalError
 from ..wire.protocol import Frame
@@ -33,6 +39,10 @@ from .connection import ConnectionCore
 T = TypeVar("T")
 
 ProposalCallback = Callable[[Reply | None, ProposalError | None], None]
+Routed = Callable[["ReplicaHandle | None", ProposalError | None], None]
+"""What `Services.route` calls: the replica of a queue's group, or None and why."""
+MAX_UNPLACED_WAITING = 10_000
+"""Most calls that wait for a barrier on group 0 to learn where their queue is."""
 PROPOSAL_COST = 256
 """What a proposal counts for besides its messages' bodies."""
 RETRY_EVERY_S = 0.1
@@ -117,12 +127,34 @@ class Services:
         clock: Callable[[], float],
         *,
         random_bytes: Callable[[int], bytes] = os.urandom,
+        groups: Sequence[ReplicaHandle] = (),
     ) -> None:
         """`clock`: monotonic seconds (trio's, the simulator's). `random_bytes`: for
-        nonces and this run's consumer ids (the simulator's are seeded)."""
+        nonces and this run's consumer ids (the simulator's are seeded). `groups`: this
+        node's replica of each Raft group, `replica` (group 0) first; none: one group."""
         check_node_config(config)
         self.config = config
         self.replica = replica
+        self.groups: tuple[ReplicaHandle, ...] = tuple(groups) or (replica,)
+        """This node's replica of each Raft group: `groups[0]` is `replica`, which holds
+        the directory (`Place`) and whatever is not one queue's (nodes down, disk
+        alarms, membership)."""
+        if self.groups[0] is not replica:
+            raise ValueError("groups[0] must be the replica")
+        self._placed: dict[str, int] = {}
+        """Queue -> its group, as group 0's replica here has applied it (placements never
+        change, so this never goes stale; at most `MAX_PLACEMENTS` names)."""
+        self._unplaced: list[tuple[int, str, Routed]] = []
+        """Calls of `route` for queues not placed on this node's group 0, in the order
+        they came: (the first barrier proposed after, the queue, what to call)."""
+        self._unplaced_queues: dict[str, int] = {}
+        self._next_barrier = 1
+        self._barrier_proposed = False
+        self._declaring: dict[str, list[Any]] = {}
+        """Queues whose declare this node has under way -> [declares under way, the
+        calls of `route` waiting for them]: group 0 here may apply the placement before
+        the `Place`'s answer comes back to propose the `Declare`, and a publish sent
+        after the declare must not reach the group before it (found by review)."""
         self.shell = shell
         self.clock = clock
         self.random_bytes = random_bytes
@@ -147,6 +179,134 @@ class Services:
         if first is None or timer.when < first:
             self.shell.timers_changed()
         return timer
+
+    # ---------------------------------------------------------------- routing
+
+    def replica_of(self, queue: str) -> ReplicaHandle | None:
+        """This node's replica of `queue`'s group, as far as this node's group 0 has
+        applied the directory (None: not placed here, yet or ever)."""
+        groups = self.groups
+        if len(groups) == 1:
+            return groups[0]
+        group = self._placed.get(queue)
+        if group is None:
+            group = groups[0].query(lambda m: m.placement(queue))
+            if group is None or not 0 <= group < len(groups):
+                return None  # (`route` says why for a group this node does not host)
+            if len(self._placed) < MAX_PLACEMENTS:  # (past it, names placed by their hash)
+                self._placed[queue] = group
+        return groups[group]
+
+    def route(self, queue: str, then: Routed) -> None:
+        """`then(replica of queue's group, None)`; for a queue this node has not seen
+        placed, once a barrier on group 0 passed (its replica here has then applied
+        every placement committed before the call: a client that declared on another
+        node publishes here next), with `(None, None)` if the queue is still not placed
+        (no such queue), or `(None, error)` if the barrier failed. Calls for one queue
+        go on in the order they came. One barrier at a time, whatever the names, and
+        at most `MAX_UNPLACED_WAITING` calls wait (past it, one is answered as a queue
+        not placed, at once): names nobody declared cost group 0 one entry a round."""
+        declaring = self._declaring.get(queue)
+        if declaring is not None:
+            declaring[1].append(then)
+            return
+        if queue not in self._unplaced_queues:
+            replica = self.replica_of(queue)
+            if replica is not None:
+                then(replica, None)
+                return
+        if len(self._unplaced) >= MAX_UNPLACED_WAITING:
+            then(None, None)
+            return
+        self._unplaced.append((self._next_barrier, queue, then))
+        self._unplaced_queues[queue] = self._unplaced_queues.get(queue, 0) + 1
+        if not self._barrier_proposed:
+            self._propose_barrier()
+
+    def _propose_barrier(self) -> None:
+        barrier = self._next_barrier
+        self._next_barrier += 1
+        self._barrier_proposed = True
+        self.replica.propose(Tick(), lambda _reply, error: self._barrier_passed(barrier, error))
+
+    def _barrier_passed(self, barrier: int, error: ProposalError | None) -> None:
+        self._barrier_proposed = False
+        waited, self._unplaced, self._unplaced_queues = self._unplaced, [], {}
+        for since, queue, then in waited:  # (the earlier calls for a queue first)
+            replica = self.replica_of(queue)
+            if replica is not None:
+                then(replica, None)
+            elif since <= barrier:
+                then(None, error)
+            else:  # came after this barrier was proposed: the next one
+                self._unplaced.append((since, queue, then))
+                self._unplaced_queues[queue] = self._unplaced_queues.get(queue, 0) + 1
+        if self._unplaced:
+            self._propose_barrier()
+
+    def propose_to_queue(
+        self, command: Any, done: ProposalCallback, conn: ConnectionCore | None = None
+    ) -> None:
+        """Propose `command` to the group of the queue it names (`route`); a queue never
+        placed is answered as the machine answers one never declared. A command that
+        waited for a barrier is not proposed if `conn` closed meanwhile (its consumers'
+        `Down`s went already: a `Subscribe` after them would hold messages for no one)."""
+        waited = False
+
+        def then(replica: ReplicaHandle | None, error: ProposalError | None) -> None:
+            if waited and conn is not None and conn.done:
+                done(None, NotAppliedError("the connection closed while its queue was found"))
+            elif replica is not None:
+                replica.propose(command, done)
+            elif error is not None:
+                done(None, error)
+            else:
+                done(self._not_placed(command.queue), None)
+
+        self.route(command.queue, then)
+        waited = True
+
+    def _not_placed(self, queue: str) -> Error:
+        """The refusal of a command for a queue with no replica here: never declared,
+        or (a node started with another group count) in a group this node lacks."""
+        group = self.replica.query(lambda m: m.placement(queue))
+        if group is None:
+            return _unknown_queue(queue)
+        return _error(
+            f"queue {queue!r} is in Raft group {group}, and node {self.node_id} hosts "
+            f"{len(self.groups)}: every node of a cluster must run with the same groups"
+        )
+
+    def declare(self, command: Declare, done: ProposalCallback) -> None:
+        """Declare a queue: with groups, first its placement in group 0's directory
+        (`Place`, with its dead-letter queue's), then the declare in its group."""
+        groups = self.groups
+        if len(groups) == 1:
+            self.replica.propose(command, done)
+            return
+        queue = command.queue
+        self._declaring.setdefault(queue, [0, []])[0] += 1
+
+        def placed(reply: Reply | None, error: ProposalError | None) -> None:
+            if not isinstance(reply, Placed):
+                done(reply, error)
+            elif not 0 <= reply.group < len(groups):
+                done(self._not_placed(queue), None)
+            else:
+                if len(self._placed) < MAX_PLACEMENTS:
+                    self._placed[queue] = reply.group
+                groups[reply.group].propose(command, done)
+            declaring = self._declaring[queue]
+            declaring[0] -= 1
+            if not declaring[0]:  # what waited for the declares goes, in order, after them
+                del self._declaring[queue]
+                for then in declaring[1]:
+                    self.route(queue, then)
+
+        place = Place(
+            queue=queue, groups=len(groups), dead_letter_queue=command.options.dead_letter_queue
+        )
+        self.replica.propose(place, placed)
 
     # --------------------------------------------------------------- outgoing
 
@@ -206,7 +366,10 @@ class Services:
             self.answered(conn, cost)
             self.answer(conn, request_id, reply, error, consumer)
 
-        self.replica.propose(command, done)
+        if isinstance(command, Declare):
+            self.declare(command, done)
+        else:
+            self.propose_to_queue(command, done, conn)
 
     def answered(self, conn: ConnectionCore, cost: int) -> None:
         """A proposal of `conn`'s that counted `cost` has its outcome: room again?"""
@@ -246,6 +409,14 @@ class Services:
     def room_again(self, conn: ConnectionCore) -> None:
         """`conn` may take more: the core answers the reads and requests that waited."""
         raise NotImplementedError
+
+
+def _unknown_queue(queue: str) -> Error:
+    return Error(code=ErrorCode.UNKNOWN_QUEUE, message=f"no queue named {queue!r}")
+
+
+def _error(message: str) -> Error:
+    return Error(code=ErrorCode.INVALID, message=message)
 
 
 def _reply_fields(reply: Reply | None) -> dict[str, Any]:

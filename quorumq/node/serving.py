@@ -24,7 +24,7 @@ from ..wire.protocol import Frame
 from .connection import ConnectionCore
 from .deliveries import missing as missing_deliveries
 from .reading import Reading
-from .services import Services
+from .services import ReplicaHandle, Services
 from .settling import Settling
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class Serving:
             if type(e) is Deliver:
                 conn = self.core.consumers.get(e.consumer)
                 if conn is None or conn.done:
-                    self.down(e.consumer)
+                    self.down(e.consumer, e.queue)
                     continue
                 sent = conn.sent_to(e.consumer)
                 if index is not None and sent.covers(index):
@@ -131,21 +131,24 @@ class Serving:
         """Keep, of what `consumer` was sent, what the machine says it still holds (the
         replica may have applied more than these effects: nothing if its queue is gone)."""
         queue = conn.consumers[consumer]
+        replica = self.core.replica_of(queue)
         try:
-            held = self.core.replica.query(lambda m: m.unacked(queue, consumer))
+            held = () if replica is None else replica.query(lambda m: m.unacked(queue, consumer))
         except UnknownQueueError:
             held = ()
         conn.sent_to(consumer).keep(held)
 
-    def state_replaced(self) -> None:
-        """This node's replica jumped to the leader's snapshot: the log entries it skipped
-        never ran their effects here (and entries it applies again must not run twice).
+    def state_replaced(self, group: int = 0) -> None:
+        """This node's replica of `group` jumped to the leader's snapshot: the log
+        entries it skipped never ran their effects here (nor may entries it applies
+        again run twice).
         Compare the machine with what each consumer here was sent: send the held
         deliveries it was not sent, and cancel the consumers the machine removed: with
         their queue (deleted meanwhile), or else as though their node was marked down
         (the client subscribes again)."""
         if not self.resync_after_snapshot:
             return
+        replica = self.core.groups[group]
         for consumer in list(self.settling.acking):  # the ack they wait for may never be answered
             self.settling.propose_held_acks(consumer)
         self.reading.wake_reads(
@@ -154,9 +157,11 @@ class Serving:
         served = [
             (c, conn, conn.consumers[c])
             for c, conn in self.core.consumers.items()
-            if not conn.done and c in conn.consumers
+            if not conn.done
+            and c in conn.consumers
+            and self.core.replica_of(conn.consumers[c]) in (replica, None)
         ]
-        index, held, queues = self.core.replica.query(
+        index, held, queues = replica.query(
             lambda m: (
                 m.last_index,
                 [m.held_deliveries(q, c) for c, _, q in served],
@@ -195,13 +200,15 @@ class Serving:
         reveal them. So, every second: a consumer the machine places on this node that
         no connection here serves, now and a second ago, gets its `Down` (again)."""
         node = self.core.node_id
-        placed = self.core.replica.query(lambda m: m.consumers_on(node))
+        placed: dict[str, ReplicaHandle] = {}
+        for replica in self.core.groups:  # (a consumer is on one queue: in one group)
+            placed.update(dict.fromkeys(replica.query(lambda m: m.consumers_on(node)), replica))
         missing = {c for c in placed if c not in self.core.consumers}
         for consumer in sorted(missing & self._missing_before):
             if not self.down_lost_consumers:
                 break
             logger.info("consumer %s is served nowhere: proposing its Down", consumer)
-            self.core.replica.propose(Down(consumer=consumer))
+            placed[consumer].propose(Down(consumer=consumer))
         self._missing_before = missing
         self._forget_removed(set(placed))
         self.core.call_later(LOST_CONSUMERS_EVERY_S, self._down_lost_consumers)
@@ -216,8 +223,13 @@ class Serving:
                 conn.drop_consumer(consumer)
         self._downed &= placed
 
-    def down(self, consumer: str) -> None:
+    def down(self, consumer: str, queue: str) -> None:
+        """`consumer`, on `queue`, is served here no longer: its `Down`, in its queue's
+        group (in every group if this node does not know where the queue is: a `Down`
+        of a consumer a machine does not have does nothing)."""
         self.settling.release_acks(consumer)  # what it acked lands before what it held returns
         if consumer not in self._downed:
             self._downed.add(consumer)
-            self.core.replica.propose(Down(consumer=consumer))
+            replica = self.core.replica_of(queue)
+            for r in self.core.groups if replica is None else (replica,):
+                r.propose(Down(consumer=consumer))

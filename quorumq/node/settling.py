@@ -221,7 +221,7 @@ class Settling:
                     return
             self.core.answer(conn, None, reply, error, None)
 
-        self.core.replica.propose(command, done)
+        self.core.propose_to_queue(command, done)
 
     def _retry_later(self, command: Ack | Nack, conn: ConnectionCore, attempt: int) -> None:
         consumer = command.consumer
@@ -235,10 +235,11 @@ class Settling:
         self._retrying.setdefault(consumer, []).append(timer)
 
     def _settle_held(self, command: Ack | Nack, conn: ConnectionCore, attempt: int) -> None:
+        replica = self.core.replica_of(command.queue)
         try:
-            held = set(
-                self.core.replica.query(lambda m: m.unacked(command.queue, command.consumer))
-            )
+            if replica is None:
+                raise UnknownQueueError(command.queue)
+            held = set(replica.query(lambda m: m.unacked(command.queue, command.consumer)))
         except UnknownQueueError:
             return  # the queue was deleted, with what it held
         offsets = tuple(o for o in command.offsets if o in held)

@@ -169,6 +169,7 @@ class Cluster:
         tls: bool | Certificates = False,
         file_limit: int | None = None,
         min_free_disk_mb: int | None = None,
+        groups: int = 1,
     ) -> None:
         """`metrics`: each node serves Prometheus metrics on a port of its own
         (`metrics_url`). `tls`: the nodes serve clients over TLS only, True with a
@@ -176,7 +177,8 @@ class Cluster:
         in its directory), or with the given one; `tls_ca` is the CA's file, which the
         clients the cluster makes trust. `file_limit`: each node process runs with this
         open file limit, soft and hard (as under `ulimit -n`). `min_free_disk_mb`: the
-        nodes' `--min-free-disk` (the disk alarm's limit; the default otherwise)."""
+        nodes' `--min-free-disk` (the disk alarm's limit; the default otherwise).
+        `groups`: the Raft groups each node hosts (`--groups`)."""
         if not 1 <= n <= len(NODE_NAMES):
             raise ValueError(f"n must be between 1 and {len(NODE_NAMES)}")
         self._tmp = tempfile.TemporaryDirectory(prefix="quorumq-") if data_dir is None else None
@@ -200,6 +202,7 @@ class Cluster:
         self.log_level = log_level
         self.file_limit = file_limit
         self.min_free_disk_mb = min_free_disk_mb
+        self.groups = groups
         self.tls: Certificates | None = (
             make_certificates(self.root / "tls") if tls is True else tls or None
         )
@@ -295,6 +298,8 @@ class Cluster:
             args += ["--metrics", f"127.0.0.1:{self.metrics_ports[node]}"]
         if self.min_free_disk_mb is not None:
             args += ["--min-free-disk", str(self.min_free_disk_mb)]
+        if self.groups != 1:
+            args += ["--groups", str(self.groups)]
         if self.tls is not None:
             args += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         env = {**os.environ, "QUORUMQ_SECRET": secret or self._secret}

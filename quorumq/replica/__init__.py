@@ -44,6 +44,7 @@ import contextlib
 import gc
 import hashlib
 import logging
+import math
 import os
 import select
 import signal
@@ -72,6 +73,7 @@ from ..machine import (
     Tick,
     ends_moved,
 )
+from ..raft.engine import RaftEngine
 from ..raft.member import MAX_COMMAND_BYTES, NOT_APPLIED, RaftMember
 from ..raft.rules import LeaderClock, RaftRules, wall_clock_ms
 from .config import PROPOSAL_TIMEOUT_S, ConfigError, ReplicaConfig, file_usage, is_loopback
@@ -94,6 +96,16 @@ E = TypeVar("E")
 TICK_EVERY_S = 1.0
 """How often the leader proposes `Tick` while some queue has a message TTL."""
 RETRY_TICK_EVERY_S = 0.05
+STEADY_BEFORE_STEERING_S = 10.0
+"""A leader hands its group to the group's preferred node (`steer_group`) only once it
+has led this long and the preferred node has answered throughout: a node that comes
+and goes (paused, flapping) is not handed leadership each time it is back."""
+STEER_EVERY_S = 2.0
+"""How often a leader not the preferred one asks it to take over (a transfer is refused
+while the preferred node's log is behind, as under load it often is for a moment)."""
+ANSWERING_WITHIN_S = 1.0
+"""A peer counts as answering if it answered within this long (a quiet group's
+heartbeats go every `QUIET_HEARTBEAT_S`, 0.5 s)."""
 """As leader, the shortest time between two `Tick`s proposed because a retry delay ran
 out (`Machine.next_retry_ms`): a delay is kept to within this plus a commit."""
 DUTIES_EVERY_S = 0.01
@@ -177,14 +189,20 @@ EffectFilter = Callable[..., tuple[Effect, ...]]
 """(effects, node, proxy=, replicas=) -> the effects this node runs (`local_effects`)."""
 
 
-def _raft_member(config: ReplicaConfig) -> MemberFactory:
-    """A real node's Raft member: `RaftMember` on files and sockets."""
+def _raft_member(
+    config: ReplicaConfig, engine: RaftEngine | None = None, group: int = 0
+) -> MemberFactory:
+    """A real node's Raft member: `RaftMember` on files and sockets; of `group`, on the
+    node's `engine` (`quorumq.replica.groups`), or alone on an engine of its own."""
 
     def make(**callbacks: Any) -> RaftMember:
         return RaftMember(
             config.node_id,
             config.peers,
-            data_dir=config.data_dir,
+            data_dir=group_dir(config.data_dir, group),
+            node_dir=config.data_dir,
+            engine=engine,
+            group=group,
             password=config.secret or None,
             fsync=config.fsync,
             journal=config.journal,
@@ -194,6 +212,12 @@ def _raft_member(config: ReplicaConfig) -> MemberFactory:
         )
 
     return make
+
+
+def group_dir(data_dir: str, group: int) -> str:
+    """Where group `group` of a node keeps its files: group 0 in the data directory
+    itself (as a node of one group), group g in `group-g` under it."""
+    return data_dir if group == 0 else os.path.join(data_dir, f"group-{group}")
 
 
 class Replica:
@@ -245,6 +269,14 @@ class Replica:
         self._last_tick_proposal = 0.0
         self._last_retry_tick = 0.0
         self._duties_due = 0.0
+        self.steer_group: int | None = None
+        """With many groups: this replica's group number g, whose preferred leader is the
+        (g mod n)-th member by name, so that the n nodes lead as many groups each (a
+        paused node stalls only the groups it leads). None: leaders stay where
+        elections put them."""
+        self._led_since: float | None = None
+        self._preferred_answering_since: float | None = None
+        self._steer_due = 0.0
         self._auditing = threading.Lock()
         """Held while an audit runs: one at a time."""
         self._audit_child: int | None = None
@@ -424,10 +456,13 @@ class Replica:
     def _leader_duties(self) -> None:
         """Turn silence and time into log commands (as leader)."""
         if not self.member.is_leader() or not self.member.isReady():
+            self._led_since = None
             return
         now = self._monotonic()
         if now < self._duties_due:
             return
+        if self._led_since is None:
+            self._led_since = now
         self._duties_due = now + DUTIES_EVERY_S
         node_of_address = {a: n for n, a in self.member.members().items()}
         silence = {
@@ -450,6 +485,8 @@ class Replica:
         ):
             key = ("down" if isinstance(command, NodeDown) else "up", command.node)
             self._propose_once(key, command)
+        if self.steer_group is not None:
+            self._steer(now, answered)
         if now - self._last_tick_proposal >= TICK_EVERY_S:
             self._last_tick_proposal = now
             if self._tick_due():  # TTLs, deliveries out, delays; expiring producers
@@ -457,6 +494,27 @@ class Replica:
         elif now - self._last_retry_tick >= RETRY_TICK_EVERY_S and self._retry_due():
             self._last_retry_tick = now
             self._propose_once(("tick", ""), Tick())
+
+    def _steer(self, now: float, answered: dict[str, float]) -> None:
+        """As leader of group `steer_group`: hand leadership to the group's preferred
+        node once it and this leader have been steady (`STEADY_BEFORE_STEERING_S`), by a
+        targeted transfer (Raft's TimeoutNow, refused unless its log is whole)."""
+        members = self.member.members()
+        names = sorted(members)
+        preferred = names[(self.steer_group or 0) % len(names)]
+        if preferred == self.node_id or answered.get(preferred, math.inf) > ANSWERING_WITHIN_S:
+            self._preferred_answering_since = None
+            return
+        if self._preferred_answering_since is None:
+            self._preferred_answering_since = now
+        steady_since = max(self._led_since or now, self._preferred_answering_since)
+        if now < self._steer_due or now - steady_since < STEADY_BEFORE_STEERING_S:
+            return
+        self._steer_due = now + STEER_EVERY_S
+        logger.info(
+            "group %s: handing leadership to %s, its preferred leader", self.steer_group, preferred
+        )
+        self.member.transferLeadership(members[preferred], None)
 
     def _duty_due_s(self) -> float | None:
         """Seconds until this node's duties next need a tick (None: none pending), so
@@ -667,6 +725,7 @@ __all__ = [
     "AuditFailedError",
     "ConfigError",
     "InFlight",
+    "MemberFactory",
     "NotAppliedError",
     "OutcomeUnknownError",
     "ProposalError",

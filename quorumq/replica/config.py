@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from ..machine.commands import MAX_GROUPS
 from ..raft.member import Fsync
 from ..raft.wal import JournalKind
 
@@ -65,8 +66,13 @@ class ReplicaConfig:
     """Election timeout range in seconds. Measured here: failover 0.6-1.1 s, against
     1.6-2.5 s with PySyncObj's 0.4-1.4, and no spurious elections under full load."""
     compaction_entries: int = 50_000
+    groups: int = 1
+    """How many Raft groups this node hosts (every node of a cluster the same): queues
+    are placed over them (`Place`), on one engine and one Raft port per node."""
 
     def __attrs_post_init__(self) -> None:
+        if type(self.groups) is not int or not 1 <= self.groups <= MAX_GROUPS:
+            raise ConfigError(f"groups must be from 1 to {MAX_GROUPS}, not {self.groups!r}")
         if self.node_id not in self.peers:
             raise ConfigError(f"node {self.node_id!r} is not among the peers {sorted(self.peers)}")
         if self.fsync not in ("always", "batch", "never"):

@@ -77,11 +77,15 @@ class QueueCounters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, list[int]] = {}
+        self._counted_by: dict[str, int] = {}
+        """Queue -> the replica (its `id`) whose entries counted it: with many Raft
+        groups, one group's snapshot says nothing of another group's queues."""
 
-    def _row(self, queue: str) -> list[int]:
+    def _row(self, queue: str, replica: Any) -> list[int]:
         row = self._counts.get(queue)
         if row is None:
             row = self._counts[queue] = [0] * len(COUNTS)
+            self._counted_by[queue] = id(replica)
         return row
 
     # ----------------------------------------------------- ReplicaObserver
@@ -99,10 +103,11 @@ class QueueCounters:
                 which = -1  # a return: it counts again when it is delivered again
             if which >= 0:
                 with self._lock:
-                    self._row(command.queue)[which] += len(set(command.offsets))
+                    self._row(command.queue, replica)[which] += len(set(command.offsets))
         if isinstance(applied.reply, QueueDeleted):
             with self._lock:
                 self._counts.pop(command.queue, None)  # type: ignore[union-attr]
+                self._counted_by.pop(command.queue, None)  # type: ignore[union-attr]
             return  # its effects: its consumers down, its messages gone uncounted
         effects = applied.effects
         if not effects:
@@ -114,25 +119,28 @@ class QueueCounters:
                 if isinstance(e, Deliver):
                     if e.queue != queue or not row:
                         queue = e.queue
-                        row = self._row(queue)
+                        row = self._row(queue, replica)
                     row[_DELIVERED] += 1
                     if e.redelivered:
                         row[_REDELIVERED] += 1
                 elif isinstance(e, DeadLettered | Dropped):
-                    left = self._row(e.queue)
+                    left = self._row(e.queue, replica)
                     left[_DEAD_LETTERED if isinstance(e, DeadLettered) else _DROPPED] += 1
                     if e.reason == "expired":
                         left[_EXPIRED] += 1
                 elif isinstance(e, Purged):
-                    self._row(e.queue)[_PURGED] += len(e.offsets)
+                    self._row(e.queue, replica)[_PURGED] += len(e.offsets)
 
     def snapshot_loaded(self, replica: Any, applied: int, index: int) -> None:
         """A snapshot was loaded (the replica counts these itself): the counts of queues
-        it does not have, deleted in the entries it skipped, go."""
+        it counted and does not have, deleted in the entries it skipped, go."""
         queues = set(replica.query(lambda m: m.queues()))
+        mine = id(replica)
         with self._lock:
             for queue in [q for q in self._counts if q not in queues]:
-                del self._counts[queue]
+                if self._counted_by.get(queue) == mine:
+                    del self._counts[queue]
+                    del self._counted_by[queue]
 
     def proposed_duty(self, replica: Any, command: Command) -> None:
         """The replica, as leader, proposed a duty (not counted)."""

@@ -84,6 +84,9 @@ class NodeSettings(TypedDict, total=False):
     """"always" (the default), "batch" or "never" (see the README)."""
     journal: JournalKind
     """"file" (the default) or "wal": the Raft journal (`quorumq.raft.wal`)."""
+    groups: int
+    """Raft groups the node hosts, queues placed over them (1, the default; every node
+    of a cluster the same, for good: `quorumq.replica.groups`)."""
     node_down_grace_s: float
     election_timeout_s: tuple[float, float]
     compaction_entries: int
@@ -121,6 +124,7 @@ def node_config(**settings: Unpack[NodeSettings]) -> NodeConfig:
         node_down_grace_s=settings.get("node_down_grace_s", 5.0),
         raft_timeouts=settings.get("election_timeout_s", (0.25, 0.6)),
         compaction_entries=settings.get("compaction_entries", 50_000),
+        groups=settings.get("groups", 1),
     )
     listen = settings.get("listen")
     host, port = ("127.0.0.1", None) if listen is None else _address(listen, "listen")

@@ -44,7 +44,8 @@ from .. import pathtiming
 from ..machine import Effect
 from ..node import ConnectionCore, NodeConfig, NodeCore, check_node_config
 from ..node.config import DISK_CHECK_EVERY_S, START_FREE_BYTES, disk_check_in_s
-from ..replica import ConfigError, Replica, file_usage
+from ..replica import ConfigError, MemberFactory, Replica, file_usage
+from ..replica.groups import NodeReplicas, check_group_count
 from ..wire.inprocess import FrameChannel, open_connection
 from ..wire.protocol import Frame, SizedFrame, encode_frame, keep_alive
 from .counters import QueueCounters
@@ -119,6 +120,9 @@ class NodeServer:
         self.node_id = config.replica.node_id
         self._token: trio.lowlevel.TrioToken | None = None
         self._replica: Replica | None = None
+        self._replicas: list[Replica] = []
+        """Every group's replica, group 0's (`replica`) first."""
+        self._groups: NodeReplicas | None = None
         self._core: NodeCore | None = None
         self._links: dict[ConnectionCore, Link] = {}
         self._timers_changed = trio.Event()
@@ -173,15 +177,8 @@ class NodeServer:
             pathtiming.name_process(self.node_id)
         if self.freeze_startup and self.config.min_free_disk_bytes > 0:
             await self._wait_for_disk_space()  # (a node in a program fails at once instead)
-        replica = self._replica = await in_own_thread(
-            lambda: Replica(
-                self.config.replica,
-                self._on_effects,
-                self._on_state_replaced,
-                observer=self.counters,
-                on_ends_moved=self._on_ends_moved,
-            ),
-            name=f"quorumq-start-{self.node_id}",
+        self._replica = await in_own_thread(
+            self._start_replicas, name=f"quorumq-start-{self.node_id}"
         )
         try:
             if self.config.listen_port is not None:
@@ -196,7 +193,7 @@ class NodeServer:
         except BaseException:
             for listener in [*self.listeners, *self._metrics_listeners]:
                 await listener.aclose()
-            await in_own_thread(replica.stop, name=f"quorumq-stop-{self.node_id}")
+            await in_own_thread(self._stop_replicas, name=f"quorumq-stop-{self.node_id}")
             raise
         if self.freeze_startup:
             # What start-up made (modules, the state loaded from disk) lives as long as
@@ -212,11 +209,9 @@ class NodeServer:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 timed = self.metrics.observe_proposal if self.metrics is not None else None
+                groups = [LoopReplica(r, self._soon, timed) for r in self._replicas]
                 self._core = NodeCore(
-                    self.config,
-                    LoopReplica(self.replica, self._soon, timed),
-                    self,
-                    trio.current_time,
+                    self.config, groups[0], self, trio.current_time, groups=groups
                 )
                 self._core.queue_counts = self.counters.counts
                 if self.metrics is not None and self.metrics_server is not None:
@@ -252,9 +247,39 @@ class NodeServer:
                     await self._settle_and_hand_over()
                 for listener in [*self.listeners, *self._metrics_listeners]:
                     await listener.aclose()
-                await in_own_thread(self.replica.stop, name=f"quorumq-stop-{self.node_id}")
+                await in_own_thread(self._stop_replicas, name=f"quorumq-stop-{self.node_id}")
                 for worker in list(self._workers):
                     await in_own_thread(worker.join, name=f"quorumq-stop-{self.node_id}")
+
+    def _start_replicas(self) -> Replica:
+        """Start this node's replica, or with groups every group's on one engine
+        (`NodeReplicas`): group 0's."""
+        config = self.config.replica
+
+        def build(group: int, member_factory: MemberFactory | None = None) -> Replica:
+            return Replica(
+                config,
+                self._on_effects,
+                lambda: self._on_state_replaced(group),
+                observer=self.counters,
+                on_ends_moved=self._on_ends_moved,
+                member_factory=member_factory,
+            )
+
+        check_group_count(config.data_dir, config.groups)  # (a node of one group too)
+        if config.groups == 1:
+            self._replicas = [build(0)]
+        else:
+            self._groups = NodeReplicas(config, build)
+            self._replicas = self._groups.replicas
+        return self._replicas[0]
+
+    def _stop_replicas(self) -> None:
+        if self._groups is not None:
+            self._groups.stop()
+        else:
+            for replica in self._replicas:
+                replica.stop()
 
     async def _wait_for_disk_space(self) -> None:
         """Before the replica starts: wait while the data disk has less than
@@ -303,36 +328,50 @@ class NodeServer:
         marks this node down); then, if this node leads and a peer is connected, ask it
         to hand leadership over, again until it no longer leads (up to `HANDOVER_S`):
         the others need not wait out an election timeout."""
-        replica, member, node = self.replica, self.replica.member, self.node_id
-        if member.fatal_error is not None:
+        node = self.node_id
+        replicas = self._replicas
+        if any(r.member.fatal_error is not None for r in replicas):
             return
         with trio.move_on_after(SETTLE_AT_STOP_S):
-            while replica.query(lambda m: m.consumers_on(node)):  # noqa: ASYNC110 - no event to wait on: polls the replica
+            while any(r.query(lambda m: m.consumers_on(node)) for r in replicas):  # noqa: ASYNC110 - no event to wait on: polls the replicas
                 await trio.sleep(0.02)
-        if not (member.is_leader() and any(member.connected().values())):
+
+        def leading() -> list[Replica]:
+            return [
+                r for r in replicas if r.member.is_leader() and any(r.member.connected().values())
+            ]
+
+        if not leading():
             return
         with trio.move_on_after(HANDOVER_S):
-            while member.is_leader() and any(member.connected().values()):
-                replica.ask_leader_to_step_down()
+            while led := leading():
+                for replica in led:
+                    replica.ask_leader_to_step_down()
                 await trio.sleep(0.05)
-        if member.is_leader():
-            logger.warning("stopping as leader: no handover within %s s", HANDOVER_S)
+        still = [g for g, r in enumerate(replicas) if r.member.is_leader()]
+        if still:
+            logger.warning(
+                "stopping as leader of group(s) %s: no handover within %s s", still, HANDOVER_S
+            )
         else:
             logger.info(
-                "handed leadership over, stopping (leader now: %s)", replica.status()["leader"]
+                "handed leadership over, stopping (leader now: %s)",
+                self.replica.status()["leader"],
             )
 
     async def _stop_if_raft_stopped(self) -> None:
         """A member whose journal failed has stopped acknowledging: the node stops too
         (exit non-zero, with the reason) rather than answer every client "unknown".
         Told by the member (`on_fatal`), not by polling it: an idle node's loop sleeps."""
-        member = self.replica.member
+        members = [r.member for r in self._replicas]
         stopped = trio.Event()
-        member.on_fatal = lambda: self._soon(stopped.set)
-        while member.fatal_error is None:
+        for member in members:  # any group's: the node cannot serve that group's queues
+            member.on_fatal = lambda: self._soon(stopped.set)
+        while (failed := next((m for m in members if m.fatal_error is not None), None)) is None:
             with trio.move_on_after(FATAL_CHECK_EVERY_S):  # (a backstop)
                 await stopped.wait()
-        raise member.fatal_error
+        assert failed.fatal_error is not None
+        raise failed.fatal_error
 
     async def _run_timers(self) -> None:
         core = self.core
@@ -529,8 +568,8 @@ class NodeServer:
         if self._core is not None:
             self._core.effects_applied(index, effects)
 
-    def _on_state_replaced(self) -> None:
-        self._soon(self._state_replaced)
+    def _on_state_replaced(self, group: int = 0) -> None:
+        self._soon(self._state_replaced, group)
 
     def _on_ends_moved(self) -> None:
         self._soon(self._ends_moved)
@@ -539,9 +578,9 @@ class NodeServer:
         if self._core is not None:
             self._core.ends_moved()
 
-    def _state_replaced(self) -> None:
+    def _state_replaced(self, group: int) -> None:
         if self._core is not None:  # the node's own snapshot at start-up: nobody is connected
-            self._core.state_replaced()
+            self._core.state_replaced(group)
 
 
 async def _listen(host: str | None, port: int, what: str) -> list[trio.SocketListener]:
