@@ -205,3 +205,25 @@ def test_a_node_on_the_write_ahead_log_says_so_with_its_size() -> None:
     notes = {row[0]: row[-1] for row in _rows(reading)}
     assert notes["B"].endswith("journal: write-ahead log, 3 segment(s), 5.0 MiB"), notes
     assert "journal" not in notes["A"], notes
+
+
+def test_a_node_with_many_groups_says_which_it_leads_and_its_most_lagging() -> None:
+    from quorumq.ops.status_view import read_cluster
+
+    def status_of(endpoint: str) -> dict[str, object]:
+        status = _status(endpoint, leader=endpoint == "A")
+        status["groups"] = [
+            {
+                "group": g,
+                "role": "leader" if "ABC"[g] == endpoint else "follower",
+                "commit_index": 10 * (g + 1),
+                "last_applied": 10 * (g + 1) - (7 if (endpoint, g) == ("C", 1) else 0),
+            }
+            for g in range(3)
+        ]
+        return status
+
+    reading = read_cluster(["A", "B", "C"], status_of, (OSError,))
+    notes = {row[0]: row[-1] for row in _rows(reading)}
+    assert notes["A"] == "3 Raft groups, leads 0", notes
+    assert notes["C"] == "3 Raft groups, leads 2; group 1 lags 7", notes

@@ -253,6 +253,7 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
     top = (leader or {}).get("commit_index", max((c for c in commits if c is not None), default=0))
     rows: list[tuple[str, list[Any]]] = []
     who = unreached(reading)
+    group_tops = _group_commits(reading)
     for node in reading.nodes:
         status = node.status
         if status is None:
@@ -283,6 +284,7 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
                 f"journal: write-ahead log, {journal.get('segments')} segment(s), "
                 f"{(journal.get('bytes') or 0) / 2**20:.1f} MiB"
             )
+        notes += _groups_note(status, group_tops)
         notes += _near_limits(status)
         learners = status.get("learners") or {}
         if learners:
@@ -314,6 +316,35 @@ def nodes_table(reading: ClusterReading, *, audit: bool = False) -> Table:
     for _, cells in sorted(rows, key=lambda row: row[0]):
         table.add_row(*cells)
     return table
+
+
+def _group_commits(reading: ClusterReading) -> dict[int, int]:
+    """Per Raft group (a node with `--groups`): the highest commit index any node gave."""
+    tops: dict[int, int] = {}
+    for status in reading.answered:
+        for group in status.get("groups") or []:
+            commit = group.get("commit_index")
+            if isinstance(commit, int):
+                tops[group["group"]] = max(commit, tops.get(group["group"], commit))
+    return tops
+
+
+def _groups_note(status: Mapping[str, Any], tops: dict[int, int]) -> list[str]:
+    """A node with many Raft groups: the groups it leads, and its most lagging one."""
+    groups = status.get("groups") or []
+    if not groups:
+        return []
+    led = [str(g["group"]) for g in groups if g.get("role") == "leader"]
+    note = f"{len(groups)} Raft groups, leads {', '.join(led) or 'none'}"
+    lags = {
+        g["group"]: tops[g["group"]] - g["last_applied"]
+        for g in groups
+        if g["group"] in tops and isinstance(g.get("last_applied"), int)
+    }
+    worst = max(lags, key=lambda g: lags[g], default=None)
+    if worst is not None and lags[worst] > 0:
+        note += f"; group {worst} lags {lags[worst]:,}"
+    return [note]
 
 
 QUEUE_COLUMNS = ("ready", "unacked", "consumers")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -112,8 +112,11 @@ class _NodeCollector(Collector):
         counters: QueueCounters,
         connections: Callable[[], int],
         disk: Callable[[], tuple[int | None, bool]],
+        groups: Sequence[Any] = (),
     ) -> None:
         self._replica = replica
+        self._groups = tuple(groups) or (replica,)
+        """Every Raft group's replica on this node (`--groups`), `replica` first."""
         self._counters = counters
         self._connections = connections
         self._disk = disk
@@ -131,7 +134,7 @@ class _NodeCollector(Collector):
         def read(m: Any) -> list[tuple[str, Any, int | None]]:
             return [(q, m.stats(q), m.oldest_ready_ms(q)) for q in m.queues()]
 
-        queues = self._replica.query(read)
+        queues = [row for group in self._groups for row in group.query(read)]
         counted = self._counters.counts(q for q, _, _ in queues)
         now_ms = time.time() * 1000
 
@@ -243,6 +246,8 @@ class _NodeCollector(Collector):
             "Seconds since this node last heard from its leader (0 on the leader).",
             value=silence,
         )
+        if len(self._groups) > 1:
+            yield from self._group_metrics()
         yield GaugeMetricFamily(
             "quorumq_client_connections",
             "Client connections to this node.",
@@ -260,6 +265,26 @@ class _NodeCollector(Collector):
             "refused cluster-wide (disk_alarm) until it is back above.",
             value=float(alarm),
         )
+
+    def _group_metrics(self) -> Iterator[Metric]:
+        """With many Raft groups: each group's role, term and indexes on this node (the
+        unlabelled `quorumq_raft_*` figures are group 0's)."""
+
+        def gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"quorumq_raft_group_{name}", doc, labels=["group", *labels])
+
+        role = gauge("role", "1 for this node's Raft role in the group, 0 for the others.", "role")
+        term = gauge("term", "The Raft term this node is in, in the group.")
+        commit = gauge("commit_index", "The highest index of the group's log known committed.")
+        applied = gauge("applied_index", "The highest index of the group's log applied here.")
+        for number, replica in enumerate(self._groups):
+            member, label = replica.member, str(number)
+            for name in ROLES:
+                role.add_metric([label, name], 1 if name == member.role() else 0)
+            term.add_metric([label], member.raftCurrentTerm)
+            commit.add_metric([label], member.raftCommitIndex)
+            applied.add_metric([label], member.raftLastApplied)
+        yield from (role, term, commit, applied)
 
 
 class NodeMetrics:
@@ -293,14 +318,16 @@ class NodeMetrics:
         counters: QueueCounters,
         connections: Callable[[], int],
         disk: Callable[[], tuple[int | None, bool]] = lambda: (None, False),
+        groups: Sequence[Any] = (),
     ) -> None:
         """Read `replica` (a started `quorumq.replica.Replica`), `counters`, the number
         of `connections` and the `disk` (free bytes, alarm) at every scrape, and time
-        the replica's journal syncs."""
+        the replica's journal syncs. `groups`: with many Raft groups, every group's
+        replica, `replica` first (their queues, and each group's figures)."""
         journal = replica.member.journal
         timed: Files = TimedFiles(journal.files, self.fsync_seconds.observe)
         journal.files = timed
-        self.registry.register(_NodeCollector(replica, counters, connections, disk))
+        self.registry.register(_NodeCollector(replica, counters, connections, disk, groups))
 
     def observe_proposal(self, command: Command, seconds: float) -> None:
         """A proposal of `command` was committed and applied `seconds` after it was made."""

@@ -221,6 +221,7 @@ class NodeServer:
                         self.counters,
                         lambda: len(core.connections),
                         lambda: (core.free_disk_bytes, core.disk_alarm),
+                        self._replicas,
                     )
                     nursery.start_soon(self.metrics_server.serve, self._metrics_listeners)
                 task_status.started(self.listeners)
