@@ -147,7 +147,8 @@ class Services:
         self._unplaced: list[tuple[int, str, Routed]] = []
         """Calls of `route` for queues not placed on this node's group 0, in the order
         they came: (the first barrier proposed after, the queue, what to call)."""
-        self._unplaced_queues: dict[str, int] = {}
+        self._unplaced_queues: set[str] = set()
+        """The queues of `_unplaced`."""
         self._next_barrier = 1
         self._barrier_proposed = False
         self._declaring: dict[str, list[Any]] = {}
@@ -219,7 +220,7 @@ class Services:
             then(None, None)
             return
         self._unplaced.append((self._next_barrier, queue, then))
-        self._unplaced_queues[queue] = self._unplaced_queues.get(queue, 0) + 1
+        self._unplaced_queues.add(queue)
         if not self._barrier_proposed:
             self._propose_barrier()
 
@@ -231,7 +232,7 @@ class Services:
 
     def _barrier_passed(self, barrier: int, error: ProposalError | None) -> None:
         self._barrier_proposed = False
-        waited, self._unplaced, self._unplaced_queues = self._unplaced, [], {}
+        waited, self._unplaced, self._unplaced_queues = self._unplaced, [], set()
         for since, queue, then in waited:  # (the earlier calls for a queue first)
             replica = self.replica_of(queue)
             if replica is not None:
@@ -240,7 +241,7 @@ class Services:
                 then(None, error)
             else:  # came after this barrier was proposed: the next one
                 self._unplaced.append((since, queue, then))
-                self._unplaced_queues[queue] = self._unplaced_queues.get(queue, 0) + 1
+                self._unplaced_queues.add(queue)
         if self._unplaced:
             self._propose_barrier()
 
