@@ -113,3 +113,56 @@ def test_leaders_spread_one_group_per_node_and_a_paused_node_stalls_only_its_own
         for group in (0, 2):
             assert during[group]["leader"] == before[group]["leader"]
             assert during[group]["term"] == before[group]["term"], group
+
+
+def _members_everywhere(cluster: Cluster) -> set[tuple[tuple[str, str], ...]]:
+    """Every group's members, as every node sees them (one item once all agree)."""
+    return {
+        tuple(sorted(group["members"].items()))
+        for node in cluster.nodes
+        for group in cluster.status(node)["groups"]
+    }
+
+
+def test_a_member_added_and_removed_joins_and_leaves_every_group() -> None:
+    """`members add` and `members remove` on nodes of three groups: the change is made
+    in each group in turn and answered once all have it; the added node serves every
+    queue from its own replicas, and the cluster goes on without the removed one."""
+    with Cluster(3, groups=3) as cluster:
+        for node in cluster.nodes:
+            wait_for(lambda n=node: _groups_elected(cluster, n), f"{node}'s groups elected", 30)
+        client = cluster.client("B")
+        for queue in QUEUES:
+            client.declare(queue)
+            assert [client.publish(queue, b"%d" % i) for i in range(10)] == list(range(10))
+        new = cluster.add_node()  # (answered once every group has it)
+        expected = {n: f"127.0.0.1:{cluster.raft_ports[n]}" for n in cluster.nodes}
+        for group in cluster.status("B")["groups"]:  # at once, where the request went
+            assert group["members"] == expected
+        wait_for(
+            lambda: _members_everywhere(cluster) == {tuple(sorted(expected.items()))},
+            "every node's every group with four members",
+            30,
+        )
+        reader = cluster.client(new)
+        for queue in QUEUES:  # from its own replica of each queue's group
+            assert len(reader.read(queue, 0, 10, wait=30)) == 10, queue
+        cluster.remove_node("A")  # (hands over any group A leads first)
+        del expected["A"]
+        wait_for(
+            lambda: _members_everywhere(cluster) == {tuple(sorted(expected.items()))},
+            "every group without A",
+            30,
+        )
+        for queue in QUEUES:
+            assert client.publish(queue, b"after") == 10
+        consumer = cluster.client(new)
+        for queue in QUEUES:
+            got = consumer.subscribe(queue, prefetch=100)
+            offsets = []
+            for _ in range(11):
+                delivery = got.get(timeout=15)
+                assert delivery is not None and delivery.node == new, queue
+                offsets.append(delivery.offset)
+                delivery.ack()
+            assert offsets == list(range(11)), queue

@@ -172,8 +172,9 @@ class Admin:
         return status
 
     def _group_status(self, group: int, replica: ReplicaHandle) -> dict[str, Any]:
-        """One Raft group as this node sees it: its leader, term, how far this replica
-        is, and how many queue names the directory placed in it."""
+        """One Raft group as this node sees it: its leader, term, members (a membership
+        change reaches the groups one after the other), how far this replica is, and
+        how many queue names the directory placed in it."""
         raft = replica.status()
         loads = self.core.replica.query(lambda m: m.group_loads())
         return {
@@ -181,6 +182,7 @@ class Admin:
             "leader": raft["leader"],
             "role": raft["role"],
             "term": raft["term"],
+            "members": raft["members"],
             "commit_index": raft["commit_index"],
             "last_applied": raft["last_applied"],
             "placed": loads[group] if group < len(loads) else 0,

@@ -514,7 +514,7 @@ class Replica:
         logger.info(
             "group %s: handing leadership to %s, its preferred leader", self.steer_group, preferred
         )
-        self.member.transferLeadership(members[preferred], None)
+        self.member.transferLeadership(self.member.make_node(preferred, members[preferred]), None)
 
     def _duty_due_s(self) -> float | None:
         """Seconds until this node's duties next need a tick (None: none pending), so
