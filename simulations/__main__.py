@@ -76,6 +76,7 @@ def _config(args: argparse.Namespace, seed: int) -> RunConfig:
         disk_space_faults=not args.no_disk_space_faults,
         membership_faults=not args.no_membership_faults,
         spares=args.spares,
+        groups=args.groups,
     )
 
 
@@ -310,6 +311,15 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         type=int,
         default=attrs.fields(RunConfig).spares.default,
         help="hosts that are no members at first, for the operator to add",
+    )
+    common.add_argument(
+        "--groups",
+        type=int,
+        default=1,
+        choices=range(1, 9),
+        metavar="G",
+        help="Raft groups every node hosts (quorumq node --groups): the workload's queue "
+        "in the last, one idle queue in each other",
     )
     one = sub.add_parser(
         "run",

@@ -63,6 +63,18 @@ class Observer(Protocol):
     def on_change_cluster(self, node: SimNode, request: Any, accepted: bool) -> None: ...
 
 
+class GroupObserver(Protocol):
+    """What observes the groups but the model group (`group_checks.GroupChecks`)."""
+
+    def on_ticked(self, node: SimNode) -> None: ...
+
+    def on_applied(self, node: SimNode, group: int, index: int, payload: bytes) -> None: ...
+
+    def on_snapshot_loaded(self, node: SimNode, group: int, applied: int, index: int) -> None: ...
+
+    def on_leadership(self, node: SimNode, group: int, leader: bool) -> None: ...
+
+
 class Cluster:
     def __init__(
         self,
@@ -75,10 +87,21 @@ class Cluster:
         raft_timeouts: tuple[float, float] = (0.25, 0.6),
         compaction_entries: int | None = None,
         wal: bool = False,
+        groups: int = 1,
+        model_group: int | None = None,
     ) -> None:
         """`wal`: every node's journal is group 0 of the shared write-ahead log
-        (`quorumq.raft.wal`) instead of a journal file of its own."""
+        (`quorumq.raft.wal`) instead of a journal file of its own. `groups`: how many
+        Raft groups every node hosts (`quorumq node --groups`): the workload's queue
+        is placed in `model_group` (by default the last), which the observers watch; the others
+        are checked by `group_checks`."""
+        if groups > 1 and wal:
+            raise ValueError("the simulator runs nodes with groups on journal files")
         self.world = world
+        self.groups = groups
+        self.model_group = groups - 1 if model_group is None else model_group
+        self.group_checks: GroupObserver | None = None
+        """The checks of the groups but the model group (set by the run)."""
         self.names = [chr(ord("A") + i) for i in range(n)]
         """The first members (the fault schedules draw their targets from them)."""
         self.spares = [chr(ord("A") + n + i) for i in range(spares)]
@@ -144,7 +167,9 @@ class Cluster:
     ) -> SimSerializer:
         """PySyncObj's `Serializer`, patched for a run: the snapshot store of the node starting."""
         disk = self._disk_of_starting(path)
-        rng = self.world.stream(f"snapshot-{disk.name}-{self.incarnations[disk.name]}")
+        rng = self.world.stream(
+            f"snapshot-{disk.name}{disk.directory}-{self.incarnations[disk.name]}"
+        )
         return SimSerializer(
             disk,
             batch_size,
@@ -156,10 +181,13 @@ class Cluster:
         )
 
     def _disk_of_starting(self, path: str) -> SimDisk:
+        """The disk (of its Raft group: `sim:A/group-2/raft.log`) of the node starting."""
         name = self._opening
-        if name is None or path.split("/", maxsplit=1)[0] != f"sim:{name}":
+        parts = path.split("/")
+        if name is None or parts[0] != f"sim:{name}":
             raise RuntimeError(f"{path!r} was asked for outside a node start")
-        return self.disks[name]
+        group = int(parts[1].removeprefix("group-")) if len(parts) > 2 else 0
+        return self.disks[name].group(group)
 
     def wall_ms(self, name: str) -> int:
         """Host `name`'s wall clock: simulated time from an epoch, plus its offset."""
@@ -190,6 +218,8 @@ class Cluster:
                 grace_s=self.grace_s,
                 raft_timeouts=self.raft_timeouts,
                 compaction_entries=self.compaction_entries,
+                groups=self.groups,
+                model_group=self.model_group,
             )
         except JournalDamagedError as e:
             disk.damaged = str(e).split(". The journal lost")[0]
@@ -200,7 +230,7 @@ class Cluster:
         finally:
             self._opening = None
         self.nodes[name] = node
-        self.network.attach(self.address[name], node.member.transport)
+        self.network.attach(self.address[name], node.transports())
         self.world.trace(f"start {name} {node.incarnation}")
         for o in self.observers:
             o.on_node(name, True)
@@ -320,9 +350,17 @@ class Cluster:
         return [n for n in self.nodes.values() if n is not None]
 
     def leader(self) -> SimNode | None:
-        """The running, unpaused node that believes it leads with the highest term."""
+        """The running, unpaused node that believes it leads with the highest term (of
+        the model group: `model_group`)."""
         leaders = [n for n in self.running() if not n.paused and n.member.is_leader()]
         return max(leaders, key=lambda n: n.member.raftCurrentTerm, default=None)
+
+    def leader_of(self, group: int) -> SimNode | None:
+        """`leader` of Raft group `group`."""
+        leaders = [
+            n for n in self.running() if not n.paused and n.replicas[group].member.is_leader()
+        ]
+        return max(leaders, key=lambda n: n.replicas[group].member.raftCurrentTerm, default=None)
 
     def _woken(self, address: str) -> None:
         node = self.nodes.get(name_at(address))
@@ -376,9 +414,33 @@ class Cluster:
         """`node` ticked: its Raft state may have changed."""
         for o in self.observers:
             o.on_ticked(node)
+        if self.group_checks is not None:
+            self.group_checks.on_ticked(node)
 
-    def on_change_cluster(self, node: SimNode, request: Any, accepted: bool) -> None:
-        """`node`, leading, appended the configuration change `request`, or refused it."""
-        self.world.trace(f"change {node.name} {request[0]} {request[1]} {accepted}")
+    # the groups but the model group (`group_checks`)
+
+    def on_group_applied(self, node: SimNode, group: int, index: int, payload: bytes) -> None:
+        if self.group_checks is not None:
+            self.group_checks.on_applied(node, group, index, payload)
+
+    def on_group_snapshot_loaded(self, node: SimNode, group: int, applied: int, index: int) -> None:
+        self.snapshot_counts["loaded"] += 1
+        self.world.trace(f"snapshot {node.name} group {group} {applied} {index}")
+        if self.group_checks is not None:
+            self.group_checks.on_snapshot_loaded(node, group, applied, index)
+
+    def on_group_leadership(self, node: SimNode, group: int, leader: bool) -> None:
+        term = node.replicas[group].member.raftCurrentTerm
+        self.world.trace(f"leader {node.name} group {group} {leader} {term}")
+        if self.group_checks is not None:
+            self.group_checks.on_leadership(node, group, leader)
+
+    def on_change_cluster(
+        self, node: SimNode, request: Any, accepted: bool, group: int = 0
+    ) -> None:
+        """`node`, leading (Raft group `group`), appended the configuration change
+        `request`, or refused it."""
+        where = f" group {group}" if self.groups > 1 else ""
+        self.world.trace(f"change {node.name} {request[0]} {request[1]} {accepted}{where}")
         for o in self.observers:
             o.on_change_cluster(node, request, accepted)

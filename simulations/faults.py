@@ -751,12 +751,13 @@ class Injector:
             self._skip(fault, "a disk beyond repair already, or no working majority after it")
             return
         last_index = node.member.journal[-1][1] if len(node.member.journal) else 0
+        group_disk = node.disk  # (with groups: the workload's queue's group's journal)
         cluster.crash(name, torn=True)
         if kind == "bit_flip":
-            disk.files.flip_bit(disk.journal_data_path())
+            disk.files.flip_bit(group_disk.journal_data_path())
             disk.doomed = True
         elif kind == "meta_ahead":  # a disk that said the journal was synced, and lied
-            disk.files.set_commit_index(disk.meta_path, last_index + 3)
+            disk.files.set_commit_index(group_disk.meta_path, last_index + 3)
             disk.doomed = True
         end = self.world.now_us + micros(fault.duration_s)
         self._down_until[name] = end

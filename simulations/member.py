@@ -31,10 +31,11 @@ class SimPoller:
     reads the messages that arrived since the last one. As a real node's poll, it
     answers the AppendEntries it read after one sync (`RaftRules.hold_replies`)."""
 
-    def __init__(self, network: Network, address: str, member: RaftRules) -> None:
+    def __init__(self, network: Network, address: str, member: RaftRules, group: int = 0) -> None:
         self.network = network
         self.address = address
         self.member = member
+        self.group = group
         self.handled = 0
 
     def poll(self, _timeout: float) -> None:
@@ -46,7 +47,7 @@ class SimPoller:
     def read(self) -> int:
         self.member.hold_replies()
         try:
-            return self.network.read(self.address)
+            return self.network.read(self.address, self.group)
         finally:
             self.member.release_replies()
 
@@ -74,18 +75,22 @@ class SimMember(RaftRules):
         compaction_entries: int | None = None,
         peers: Mapping[str, str] | None = None,
         on_change_cluster: Callable[[Any, bool], None] = lambda request, accepted: None,
+        group: int = 0,
     ) -> None:
         """`peers`: name -> Raft address of every member this node starts with, itself
-        included (by default every host of the network, at its name)."""
+        included (by default every host of the network, at its name). `group`: the
+        node's Raft group this member belongs to (`disk` is that group's part)."""
+        directory = disk.directory or "/"
         peers = settle_first_configuration(  # the real record, on this node's disk
             disk.files,
-            "/",
+            directory,
             peers or {n: n for n in network.names},
             holds_raft_state=disk.snapshot is not None
             or disk.files.read(disk.meta_path) is not None,
         )
         self.name = name
-        self.keep_identity_in(disk.files, "/")
+        self.group = group
+        self.keep_identity_in(disk.files, directory)
         self.address = address = peers[name]
         self.network = network
         self._on_change_cluster = on_change_cluster
@@ -94,11 +99,11 @@ class SimMember(RaftRules):
         self._snapshot = snapshot
         self._restore = restore
         self._on_tick = on_tick
-        self.transport = SimTransport(network, address, list(peers.values()))
+        self.transport = SimTransport(network, address, list(peers.values()), group)
         conf = SyncObjConf(
             autoTick=False,
-            journalFile=f"sim:{name}/raft.log",
-            fullDumpFile=f"sim:{name}/snapshot",
+            journalFile=f"sim:{name}{disk.directory}/raft.log",
+            fullDumpFile=f"sim:{name}{disk.directory}/snapshot",
             serializer=self._write_snapshot,
             deserializer=self._read_snapshot,
             logCompactionMinEntries=compaction_entries or 10**12,
@@ -116,7 +121,7 @@ class SimMember(RaftRules):
         self.announce_identity()
         self.journal: RaftJournal = self._SyncObj__raftLog
         self.check_stored_state()
-        self.poller = SimPoller(network, address, self)
+        self.poller = SimPoller(network, address, self, group)
         self._poller = self.poller
         self.serializer: SimSerializer = self._SyncObj__serializer
         self.serializer.accept = self._leader_snapshot_arrived

@@ -77,12 +77,15 @@ class StableNode(Node):  # type: ignore[misc]
 class SimTransport(Transport):  # type: ignore[misc]
     """PySyncObj's transport for one member: `send` goes into the network. It knows the
     nodes of the member's configuration (`known`): PySyncObj adds and drops them as the
-    configuration changes (`addNode`, `dropNode`)."""
+    configuration changes (`addNode`, `dropNode`). A member of Raft group `group` sends
+    on its node's connections, each message tagged with its group (as the real link
+    tags them), and reads only its group's."""
 
-    def __init__(self, network: Network, name: str, known: list[str]) -> None:
+    def __init__(self, network: Network, name: str, known: list[str], group: int = 0) -> None:
         super().__init__(None, None, [])
         self.network = network
         self.name = name
+        self.group = group
         self.known = {n for n in known if n != name}
 
     announce: Callable[[dict[str, Any]], None] | None = None
@@ -91,19 +94,36 @@ class SimTransport(Transport):  # type: ignore[misc]
     def send(self, node: Any, message: Any) -> bool:
         if self.announce is not None and type(message) is dict:
             self.announce(message)
-        return self.network.send(self.name, str(node.id), message)
+        return self.network.send(self.name, str(node.id), message, self.group)
 
     def addNode(self, node: Any) -> None:  # noqa: N802 (PySyncObj's name)
         name = str(node.id)
         if name != self.name and name not in self.known:
             self.known.add(name)
-            self.network.known_changed(self.name, name)
+            self.network.known_changed(self.name, name, self.group)
 
     def dropNode(self, node: Any) -> None:  # noqa: N802 (PySyncObj's name)
         name = str(node.id)
         if name in self.known:
             self.known.discard(name)
-            self.network.known_changed(self.name, name)
+            self.network.known_changed(self.name, name, self.group)
+
+
+class HostTransports:
+    """The transports of every Raft group a node runs (`groups[g]`: group g's), on the
+    node's one connection to each peer, as the real link (`quorumq.raft.link`): the
+    connection is up while any group of each end has the other; a group's member sees
+    its peer connected only while that group of both ends has the other (the link's
+    JOINED and LEFT), and a message reaches its group only then."""
+
+    def __init__(self, groups: list[SimTransport]) -> None:
+        self.groups = groups
+
+    @property
+    def known(self) -> set[str]:
+        if len(self.groups) == 1:
+            return self.groups[0].known
+        return set().union(*(t.known for t in self.groups))
 
 
 Pair = tuple[str, str]
@@ -134,13 +154,15 @@ class Network:
         self.connection_timeout_us = micros(connection_timeout_s)
         self.retry_us = (micros(retry_s[0]), micros(retry_s[1]))
         self.nodes = {n: StableNode(n) for n in names}
-        self.transports: dict[str, SimTransport] = {}
-        """Running members' transports (a crashed node has none)."""
+        self.transports: dict[str, HostTransports] = {}
+        """Running nodes' transports, one per Raft group (a crashed node has none)."""
         self.on_arrival: Callable[[str], None] = lambda name: None
         """Called after a message is handed to a member (the simulator wakes it)."""
         self.paused: set[str] = set()
-        self.inbox: dict[str, list[tuple[str, int, dict[str, Any]]]] = {n: [] for n in names}
-        """Messages arrived at a node and not read yet."""
+        self.inbox: dict[str, list[list[tuple[str, int, dict[str, Any]]]]] = {
+            n: [[]] for n in names
+        }
+        """Messages arrived at a node and not read yet, per Raft group."""
         self.cut: set[Pair] = set()
         """Pairs cut by the partition in force or by an isolation."""
         self._partition_cut: set[Pair] = set()
@@ -150,7 +172,10 @@ class Network:
         self._last_side = 0
         self.epoch: dict[Pair, int] = {}
         self.up: set[Pair] = set()
-        self.stalled: dict[Pair, list[tuple[str, str, int, dict[str, Any]]]] = {}
+        self.group_links: set[tuple[Pair, int]] = set()
+        """(connection, group) for each group whose members at both ends have each other
+        on a connection that is up (`HostTransports`)."""
+        self.stalled: dict[Pair, list[tuple[str, str, int, int, dict[str, Any]]]] = {}
         self._last_arrival: dict[tuple[str, str], int] = {}
         self.extra_delay_us: dict[tuple[str, str], int] = {}
         """Slow directions (`delay`): added to every message's latency, order kept."""
@@ -184,7 +209,7 @@ class Network:
             return
         self.names.append(address)
         self.nodes[address] = StableNode(address)
-        self.inbox[address] = []
+        self.inbox[address] = [[]]
         if self._sides:  # a partition is on: the new address is on its last side
             self._sides[address] = self._last_side
             for other in self.names:
@@ -194,10 +219,10 @@ class Network:
         for other in self.isolated:
             self.cut.add(_pair(address, other))
 
-    def attach(self, name: str, transport: SimTransport) -> None:
-        """A member starts: its connections come up after a retry delay."""
-        self.transports[name] = transport
-        self.inbox[name] = []
+    def attach(self, name: str, transports: HostTransports) -> None:
+        """A node starts: its connections come up after a retry delay."""
+        self.transports[name] = transports
+        self.inbox[name] = [[] for _ in transports.groups]
         for other in self.names:
             if other != name:
                 self._connect_later(_pair(name, other))
@@ -206,7 +231,7 @@ class Network:
         """A member crashes: its connections drop now."""
         self.transports.pop(name, None)
         self.paused.discard(name)
-        self.inbox[name] = []
+        self.inbox[name] = [[]]
         for other in self.names:
             if other != name:
                 self._drop(_pair(name, other))
@@ -310,8 +335,8 @@ class Network:
         self.cut.discard(pair)
         stalled = self.stalled.pop(pair, [])
         if pair in self.up:
-            for src, dst, epoch, data in stalled:
-                self._schedule(src, dst, epoch, data)
+            for src, dst, epoch, group, data in stalled:
+                self._schedule(src, dst, epoch, group, data)
         else:
             self._connect_later(pair)
 
@@ -328,15 +353,56 @@ class Network:
             and pair not in self.cut
         )
 
-    def known_changed(self, name: str, other: str) -> None:
-        """`name`'s configuration gained or lost `other`: a connection they both want
-        comes up after a retry delay; one that `name` dropped closes now (PySyncObj's
-        `dropNode` disconnects; the peer sees the socket close)."""
+    def known_changed(self, name: str, other: str, group: int = 0) -> None:
+        """`name`'s configuration (of Raft group `group`) gained or lost `other`: a
+        connection they both want comes up after a retry delay; one that `name` dropped
+        closes now (PySyncObj's `dropNode` disconnects; the peer sees the socket close).
+        On a connection that stays up (another group of each end has the other), the
+        group's members see each other come or go (the link's JOINED and LEFT)."""
         pair = _pair(name, other)
-        if self._wanted(pair):
+        if pair in self.up and self._known_both_ways(pair):
+            self._group_changed(pair, group)  # (paused or cut off: it stays, as the link's)
+        elif self._wanted(pair):
             self._connect_later(pair)
         elif pair in self.up and name in self.transports:
             self._drop(pair)
+
+    def _known_both_ways(self, pair: Pair) -> bool:
+        """Whether some group of each end of `pair` has the other."""
+        a, b = pair
+        ta, tb = self.transports.get(a), self.transports.get(b)
+        return ta is not None and tb is not None and b in ta.known and a in tb.known
+
+    def _linked(self, pair: Pair, group: int) -> bool:
+        """Whether group `group` of both ends of connection `pair` has the other."""
+        a, b = pair
+        ta, tb = self.transports.get(a), self.transports.get(b)
+        return (
+            ta is not None
+            and tb is not None
+            and group < len(ta.groups)
+            and group < len(tb.groups)
+            and b in ta.groups[group].known
+            and a in tb.groups[group].known
+        )
+
+    def _group_changed(self, pair: Pair, group: int) -> None:
+        linked = self._linked(pair, group)
+        if linked == ((pair, group) in self.group_links):
+            return
+        a, b = pair
+        self.world.trace(f"{'join' if linked else 'leave'} {a} {b} group {group}")
+        if linked:
+            self.group_links.add((pair, group))
+        else:
+            self.group_links.discard((pair, group))
+        for me, other in ((a, b), (b, a)):
+            transport = self.transports[me].groups[group]
+            if linked:
+                transport._onNodeConnected(self.nodes[other])
+            else:
+                transport._onNodeDisconnected(self.nodes[other])
+            self.on_arrival(me)
 
     def _connect_later(self, pair: Pair) -> None:
         self.world.after(self.random.randint(*self.retry_us), self._connect, pair)
@@ -349,8 +415,11 @@ class Network:
         a, b = pair
         self.world.trace(f"connect {a} {b}")
         self._last_read[(a, b)] = self._last_read[(b, a)] = self.world.now_us
-        self.transports[a]._onNodeConnected(self.nodes[b])
-        self.transports[b]._onNodeConnected(self.nodes[a])
+        for group in range(max(len(self.transports[a].groups), len(self.transports[b].groups))):
+            if self._linked(pair, group):
+                self.group_links.add((pair, group))
+                self.transports[a].groups[group]._onNodeConnected(self.nodes[b])
+                self.transports[b].groups[group]._onNodeConnected(self.nodes[a])
         self.on_arrival(a)
         self.on_arrival(b)
 
@@ -362,10 +431,13 @@ class Network:
         self.epoch[pair] += 1
         a, b = pair
         self.world.trace(f"disconnect {a} {b}")
+        linked = {g for p, g in self.group_links if p == pair}
+        self.group_links -= {(pair, g) for g in linked}
         for me, other in ((a, b), (b, a)):
-            transport = self.transports.get(me)
-            if transport is not None:
-                transport._onNodeDisconnected(self.nodes[other])
+            transports = self.transports.get(me)
+            if transports is not None:
+                for group in sorted(linked):
+                    transports.groups[group]._onNodeDisconnected(self.nodes[other])
                 if me not in self.paused:
                     self.on_arrival(me)  # as a closed socket ends a real node's poll
 
@@ -398,10 +470,10 @@ class Network:
             self._pickled_kinds.add(kind)
             pickle.loads(pickle.dumps(message))
 
-    def send(self, src: str, dst: str, message: Any) -> bool:
+    def send(self, src: str, dst: str, message: Any, group: int = 0) -> bool:
         pair = _pair(src, dst)
-        if pair not in self.up:
-            return False
+        if pair not in self.up or (pair, group) not in self.group_links:
+            return False  # (the link sends a group's messages only to its members)
         if self._idle_too_long(src, dst):
             return False
         data = _copied(message)
@@ -409,16 +481,16 @@ class Network:
         self.sent += 1
         epoch = self.epoch[pair]
         if pair in self.cut:
-            self.stalled.setdefault(pair, []).append((src, dst, epoch, data))
+            self.stalled.setdefault(pair, []).append((src, dst, epoch, group, data))
             return True
         if self.drop_p and self.random.random() < self.drop_p:
             return True
-        self._schedule(src, dst, epoch, data)
+        self._schedule(src, dst, epoch, group, data)
         if self.duplicate_p and self.random.random() < self.duplicate_p:
-            self._schedule(src, dst, epoch, _copied(data))  # each delivery its own copy
+            self._schedule(src, dst, epoch, group, _copied(data))  # each its own copy
         return True
 
-    def _schedule(self, src: str, dst: str, epoch: int, data: dict[str, Any]) -> None:
+    def _schedule(self, src: str, dst: str, epoch: int, group: int, data: dict[str, Any]) -> None:
         low, high = self.latency_us
         when = self.world.now_us + low + int(self.random.random() * (high - low))
         direction = (src, dst)
@@ -430,27 +502,31 @@ class Network:
             last = self._last_arrival.get(direction, 0)
             when = max(when, last)
             self._last_arrival[direction] = when
-        self.world.at(when, self._arrive, src, dst, epoch, data)
+        self.world.at(when, self._arrive, src, dst, epoch, group, data)
 
-    def _arrive(self, src: str, dst: str, epoch: int, data: dict[str, Any]) -> None:
+    def _arrive(self, src: str, dst: str, epoch: int, group: int, data: dict[str, Any]) -> None:
         if self.epoch.get(_pair(src, dst)) != epoch or dst not in self.transports:
             return  # the connection it travelled on is gone
-        self.inbox[dst].append((src, epoch, data))
+        self.inbox[dst][group].append((src, epoch, data))
         if dst not in self.paused:
             self.on_arrival(dst)
 
-    def read(self, dst: str) -> int:
-        """Hand `dst` every message waiting for it, in arrival order; how many."""
-        waiting = self.inbox[dst]
+    def read(self, dst: str, group: int = 0) -> int:
+        """Hand `dst`'s member of Raft group `group` every message waiting for it, in
+        arrival order; how many."""
+        inbox = self.inbox[dst]
+        waiting = inbox[group]
         if not waiting:
             return 0
-        self.inbox[dst] = []
-        transport = self.transports[dst]
+        inbox[group] = []
+        transport = self.transports[dst].groups[group]
         world, epochs, last_read, nodes = self.world, self.epoch, self._last_read, self.nodes
         handled = 0
         for src, epoch, message in waiting:  # (each its own copy: `send`)
             if epochs.get(_pair(src, dst)) != epoch:
                 continue  # the connection closed before the node read it
+            if (_pair(src, dst), group) not in self.group_links:
+                continue  # the group left (its member dropped the sender, or was dropped)
             if self._idle_too_long(dst, src):
                 continue  # it closed now, unread
             last_read[(dst, src)] = world.now_us

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 
@@ -57,6 +57,7 @@ from quorumq.raft.rules import (
 from quorumq.replica import ProposalError, Replica, ReplicaConfig, local_effects
 
 from .member import ObservedLeaderClock, SimMember
+from .network import HostTransports
 from .storage import SimDisk
 from .world import World, first_micros_at, micros, seconds
 
@@ -110,15 +111,20 @@ class _SimReplicaHandle:
     the tick that produced them (as the trio token hands them over on a real node), and
     not at all once the node's process is gone."""
 
-    def __init__(self, node: SimNode) -> None:
+    def __init__(self, node: SimNode, group: int = 0) -> None:
         self._node = node
+        self._group = group
         self.node_id = node.name
+
+    @property
+    def _replica(self) -> Replica:
+        return self._node.replicas[self._group]
 
     def _soon(self, fn: Callable[..., None], *args: Any) -> None:
         self._node.soon(fn, *args)
 
     def propose(self, command: Command, callback: ProposalCallback | None = None) -> None:
-        replica = self._node.replica
+        replica = self._replica
         if callback is None:
             replica.propose(command)
         else:
@@ -126,36 +132,36 @@ class _SimReplicaHandle:
         self._node.wake()
 
     def query(self, read: Callable[[Machine], T]) -> T:
-        return self._node.replica.query(read)
+        return self._replica.query(read)
 
     def members(self) -> dict[str, str]:
-        return self._node.replica.members()
+        return self._replica.members()
 
     def status(self, *, audit: bool = False) -> dict[str, Any]:
-        return self._node.replica.status()
+        return self._replica.status()
 
     def add_member(
         self, name: str, address: str, callback: Callable[[ProposalError | None], None]
     ) -> None:
-        self._node.replica.add_member(name, address, lambda error: self._soon(callback, error))
+        self._replica.add_member(name, address, lambda error: self._soon(callback, error))
         self._node.wake()
 
     def remove_member(self, name: str, callback: Callable[[ProposalError | None], None]) -> None:
-        self._node.replica.remove_member(name, lambda error: self._soon(callback, error))
+        self._replica.remove_member(name, lambda error: self._soon(callback, error))
         self._node.wake()
 
     def ask_leader_to_step_down(self) -> None:
-        self._node.replica.ask_leader_to_step_down()
+        self._replica.ask_leader_to_step_down()
         self._node.wake()
 
     def membership_settled(self) -> bool:
-        return self._node.replica.membership_settled()
+        return self._replica.membership_settled()
 
     def watch_ends(self, queues: frozenset[str]) -> None:
-        self._node.replica.watch_ends(queues)
+        self._replica.watch_ends(queues)
 
     def take_ends_moved(self) -> set[str]:
-        return self._node.replica.take_ends_moved()
+        return self._replica.take_ends_moved()
 
 
 class _SimShell:
@@ -194,7 +200,11 @@ class SimNode:
         raft_timeouts: tuple[float, float],
         compaction_entries: int | None = None,
         tick_s: float = 0.05,
+        groups: int = 1,
+        model_group: int = 0,
     ) -> None:
+        """`groups`: how many Raft groups the node hosts (`quorumq node --groups`);
+        `model_group`: the one the run's observers watch (`model_group`)."""
         self.sim = sim
         self.world: World = sim.world
         self.name = name
@@ -219,7 +229,16 @@ class SimNode:
         """Client connections that arrived while the node was paused."""
         self._inbound: dict[Any, list[bytes]] = {}
         """Bytes from client links, not read yet (in order of first arrival)."""
-        variant: Variant = sim.variant
+        self.groups = groups
+        self.model_group = model_group
+        """The group of the workload's queue: the one the checker, the history and
+        the liveness watch (`replica`, `member`, `machine`); every group's log is
+        checked for agreement (`GroupChecks`)."""
+        self.host_disk = disk
+        self.disk = disk.group(model_group)
+        """The model group's part of the node's disk (the host's whole disk: `host_disk`)."""
+        self.leading = [False] * groups
+        """Whether this node's member of each group led after its last tick."""
         self._config = replica_config = ReplicaConfig(
             node_id=name,
             peers=sim.peers_for(name),
@@ -228,27 +247,23 @@ class SimNode:
             node_down_grace_s=grace_s,
             raft_timeouts=raft_timeouts,
             compaction_entries=compaction_entries or 10**12,
+            groups=groups,
         )
-        self.replica = SimReplica(
-            self,
-            replica_config,
-            lambda index, effects: self.soon(self._effects, index, effects),
-            lambda: self.soon(self._state_replaced),
-            wall_clock=lambda: sim.wall_ms(name),
-            monotonic=self.world.monotonic,
-            member_factory=self._make_member,
-            observer=self,
-            machine_factory=variant.machine,
-            effect_filter=variant.effect_filter,
-            on_ends_moved=lambda: self.soon(self._ends_moved),
-        )
+        # group 0 first, as `NodeReplicas` builds them
+        self.replicas = [self._build_replica(group) for group in range(groups)]
+        self.replica = self.replicas[model_group]
+        if groups > 1:
+            for group, replica in enumerate(self.replicas):
+                replica.steer_group = group
         rng = self.world.stream(f"node-{name}-{incarnation}")
+        handles = [_SimReplicaHandle(self, group) for group in range(groups)]
         self.core = NodeCore(
             NodeConfig(replica=replica_config, insecure=True, admin_token=ADMIN_TOKEN),
-            _SimReplicaHandle(self),
+            handles[0],
             _SimShell(self),
             self.world.monotonic,
             random_bytes=rng.randbytes,
+            groups=handles if groups > 1 else (),
         )
         self.timers_changed()
         self.world.after(0, self._measure_disk)
@@ -263,26 +278,55 @@ class SimNode:
             self.core.disk_free(self.disk.files.free_bytes)
         self.world.after(micros(DISK_CHECK_EVERY_S), self._measure_disk)
 
-    def _make_member(self, **callbacks: Any) -> SimMember:
+    def _build_replica(self, group: int) -> SimReplica:
+        """Group `group`'s real replica, its member on the group's part of the disk."""
+        variant: Variant = self.sim.variant
+        return SimReplica(
+            self,
+            self._config,
+            lambda index, effects: self.soon(self._effects, index, effects),
+            lambda: self.soon(self._state_replaced, group),
+            wall_clock=lambda: self.sim.wall_ms(self.name),
+            monotonic=self.world.monotonic,
+            member_factory=lambda **callbacks: self._make_member(group, **callbacks),
+            observer=self,
+            machine_factory=variant.machine,
+            effect_filter=variant.effect_filter,
+            on_ends_moved=lambda: self.soon(self._ends_moved),
+        )
+
+    def _make_member(self, group: int, **callbacks: Any) -> SimMember:
         member = SimMember(
             self.sim.network,
             self.name,
-            self.disk,
+            self.host_disk.group(group),
             raft_timeouts=self._config.raft_timeouts,
             compaction_entries=self._config.compaction_entries,
             peers=self._config.peers,
             on_change_cluster=lambda request, accepted: self.sim.on_change_cluster(
-                self, request, accepted
+                self, request, accepted, group
             ),
+            group=group,
             **callbacks,
         )
         member.at_seam = self._at_seam
         return member
 
     @property
+    def members(self) -> list[SimMember]:
+        """Every group's member, group 0's first."""
+        return [cast(SimMember, replica.member) for replica in self.replicas]
+
+    def _group_of(self, replica: Replica) -> int:
+        return next(g for g, r in enumerate(self.replicas) if r is replica)
+
+    def transports(self) -> HostTransports:
+        """Every group's transport, on the node's one connection to each peer."""
+        return HostTransports([member.transport for member in self.members])
+
+    @property
     def member(self) -> SimMember:
-        member: SimMember = self.replica.member  # type: ignore[assignment]
-        return member
+        return cast(SimMember, self.replica.member)
 
     @property
     def machine(self) -> Machine:
@@ -305,14 +349,23 @@ class SimNode:
     def applied(
         self, replica: Replica, index: int, payload: bytes, command: Command, applied: Applied
     ) -> None:
-        self.sim.on_applied(self, index, zlib.crc32(payload), command, applied)
+        if replica is self.replica:
+            self.sim.on_applied(self, index, zlib.crc32(payload), command, applied)
+        else:
+            self.sim.on_group_applied(self, self._group_of(replica), index, payload)
 
     def snapshot_loaded(self, replica: Replica, applied: int, index: int) -> None:
-        self.sim.on_snapshot_loaded(self, applied, index)
+        if replica is self.replica:
+            self.sim.on_snapshot_loaded(self, applied, index)
+        else:
+            self.sim.on_group_snapshot_loaded(self, self._group_of(replica), applied, index)
 
     def proposed_duty(self, replica: Replica, command: Command) -> None:
         if isinstance(command, NodeDown | NodeUp):
-            self.sim.on_failure_command(self, command)
+            if replica is self.replica:
+                self.sim.on_failure_command(self, command)
+            else:
+                self.world.trace(f"propose {self.name} group {self._group_of(replica)} {command}")
 
     # ------------------------------------------------------------------ ticks
 
@@ -378,11 +431,15 @@ class SimNode:
     def _tick_whole(self) -> int:
         if self._inbound:
             self._read_clients()
-        # the wait in the last tick's poll ends: it reads what arrived, then ticks again
-        member = self.member
-        handled = member.poller.read()
-        member.doTick(0)
-        handled += member.poller.handled
+        # the wait in the last poll ends: each group's member reads what arrived, then
+        # ticks (as the engine's round ticks every group's, then polls once)
+        handled = 0
+        for member in self.members:
+            handled += member.poller.read()
+            member.doTick(0)
+            handled += member.poller.handled
+            if self.paused:
+                break  # stopped at the seam of this member's tick (`pause_mid_tick`)
         return handled
 
     def _run_tick(self, tick: Callable[[], int]) -> None:
@@ -403,31 +460,44 @@ class SimNode:
             return
         self._busy_until = self.world.now_us + TICK_COST_US + PER_MESSAGE_COST_US * handled
         self.sim.on_ticked(self)
-        leader = self.replica.member.is_leader()
-        if leader != self.was_leader:
-            self.was_leader = leader
-            self.sim.on_leadership(self, leader)
+        for group, replica in enumerate(self.replicas):
+            leader = replica.member.is_leader()
+            if leader != self.leading[group]:
+                self.leading[group] = leader
+                if group == self.model_group:
+                    self.was_leader = leader
+                    self.sim.on_leadership(self, leader)
+                else:
+                    self.sim.on_group_leadership(self, group, leader)
         wait_us = self._next_tick_us()  # planned as the real poll plans it, woken or not
         self.wake(0 if self._woken_in_tick else wait_us)
 
     def _next_tick_us(self) -> int:
-        """As RaftMember's tick loop: a tick period from now (longer when the group is
-        quiet, `tick_wait_s`), or sooner, just past the election deadline of a follower
-        or candidate."""
-        member = self.member
+        """As RaftMember's tick loop (the engine's, with groups: the soonest of every
+        group's): a tick period from now (longer when the group is quiet,
+        `tick_wait_s`), or sooner, just past the election deadline of a follower or
+        candidate."""
+        wait_us = self.tick_us * 1000
+        for member in self.members:
+            wait_us = min(wait_us, self._member_wait_us(member))
+        for member in self.members:
+            member.planned_wait_s = seconds(wait_us)  # as the real loop plans: the election too
+        return wait_us
+
+    def _member_wait_us(self, member: SimMember) -> int:
         wait_us = max(1, micros(member.tick_wait_s(seconds(self.tick_us), election=False)))
         if member.until_election_s() is not None:
             deadline = member._SyncObj__raftElectionDeadline
             at = first_micros_at(deadline) + 1000  # the real loop's 1 ms past it
             wait_us = max(1, min(wait_us, at - self.world.now_us))
-        member.planned_wait_s = seconds(wait_us)  # as the real loop plans: the election too
         return wait_us
 
     def resumed(self) -> None:
         """A paused node runs again: it finishes a tick stopped at its seam, ticks, and
         its core's timers run."""
-        if self.member.duties_deferred:
-            self._run_tick(self.member.finish_tick)
+        deferred = [m for m in self.members if m.duties_deferred]
+        if deferred:
+            self._run_tick(deferred[0].finish_tick)
             if not self.alive:
                 return
         self.wake()
@@ -445,8 +515,8 @@ class SimNode:
     def _effects(self, index: int, effects: tuple[Effect, ...]) -> None:
         self.core.effects_applied(index, effects)
 
-    def _state_replaced(self) -> None:
-        self.core.state_replaced()
+    def _state_replaced(self, group: int) -> None:
+        self.core.state_replaced(group)
 
     def _ends_moved(self) -> None:
         self.core.ends_moved()

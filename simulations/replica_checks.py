@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -66,6 +67,35 @@ class Record:
     unknown: bool = False
     published_ms: int = 0
     """True time (simulated ms) when its producer made it."""
+
+
+class CommittedEntries:
+    """What every node holds committed agrees (`log`): per log index, the CRC of the
+    entry first seen committed there; per run of a node, how far its log is checked."""
+
+    def __init__(self, violation: Callable[[str, str], None], what: str = "") -> None:
+        """`what`: which log, in a violation's words (" of group 2")."""
+        self._violation = violation
+        self._what = what
+        self.crc: dict[int, int] = {}
+        self._checked_through: dict[tuple[str, int], int] = {}
+
+    def check(self, run: tuple[str, int], name: str, log: Any, commit: int) -> None:
+        """The entries node run `run` (name, incarnation) holds committed, up to `commit`,
+        are those first seen committed at their index."""
+        start = self._checked_through.get(run, 0)
+        if commit <= start or not len(log):
+            return
+        first, last = log[0][1], log[-1][1]
+        committed_crc = self.crc
+        for index in range(max(start + 1, first), min(commit, last) + 1):
+            crc = zlib.crc32(log[index - first][0])
+            known = committed_crc.setdefault(index, crc)
+            if known != crc:
+                self._violation(
+                    "log", f"{name} holds another entry committed at index {index}{self._what}"
+                )
+        self._checked_through[run] = commit
 
 
 class CheckerState:
@@ -129,10 +159,7 @@ class CheckerState:
         """The furthest any machine's clock got ahead of true time, beyond genesis."""
         self.committed = 0
         """The highest commit index any node has reached."""
-        self.committed_crc: dict[int, int] = {}
-        """Per log index: the CRC of the entry (any kind) first seen committed there."""
-        self._checked_through: dict[tuple[str, int], int] = {}
-        """Per node run (name, incarnation): the commit index checked so far."""
+        self.committed_entries = CommittedEntries(self.violation)
         self._log_seen: dict[tuple[str, int], tuple[int, int, Any]] = {}
         """Per run of a node: its commit index, log length and last entry when last
         checked (a tick that changed none of them has nothing new to check)."""
@@ -228,7 +255,7 @@ class ReplicaChecks(CheckerState):
             return  # (the global commit index only moves on: no new overlap to find)
         self._log_seen[run] = seen
         self.committed = committed = max(self.committed, commit)
-        self._check_committed(run, node.name, log, commit)
+        self.committed_entries.check(run, node.name, log, commit)
         changes = []
         for pos in range(length - 1, -1, -1):
             command, index, _ = log[pos]
@@ -276,21 +303,6 @@ class ReplicaChecks(CheckerState):
                 f"{node.name} loaded a snapshot at index {index} after applying up to "
                 f"{applied}: it applies entries again",
             )
-
-    def _check_committed(self, run: tuple[str, int], name: str, log: Any, commit: int) -> None:
-        """The entries node run `run` (name, incarnation) holds committed, up to `commit`,
-        are those first seen committed at their index."""
-        start = self._checked_through.get(run, 0)
-        if commit <= start or not len(log):
-            return
-        first, last = log[0][1], log[-1][1]
-        committed_crc = self.committed_crc
-        for index in range(max(start + 1, first), min(commit, last) + 1):
-            crc = zlib.crc32(log[index - first][0])
-            known = committed_crc.setdefault(index, crc)
-            if known != crc:
-                self.violation("log", f"{name} holds another entry committed at index {index}")
-        self._checked_through[run] = commit
 
     def _release(self, offset: int) -> None:
         consumer = self.holder.pop(offset, None)

@@ -36,6 +36,7 @@ from .faults import (
     schedule,
     select,
 )
+from .group_checks import GroupChecks, SideProducer
 from .history import History
 from .liveness import Liveness, LivenessReport
 from .names import QUEUE
@@ -81,11 +82,25 @@ class RunConfig:
     """Add the membership changes (`faults.membership_schedule`) to the schedule."""
     spares: int = 1
     """Hosts that are no members at first (D): the operator may add them."""
+    groups: int = 1
+    """Raft groups every node hosts (`quorumq node --groups`): the workload's queue is
+    placed in one (`model_group`), and one idle queue in each other (`GroupChecks`);
+    each group's journal is a file (`journal` "file")."""
     scripted: tuple[Fault, ...] = ()
     """Faults played on top of the drawn schedule (a test scripts its faults here)."""
     workload: WorkloadConfig = attrs.field(factory=WorkloadConfig)
     variant: Variant = REAL
     stop_at_violation: bool = True
+
+    @property
+    def model_group(self) -> int:
+        """The group of the workload's queue: the seed's, modulo `groups` (group 0, the
+        directory's, is one in `groups` runs)."""
+        return self.seed % self.groups
+
+    def __attrs_post_init__(self) -> None:
+        if self.groups > 1 and self.journal != "file":
+            raise ValueError("a run with groups keeps each group's journal in a file")
 
     def replay_args(self) -> list[str]:
         """The options of `quorumq simulate replay` (or `run`) that give this config
@@ -115,6 +130,8 @@ class RunConfig:
             args.append("--no-membership-faults")
         if self.spares != attrs.fields(RunConfig).spares.default:
             args += ["--spares", str(self.spares)]
+        if self.groups != 1:
+            args += ["--groups", str(self.groups)]
         return args
 
     def replay_command(self) -> str:
@@ -178,10 +195,29 @@ class Result:
     """The longest wait between two confirms in the run, in seconds, and when it began
     (whatever the faults: how long the cluster was unavailable to publishers at worst)."""
     history: Any = attrs.field(eq=False, repr=False)
+    groups: dict[str, dict[int, int]] = attrs.field(factory=dict)
+    """With groups, per group but the model group: entries applied (all replicas
+    together), leaderships, and records the side producer had confirmed (its idle
+    queue); none with one group."""
 
     @property
     def ok(self) -> bool:
         return self.violation_count == 0
+
+    def _group_lines(self) -> list[str]:
+        if not self.groups:
+            return []
+        applied, leaderships, confirmed = (
+            self.groups[k] for k in ("applied", "leaderships", "confirmed")
+        )
+        return [
+            f"groups: {self.config.groups}, the workload's queue in group "
+            f"{self.config.model_group}; the others (entries applied, leaderships, side "
+            "records confirmed): "
+            + ", ".join(
+                f"group {g} {applied[g]} / {leaderships[g]} / {confirmed[g]}" for g in applied
+            )
+        ]
 
     @property
     def fault_count(self) -> int:
@@ -227,6 +263,7 @@ class Result:
             f"refused {c['refused']}; consumers timed out {c['consumers_timed_out']}",
             f"disk: {c['refused_start']} starts refused (damaged journal or snapshot), "
             f"{c['fatal_stop']} nodes stopped (a failed write or sync)",
+            *self._group_lines(),
             f"membership: {self.membership.get('accepted', 0)} changes accepted and "
             f"{self.membership.get('refused', 0)} refused by leaders; the operator sent "
             f"{self.membership.get('sent', 0)}, {self.membership.get('confirmed', 0)} "
@@ -289,6 +326,8 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         grace_s=config.grace_s,
         compaction_entries=config.compaction_entries,
         wal=config.journal == "wal",
+        groups=config.groups,
+        model_group=config.model_group,
     )
     checker = Checker(
         world,
@@ -296,6 +335,10 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         single_active=config.workload.single_active_consumer,
         retry_backoff_ms=config.workload.retry_backoff_ms,
     )
+    group_checks = None
+    if config.groups > 1:
+        group_checks = GroupChecks(config.groups, cluster.model_group, checker.violation)
+        cluster.group_checks = group_checks
     history = History(world, cluster.hosts, QUEUE)
     liveness = Liveness(cluster, checker, grace_s=config.grace_s)
     cluster.observers += [checker, history, liveness]
@@ -314,11 +357,22 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
             cluster.start(name)
         liveness.start()
         _hand_leadership_over(cluster, born.handovers)
-        declare(cluster, config.workload.queue_options())
+        idle = idle_queues(config.groups, config.model_group)
+        declare(
+            cluster,
+            config.workload.queue_options(),
+            first=idle[: config.model_group],
+            then=idle[config.model_group :],
+        )
         world.run_until(world.now_us + 30 * US, lambda: QUEUE in _queues(cluster))
         if QUEUE not in _queues(cluster):
             raise RuntimeError(f"seed {config.seed}: the queue was not declared within 30 s")
+        _check_placed(cluster, world)
         clients = start_workload(cluster, checker, config.workload)
+        side = None
+        if config.groups > 1:
+            side = SideProducer(cluster, idle, world.stream("side"))
+            side.start()
         consumers = [c for c in clients if isinstance(c, SimConsumer)]
         producers = [c for c in clients if isinstance(c, SimProducer)]
         operator = Operator(cluster, world.stream("operator"))
@@ -364,6 +418,8 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         injector.heal()
         for p in producers:
             p.last_batch()
+        if side is not None:
+            side.heal()
         liveness.heal(
             confirm_expected=any(p.unconfirmed for p in producers),
             client_s=config.workload.request_timeout_s + config.workload.reconnect_s[1],
@@ -394,6 +450,7 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
                 len(applied) == 1
                 and not any(n.member.raftCommitIndex > min(applied) for n in replicas)
                 and not sent  # the changes sent after the heal are made too
+                and (group_checks is None or group_checks.converged(replicas))
             ):
                 converged[0] = True
             else:
@@ -406,6 +463,8 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         windows = [(f.kind, f.at_s, f.duration_s) for f in injector.fired]
         stopped = config.stop_at_violation and checker.violation_count > 0
         counts = checker.finish(_members_running(cluster), drained[0], stopped=stopped)
+        if group_checks is not None and not stopped:
+            group_checks.finish(_members_running(cluster), side)
         end_state = tuple(describe_node(n) for n in cluster.running())
         members = tuple(sorted(_members(cluster)))
     return Result(
@@ -441,7 +500,23 @@ def run(config: RunConfig, history: TextIO | None = None) -> Result:
         liveness=liveness.report(),
         longest_confirm_gap=longest_gap(checker.confirm_times_s),
         history=history,
+        groups=_group_counts(group_checks, side),
     )
+
+
+def _group_counts(
+    checks: GroupChecks | None, side: SideProducer | None
+) -> dict[str, dict[int, int]]:
+    if checks is None or side is None:
+        return {}
+    return {
+        "applied": dict(checks.applies),
+        "leaderships": dict(checks.leader_changes),
+        "confirmed": {
+            g: len(side.confirmed[queue])
+            for g, queue in zip(checks.groups, side.queues, strict=True)
+        },
+    }
 
 
 def longest_gap(times_s: list[float]) -> tuple[float, float]:
@@ -471,6 +546,29 @@ def _hand_leadership_over(cluster: Cluster, times: int) -> None:
             if cluster.leader() is old:
                 old.member.transferLeadership(None, None)
             world.run_until(min(deadline, world.now_us + micros(0.05)), handed_over)
+
+
+def idle_queues(groups: int, model_group: int) -> list[str]:
+    """One queue for each group but the model group, in group order: declared in that
+    order around the workload's queue (`RunConfig.model_group`), each is placed in a
+    group of its own (the least loaded, ties to the lowest)."""
+    return [f"{QUEUE}-idle-{group}" for group in range(groups) if group != model_group]
+
+
+def _check_placed(cluster: Cluster, world: World) -> None:
+    """The workload's queue is in the model group (the one the observers watch), as
+    the first node of group 0 to apply its placement says."""
+    if cluster.groups == 1:
+        return
+
+    def placement() -> int | None:
+        placed = (n.replicas[0].machine.placement(QUEUE) for n in cluster.running())
+        return next((g for g in placed if g is not None), None)
+
+    world.run_until(world.now_us + 30 * US, lambda: placement() is not None)
+    group = placement()
+    if group != cluster.model_group:
+        raise RuntimeError(f"{QUEUE} is in group {group}, not {cluster.model_group}")
 
 
 def _members(cluster: Cluster) -> set[str]:
@@ -567,6 +665,8 @@ class Outcome:
     liveness: LivenessReport | None = None
     wal_segments_freed: int = 0
     """Write-ahead log segments the nodes removed (`--journal wal`)."""
+    groups: dict[str, dict[int, int]] = attrs.field(factory=dict)
+    """With groups: `Result.groups`."""
     worker_died: str | None = None
     """How the worker running this seed died (`signal 9, SIGKILL`): a failed seed
     with no result, no trace."""
@@ -596,6 +696,7 @@ def outcome(config: RunConfig) -> Outcome:
         violation_kinds=dict(sorted(Counter(v.kind for v in result.violations).items())),
         liveness=result.liveness,
         wal_segments_freed=result.wal_segments_freed,
+        groups=result.groups,
     )
 
 

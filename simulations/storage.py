@@ -34,9 +34,24 @@ class SimDisk:
     """Small segments, so that a run rolls over, frees and copies forward (a node's are
     64 MiB: a simulated run never filled one)."""
 
-    def __init__(self, name: str, rng: random.Random, *, wal: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        rng: random.Random,
+        *,
+        wal: bool = False,
+        files: SimFiles | None = None,
+        directory: str = "",
+    ) -> None:
+        """`files` and `directory`: a Raft group's part of a node's disk (`group`)."""
         self.name = name
-        self.files = SimFiles(rng)
+        self.files = SimFiles(rng) if files is None else files
+        self.directory = directory
+        """Where this disk's journal and records are: "" (the data directory), or
+        `/group-g` for group g of a node with groups (`quorumq.replica.group_dir`)."""
+        self.journal_path = directory + self.JOURNAL
+        self._rng = rng
+        self._groups: dict[int, SimDisk] = {0: self}
         self.wal = wal
         self.wals: list[WriteAheadLog] = []
         """Every write-ahead log opened on this disk (its counters)."""
@@ -48,23 +63,36 @@ class SimDisk:
         """A fault damaged this disk: the node will refuse to start from it (until its
         operator wipes it)."""
 
+    def group(self, group: int) -> SimDisk:
+        """Raft group `group`'s part of this disk (group 0's is this disk itself): its
+        own journal, records and snapshot in `/group-g`, on the same files (a power
+        loss, a full disk or a failing sync hits every group of the node)."""
+        disk = self._groups.get(group)
+        if disk is None:
+            if self.wal:
+                raise ValueError("the simulator runs the write-ahead log with one group only")
+            disk = self._groups[group] = SimDisk(
+                self.name, self._rng, files=self.files, directory=f"/group-{group}"
+            )
+        return disk
+
     def open_journal(self) -> RaftJournal:
         """The journal a starting node opens: `JournalDamagedError` if it must refuse."""
         if self.wal:
             log = WriteAheadLog(self.WAL, files=self.files, segment_bytes=self.WAL_SEGMENT_BYTES)
             self.wals.append(log)
             return log.journal(0)
-        return DurableJournal(self.JOURNAL, files=self.files)
+        return DurableJournal(self.journal_path, files=self.files)
 
     @property
     def meta_path(self) -> str:
         """The journal's meta file (term, vote, commit index)."""
-        return f"{self.WAL}/group-0.meta" if self.wal else self.JOURNAL + ".meta"
+        return f"{self.WAL}/group-0.meta" if self.wal else self.journal_path + ".meta"
 
     def journal_data_path(self) -> str:
         """The file holding the journal's newest records (where a fault flips a bit)."""
         if not self.wal:
-            return self.JOURNAL
+            return self.journal_path
         segments = sorted(n for n in self.files.list_directory(self.WAL) if n.endswith(".log"))
         return f"{self.WAL}/{segments[-1]}" if segments else self.WAL
 

@@ -13,6 +13,7 @@ reconnect or a `node_down`; what they held comes back to the queue through `Down
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -388,13 +389,21 @@ class _Subscription:
         self.slot.ended(self, reason)
 
 
-def declare(cluster: Cluster, options: QueueOptions = QUEUE_OPTIONS) -> SimClient:
+def declare(
+    cluster: Cluster,
+    options: QueueOptions = QUEUE_OPTIONS,
+    *,
+    first: Sequence[str] = (),
+    then: Sequence[str] = (),
+) -> SimClient:
     """Declare the workload's queue (and first its dead-letter queue, if it has one)
-    through a client, each tried again until it answers."""
+    through a client, each tried again until it answers; before them, the queues
+    `first`, after them the queues `then` (default options), in order."""
     client = SimClient(cluster)
     queues = [(QUEUE, options)]
     if options.dead_letter_queue is not None:
         queues.insert(0, (options.dead_letter_queue, QueueOptions()))  # keeps them all
+    queues = [*((n, QueueOptions()) for n in first), *queues, *((n, QueueOptions()) for n in then)]
 
     def attempt() -> None:
         name, queue_options = queues[0]

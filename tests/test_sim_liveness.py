@@ -189,11 +189,11 @@ def test_a_stalled_raft_thread_keeps_its_connections_and_reads_its_backlog_late(
     term = leader.member.raftCurrentTerm
     leader.stall(world.now_us + US)
     world.run_until(world.now_us + US - 1000)
-    assert network.inbox[leader.name]  # answers and votes wait, unread
+    assert any(network.inbox[leader.name])  # answers and votes wait, unread
     assert all(network.is_up(a, b) for a, b in pairs)  # no pause: connections stay
     assert leader.member.raftCurrentTerm == term  # it has not read the new term yet
     world.run_until(world.now_us + 2000)
-    assert not network.inbox[leader.name]
+    assert not any(network.inbox[leader.name])
     assert leader.member.raftCurrentTerm > term  # read: another leads now
     assert not leader.member.is_leader()
 

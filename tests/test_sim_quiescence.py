@@ -59,12 +59,12 @@ class _Traffic:
         self.stalls = 0
         send, tick, look = sim_network.Network.send, sim_node.SimNode._run_tick, RaftRules._look
 
-        def counted_send(network: Any, src: str, dst: str, message: Any) -> bool:
+        def counted_send(network: Any, src: str, dst: str, message: Any, group: int = 0) -> bool:
             second = network.world.now_us // 1_000_000
             self.messages[second] += 1
             if isinstance(message, dict) and QUIET in message:
                 self.quiet[second] += 1
-            return bool(send(network, src, dst, message))
+            return bool(send(network, src, dst, message, group))
 
         def counted_tick(node: Any, body: Any) -> None:
             self.ticks[node.world.now_us // 1_000_000] += 1
