@@ -34,6 +34,7 @@ from quorumq.machine import (
 )
 from quorumq.node import ConnectionCore, NodeConfig, NodeCore
 from quorumq.node import services as services_module
+from quorumq.node.membership import ANSWER_GRACE_S, MEMBERSHIP_DEADLINE_S
 from quorumq.replica import OutcomeUnknownError, ProposalError, ReplicaConfig
 from quorumq.wire.protocol import PROTOCOL_VERSION, FrameDecoder, encode_frame
 
@@ -151,7 +152,9 @@ class _Group:
         return [c for c in self.proposed if isinstance(c, kind)]
 
 
-def _node(count: int = 3, **options: Any) -> tuple[NodeCore, list[_Group]]:
+def _node(
+    count: int = 3, clock: Callable[[], float] = lambda: 0.0, **options: Any
+) -> tuple[NodeCore, list[_Group]]:
     groups = [_Group(g) for g in range(count)]
     config = NodeConfig(
         replica=ReplicaConfig(
@@ -164,7 +167,7 @@ def _node(count: int = 3, **options: Any) -> tuple[NodeCore, list[_Group]]:
         config,
         groups[0],  # type: ignore[arg-type]
         _Shell(),
-        lambda: 0.0,
+        clock,
         random_bytes=random.Random(1).randbytes,
         groups=groups,  # type: ignore[arg-type]
     )
@@ -367,11 +370,11 @@ def test_status_shows_every_groups_queues_and_the_groups() -> None:
 
 
 def _admin_node(
-    failing: int | None = None,
+    failing: int | None = None, clock: Callable[[], float] = lambda: 0.0
 ) -> tuple[NodeCore, list[_Group], ConnectionCore, list[tuple[int, str, str]]]:
     """A node of three groups, an admin connection to it, and the membership changes
     its groups are asked for, in order (group `failing`'s fail: outcome unknown)."""
-    node, groups = _node(3)
+    node, groups = _node(3, clock)
     changes: list[tuple[int, str, str]] = []
     for group in groups:
         group.changes = changes
@@ -642,3 +645,49 @@ def test_a_node_makes_one_change_at_a_time_with_groups() -> None:
         (1, "add", "E"),
         (2, "add", "E"),
     ]
+
+
+def test_an_add_and_a_removal_of_one_node_are_not_made_at_once() -> None:
+    """An add of D under way (held in group 1), then its removal (an operator backing
+    out): refused while the add goes on, so both cannot answer success and leave the
+    groups apart (a review found them both made: group 0 without D, the others with)."""
+    node, groups, conn, _changes = _admin_node()
+    held: list[Callable[[], None]] = []
+    groups[1].holding_changes = held
+    _send(node, conn, {"t": "add_member", "id": 1, "node": "D", "raft_address": "127.0.0.1:4"})
+    _send(node, conn, {"t": "remove_member", "id": 2, "node": "D"})
+    (waits,) = _frames(conn)
+    assert waits["id"] == 2 and waits["code"] == "change_in_progress"
+    held.pop()()
+    (added,) = _frames(conn)
+    assert added["id"] == 1 and all(g.members().get("D") == "127.0.0.1:4" for g in groups)
+
+
+def test_a_change_whose_outcome_never_comes_is_answered_and_frees_the_node() -> None:
+    """A group asked to make a change never answers (an outcome lost): past the
+    deadline and its grace the request is answered `timeout`, and the node takes
+    other changes again (it refused them for good: a review)."""
+    now = [0.0]
+    node, groups, conn, _changes = _admin_node(clock=lambda: now[0])
+    groups[1].holding_changes = []  # held, never released
+    _send(node, conn, {"t": "add_member", "id": 1, "node": "D", "raft_address": "127.0.0.1:4"})
+    assert _frames(conn) == []
+    now[0] = MEMBERSHIP_DEADLINE_S + ANSWER_GRACE_S + 1
+    node.run_timers()
+    (timed_out,) = _frames(conn)
+    assert timed_out["code"] == "timeout" and "group 1 of 3" in timed_out["message"]
+    add_d = {"t": "add_member", "id": 2, "node": "D", "raft_address": "127.0.0.1:4"}
+    add_e = {"t": "add_member", "id": 3, "node": "E", "raft_address": "127.0.0.1:5"}
+    _send(node, conn, add_d, add_e)  # D's finished, then E's: no change held for good
+    finished, made = _frames(conn)
+    assert finished["members"]["D"] == "127.0.0.1:4" and made["members"]["E"] == "127.0.0.1:5"
+
+
+def test_a_change_made_everywhere_or_of_no_member_is_not_held_by_a_half_made_one() -> None:
+    node, groups, conn, _changes = _admin_node(failing=1)
+    _send(node, conn, {"t": "add_member", "id": 1, "node": "D", "raft_address": "127.0.0.1:4"})
+    assert _frames(conn)[0]["code"] == "outcome_unknown"  # D: in group 0 only
+    groups[1].failing = None
+    _send(node, conn, {"t": "remove_member", "id": 2, "node": "Z"})
+    (unknown,) = _frames(conn)
+    assert unknown["code"] == "unknown_member"  # not change_in_progress

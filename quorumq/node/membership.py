@@ -47,9 +47,10 @@ class Membership:
     def __init__(self, core: Services, admin: Admin) -> None:
         self.core = core
         self.admin = admin
-        self.under_way: Counter[str] = Counter()
-        """With groups: the nodes whose change this node is making now (per node, how
-        many requests for it: one sent again while the first goes on)."""
+        self.under_way: Counter[Change] = Counter()
+        """With groups: the changes this node is making now, (node, its address, None
+        for a removal), each with how many requests for it (one sent again while the
+        first goes on)."""
 
     def add_member(self, conn: ConnectionCore, frame: Frame) -> None:
         if self.admin.admin_refused(conn, frame):
@@ -81,7 +82,7 @@ class Membership:
             self,
             conn,
             request_id,
-            name,
+            (name, address),
             lambda replica, done, deadline: _MembershipChange(
                 self.core,
                 replica,
@@ -130,7 +131,7 @@ class Membership:
             self,
             conn,
             request_id,
-            name,
+            (name, None),
             lambda replica, done, deadline: _MembershipChange(
                 self.core,
                 replica,
@@ -147,6 +148,14 @@ class Membership:
 
 Done = Callable[[dict[str, str] | None, "MembershipError | None"], None]
 """What a change in one group calls once it ends: its members, or why it failed."""
+Change = tuple[str, str | None]
+"""A membership change: the node, and its Raft address (None: its removal)."""
+SENT_AGAIN_FINISHES = ("timeout", "outcome_unknown")
+"""Failures that the same request, sent again, may get past."""
+ANSWER_GRACE_S = 5.0
+"""Past the request's deadline, how long its answer may wait for a change a group
+was asked to make (the proposal's own outcome) before the request is answered
+`timeout` all the same (a lost outcome must not hold the node's changes for good)."""
 
 
 class _InEveryGroup:
@@ -159,7 +168,7 @@ class _InEveryGroup:
         membership: Membership,
         conn: ConnectionCore,
         request_id: int,
-        node: str,
+        what: Change,
         change: Callable[[ReplicaHandle, Done, float], _MembershipChange],
         check_at_end: Callable[[], MembershipError | None] = lambda: None,
     ) -> None:
@@ -169,14 +178,15 @@ class _InEveryGroup:
         refusal instead of the answer (a removal of a member of no group)."""
         self.core = core = membership.core
         self.under_way = membership.under_way
-        self.node = node
+        self.what = what
+        self.node = what[0]
         self.deadline = core.clock() + MEMBERSHIP_DEADLINE_S
         self._check_at_end = check_at_end
         self.conn = conn
         self.request_id = request_id
         self._change = change
         self._group = 0
-        self._members: dict[str, str] = {}
+        self._over = False
 
     def start(self) -> None:
         other = self._half_made()
@@ -184,35 +194,59 @@ class _InEveryGroup:
             self.core.error(self.conn, self.request_id, "change_in_progress", other)
             return
         if len(self.core.groups) > 1:
-            self.under_way[self.node] += 1
+            self.under_way[self.what] += 1
+            self.core.call_later(MEMBERSHIP_DEADLINE_S + ANSWER_GRACE_S, self._no_answer_in_time)
         self._change(self.core.groups[0], self._group_done, self.deadline).start()
 
-    def _ended(self) -> None:
+    def _no_answer_in_time(self) -> None:
+        if not self._over:
+            self._group_done(
+                None,
+                MembershipError(
+                    "timeout",
+                    f"the change got no outcome within {MEMBERSHIP_DEADLINE_S} s "
+                    f"(+{ANSWER_GRACE_S} s)",
+                ),
+            )
+
+    def _end(self) -> bool:
+        """Mark the request answered (False if it was already: a late outcome)."""
+        if self._over:
+            return False
+        self._over = True
         if len(self.core.groups) > 1:
-            self.under_way[self.node] -= 1
-            if not self.under_way[self.node]:
-                del self.under_way[self.node]
+            self.under_way[self.what] -= 1
+            if not self.under_way[self.what]:
+                del self.under_way[self.what]
+        return True
 
     def _half_made(self) -> str | None:
-        """Why this change must wait, with groups: another node's change that some of
-        this node's groups have and others not, unless this change is one such (it
-        may always be finished). A node added meanwhile would be started without that
-        node, which could then lead a group it is being added to, and never be heard
-        (simulator, seed 87 of `--groups 8`). Best effort: each group as this node
-        applied it, so two changes started at once on two nodes both pass."""
-        if len(self.core.groups) == 1:
+        """Why this change must wait, with groups: another change this node is making,
+        or another node's change that some of this node's groups have and others not,
+        unless this change is one such (it may always be finished) or is made in every
+        group already (or, a removal, in none). A node added meanwhile would be
+        started without that node, which could then lead a group it is being added
+        to, and never be heard (simulator, seed 87 of `--groups 8`); an add and a
+        removal of one node made at once could each answer success and leave the
+        groups apart (a review). Best effort: each group as this node applied it, so
+        two changes started at once on two nodes both pass."""
+        groups = self.core.groups
+        if len(groups) == 1:
             return None
-        busy = sorted(n for n in self.under_way if n != self.node)
+        node, address = self.what
+        configurations = [g.members() for g in groups]
+        if all(c.get(node) == address for c in configurations):
+            return None  # (made in every group, or a removal of a node none has)
+        busy = sorted(c for c in self.under_way if c != self.what)
         if busy:
-            return f"this node is making the change of {busy[0]}: send this one once it is made"
-        configurations = [g.members() for g in self.core.groups]
+            return f"this node is making the change of {busy[0][0]}: send this one once it is made"
         first = configurations[0]
         differing: dict[str, int] = {}  # node -> a group that differs from group 0 on it
         for group, members in enumerate(configurations[1:], start=1):
             for n in set(first) | set(members):
                 if first.get(n) != members.get(n):
                     differing.setdefault(n, group)
-        if not differing or self.node in differing:
+        if not differing or node in differing:
             return None  # (a change half made may always be finished, whatever else is)
         other = min(differing)
         return (
@@ -223,33 +257,35 @@ class _InEveryGroup:
 
     def _group_done(self, members: dict[str, str] | None, error: MembershipError | None) -> None:
         core, groups = self.core, self.core.groups
+        if self._over:
+            return  # (answered already: `_no_answer_in_time`)
         if error is not None:
             if len(groups) > 1:
                 made = f"groups 0 to {self._group - 1}" if self._group > 1 else "group 0"
+                again = (
+                    ": send the same request again to finish it"
+                    if error.code in SENT_AGAIN_FINISHES
+                    else ""
+                )
                 error = MembershipError(
                     error.code,
                     f"group {self._group} of {len(groups)}: {error.message}"
-                    + (
-                        f" ({made} made the change: send the same request again to finish it)"
-                        if self._group
-                        else ""
-                    ),
+                    + (f" ({made} made the change{again})" if self._group else ""),
                 )
-            self._ended()
+            self._end()
             core.error(self.conn, self.request_id, error.code, error.message)
             return
-        if self._group == 0:
-            self._members = members or {}
         self._group += 1
         if self._group < len(groups):
             self._change(groups[self._group], self._group_done, self.deadline).start()
             return
-        self._ended()
+        self._end()
         refusal = self._check_at_end()
         if refusal is not None:
             core.error(self.conn, self.request_id, refusal.code, refusal.message)
             return
-        core.push(self.conn, {"t": "reply", "id": self.request_id, "members": self._members})
+        members = groups[0].members()  # (now: group 0's as every group has the change)
+        core.push(self.conn, {"t": "reply", "id": self.request_id, "members": members})
 
 
 class _MembershipChange:
