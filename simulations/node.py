@@ -218,7 +218,6 @@ class SimNode:
         self.pause_at_seam_us: int | None = None
         """`pause_mid_tick`: the next tick stops at its seam (`SimMember.at_seam`) and
         the process is paused this long."""
-        self.was_leader = False
         self._tick_at: int | None = None
         self._ticking = False
         self._woken_in_tick = False
@@ -311,6 +310,11 @@ class SimNode:
         )
         member.at_seam = self._at_seam
         return member
+
+    @property
+    def was_leader(self) -> bool:
+        """Whether its member of the model group led after its last tick."""
+        return self.leading[self.model_group]
 
     @property
     def members(self) -> list[SimMember]:
@@ -465,7 +469,6 @@ class SimNode:
             if leader != self.leading[group]:
                 self.leading[group] = leader
                 if group == self.model_group:
-                    self.was_leader = leader
                     self.sim.on_leadership(self, leader)
                 else:
                     self.sim.on_group_leadership(self, group, leader)

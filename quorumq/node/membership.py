@@ -179,7 +179,6 @@ class _InEveryGroup:
         self.core = core = membership.core
         self.under_way = membership.under_way
         self.what = what
-        self.node = what[0]
         self.deadline = core.clock() + MEMBERSHIP_DEADLINE_S
         self._check_at_end = check_at_end
         self.conn = conn
